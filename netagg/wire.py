@@ -1,0 +1,146 @@
+"""The netagg wire format: the single source of truth.
+
+Every part of netagg (host stack, software target, controller, tests) imports its
+constants and codecs from here; ``p4src/include/headers.p4`` and
+``p4src/include/defines.p4`` mirror them and ``tests/test_wire_p4_agreement.py``
+checks that they agree.
+
+A netagg packet is ``Ethernet / IPv4 (no options) / UDP (dst NETAGG_UDP_PORT) /
+netagg header (16 bytes) / K signed 32-bit values``, all in network byte order.
+See ``docs/protocol.md`` for the meaning of every field.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+#: Protocol version carried in every header; other versions are dropped.
+VERSION = 1
+#: UDP destination port that marks a packet as netagg (below Linux's ephemeral range).
+NETAGG_UDP_PORT = 28900
+#: Values per packet (SwitchML's 64): a build constant shared with the P4 program.
+K = 64
+#: Largest number of workers in one job (one 32-bit bitmap word per slot and pool).
+MAX_WORKERS = 32
+#: Pool versions per slot (SwitchML's shadow copies).
+NUM_POOLS = 2
+
+# Flag bits.
+FLAG_RESULT = 0x01  #: set by the switch (or PS) on an aggregated result
+FLAG_RETRANSMIT = 0x02  #: set by a host on a resent contribution (informational)
+FLAG_PS_FORWARDED = 0x04  #: set by a PS on results it computed in software (fallback)
+KNOWN_FLAGS = FLAG_RESULT | FLAG_RETRANSMIT | FLAG_PS_FORWARDED
+
+ETH_HEADER_BYTES = 14
+IPV4_HEADER_BYTES = 20
+UDP_HEADER_BYTES = 8
+ETHERTYPE_IPV4 = 0x0800
+IPPROTO_UDP = 17
+
+
+class Field(NamedTuple):
+    """One field of the netagg header."""
+
+    name: str
+    bits: int
+    signed: bool
+    doc: str
+
+
+#: The netagg header, in wire order. headers.p4 declares exactly these fields.
+HEADER_FIELDS: tuple[Field, ...] = (
+    Field("version", 8, False, "protocol version, must equal VERSION"),
+    Field("flags", 8, False, "RESULT / RETRANSMIT / PS_FORWARDED bits"),
+    Field("job_id", 16, False, "tenant job id assigned by the controller (1..MAX_JOBS-1)"),
+    Field("slot", 16, False, "job-relative aggregation slot index"),
+    Field("pool", 8, False, "pool version of the slot, 0 or 1"),
+    Field("rank", 8, False, "sender's rank within the job (0..MAX_WORKERS-1)"),
+    Field("exponent", 8, True, "host: local max exponent; result: max over workers"),
+    Field("reserved0", 8, False, "zero on send; echoed unchanged"),
+    Field("reserved1", 16, False, "zero on send; echoed unchanged"),
+    Field("seq", 32, False, "block id chosen by the host, echoed unchanged"),
+)
+
+_STRUCT_CODES = {(8, False): "B", (8, True): "b", (16, False): "H", (32, False): "I"}
+HEADER_STRUCT = struct.Struct("!" + "".join(_STRUCT_CODES[(f.bits, f.signed)] for f in HEADER_FIELDS))
+HEADER_BYTES = HEADER_STRUCT.size
+assert HEADER_BYTES == sum(f.bits for f in HEADER_FIELDS) // 8 == 16
+VALUE_BYTES = 4
+PAYLOAD_BYTES = K * VALUE_BYTES
+#: Bytes after the UDP header: netagg header plus values.
+NETAGG_BYTES = HEADER_BYTES + PAYLOAD_BYTES
+UDP_LENGTH = UDP_HEADER_BYTES + NETAGG_BYTES
+IPV4_TOTAL_LENGTH = IPV4_HEADER_BYTES + UDP_LENGTH
+FRAME_BYTES = ETH_HEADER_BYTES + IPV4_TOTAL_LENGTH
+
+#: Values as they travel: big-endian signed 32-bit.
+WIRE_VALUE_DTYPE = np.dtype(">i4")
+
+
+class MalformedPacket(ValueError):
+    """A datagram that is not a well-formed netagg message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A decoded netagg header."""
+
+    job_id: int
+    slot: int
+    pool: int
+    rank: int
+    seq: int
+    exponent: int = 0
+    flags: int = 0
+    version: int = VERSION
+    reserved0: int = 0
+    reserved1: int = 0
+
+    @property
+    def is_result(self) -> bool:
+        return bool(self.flags & FLAG_RESULT)
+
+    def pack(self) -> bytes:
+        return HEADER_STRUCT.pack(*(getattr(self, f.name) for f in HEADER_FIELDS))
+
+
+def pack(header: Header, values: np.ndarray) -> bytes:
+    """Encode one netagg message (the UDP payload): header plus exactly K int32 values."""
+    if values.shape != (K,):
+        raise ValueError(f"a netagg packet carries exactly {K} values, got shape {values.shape}")
+    return header.pack() + values.astype(WIRE_VALUE_DTYPE, copy=False).tobytes()
+
+
+def unpack(payload: bytes | memoryview) -> tuple[Header, np.ndarray]:
+    """Decode one netagg message; raises MalformedPacket on a wrong size or version."""
+    if len(payload) != NETAGG_BYTES:
+        raise MalformedPacket(f"netagg message must be {NETAGG_BYTES} bytes, got {len(payload)}")
+    fields = HEADER_STRUCT.unpack_from(payload, 0)
+    header = Header(**{f.name: v for f, v in zip(HEADER_FIELDS, fields, strict=True)})
+    if header.version != VERSION:
+        raise MalformedPacket(f"netagg version {header.version}, expected {VERSION}")
+    if header.pool >= NUM_POOLS:
+        raise MalformedPacket(f"pool {header.pool} out of range")
+    values = np.frombuffer(payload, dtype=WIRE_VALUE_DTYPE, count=K, offset=HEADER_BYTES)
+    return header, values.astype(np.int32)
+
+
+def ipv4_checksum(header: bytes) -> int:
+    """The IPv4 header checksum (csum16) of a 20-byte header whose checksum field is zero."""
+    total = sum(struct.unpack("!10H", header))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def payload_efficiency(ethernet_overhead: int = 24) -> float:
+    """Share of gradient payload in each frame on the wire.
+
+    ``ethernet_overhead`` counts what the frame bytes leave out: preamble and
+    start delimiter (8), frame check sequence (4) and inter-frame gap (12).
+    """
+    return PAYLOAD_BYTES / (FRAME_BYTES + ethernet_overhead)

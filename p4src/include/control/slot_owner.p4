@@ -1,0 +1,24 @@
+/* netagg: which job generation last used this slot? A slot handed to a new job
+ * still holds the old job's bitmaps and counts; P4Runtime cannot clear registers
+ * on BMv2 (p4lang/PI#376), so the data plane treats a slot whose owner tag differs
+ * from the job's generation as empty (meta.stale) and takes it over. */
+#ifndef _NETAGG_SLOT_OWNER_P4_
+#define _NETAGG_SLOT_OWNER_P4_
+
+control SlotOwner(inout metadata_t meta) {
+    @id(0x16000001)
+    register<bit<32>>(NUM_SLOTS) slot_owner;
+
+    apply {
+        bit<32> owner;
+        slot_owner.read(owner, meta.slot_index);
+        if (owner != meta.generation) {
+            meta.stale = 1;
+            slot_owner.write(meta.slot_index, meta.generation);
+        } else {
+            meta.stale = 0;
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,84 @@
+/* netagg: which job and worker sent this packet, and may it touch the slot it names?
+ * jobs:    job id                          -> worker count, slot range, group, generation
+ * workers: (job id, IPv4 source, UDP port) -> rank and bitmap bit
+ * A miss, a slot outside the job's range, a pool other than 0/1 or a rank that
+ * differs from the sender's registered rank sets meta.drop_reason. */
+#ifndef _NETAGG_WORKER_LOOKUP_P4_
+#define _NETAGG_WORKER_LOOKUP_P4_
+
+control WorkerLookup(in headers_t hdr, inout metadata_t meta) {
+    @id(0x01000001)
+    action set_job(bit<8> num_workers, slot_index_t slot_base, bit<16> slot_count,
+                   bit<16> mgid, bit<32> generation) {
+        meta.num_workers = num_workers;
+        meta.slot_base = slot_base;
+        meta.slot_count = slot_count;
+        meta.mgid = mgid;
+        meta.generation = generation;
+    }
+
+    @id(0x01000002)
+    action unknown_job() {
+        meta.drop_reason = DROP_UNKNOWN_JOB;
+    }
+
+    @id(0x02000001)
+    table jobs {
+        key = {
+            hdr.netagg.job_id: exact @name("job_id");
+        }
+        actions = {
+            set_job;
+            @defaultonly unknown_job;
+        }
+        const default_action = unknown_job();
+        size = JOB_TABLE_SIZE;
+    }
+
+    @id(0x01000003)
+    action set_worker(bit<8> rank, worker_mask_t worker_mask) {
+        meta.rank = rank;
+        meta.worker_mask = worker_mask;
+    }
+
+    @id(0x01000004)
+    action unknown_worker() {
+        meta.drop_reason = DROP_UNKNOWN_WORKER;
+    }
+
+    @id(0x02000002)
+    table workers {
+        key = {
+            hdr.netagg.job_id: exact @name("job_id");
+            hdr.ipv4.src_addr: exact @name("ipv4_src");
+            hdr.udp.src_port: exact @name("udp_src");
+        }
+        actions = {
+            set_worker;
+            @defaultonly unknown_worker;
+        }
+        const default_action = unknown_worker();
+        size = WORKER_TABLE_SIZE;
+    }
+
+    apply {
+        jobs.apply();
+        if (meta.drop_reason == DROP_NONE) {
+            workers.apply();
+        }
+        if (meta.drop_reason == DROP_NONE) {
+            if (hdr.netagg.slot >= meta.slot_count) {
+                meta.drop_reason = DROP_SLOT_OUT_OF_RANGE;
+            } else if (hdr.netagg.pool >= NUM_POOLS) {
+                meta.drop_reason = DROP_BAD_POOL;
+            } else if (hdr.netagg.rank != meta.rank) {
+                meta.drop_reason = DROP_RANK_MISMATCH;
+            } else {
+                meta.slot_index = meta.slot_base + (slot_index_t)hdr.netagg.slot;
+                meta.pool_index = (meta.slot_index << 1) + (slot_index_t)hdr.netagg.pool;
+            }
+        }
+    }
+}
+
+#endif

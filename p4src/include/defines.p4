@@ -1,0 +1,75 @@
+/* netagg: every number the program depends on, in one place.
+ * Mirrors netagg/wire.py; tests/test_wire_p4_agreement.py checks both agree. */
+#ifndef _NETAGG_DEFINES_P4_
+#define _NETAGG_DEFINES_P4_
+
+#define NETAGG_VERSION 1
+#define NETAGG_UDP_PORT 28900
+/* Values per packet. FOR_EACH_VALUE below must list exactly NETAGG_K indices. */
+#define NETAGG_K 64
+#define MAX_WORKERS 32
+/* Aggregation slots per pool; every slot has NUM_POOLS shadow copies. */
+#define NUM_SLOTS 4096
+#define NUM_POOLS 2
+#define NUM_POOL_SLOTS 8192
+/* Job ids index the per-job counters: 1 .. MAX_JOBS-1 (0 is never a job). */
+#define MAX_JOBS 1024
+
+#define JOB_TABLE_SIZE 1024
+#define WORKER_TABLE_SIZE 8192
+#define REPLICA_TABLE_SIZE 8192
+#define IPV4_TABLE_SIZE 1024
+#define DROP_REASONS 16
+
+/* Expected lengths of a netagg packet (no IPv4 options). */
+#define NETAGG_UDP_LENGTH 280
+#define NETAGG_IPV4_TOTAL_LENGTH 300
+
+#define ETHERTYPE_IPV4 0x0800
+#define IPPROTO_UDP 17
+#define RESULT_TTL 64
+
+/* Flag bits of netagg_h.flags. */
+#define FLAG_RESULT 0x01
+#define FLAG_RETRANSMIT 0x02
+
+/* Indices of the drop_reasons counter (see docs/protocol.md). */
+#define DROP_NONE 0
+#define DROP_NOT_IPV4 1
+#define DROP_NO_ROUTE 2
+#define DROP_TTL_EXPIRED 3
+#define DROP_MALFORMED 4
+#define DROP_BAD_VERSION 5
+#define DROP_RESULT_FROM_HOST 6
+#define DROP_UNKNOWN_JOB 7
+#define DROP_UNKNOWN_WORKER 8
+#define DROP_SLOT_OUT_OF_RANGE 9
+#define DROP_BAD_POOL 10
+#define DROP_RANK_MISMATCH 11
+#define DROP_NO_REPLICA 12
+
+/* What the value and exponent registers do with a packet. */
+#define OP_NONE 0
+#define OP_WRITE 1
+#define OP_MERGE 2
+#define OP_READ 3
+
+/* Apply M to every value index; the indices are two decimal digits so that
+ * they can be pasted into names (v07, value_07) and @id literals. */
+#define FOR_EACH_VALUE(M) \
+    M(00) M(01) M(02) M(03) M(04) M(05) M(06) M(07) \
+    M(08) M(09) M(10) M(11) M(12) M(13) M(14) M(15) \
+    M(16) M(17) M(18) M(19) M(20) M(21) M(22) M(23) \
+    M(24) M(25) M(26) M(27) M(28) M(29) M(30) M(31) \
+    M(32) M(33) M(34) M(35) M(36) M(37) M(38) M(39) \
+    M(40) M(41) M(42) M(43) M(44) M(45) M(46) M(47) \
+    M(48) M(49) M(50) M(51) M(52) M(53) M(54) M(55) \
+    M(56) M(57) M(58) M(59) M(60) M(61) M(62) M(63)
+
+typedef bit<9> port_t;
+typedef bit<48> mac_addr_t;
+typedef bit<32> ipv4_addr_t;
+typedef bit<32> slot_index_t;
+typedef bit<32> worker_mask_t;
+
+#endif

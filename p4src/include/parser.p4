@@ -1,0 +1,54 @@
+/* netagg: parser and deparser. A packet is netagg iff it is IPv4 without
+ * options, UDP, to NETAGG_UDP_PORT. A truncated one ends with a parser error,
+ * which ingress drops and counts as malformed. */
+#ifndef _NETAGG_PARSER_P4_
+#define _NETAGG_PARSER_P4_
+
+#include "headers.p4"
+
+parser NetaggParser(packet_in packet,
+                    out headers_t hdr,
+                    inout metadata_t meta,
+                    inout standard_metadata_t standard_metadata) {
+    state start {
+        packet.extract(hdr.ethernet);
+        transition select(hdr.ethernet.ether_type) {
+            ETHERTYPE_IPV4: parse_ipv4;
+            default: accept;
+        }
+    }
+
+    state parse_ipv4 {
+        packet.extract(hdr.ipv4);
+        transition select(hdr.ipv4.ihl, hdr.ipv4.protocol) {
+            (5, IPPROTO_UDP): parse_udp;
+            default: accept;
+        }
+    }
+
+    state parse_udp {
+        packet.extract(hdr.udp);
+        transition select(hdr.udp.dst_port) {
+            NETAGG_UDP_PORT: parse_netagg;
+            default: accept;
+        }
+    }
+
+    state parse_netagg {
+        packet.extract(hdr.netagg);
+        packet.extract(hdr.values);
+        transition accept;
+    }
+}
+
+control NetaggDeparser(packet_out packet, in headers_t hdr) {
+    apply {
+        packet.emit(hdr.ethernet);
+        packet.emit(hdr.ipv4);
+        packet.emit(hdr.udp);
+        packet.emit(hdr.netagg);
+        packet.emit(hdr.values);
+    }
+}
+
+#endif

@@ -1,0 +1,343 @@
+"""A packet-level model of ``p4src/netagg.p4``: parser, ingress, replication, egress, deparser.
+
+Every branch here corresponds to a line of the P4 program (named in the comments)
+and the same PTF suite runs against this model and against BMv2, so where the two
+differ the model is wrong. Tables, counters and multicast groups live in the
+``ForwardingState`` that the P4Runtime server writes; registers live here, as in
+the P4 program, where only the data plane touches them.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+from p4.config.v1 import p4info_pb2
+
+from netagg import dataplane as dp
+from netagg import wire
+from netagg.dataplane import DropReason, ValueOp
+from netagg.softswitch.forwarding_state import ForwardingState
+
+_ETH = struct.Struct("!6s6sH")
+_IPV4 = struct.Struct("!BBHHHBBH4s4s")
+_UDP = struct.Struct("!HHHH")
+_VALUES_DTYPE = np.dtype(">u4")
+_MF_BIT = 0x2000
+_FRAG_OFFSET_MASK = 0x1FFF
+
+
+@dataclass(slots=True)
+class ParsedPacket:
+    """Headers as the P4 parser leaves them; None = invalid header."""
+
+    eth: list | None = None  # [dst, src, ether_type]
+    ipv4: list | None = None  # [ver_ihl, tos, total_len, ident, flags_frag, ttl, proto, csum, src, dst]
+    udp: list | None = None  # [src_port, dst_port, length, checksum]
+    netagg: list | None = None  # wire.HEADER_FIELDS order
+    values: np.ndarray | None = None  # uint32[K]
+    payload: bytes = b""
+    parser_error: bool = False
+
+
+def parse(frame: bytes) -> ParsedPacket:
+    """NetaggParser: ethernet -> ipv4 (ihl 5, UDP) -> udp -> netagg + values."""
+    pkt = ParsedPacket()
+    if len(frame) < wire.ETH_HEADER_BYTES:
+        pkt.parser_error = True
+        return pkt
+    pkt.eth = list(_ETH.unpack_from(frame, 0))
+    offset = wire.ETH_HEADER_BYTES
+    if pkt.eth[2] == wire.ETHERTYPE_IPV4:
+        if len(frame) < offset + wire.IPV4_HEADER_BYTES:
+            pkt.parser_error = True
+            return pkt
+        pkt.ipv4 = list(_IPV4.unpack_from(frame, offset))
+        offset += wire.IPV4_HEADER_BYTES
+        if pkt.ipv4[0] & 0x0F == 5 and pkt.ipv4[6] == wire.IPPROTO_UDP:
+            if len(frame) < offset + wire.UDP_HEADER_BYTES:
+                pkt.parser_error = True
+                return pkt
+            pkt.udp = list(_UDP.unpack_from(frame, offset))
+            offset += wire.UDP_HEADER_BYTES
+            if pkt.udp[1] == wire.NETAGG_UDP_PORT:
+                if len(frame) < offset + wire.HEADER_BYTES:
+                    pkt.parser_error = True
+                    return pkt
+                pkt.netagg = list(wire.HEADER_STRUCT.unpack_from(frame, offset))
+                offset += wire.HEADER_BYTES
+                if len(frame) < offset + wire.PAYLOAD_BYTES:
+                    pkt.parser_error = True
+                    return pkt
+                pkt.values = np.frombuffer(frame, _VALUES_DTYPE, wire.K, offset).astype(np.uint32)
+                offset += wire.PAYLOAD_BYTES
+    pkt.payload = frame[offset:]
+    return pkt
+
+
+def deparse(pkt: ParsedPacket) -> bytes:
+    """NetaggDeparser plus NetaggComputeChecksum (csum16 over option-less IPv4)."""
+    parts = [_ETH.pack(*pkt.eth)]
+    if pkt.ipv4 is not None:
+        ip = pkt.ipv4
+        if ip[0] & 0x0F == 5:
+            ip[7] = 0
+            ip[7] = wire.ipv4_checksum(_IPV4.pack(*ip))
+        parts.append(_IPV4.pack(*ip))
+    if pkt.udp is not None:
+        parts.append(_UDP.pack(*pkt.udp))
+    if pkt.netagg is not None:
+        parts.append(wire.HEADER_STRUCT.pack(*pkt.netagg))
+    if pkt.values is not None:
+        parts.append(pkt.values.astype(_VALUES_DTYPE).tobytes())
+    parts.append(pkt.payload)
+    return b"".join(parts)
+
+
+# Field positions in ParsedPacket.netagg (wire.HEADER_FIELDS order).
+_N = {f.name: i for i, f in enumerate(wire.HEADER_FIELDS)}
+_VERSION, _FLAGS, _JOB, _SLOT, _POOL, _RANK, _EXP = (
+    _N["version"], _N["flags"], _N["job_id"], _N["slot"], _N["pool"], _N["rank"], _N["exponent"],
+)
+
+
+def _register_sizes(p4info: p4info_pb2.P4Info) -> dict[str, int]:
+    return {r.preamble.name: r.size for r in p4info.registers}
+
+
+@dataclass(slots=True)
+class _Meta:
+    """metadata_t: the fields the ingress decisions need."""
+
+    drop_reason: int = DropReason.NONE
+    num_workers: int = 0
+    slot_base: int = 0
+    slot_count: int = 0
+    mgid: int = 0
+    generation: int = 0
+    rank: int = 0
+    worker_mask: int = 0
+    slot_index: int = 0
+    pool_index: int = 0
+    to_group: bool = False
+
+
+class NetaggPipeline:
+    """The netagg program on one software switch: ``process(frame, port) -> [(port, frame)]``."""
+
+    def __init__(self, state: ForwardingState, p4info: p4info_pb2.P4Info) -> None:
+        self.state = state
+        sizes = _register_sizes(p4info)
+        num_slots = sizes[dp.REGISTER_SLOT_OWNER]
+        num_pool_slots = sizes["NetaggIngress.worker_count.worker_count"]
+        # Registers (SlotOwner, BitmapCheck, WorkerCount, ExponentMax, ValueSum).
+        self.slot_owner = np.zeros(num_slots, np.uint32)
+        self.bitmaps = np.zeros((wire.NUM_POOLS, num_slots), np.uint32)
+        self.worker_count = np.zeros(num_pool_slots, np.uint8)
+        self.exponent_max = np.zeros(num_pool_slots, np.int8)
+        self.values = np.zeros((num_pool_slots, wire.K), np.uint32)
+        self._jobs = state.table(dp.TABLE_JOBS)
+        self._workers = state.table(dp.TABLE_WORKERS)
+        self._routes = state.table(dp.TABLE_ROUTES)
+        self._replicas = state.table(dp.TABLE_REPLICAS)
+
+    # -- top level ---------------------------------------------------------
+    def process(self, frame: bytes, ingress_port: int) -> list[tuple[int, bytes]]:
+        """Run one packet through the whole pipeline; returns the packets it emits."""
+        with self.state.lock:
+            pkt = parse(frame)
+            meta = _Meta()
+            egress_spec = self._ingress(pkt, meta, ingress_port, len(frame))
+            if egress_spec is None:
+                return []
+            if meta.to_group:
+                return self._replicate(pkt, meta)
+            if egress_spec == dp.DROP_PORT:
+                return []
+            return [(egress_spec, deparse(pkt))]
+
+    def reset_registers(self) -> None:
+        """Power-on state (registers are not writable over P4Runtime)."""
+        for array in (self.slot_owner, self.bitmaps, self.worker_count, self.exponent_max, self.values):
+            array.fill(0)
+
+    # -- ingress -----------------------------------------------------------
+    def _ingress(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int, length: int) -> int | None:
+        """NetaggIngress.apply; returns egress_spec, or None when the packet is dropped."""
+        egress_spec = 0
+        if pkt.parser_error:
+            meta.drop_reason = DropReason.MALFORMED
+        elif pkt.ipv4 is None:
+            meta.drop_reason = DropReason.NOT_IPV4
+        elif pkt.netagg is None:
+            egress_spec = self._ipv4_forward(pkt, meta)
+        elif pkt.netagg[_VERSION] != wire.VERSION:
+            meta.drop_reason = DropReason.BAD_VERSION
+        elif (
+            pkt.ipv4[2] != wire.IPV4_TOTAL_LENGTH
+            or pkt.udp[2] != wire.UDP_LENGTH
+            or pkt.ipv4[4] & (_MF_BIT | _FRAG_OFFSET_MASK)
+        ):
+            meta.drop_reason = DropReason.MALFORMED
+        elif pkt.netagg[_FLAGS] & wire.FLAG_RESULT:
+            meta.drop_reason = DropReason.RESULT_FROM_HOST
+        else:
+            return self._aggregate(pkt, meta, ingress_port, length)
+        if meta.drop_reason != DropReason.NONE:
+            self.state.count(dp.COUNTER_DROP_REASONS, meta.drop_reason, length)
+            return None
+        return egress_spec
+
+    def _ipv4_forward(self, pkt: ParsedPacket, meta: _Meta) -> int:
+        """Ipv4Forward: LPM on the destination, TTL decrement without options."""
+        ip = pkt.ipv4
+        if ip[5] <= 1:
+            meta.drop_reason = DropReason.TTL_EXPIRED
+            return 0
+        action, params = self._routes.lookup((int.from_bytes(ip[9], "big"),))
+        if action != dp.ACTION_FORWARD:
+            meta.drop_reason = DropReason.NO_ROUTE
+            return 0
+        port, dst_mac = params
+        pkt.eth[1] = pkt.eth[0]
+        pkt.eth[0] = dst_mac.to_bytes(6, "big")
+        if ip[0] & 0x0F == 5:
+            ip[5] -= 1
+        return port
+
+    def _worker_lookup(self, pkt: ParsedPacket, meta: _Meta) -> None:
+        """WorkerLookup: jobs, workers, then the slot/pool/rank checks."""
+        hdr = pkt.netagg
+        action, params = self._jobs.lookup((hdr[_JOB],))
+        if action != dp.ACTION_SET_JOB:
+            meta.drop_reason = DropReason.UNKNOWN_JOB
+            return
+        meta.num_workers, meta.slot_base, meta.slot_count, meta.mgid, meta.generation = params
+        src_addr = int.from_bytes(pkt.ipv4[8], "big")
+        action, params = self._workers.lookup((hdr[_JOB], src_addr, pkt.udp[0]))
+        if action != dp.ACTION_SET_WORKER:
+            meta.drop_reason = DropReason.UNKNOWN_WORKER
+            return
+        meta.rank, meta.worker_mask = params
+        if hdr[_SLOT] >= meta.slot_count:
+            meta.drop_reason = DropReason.SLOT_OUT_OF_RANGE
+        elif hdr[_POOL] >= wire.NUM_POOLS:
+            meta.drop_reason = DropReason.BAD_POOL
+        elif hdr[_RANK] != meta.rank:
+            meta.drop_reason = DropReason.RANK_MISMATCH
+        else:
+            meta.slot_index = (meta.slot_base + hdr[_SLOT]) & 0xFFFFFFFF
+            meta.pool_index = ((meta.slot_index << 1) + hdr[_POOL]) & 0xFFFFFFFF
+
+    def _aggregate(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int, length: int) -> int | None:
+        hdr = pkt.netagg
+        job = hdr[_JOB]
+        self._worker_lookup(pkt, meta)
+        if meta.drop_reason != DropReason.NONE:
+            if meta.drop_reason != DropReason.UNKNOWN_JOB:
+                self.state.count(dp.COUNTER_JOB_REJECTS, job, length)
+            self.state.count(dp.COUNTER_DROP_REASONS, meta.drop_reason, length)
+            return None
+        slot, pool, pool_index = meta.slot_index, hdr[_POOL], meta.pool_index
+        if slot >= self.slot_owner.shape[0] or pool_index >= self.worker_count.shape[0]:
+            # The controller never installs such a range; BMv2 leaves it undefined.
+            return None
+        # SlotOwner.
+        stale = int(self.slot_owner[slot]) != meta.generation
+        if stale:
+            self.slot_owner[slot] = meta.generation
+        # BitmapCheck.
+        mine = 0 if stale else int(self.bitmaps[pool, slot])
+        other = 0 if stale else int(self.bitmaps[1 - pool, slot])
+        self.bitmaps[pool, slot] = mine | meta.worker_mask
+        self.bitmaps[1 - pool, slot] = other & ~meta.worker_mask & 0xFFFFFFFF
+        first = mine == 0
+        fresh = (mine & meta.worker_mask) == 0
+        # WorkerCount.
+        count = int(self.worker_count[pool_index])
+        late = False
+        if fresh:
+            if first:
+                count = (meta.num_workers - 1) & 0xFF
+                self.worker_count[pool_index] = count
+            elif count == 0:
+                late = True
+            else:
+                count -= 1
+                self.worker_count[pool_index] = count
+        complete = count == 0 and not late
+        # Decision (NetaggIngress.apply).
+        if fresh and not late:
+            self.state.count(dp.COUNTER_JOB_CONTRIBUTIONS, job, length)
+            op = ValueOp.WRITE if first else ValueOp.MERGE
+            if complete:
+                meta.to_group = True
+                self.state.count(dp.COUNTER_JOB_RESULTS, job, length)
+        elif not fresh and complete:
+            op = ValueOp.READ
+            self.state.count(dp.COUNTER_JOB_RETRANSMIT_RESULTS, job, length)
+        else:
+            op = ValueOp.NONE
+            self.state.count(dp.COUNTER_JOB_DUPLICATES, job, length)
+        if op != ValueOp.NONE:
+            self._exponent_max(hdr, pool_index, op)
+            self._value_sum(pkt, pool_index, op)
+        if complete:
+            return self._result_delivery(pkt, meta, ingress_port)
+        return None
+
+    def _exponent_max(self, hdr: list, pool_index: int, op: ValueOp) -> None:
+        """ExponentMax: write / signed max / read; the packet carries the stored value."""
+        if op == ValueOp.WRITE:
+            self.exponent_max[pool_index] = hdr[_EXP]
+        elif op == ValueOp.MERGE and hdr[_EXP] > self.exponent_max[pool_index]:
+            self.exponent_max[pool_index] = hdr[_EXP]
+        hdr[_EXP] = int(self.exponent_max[pool_index])
+
+    def _value_sum(self, pkt: ParsedPacket, pool_index: int, op: ValueOp) -> None:
+        """ValueSum: overwrite, modular add, or read the K sums."""
+        row = self.values[pool_index]
+        if op == ValueOp.WRITE:
+            row[:] = pkt.values
+        elif op == ValueOp.MERGE:
+            row += pkt.values
+            pkt.values = row.copy()
+        else:
+            pkt.values = row.copy()
+
+    def _result_delivery(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int) -> int:
+        """ResultDelivery: a RESULT from the aggregator address, to the group or the sender."""
+        eth, ip, udp, hdr = pkt.eth, pkt.ipv4, pkt.udp, pkt.netagg
+        sender_mac, sender_addr, sender_port = eth[1], ip[8], udp[0]
+        eth[1] = eth[0]
+        ip[8] = ip[9]
+        udp[0] = wire.NETAGG_UDP_PORT
+        ip[5] = 64
+        udp[3] = 0
+        hdr[_FLAGS] |= wire.FLAG_RESULT
+        if meta.to_group:
+            return 0
+        eth[0] = sender_mac
+        ip[9] = sender_addr
+        udp[1] = sender_port
+        return ingress_port
+
+    # -- replication and egress ---------------------------------------------
+    def _replicate(self, pkt: ParsedPacket, meta: _Meta) -> list[tuple[int, bytes]]:
+        """The PRE copies the packet per replica; NetaggEgress rewrites each copy."""
+        replicas = self.state.multicast.get(meta.mgid)
+        if not replicas:
+            return []
+        out = []
+        for port, rid in replicas:
+            action, params = self._replicas.lookup((meta.mgid, rid))
+            if action != dp.ACTION_SET_DESTINATION:
+                self.state.count(dp.COUNTER_EGRESS_DROP_REASONS, DropReason.NO_REPLICA, 0)
+                continue
+            dst_mac, dst_addr, dst_port = params
+            pkt.eth[0] = dst_mac.to_bytes(6, "big")
+            pkt.ipv4[9] = dst_addr.to_bytes(4, "big")
+            pkt.udp[1] = dst_port
+            out.append((port, deparse(pkt)))
+        return out

@@ -1,0 +1,85 @@
+"""The wire codec and its scapy mirror."""
+
+import numpy as np
+import pytest
+from scapy.layers.inet import IP, UDP
+from scapy.layers.l2 import Ether
+
+from netagg import wire
+from netagg.scapy_layers import Netagg, NetaggValues, netagg_payload
+
+
+def _header(**overrides):
+    fields = dict(job_id=7, slot=513, pool=1, rank=31, seq=0xDEADBEEF, exponent=-3, flags=wire.FLAG_RETRANSMIT)
+    fields.update(overrides)
+    return wire.Header(**fields)
+
+
+def test_layout_sizes():
+    assert wire.HEADER_BYTES == 16
+    assert wire.NETAGG_BYTES == 16 + 4 * wire.K
+    assert wire.FRAME_BYTES == 14 + 20 + 8 + wire.NETAGG_BYTES
+    assert wire.UDP_LENGTH == 8 + wire.NETAGG_BYTES
+
+
+def test_pack_unpack_roundtrip_with_extremes():
+    values = np.array([2**31 - 1, -(2**31), 0, -1] * (wire.K // 4), dtype=np.int32)
+    header = _header()
+    decoded_header, decoded = wire.unpack(wire.pack(header, values))
+    assert decoded_header == header
+    np.testing.assert_array_equal(decoded, values)
+    assert decoded.dtype == np.int32
+
+
+def test_network_byte_order():
+    data = wire.pack(_header(job_id=0x0102, slot=0x0304, seq=0x05060708), np.arange(wire.K, dtype=np.int32))
+    assert data[2:4] == b"\x01\x02"
+    assert data[4:6] == b"\x03\x04"
+    assert data[12:16] == b"\x05\x06\x07\x08"
+    assert data[16:20] == b"\x00\x00\x00\x00" and data[20:24] == b"\x00\x00\x00\x01"
+    assert data[8] == (-3) & 0xFF  # exponent, two's complement
+
+
+@pytest.mark.parametrize("size", [0, 15, wire.NETAGG_BYTES - 1, wire.NETAGG_BYTES + 1])
+def test_wrong_size_is_malformed(size):
+    with pytest.raises(wire.MalformedPacket, match="bytes"):
+        wire.unpack(bytes(size))
+
+
+def test_wrong_version_and_pool_are_malformed():
+    values = np.zeros(wire.K, np.int32)
+    with pytest.raises(wire.MalformedPacket, match="version"):
+        wire.unpack(wire.pack(_header(version=2), values))
+    with pytest.raises(wire.MalformedPacket, match="pool"):
+        wire.unpack(wire.pack(_header(pool=2), values))
+
+
+def test_pack_rejects_wrong_value_count():
+    with pytest.raises(ValueError, match="exactly"):
+        wire.pack(_header(), np.zeros(wire.K - 1, np.int32))
+
+
+def test_scapy_layer_matches_codec():
+    values = np.arange(-32, 32, dtype=np.int32)
+    header = _header()
+    scapy_bytes = bytes(netagg_payload(values.tolist(), **{f.name: getattr(header, f.name) for f in wire.HEADER_FIELDS}))
+    assert scapy_bytes == wire.pack(header, values)
+
+
+def test_scapy_dissects_netagg_by_port():
+    frame = Ether() / IP() / UDP(sport=1234, dport=wire.NETAGG_UDP_PORT) / netagg_payload([5] * wire.K, job_id=3)
+    parsed = Ether(bytes(frame))
+    assert parsed[Netagg].job_id == 3
+    assert parsed[NetaggValues].values == [5] * wire.K
+    assert len(parsed) == wire.FRAME_BYTES
+
+
+def test_ipv4_checksum_matches_scapy():
+    raw = bytes(IP(src="10.0.0.1", dst="10.0.0.2", ttl=9) / UDP())[:20]
+    zeroed = raw[:10] + b"\x00\x00" + raw[12:]
+    assert wire.ipv4_checksum(zeroed) == int.from_bytes(raw[10:12], "big")
+
+
+def test_payload_efficiency():
+    assert wire.payload_efficiency(0) == pytest.approx(256 / 314)
+    assert 0.7 < wire.payload_efficiency() < wire.payload_efficiency(0)

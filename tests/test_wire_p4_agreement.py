@@ -1,0 +1,82 @@
+"""The P4 program, its committed P4Info and the Python contract agree."""
+
+import re
+
+from netagg import dataplane as dp
+from netagg import wire
+from netagg.dataplane import DropReason, ValueOp
+from netagg.p4info import load_p4info
+
+INCLUDE = dp.P4SRC_DIR / "include"
+
+
+def _defines() -> dict[str, int]:
+    text = (INCLUDE / "defines.p4").read_text()
+    return {name: int(value, 0) for name, value in re.findall(r"^#define (\w+) (0x[0-9a-fA-F]+|\d+)\s*$", text, re.M)}
+
+
+def _p4_header_fields(name: str) -> list[tuple[str, int, bool]]:
+    text = (INCLUDE / "headers.p4").read_text()
+    body = re.search(r"header %s \{(.*?)\}" % name, text, re.S).group(1)
+    return [(field, int(bits), kind == "int") for kind, bits, field in re.findall(r"(bit|int)<(\d+)>\s+(\w+);", body)]
+
+
+def test_netagg_header_mirrors_wire_fields():
+    assert _p4_header_fields("netagg_h") == [(f.name, f.bits, f.signed) for f in wire.HEADER_FIELDS]
+
+
+def test_value_count_is_k_everywhere():
+    defines = _defines()
+    assert defines["NETAGG_K"] == wire.K
+    for_each = re.search(r"#define FOR_EACH_VALUE\(M\)(.*?)\n\n", (INCLUDE / "defines.p4").read_text(), re.S).group(1)
+    indices = re.findall(r"M\((\d\d)\)", for_each)
+    assert indices == [f"{i:02d}" for i in range(wire.K)]
+    registers = [r.preamble.name for r in load_p4info(dp.P4INFO_PATH).registers if ".value_" in r.preamble.name]
+    assert len(registers) == wire.K
+
+
+def test_protocol_constants_agree():
+    defines = _defines()
+    assert defines["NETAGG_VERSION"] == wire.VERSION
+    assert defines["NETAGG_UDP_PORT"] == wire.NETAGG_UDP_PORT
+    assert defines["MAX_WORKERS"] == wire.MAX_WORKERS
+    assert defines["NUM_POOLS"] == wire.NUM_POOLS
+    assert defines["NUM_POOL_SLOTS"] == defines["NUM_SLOTS"] * wire.NUM_POOLS
+    assert defines["NETAGG_UDP_LENGTH"] == wire.UDP_LENGTH
+    assert defines["NETAGG_IPV4_TOTAL_LENGTH"] == wire.IPV4_TOTAL_LENGTH
+    assert defines["FLAG_RESULT"] == wire.FLAG_RESULT
+    assert defines["FLAG_RETRANSMIT"] == wire.FLAG_RETRANSMIT
+    assert defines["ETHERTYPE_IPV4"] == wire.ETHERTYPE_IPV4
+
+
+def test_drop_reasons_and_ops_agree():
+    defines = _defines()
+    for reason in DropReason:
+        assert defines[f"DROP_{reason.name}"] == reason.value, reason
+    assert max(DropReason) < defines["DROP_REASONS"]
+    for op in ValueOp:
+        assert defines[f"OP_{op.name}"] == op.value, op
+
+
+def test_p4info_sizes_match_defines():
+    defines = _defines()
+    info = load_p4info(dp.P4INFO_PATH)
+    registers = {r.preamble.name: r.size for r in info.registers}
+    assert registers[dp.REGISTER_SLOT_OWNER] == defines["NUM_SLOTS"]
+    assert registers["NetaggIngress.worker_count.worker_count"] == defines["NUM_POOL_SLOTS"]
+    counters = {c.preamble.name: c.size for c in info.counters}
+    for name in dp.JOB_COUNTERS.values():
+        assert counters[name] == defines["MAX_JOBS"]
+    assert counters[dp.COUNTER_DROP_REASONS] == defines["DROP_REASONS"]
+    tables = {t.preamble.name: t.size for t in info.tables}
+    assert tables[dp.TABLE_JOBS] == defines["JOB_TABLE_SIZE"]
+    assert tables[dp.TABLE_WORKERS] == defines["WORKER_TABLE_SIZE"]
+    assert tables[dp.TABLE_REPLICAS] == defines["REPLICA_TABLE_SIZE"]
+    assert tables[dp.TABLE_ROUTES] == defines["IPV4_TABLE_SIZE"]
+
+
+def test_every_contract_name_is_in_p4info():
+    info = load_p4info(dp.P4INFO_PATH)
+    names = {o.preamble.name for group in (info.tables, info.actions, info.counters, info.registers) for o in group}
+    contract = [value for key, value in vars(dp).items() if key.startswith(("TABLE_", "ACTION_", "COUNTER_", "REGISTER_"))]
+    assert contract and set(contract) <= names
