@@ -1,0 +1,45 @@
+# netagg — `make demo` and `make test` work on a fresh machine (see README.md).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+TARGET ?= soft
+PYTEST_ARGS ?=
+
+.PHONY: setup build p4info test ptf demo bench-switch lint clean
+
+$(STAMP): pyproject.toml scripts/setup-system.sh
+	@scripts/setup-system.sh
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $(STAMP)
+
+## setup: create .venv and install netagg with its test tools
+setup: $(STAMP)
+
+## build: compile p4src/netagg.p4 with p4c-bm2-ss into build/ (skips, saying so, without p4c)
+build: setup
+	$(BIN)/python -m netagg.bmv2.p4build
+
+## p4info: regenerate the committed P4Info from p4c's output
+p4info: setup
+	$(BIN)/python -m netagg.bmv2.p4build --update-p4info
+
+## test: the whole suite (unit, P4Runtime, PTF on the software target, BMv2 where installed)
+test: build
+	$(BIN)/python -m pytest -rs $(PYTEST_ARGS)
+
+## ptf: the PTF suite against TARGET=soft|bmv2 (needs root for namespaces)
+ptf: build
+	$(BIN)/python -m netagg.bmv2.ptf_runner --target $(TARGET)
+
+## bench-switch: aggregated packets/s of the software target (and BMv2 where installed)
+bench-switch: build
+	$(BIN)/python -m benchmarks.switch_throughput
+
+## lint: ruff
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf build results .pytest_cache .ruff_cache

@@ -1,0 +1,246 @@
+"""Network namespaces and veth links for the PTF rig and the emulated cluster.
+
+Everything created here is named with a caller-chosen prefix and removed by
+:meth:`Topology.destroy` (also on errors and Ctrl-C when used as a context
+manager); :func:`remove_stale` clears what a killed run left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+#: MAC every host uses for its neighbours (the switch answers for all of them).
+SWITCH_MAC = "02:00:00:00:00:fe"
+
+
+class NetnsError(RuntimeError):
+    """A namespace, link or tc command failed."""
+
+
+def can_create_namespaces() -> tuple[bool, str]:
+    """Whether this process can build a topology, and if not, why."""
+    if os.geteuid() != 0:
+        return False, "needs root (network namespaces and veth links)"
+    if shutil.which("ip") is None:
+        return False, "needs iproute2's `ip` command"
+    return True, ""
+
+
+def run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command, raising NetnsError with its stderr when it fails."""
+    result = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    if check and result.returncode != 0:
+        raise NetnsError(f"{' '.join(args)}: {result.stderr.strip() or result.stdout.strip()}")
+    return result
+
+
+def ns_exec(namespace: str | None, args: Sequence[str]) -> list[str]:
+    """``args`` run inside ``namespace`` (or as they are for the root namespace)."""
+    return ["ip", "netns", "exec", namespace, *args] if namespace else list(args)
+
+
+def list_namespaces() -> list[str]:
+    out = run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def remove_stale(prefix: str) -> list[str]:
+    """Delete every namespace whose name starts with ``prefix``; returns their names."""
+    removed = [name for name in list_namespaces() if name.startswith(prefix)]
+    for name in removed:
+        run(["ip", "netns", "del", name], check=False)
+    return removed
+
+
+@dataclass
+class Host:
+    """One end host: its namespace, interface, addresses and the switch port it hangs off."""
+
+    name: str
+    namespace: str
+    ifname: str
+    ip: str
+    mac: str
+    switch_port: int
+    switch_ifname: str
+
+
+@dataclass
+class LinkShape:
+    """tc shaping of a host's link (both directions): rate, delay, queue."""
+
+    rate_mbit: float | None = None
+    delay_ms: float = 0.0
+    queue_packets: int = 1000
+
+
+@dataclass
+class Topology:
+    """N hosts in their own namespaces, each linked by a veth pair to the switch namespace.
+
+    ``with Topology(prefix, n) as topo:`` builds it and always tears it down.
+    Hosts are 10.<subnet>.0.<i+1>/24 with static ARP entries that point every
+    other address (and the aggregator address ``.254``) at :data:`SWITCH_MAC`.
+    """
+
+    prefix: str
+    num_hosts: int
+    subnet: int = 77
+    mtu: int = 1500
+    shape: LinkShape = field(default_factory=LinkShape)
+    hosts: list[Host] = field(default_factory=list)
+
+    @property
+    def switch_namespace(self) -> str:
+        return f"{self.prefix}-sw"
+
+    @property
+    def aggregator_ip(self) -> str:
+        return f"10.{self.subnet}.0.254"
+
+    def switch_interfaces(self) -> dict[int, str]:
+        return {host.switch_port: host.switch_ifname for host in self.hosts}
+
+    def build(self) -> Topology:
+        if len(self.prefix) > 8:
+            raise ValueError("prefix must be at most 8 characters (interface names are short)")
+        remove_stale(self.prefix + "-")
+        self._add_namespace(self.switch_namespace)
+        for i in range(self.num_hosts):
+            self.hosts.append(self._add_host(i))
+        for host in self.hosts:
+            self._static_arp(host)
+            if self.shape.rate_mbit or self.shape.delay_ms:
+                self._shape(host)
+        return self
+
+    def destroy(self) -> None:
+        """Remove every namespace (their veths go with them)."""
+        remove_stale(self.prefix + "-")
+        self.hosts.clear()
+
+    def __enter__(self) -> Topology:
+        try:
+            return self.build()
+        except BaseException:
+            self.destroy()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def _add_namespace(self, name: str) -> None:
+        run(["ip", "netns", "add", name])
+        run(ns_exec(name, ["ip", "link", "set", "lo", "up"]))
+        run(ns_exec(name, ["sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"]), check=False)
+
+    def _add_host(self, i: int) -> Host:
+        namespace = f"{self.prefix}-h{i}"
+        self._add_namespace(namespace)
+        switch_if, host_if = f"{self.prefix}s{i}", f"{self.prefix}h{i}"
+        run(["ip", "link", "add", switch_if, "type", "veth", "peer", "name", host_if])
+        run(["ip", "link", "set", switch_if, "netns", self.switch_namespace])
+        run(["ip", "link", "set", host_if, "netns", namespace])
+        mac = f"02:00:00:{self.subnet:02x}:00:{i + 1:02x}"
+        ip = f"10.{self.subnet}.0.{i + 1}"
+        sw = self.switch_namespace
+        for ns, ifname in ((sw, switch_if), (namespace, host_if)):
+            run(ns_exec(ns, ["ip", "link", "set", ifname, "mtu", str(self.mtu)]))
+            # Offloads would hand the switch oversized or checksum-less frames.
+            run(ns_exec(ns, ["ethtool", "-K", ifname, "tx", "off", "rx", "off", "tso", "off", "gso", "off"]),
+                check=False)
+        run(ns_exec(namespace, ["ip", "link", "set", host_if, "address", mac]))
+        run(ns_exec(namespace, ["ip", "addr", "add", f"{ip}/24", "dev", host_if]))
+        run(ns_exec(sw, ["ip", "link", "set", switch_if, "up"]))
+        run(ns_exec(namespace, ["ip", "link", "set", host_if, "up"]))
+        return Host(f"h{i}", namespace, host_if, ip, mac, switch_port=i + 1, switch_ifname=switch_if)
+
+    def _static_arp(self, host: Host) -> None:
+        for ip in [other.ip for other in self.hosts if other is not host] + [self.aggregator_ip]:
+            run(ns_exec(host.namespace, ["ip", "neigh", "replace", ip, "lladdr", SWITCH_MAC,
+                                         "dev", host.ifname, "nud", "permanent"]))
+
+    def _shape(self, host: Host) -> None:
+        """netem delay + rate on both ends, so each direction is shaped once."""
+        for ns, ifname in ((host.namespace, host.ifname), (self.switch_namespace, host.switch_ifname)):
+            netem = ["netem", "limit", str(self.shape.queue_packets)]
+            if self.shape.delay_ms:
+                netem += ["delay", f"{self.shape.delay_ms}ms"]
+            if self.shape.rate_mbit:
+                netem += ["rate", f"{self.shape.rate_mbit}mbit"]
+            run(ns_exec(ns, ["tc", "qdisc", "replace", "dev", ifname, "root", *netem]))
+
+
+@contextmanager
+def terminate_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt so `finally` blocks tear down topologies."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass
+class VethRig:
+    """One namespace holding N veth pairs: switch side ``<prefix>s<i>``, test side ``<prefix>p<i>``.
+
+    This is the PTF rig: the switch attaches to the ``s`` ends as ports 1..N and
+    PTF sends and sniffs on the ``p`` ends, all inside one namespace.
+    """
+
+    prefix: str
+    num_ports: int
+    mtu: int = 9000
+
+    @property
+    def namespace(self) -> str:
+        return f"{self.prefix}-ptf"
+
+    def switch_interfaces(self) -> dict[int, str]:
+        return {i: f"{self.prefix}s{i}" for i in range(1, self.num_ports + 1)}
+
+    def test_interfaces(self) -> dict[int, str]:
+        return {i: f"{self.prefix}p{i}" for i in range(1, self.num_ports + 1)}
+
+    def build(self) -> VethRig:
+        if len(self.prefix) > 10:
+            raise ValueError("prefix must be at most 10 characters (interface names are short)")
+        remove_stale(self.namespace)
+        ns = self.namespace
+        run(["ip", "netns", "add", ns])
+        run(ns_exec(ns, ["ip", "link", "set", "lo", "up"]))
+        run(ns_exec(ns, ["sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"]), check=False)
+        run(ns_exec(ns, ["sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1"]), check=False)
+        for i in range(1, self.num_ports + 1):
+            sw, test = f"{self.prefix}s{i}", f"{self.prefix}p{i}"
+            run(ns_exec(ns, ["ip", "link", "add", sw, "type", "veth", "peer", "name", test]))
+            for ifname in (sw, test):
+                run(ns_exec(ns, ["ip", "link", "set", ifname, "mtu", str(self.mtu)]))
+                run(ns_exec(ns, ["ethtool", "-K", ifname, "tx", "off", "rx", "off", "tso", "off", "gso", "off"]),
+                    check=False)
+                run(ns_exec(ns, ["ip", "link", "set", ifname, "up"]))
+        return self
+
+    def destroy(self) -> None:
+        remove_stale(self.namespace)
+
+    def __enter__(self) -> VethRig:
+        try:
+            return self.build()
+        except BaseException:
+            self.destroy()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
