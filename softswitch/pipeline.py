@@ -146,6 +146,8 @@ class NetaggPipeline:
     def process(self, frame: bytes, ingress_port: int) -> list[tuple[int, bytes]]:
         """Run one packet through the whole pipeline; returns the packets it emits."""
         with self.state.lock:
+            if not self.state.configured:  # like BMv2 --no-p4 before a pipeline is pushed
+                return []
             pkt = parse(frame)
             meta = _Meta()
             egress_spec = self._ingress(pkt, meta, ingress_port, len(frame))

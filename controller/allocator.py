@@ -1,0 +1,100 @@
+"""First-fit allocation of contiguous slot ranges, with coalescing of freed ranges."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+
+class AllocationError(ValueError):
+    """A range could not be reserved or released (overlap, out of bounds, unknown)."""
+
+
+@dataclass(frozen=True, order=True)
+class SlotRange:
+    """``count`` slots starting at ``base``."""
+
+    base: int
+    count: int
+
+    @property
+    def end(self) -> int:
+        return self.base + self.count
+
+
+class SlotAllocator:
+    """Free ranges of ``[0, capacity)`` kept sorted and coalesced.
+
+    ``allocate(want, minimum)`` is best effort, as in ATP: the first free range
+    that holds ``want`` slots, else the largest free range if it holds at least
+    ``minimum``, else None (the caller falls back to the parameter server).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self._free: list[SlotRange] = [SlotRange(0, capacity)]
+
+    @property
+    def free_ranges(self) -> tuple[SlotRange, ...]:
+        return tuple(self._free)
+
+    @property
+    def free_slots(self) -> int:
+        return sum(r.count for r in self._free)
+
+    def largest_free(self) -> int:
+        return max((r.count for r in self._free), default=0)
+
+    def allocate(self, want: int, minimum: int | None = None) -> SlotRange | None:
+        """Reserve up to ``want`` contiguous slots (at least ``minimum``, default ``want``)."""
+        if want < 1:
+            raise AllocationError(f"cannot allocate {want} slots")
+        minimum = want if minimum is None else minimum
+        if not 1 <= minimum <= want:
+            raise AllocationError(f"minimum {minimum} must be in 1..{want}")
+        for i, free in enumerate(self._free):
+            if free.count >= want:
+                return self._take(i, want)
+        best = max(range(len(self._free)), key=lambda i: (self._free[i].count, -i), default=None)
+        if best is not None and self._free[best].count >= minimum:
+            return self._take(best, self._free[best].count)
+        return None
+
+    def _take(self, index: int, count: int) -> SlotRange:
+        free = self._free[index]
+        taken = SlotRange(free.base, count)
+        if free.count == count:
+            del self._free[index]
+        else:
+            self._free[index] = SlotRange(free.base + count, free.count - count)
+        return taken
+
+    def reserve(self, taken: SlotRange) -> None:
+        """Mark a specific range used (restoring allocations from the database)."""
+        if taken.count < 1 or taken.base < 0 or taken.end > self.capacity:
+            raise AllocationError(f"range {taken} is outside 0..{self.capacity}")
+        for i, free in enumerate(self._free):
+            if free.base <= taken.base and taken.end <= free.end:
+                pieces = [SlotRange(free.base, taken.base - free.base), SlotRange(taken.end, free.end - taken.end)]
+                self._free[i:i + 1] = [p for p in pieces if p.count > 0]
+                return
+        raise AllocationError(f"range {taken} overlaps a used range")
+
+    def release(self, used: SlotRange) -> None:
+        """Give a range back, merging it with free neighbours."""
+        if used.count < 1 or used.base < 0 or used.end > self.capacity:
+            raise AllocationError(f"range {used} is outside 0..{self.capacity}")
+        i = bisect.bisect_left(self._free, used)
+        before = self._free[i - 1] if i > 0 else None
+        after = self._free[i] if i < len(self._free) else None
+        if (before and before.end > used.base) or (after and used.end > after.base):
+            raise AllocationError(f"range {used} is (partly) free already")
+        base, end = used.base, used.end
+        start, stop = i, i
+        if before and before.end == base:
+            base, start = before.base, i - 1
+        if after and after.base == end:
+            end, stop = after.end, i + 1
+        self._free[start:stop] = [SlotRange(base, end - base)]

@@ -1,0 +1,162 @@
+"""``netagg``: the operator's command line (controller daemon and one command per job action).
+
+Exit status: 0 ok, 1 internal error, 2 bad usage/argument/config, 3 unknown job,
+4 permission denied, 5 capacity exhausted, 6 switch error, 7 controller unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from netagg import dataplane as dp
+from netagg.controller.api import ApiClient, ApiError
+from netagg.controller.config import load_config
+from netagg.controller.p4runtime_client import P4RuntimeError
+from netagg.controller.service import ServiceError
+from netagg.jobconfig import ConfigError
+
+EXIT_CODES = {
+    "ok": 0, "internal": 1, "invalid_argument": 2, "not_found": 3, "permission_denied": 4,
+    "capacity_exhausted": 5, "switch_error": 6, "unreachable": 7,
+}
+DEFAULT_CONFIG = dp.REPO_ROOT / "configs" / "controller.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="netagg", description="netagg controller and job CLI")
+    parser.add_argument("--config", type=Path, default=Path(os.environ.get("NETAGG_CONFIG", DEFAULT_CONFIG)),
+                        help="controller YAML (for the API socket path; default %(default)s)")
+    parser.add_argument("--socket", type=Path, default=os.environ.get("NETAGG_SOCKET"),
+                        help="controller API socket (overrides the config's)")
+    parser.add_argument("--token", default=os.environ.get("NETAGG_TOKEN"),
+                        help="tenant or admin token (or NETAGG_TOKEN)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    top = parser.add_subparsers(dest="area", required=True)
+
+    ctl = top.add_parser("controller", help="the controller daemon").add_subparsers(dest="action", required=True)
+    run = ctl.add_parser("run", help="connect to the switch and serve the job API")
+    run.add_argument("-v", "--verbose", action="store_true")
+
+    job = top.add_parser("job", help="tenant jobs").add_subparsers(dest="action", required=True)
+    create = job.add_parser("create", help="admit a job and program the switch")
+    create.add_argument("--name", default="job")
+    create.add_argument("--workers", required=True,
+                        help="comma-separated HOST:UDP_PORT per rank (HOST: configured name or IPv4)")
+    create.add_argument("--slots", type=int, required=True, help="aggregation slots wanted")
+    create.add_argument("--mode", choices=("allreduce", "ps", "fallback"), default="allreduce")
+    create.add_argument("--ps", help="parameter server: a configured name or HOST:UDP_PORT")
+    create.add_argument("--lease", type=float, help="lease in seconds (renew with `job renew`)")
+    create.add_argument("--tenant", help="owner (admin token only)")
+    job.add_parser("list", help="jobs you can see")
+    for name, text in (("show", "a job with its live counters"), ("delete", "remove a job, free its slots"),
+                       ("renew", "extend a job's lease")):
+        job.add_parser(name, help=text).add_argument("job_id", type=int)
+    config = job.add_parser("config", help="write a worker's configuration (YAML)")
+    config.add_argument("job_id", type=int)
+    config.add_argument("--rank", type=int, required=True)
+    config.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
+    return parser
+
+
+def _format_job(job: dict[str, Any]) -> str:
+    workers = ", ".join(f"{w['rank']}={w['ip']}:{w['udp_port']}" for w in job["workers"])
+    lines = [
+        f"job {job['job_id']} ({job['name']}) tenant={job['tenant']} mode={job['mode']} state={job['state']}",
+        f"  slots {job['slots']} ({job['slot_count']} of {job['slots_wanted']} wanted), generation {job['generation']}",
+        f"  workers {workers}",
+    ]
+    if job.get("ps"):
+        lines.append(f"  ps {job['ps']['ip']}:{job['ps']['udp_port']}")
+    if job.get("note"):
+        lines.append(f"  admitted {job['note']}")
+    if "counters" in job:
+        lines.append("  counters " + " ".join(f"{k}={v}" for k, v in job["counters"].items()))
+    return "\n".join(lines)
+
+
+def _print(result: Any, args: argparse.Namespace) -> None:
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+        return
+    if args.action == "create":
+        print(f"created job {result['job']['job_id']}: admission {result['admission']} ({result['reason']})")
+        print(_format_job(result["job"]))
+        print(f"worker configs: netagg job config {result['job']['job_id']} --rank R")
+    elif args.action == "list":
+        if not result:
+            print("no jobs")
+        print("\n".join(_format_job(job) for job in result))
+    elif args.action in ("show",):
+        print(_format_job(result))
+    elif args.action == "delete":
+        print(f"deleted job {result['job_id']} ({result['reason']}); released {result['released_slots']} slots")
+    elif args.action == "renew":
+        print(f"renewed job {result['job_id']}")
+    else:
+        print(result)
+
+
+def _socket_path(args: argparse.Namespace) -> Path:
+    if args.socket:
+        return Path(args.socket)
+    return load_config(args.config).api_socket
+
+
+def _job_command(args: argparse.Namespace) -> int:
+    if not args.token:
+        print("netagg: no token (use --token or NETAGG_TOKEN)", file=sys.stderr)
+        return EXIT_CODES["invalid_argument"]
+    client = ApiClient(_socket_path(args), args.token)
+    if args.action == "create":
+        request = dict(name=args.name, workers=[w.strip() for w in args.workers.split(",") if w.strip()],
+                       slots=args.slots, mode=args.mode, ps=args.ps, lease_seconds=args.lease, tenant=args.tenant)
+        result = client.call("create", **request)
+    elif args.action == "list":
+        result = client.call("list")
+    elif args.action == "config":
+        text = client.call("config", job_id=args.job_id, rank=args.rank)
+        if args.output:
+            args.output.write_text(text)
+            print(f"wrote {args.output}")
+        else:
+            print(text, end="")
+        return 0
+    else:
+        result = client.call(args.action, job_id=args.job_id)
+    _print(result, args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.area == "controller":
+            from netagg.controller.daemon import run
+
+            logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                                format="%(asctime)s %(name)s %(levelname)s %(message)s")
+            run(load_config(args.config))
+            return 0
+        return _job_command(args)
+    except ApiError as err:
+        print(f"netagg: {err}", file=sys.stderr)
+        return EXIT_CODES.get(err.code, 1)
+    except ConfigError as err:
+        print(f"netagg: {err}", file=sys.stderr)
+        return EXIT_CODES["invalid_argument"]
+    except P4RuntimeError as err:  # the daemon's start-up: switch unreachable, pipeline refused
+        print(f"netagg: switch error: {err}", file=sys.stderr)
+        return EXIT_CODES["switch_error"]
+    except ServiceError as err:
+        print(f"netagg: {err}", file=sys.stderr)
+        return EXIT_CODES.get(err.code, 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

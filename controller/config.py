@@ -1,0 +1,268 @@
+"""The controller's YAML configuration, validated on load.
+
+Every problem is reported as one :class:`ConfigError` naming the file, the key
+(as a dotted path) and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from netagg import dataplane as dp
+from netagg import wire
+from netagg.jobconfig import ConfigError
+
+_MAC = re.compile(r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$")
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """An end host attached to a switch port."""
+
+    name: str
+    ip: str
+    mac: str
+    port: int
+
+
+@dataclass(frozen=True)
+class PsConfig:
+    """A parameter server endpoint jobs may use."""
+
+    name: str
+    host: str
+    udp_port: int
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Everything the controller daemon reads from its YAML file."""
+
+    source: str
+    grpc_address: str
+    device_id: int
+    election_id: int
+    p4info: Path
+    bmv2_json: Path | None
+    aggregator_ip: str
+    aggregator_mac: str
+    aggregator_port: int
+    slot_capacity: int
+    min_slots: int
+    default_lease_seconds: float
+    database: Path
+    api_socket: Path
+    admin_token: str
+    tenants: dict[str, str]  # token -> tenant
+    hosts: dict[str, HostConfig] = field(default_factory=dict)
+    parameter_servers: dict[str, PsConfig] = field(default_factory=dict)
+
+    def host_by_ip(self, ip: str) -> HostConfig | None:
+        return next((h for h in self.hosts.values() if h.ip == ip), None)
+
+
+_SCHEMA: dict[str, set[str]] = {
+    "": {"switch", "slots", "jobs", "controller", "tenants", "hosts", "parameter_servers"},
+    "switch": {"grpc_address", "device_id", "election_id", "p4info", "bmv2_json", "aggregator"},
+    "switch.aggregator": {"ip", "mac", "udp_port"},
+    "slots": {"capacity", "min_per_job"},
+    "jobs": {"lease_seconds"},
+    "controller": {"database", "api_socket", "admin_token"},
+    "hosts.*": {"name", "ip", "mac", "port"},
+    "parameter_servers.*": {"name", "host", "udp_port"},
+}
+
+
+class _Reader:
+    """Typed access to a nested mapping with errors that name file and key."""
+
+    def __init__(self, source: str, data: Any) -> None:
+        self.source = source
+        self.data = data
+
+    def fail(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {key}: {problem}")
+
+    def section(self, key: str, required: bool = True) -> dict:
+        value = self._get(key)
+        if value is None:
+            if required:
+                raise self.fail(key, "missing section")
+            return {}
+        if not isinstance(value, dict):
+            raise self.fail(key, f"expected a mapping, got {type(value).__name__}")
+        return value
+
+    def _get(self, key: str) -> Any:
+        node = self.data
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    def value(self, key: str, kind: type | tuple[type, ...], default: Any = ..., node: dict | None = None,
+              name: str | None = None) -> Any:
+        container = node if node is not None else None
+        raw = container.get(key.rsplit(".", 1)[-1]) if container is not None else self._get(key)
+        shown = name or key
+        if raw is None:
+            if default is ...:
+                raise self.fail(shown, "missing")
+            return default
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if isinstance(raw, bool) and bool not in kinds:
+            raise self.fail(shown, f"expected {kinds[0].__name__}, got {raw!r}")
+        if float in kinds and isinstance(raw, int):
+            raw = float(raw)
+        if not isinstance(raw, kinds):
+            raise self.fail(shown, f"expected {kinds[0].__name__}, got {raw!r}")
+        return raw
+
+
+def _check_keys(reader: _Reader) -> None:
+    data = reader.data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{reader.source}: expected a mapping at the top level")
+    for path, allowed in _SCHEMA.items():
+        if path.endswith(".*"):
+            items = data.get(path[:-2]) or []
+            if not isinstance(items, list):
+                raise reader.fail(path[:-2], "expected a list")
+            for i, item in enumerate(items):
+                if not isinstance(item, dict):
+                    raise reader.fail(f"{path[:-2]}[{i}]", "expected a mapping")
+                for key in item:
+                    if key not in allowed:
+                        raise reader.fail(f"{path[:-2]}[{i}].{key}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
+            continue
+        node = reader._get(path) if path else data
+        if isinstance(node, dict):
+            for key in node:
+                if key not in allowed and path != "tenants":
+                    where = f"{path}.{key}" if path else key
+                    raise reader.fail(where, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def _ip(reader: _Reader, key: str, value: str) -> str:
+    try:
+        return str(ipaddress.IPv4Address(value))
+    except ValueError:
+        raise reader.fail(key, f"{value!r} is not an IPv4 address") from None
+
+
+def _mac(reader: _Reader, key: str, value: str) -> str:
+    if not _MAC.match(value):
+        raise reader.fail(key, f"{value!r} is not a MAC address like 02:00:00:00:00:01")
+    return value.lower()
+
+
+def _relative(base: Path, value: str) -> Path:
+    path = Path(value)
+    return path if path.is_absolute() else (base / path)
+
+
+def load_config(path: str | Path) -> ControllerConfig:
+    """Read and validate a controller configuration file."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    return parse_config(data, str(path), base=dp.REPO_ROOT)
+
+
+def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> ControllerConfig:
+    """Validate an already-parsed configuration mapping; relative paths resolve against ``base``."""
+    r = _Reader(source, data)
+    _check_keys(r)
+    r.section("switch")
+    grpc_address = r.value("switch.grpc_address", str)
+    if not re.match(r"^[\w.\-\[\]:]+:\d+$", grpc_address):
+        raise r.fail("switch.grpc_address", f"{grpc_address!r} is not host:port")
+    device_id = r.value("switch.device_id", int, 1)
+    election_id = r.value("switch.election_id", int, 1)
+    if election_id < 1:
+        raise r.fail("switch.election_id", "must be >= 1")
+    p4info = _relative(base, r.value("switch.p4info", str, str(dp.P4INFO_PATH)))
+    if not p4info.is_file():
+        raise r.fail("switch.p4info", f"no such file {p4info}")
+    bmv2_json_value = r.value("switch.bmv2_json", str, None)
+    bmv2_json = _relative(base, bmv2_json_value) if bmv2_json_value else None
+    r.section("switch.aggregator")
+    aggregator_ip = _ip(r, "switch.aggregator.ip", r.value("switch.aggregator.ip", str))
+    aggregator_mac = _mac(r, "switch.aggregator.mac", r.value("switch.aggregator.mac", str, "02:00:00:00:00:fe"))
+    aggregator_port = r.value("switch.aggregator.udp_port", int, wire.NETAGG_UDP_PORT)
+    if not 0 < aggregator_port < 65536:
+        raise r.fail("switch.aggregator.udp_port", f"{aggregator_port} is not a UDP port")
+
+    r.section("slots", required=False)
+    capacity = r.value("slots.capacity", int, 4096)
+    min_slots = r.value("slots.min_per_job", int, 1)
+    if capacity < 1:
+        raise r.fail("slots.capacity", "must be >= 1")
+    if not 1 <= min_slots <= capacity:
+        raise r.fail("slots.min_per_job", f"must be in 1..{capacity}")
+    lease = r.value("jobs.lease_seconds", float, 600.0)
+    if lease <= 0:
+        raise r.fail("jobs.lease_seconds", "must be > 0")
+
+    r.section("controller")
+    database = _relative(base, r.value("controller.database", str))
+    api_socket = _relative(base, r.value("controller.api_socket", str))
+    admin_token = r.value("controller.admin_token", str)
+    if len(admin_token) < 8:
+        raise r.fail("controller.admin_token", "must be at least 8 characters")
+
+    tenants: dict[str, str] = {}
+    for tenant, spec in r.section("tenants", required=False).items():
+        if not isinstance(spec, dict) or set(spec) != {"token"} or not isinstance(spec["token"], str):
+            raise r.fail(f"tenants.{tenant}", "expected {token: <string>}")
+        token = spec["token"]
+        if len(token) < 8:
+            raise r.fail(f"tenants.{tenant}.token", "must be at least 8 characters")
+        if token in tenants or token == admin_token:
+            raise r.fail(f"tenants.{tenant}.token", "is already used by another tenant or the admin")
+        tenants[token] = str(tenant)
+
+    hosts: dict[str, HostConfig] = {}
+    for i, item in enumerate(data.get("hosts") or []):
+        where = f"hosts[{i}]"
+        name = r.value("name", str, node=item, name=f"{where}.name")
+        if name in hosts:
+            raise r.fail(f"{where}.name", f"duplicate host {name!r}")
+        port = r.value("port", int, node=item, name=f"{where}.port")
+        if not 0 <= port < dp.DROP_PORT:
+            raise r.fail(f"{where}.port", f"switch port {port} not in 0..{dp.DROP_PORT - 1}")
+        hosts[name] = HostConfig(
+            name=name,
+            ip=_ip(r, f"{where}.ip", r.value("ip", str, node=item, name=f"{where}.ip")),
+            mac=_mac(r, f"{where}.mac", r.value("mac", str, node=item, name=f"{where}.mac")),
+            port=port,
+        )
+    servers: dict[str, PsConfig] = {}
+    for i, item in enumerate(data.get("parameter_servers") or []):
+        where = f"parameter_servers[{i}]"
+        name = r.value("name", str, node=item, name=f"{where}.name")
+        host = r.value("host", str, node=item, name=f"{where}.host")
+        if host not in hosts:
+            raise r.fail(f"{where}.host", f"unknown host {host!r} (define it under hosts)")
+        udp_port = r.value("udp_port", int, node=item, name=f"{where}.udp_port")
+        if not 0 < udp_port < 65536:
+            raise r.fail(f"{where}.udp_port", f"{udp_port} is not a UDP port")
+        servers[name] = PsConfig(name, host, udp_port)
+    return ControllerConfig(
+        source=source, grpc_address=grpc_address, device_id=device_id, election_id=election_id,
+        p4info=p4info, bmv2_json=bmv2_json, aggregator_ip=aggregator_ip, aggregator_mac=aggregator_mac,
+        aggregator_port=aggregator_port, slot_capacity=capacity, min_slots=min_slots,
+        default_lease_seconds=lease, database=database, api_socket=api_socket, admin_token=admin_token,
+        tenants=tenants, hosts=hosts, parameter_servers=servers,
+    )

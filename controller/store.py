@@ -1,0 +1,182 @@
+"""The controller's durable state: jobs in SQLite (WAL), written before the switch is touched.
+
+A job row goes through ``installing`` -> ``active`` -> ``deleting`` -> (row removed).
+Its slot range stays taken until the row is gone, so a crash at any moment can
+neither lose a job nor hand its slots to another one; the daemon's reconcile
+finishes whatever the crash interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id        INTEGER PRIMARY KEY,
+    tenant        TEXT NOT NULL,
+    name          TEXT NOT NULL,
+    mode          TEXT NOT NULL CHECK (mode IN ('allreduce', 'ps', 'fallback')),
+    state         TEXT NOT NULL CHECK (state IN ('installing', 'active', 'deleting')),
+    slot_base     INTEGER NOT NULL,
+    slot_count    INTEGER NOT NULL,
+    slots_wanted  INTEGER NOT NULL,
+    generation    INTEGER NOT NULL UNIQUE,
+    workers       TEXT NOT NULL,
+    ps            TEXT,
+    lease_seconds REAL NOT NULL,
+    lease_expires REAL NOT NULL,
+    created       REAL NOT NULL,
+    counter_base  TEXT NOT NULL DEFAULT '{}',
+    note          TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta (key, value) VALUES ('next_generation', 1);
+"""
+
+
+@dataclass(frozen=True)
+class WorkerEndpoint:
+    """One worker of a job: rank, host name (from the config), address and UDP port."""
+
+    rank: int
+    host: str
+    ip: str
+    udp_port: int
+
+
+@dataclass(frozen=True)
+class PsEndpoint:
+    """The job's parameter server."""
+
+    host: str
+    ip: str
+    udp_port: int
+
+
+@dataclass
+class JobRecord:
+    """A job as the database holds it."""
+
+    job_id: int
+    tenant: str
+    name: str
+    mode: str
+    state: str
+    slot_base: int
+    slot_count: int
+    slots_wanted: int
+    generation: int
+    workers: list[WorkerEndpoint]
+    ps: PsEndpoint | None
+    lease_seconds: float
+    lease_expires: float
+    created: float
+    counter_base: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def uses_switch(self) -> bool:
+        return self.mode != "fallback"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _row_to_job(row: sqlite3.Row) -> JobRecord:
+    ps = json.loads(row["ps"]) if row["ps"] else None
+    return JobRecord(
+        job_id=row["job_id"], tenant=row["tenant"], name=row["name"], mode=row["mode"], state=row["state"],
+        slot_base=row["slot_base"], slot_count=row["slot_count"], slots_wanted=row["slots_wanted"],
+        generation=row["generation"],
+        workers=[WorkerEndpoint(**w) for w in json.loads(row["workers"])],
+        ps=PsEndpoint(**ps) if ps else None,
+        lease_seconds=row["lease_seconds"], lease_expires=row["lease_expires"], created=row["created"],
+        counter_base=json.loads(row["counter_base"]), note=row["note"],
+    )
+
+
+class JobStore:
+    """Thread-safe access to the jobs database."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=10)
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.executescript(SCHEMA)
+        self._lock = threading.RLock()
+
+    def close(self) -> None:
+        self._conn.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error), serialized across threads."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def next_generation(self, conn: sqlite3.Connection) -> int:
+        value = conn.execute("SELECT value FROM meta WHERE key = 'next_generation'").fetchone()[0]
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'next_generation'", (value + 1,))
+        return value
+
+    def insert(self, conn: sqlite3.Connection, job: JobRecord) -> None:
+        conn.execute(
+            "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
+            " workers, ps, lease_seconds, lease_expires, created, counter_base, note)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
+             job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
+             json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
+             job.created, json.dumps(job.counter_base), job.note),
+        )
+
+    def set_state(self, job_id: int, state: str) -> None:
+        with self.transaction() as conn:
+            conn.execute("UPDATE jobs SET state = ? WHERE job_id = ?", (state, job_id))
+
+    def set_counter_base(self, job_id: int, base: dict[str, int]) -> None:
+        with self.transaction() as conn:
+            conn.execute("UPDATE jobs SET counter_base = ? WHERE job_id = ?", (json.dumps(base), job_id))
+
+    def renew(self, job_id: int, now: float | None = None) -> float:
+        now = time.time() if now is None else now
+        with self.transaction() as conn:
+            row = conn.execute("SELECT lease_seconds FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            expires = now + row["lease_seconds"]
+            conn.execute("UPDATE jobs SET lease_expires = ? WHERE job_id = ?", (expires, job_id))
+        return expires
+
+    def remove(self, job_id: int) -> None:
+        with self.transaction() as conn:
+            conn.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+
+    def get(self, job_id: int) -> JobRecord | None:
+        with self._lock:
+            row = self._conn.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        return _row_to_job(row) if row else None
+
+    def all(self, conn: sqlite3.Connection | None = None) -> list[JobRecord]:
+        with self._lock:
+            rows = (conn or self._conn).execute("SELECT * FROM jobs ORDER BY job_id").fetchall()
+        return [_row_to_job(r) for r in rows]
+
+    def expired(self, now: float) -> list[JobRecord]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT * FROM jobs WHERE lease_expires < ? AND state != 'deleting'", (now,)).fetchall()
+        return [_row_to_job(r) for r in rows]

@@ -1,0 +1,3 @@
+from netagg.softswitch.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""``netagg-softswitch``: run the software target (the embedded default switch).
+
+Like ``simple_switch_grpc --no-p4``: it starts without a pipeline and waits for a
+controller to push the P4Info over P4Runtime; packets arriving before that are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from netagg import wire
+from netagg.softswitch.target import Faults, SoftwareTarget
+
+
+def _interface(text: str) -> tuple[int, str]:
+    number, sep, ifname = text.partition("@")
+    if not sep or not number.isdigit() or not ifname:
+        raise argparse.ArgumentTypeError(f"expected PORT@IFNAME like 1@veth1, got {text!r}")
+    return int(number), ifname
+
+
+def _endpoint(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT like 127.0.0.1:{wire.NETAGG_UDP_PORT}, got {text!r}")
+    return host, int(port)
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"a fraction in [0, 1), got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="netagg-softswitch", description=__doc__)
+    parser.add_argument("--grpc-addr", default="127.0.0.1:9559", help="P4Runtime listen address")
+    parser.add_argument("--device-id", type=int, default=1)
+    parser.add_argument("-i", "--interface", type=_interface, action="append", default=[],
+                        help="PORT@IFNAME: attach a Linux interface as a switch port (raw socket)")
+    parser.add_argument("--loopback", type=_endpoint,
+                        help=f"HOST:PORT of the loopback UDP port (e.g. 127.0.0.1:{wire.NETAGG_UDP_PORT})")
+    parser.add_argument("--drop", type=_fraction, default=0.0, help="fraction of packets dropped (in and out)")
+    parser.add_argument("--duplicate", type=_fraction, default=0.0, help="fraction of packets duplicated")
+    parser.add_argument("--reorder", type=_fraction, default=0.0, help="fraction of packets reordered")
+    parser.add_argument("--seed", type=int, default=1, help="fault injection seed")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s softswitch %(levelname)s %(message)s")
+    interfaces = dict(args.interface)
+    if len(interfaces) != len(args.interface):
+        parser.error("two interfaces share a port number")
+    try:
+        target = SoftwareTarget(args.grpc_addr, interfaces, args.loopback,
+                                Faults(args.drop, args.duplicate, args.reorder, args.seed), args.device_id)
+        target.start()
+    except (OSError, ValueError) as err:
+        print(f"netagg-softswitch: {err}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    where = f", loopback {target.loopback.address[0]}:{target.loopback.address[1]}" if target.loopback else ""
+    logging.info("ready: P4Runtime on %s, ports %s%s", target.grpc_address,
+                 sorted(target.switch.ports), where)
+    stop.wait()
+    target.stop()
+    s = target.switch.stats
+    logging.info("stopped: %d frames in, %d out, %d to unknown ports, %d failed", s.received, s.transmitted,
+                 s.unknown_port, s.transmit_failed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The software target assembled: P4Runtime server + pipeline model + ports + fault injection."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from netagg import dataplane as dp
+from netagg.p4info import P4InfoIndex
+from netagg.softswitch.faults import FaultInjector
+from netagg.softswitch.forwarding_state import ForwardingState
+from netagg.softswitch.p4runtime_server import P4RuntimeDevice, ServerHandle, serve
+from netagg.softswitch.pipeline import NetaggPipeline
+from netagg.softswitch.ports import LoopbackUdpPort, Port, RawSocketPort
+from netagg.softswitch.switch import SoftSwitch
+
+log = logging.getLogger(__name__)
+
+#: Switch port number of the loopback UDP port (the controller's hosts use it).
+LOOPBACK_PORT_NUMBER = 1
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Fractions of packets dropped, duplicated and reordered, in and out; seeded."""
+
+    drop: float = 0.0
+    duplicate: float = 0.0
+    reorder: float = 0.0
+    seed: int = 1
+
+    def injectors(self) -> tuple[FaultInjector, FaultInjector]:
+        rx = FaultInjector(self.drop, self.duplicate, self.reorder, seed=self.seed)
+        tx = FaultInjector(self.drop, self.duplicate, self.reorder, seed=self.seed + 1)
+        return rx, tx
+
+
+class SoftwareTarget:
+    """A running software switch: ``start()``, then reach it over P4Runtime at ``grpc_address``."""
+
+    def __init__(self, grpc_address: str = "127.0.0.1:9559", interfaces: Mapping[int, str] | None = None,
+                 loopback: tuple[str, int] | None = None, faults: Faults | None = None, device_id: int = 1,
+                 p4info_path: Path = dp.P4INFO_PATH) -> None:
+        index = P4InfoIndex.from_file(p4info_path)
+        self.state = ForwardingState(index)
+        self.pipeline = NetaggPipeline(self.state, index.p4info)
+        self.state.add_reset_hook(self.pipeline.reset_registers)
+        self.device = P4RuntimeDevice(self.state, device_id=device_id)
+        self._grpc_request = grpc_address
+        ports: list[Port] = [RawSocketPort(n, ifname) for n, ifname in sorted((interfaces or {}).items())]
+        self.loopback: LoopbackUdpPort | None = None
+        if loopback is not None:
+            if LOOPBACK_PORT_NUMBER in (interfaces or {}):
+                raise ValueError(f"port {LOOPBACK_PORT_NUMBER} is the loopback port; number interfaces from 2")
+            self.loopback = LoopbackUdpPort(LOOPBACK_PORT_NUMBER, *loopback)
+            ports.append(self.loopback)
+        if not ports:
+            raise ValueError("the software target needs at least one port (-i N@IFNAME or --loopback)")
+        rx, tx = (faults or Faults()).injectors()
+        self.switch = SoftSwitch(self.pipeline.process, ports, rx, tx)
+        self.server: ServerHandle | None = None
+
+    @property
+    def grpc_address(self) -> str:
+        if self.server is None:
+            return self._grpc_request
+        return f"{self._grpc_request.rsplit(':', 1)[0]}:{self.server.port}"
+
+    def start(self) -> SoftwareTarget:
+        self.server = serve(self.device, self._grpc_request, device_id=self.device.device_id)
+        self.switch.start()
+        return self
+
+    def stop(self) -> None:
+        self.switch.stop()
+        if self.server is not None:
+            self.server.server.stop(grace=0.5)
+
+    def __enter__(self) -> SoftwareTarget:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
