@@ -46,7 +46,8 @@ def run_suite(target: str, tests: list[str], log_dir: Path, prefix: str) -> int:
                               grpc_address=GRPC_ADDRESS, namespace=rig.namespace)
         try:
             interfaces = [arg for port, ifname in rig.test_interfaces().items() for arg in ("-i", f"{port}@{ifname}")]
-            params = f"grpcaddr={GRPC_ADDRESS};p4info={dp.P4INFO_PATH};config={config};target={target}"
+            # PTF evaluates each value as a Python literal, hence the quotes.
+            params = f"grpcaddr='{GRPC_ADDRESS}';p4info='{dp.P4INFO_PATH}';config='{config}';target='{target}'"
             cmd = ns_exec(rig.namespace, [
                 str(Path(sys.executable).with_name("ptf")), "--test-dir", str(PTF_DIR), *interfaces,
                 "--test-params", params, "--log-file", str(log_dir / f"ptf-{target}.log"),

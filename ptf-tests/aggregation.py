@@ -98,23 +98,6 @@ class OtherPoolReduction(NetaggTest):
         self.expect_on_ports([(w.port, result_for(packets[-1], w, [21] * wire.K, 0)) for w in workers])
 
 
-class BothPoolsInterleaved(NetaggTest):
-    """Pools 0 and 1 of one slot aggregate independently when interleaved."""
-
-    def runTest(self) -> None:
-        workers = make_workers(2)
-        job = self.add_job(workers)
-        p0 = [contribution(job, w, [1 + w.rank] * wire.K, pool=0, seq=1) for w in workers]
-        p1 = [contribution(job, w, [100 * (1 + w.rank)] * wire.K, pool=1, seq=2) for w in workers]
-        self.send(workers[0].port, p0[0])
-        self.send(workers[1].port, p1[1])
-        self.expect_nothing()
-        self.send(workers[1].port, p0[1])
-        self.expect_on_ports([(w.port, result_for(p0[1], w, [3] * wire.K, 0)) for w in workers])
-        self.send(workers[0].port, p1[0])
-        self.expect_on_ports([(w.port, result_for(p1[0], w, [300] * wire.K, 0)) for w in workers])
-
-
 class SlotReuse(NetaggTest):
     """A slot alternates pools round after round; each round overwrites the old sums."""
 

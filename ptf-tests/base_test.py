@@ -7,9 +7,11 @@ Switch ports 1..8 are wired to PTF ports 1..8.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import ptf
 import ptf.testutils as tu
@@ -31,11 +33,27 @@ NO_PACKET_TIMEOUT = 0.5
 #: Time a test waits for an expected packet.
 PACKET_TIMEOUT = 3.0
 
-_pipeline_pushed = False
+_client: P4RuntimeClient | None = None
 # Job ids and generations unique within one PTF run, so that every test meets
 # slots that an earlier test's job left behind (the stale-slot path).
 _job_ids = itertools.count(1)
 _generations = itertools.count(1000)
+
+
+def _session() -> P4RuntimeClient:
+    """One primary P4Runtime session for the whole run; the pipeline is pushed when it opens."""
+    global _client
+    if _client is None:
+        params = tu.test_params_get()
+        client = P4RuntimeClient(params.get("grpcaddr", "127.0.0.1:9559"),
+                                 device_id=int(params.get("device_id", 1)), election_id=(0, 1))
+        client.connect()
+        config = params.get("config") or ""
+        device_config = Path(config).read_bytes() if config else b""
+        client.set_pipeline(params.get("p4info", str(dp.P4INFO_PATH)), device_config)
+        atexit.register(client.close)
+        _client = client
+    return _client
 
 
 @dataclass(frozen=True)
@@ -82,28 +100,15 @@ class NetaggTest(BaseTest):
 
     def setUp(self) -> None:
         BaseTest.setUp(self)
-        global _pipeline_pushed
         self.dataplane = ptf.dataplane_instance
         self.dataplane.flush()
-        params = tu.test_params_get()
-        self.client = P4RuntimeClient(
-            params.get("grpcaddr", "127.0.0.1:9559"),
-            device_id=int(params.get("device_id", 1)),
-            election_id=(0, 1),
-        )
-        self.client.connect()
-        if not _pipeline_pushed:
-            config = params.get("config") or ""
-            device_config = open(config, "rb").read() if config else b""
-            self.client.set_pipeline(params.get("p4info", str(dp.P4INFO_PATH)), device_config)
-            _pipeline_pushed = True
+        self.client = _session()
         self._undo: list = []
         self._job_undo: dict[int, list] = {}
 
     def tearDown(self) -> None:
         for undo in reversed(self._undo):
             undo()
-        self.client.close()
         BaseTest.tearDown(self)
 
     # -- control plane -----------------------------------------------------
