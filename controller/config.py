@@ -140,7 +140,8 @@ def _check_keys(reader: _Reader) -> None:
                     raise reader.fail(f"{path[:-2]}[{i}]", "expected a mapping")
                 for key in item:
                     if key not in allowed:
-                        raise reader.fail(f"{path[:-2]}[{i}].{key}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
+                        allowed_text = ", ".join(sorted(allowed))
+                        raise reader.fail(f"{path[:-2]}[{i}].{key}", f"unknown key (allowed: {allowed_text})")
             continue
         node = reader._get(path) if path else data
         if isinstance(node, dict):

@@ -166,34 +166,34 @@ def _encode(value: int, bitwidth: int, what: str) -> bytes:
         raise _client_error(f"{what}: {e}") from None
 
 
-def _field_match(table: TableInfo, mf: MatchFieldInfo, value: MatchValue) -> p4rt.FieldMatch | None:
-    """The FieldMatch for a user value; None when it means don't-care (prefix 0, mask 0)."""
+def _add_field_match(entry: p4rt.TableEntry, table: TableInfo, mf: MatchFieldInfo,
+                     value: MatchValue) -> None:
+    """Add the FieldMatch for a user value; nothing when it means don't-care (prefix 0, mask 0)."""
     what = f"table '{table.name}' field '{mf.name}'"
     kind, width = mf.match_kind, mf.bitwidth
     pair = isinstance(value, tuple)
     if (kind in ("exact", "optional") and pair) or (kind in ("ternary", "range") and not pair):
         raise _client_error(f"{what} is {kind}: got {value!r}")
-    fm = p4rt.FieldMatch(field_id=mf.id)
     if kind == "exact":
-        fm.exact.value = _encode(value, width, what)  # type: ignore[arg-type]
+        entry.match.add(field_id=mf.id).exact.value = _encode(value, width, what)  # type: ignore[arg-type]
     elif kind == "optional":
-        fm.optional.value = _encode(value, width, what)  # type: ignore[arg-type]
+        entry.match.add(field_id=mf.id).optional.value = _encode(value, width, what)  # type: ignore[arg-type]
     elif kind == "lpm":
         prefix, prefix_len = value if isinstance(value, tuple) else (value, width)
-        if prefix_len == 0:
-            return None
-        fm.lpm.value, fm.lpm.prefix_len = _encode(prefix, width, what), prefix_len
+        if prefix_len:
+            fm = entry.match.add(field_id=mf.id)
+            fm.lpm.value, fm.lpm.prefix_len = _encode(prefix, width, what), prefix_len
     elif kind == "ternary":
-        if value[1] == 0:  # type: ignore[index]
-            return None
-        fm.ternary.value = _encode(value[0], width, what)  # type: ignore[index]
-        fm.ternary.mask = _encode(value[1], width, what)  # type: ignore[index]
+        if value[1]:  # type: ignore[index]
+            fm = entry.match.add(field_id=mf.id)
+            fm.ternary.value = _encode(value[0], width, what)  # type: ignore[index]
+            fm.ternary.mask = _encode(value[1], width, what)  # type: ignore[index]
     elif kind == "range":
+        fm = entry.match.add(field_id=mf.id)
         fm.range.low = _encode(value[0], width, what)  # type: ignore[index]
         fm.range.high = _encode(value[1], width, what)  # type: ignore[index]
     else:
         raise _client_error(f"{what}: match kind {kind!r} is not supported")
-    return fm
 
 
 def _decode_field(mf: MatchFieldInfo, fm: p4rt.FieldMatch) -> MatchValue:
@@ -387,8 +387,14 @@ class P4RuntimeClient:
 
     def write(self, updates: Iterable[p4rt.Update]) -> None:
         """One Write RPC with these updates (CONTINUE_ON_ERROR)."""
-        request = p4rt.WriteRequest(device_id=self.device_id, election_id=self._uint128(),
-                                    updates=list(updates))
+        request = self._write_request()
+        request.updates.extend(updates)
+        self._send(request)
+
+    def _write_request(self) -> p4rt.WriteRequest:
+        return p4rt.WriteRequest(device_id=self.device_id, election_id=self._uint128())
+
+    def _send(self, request: p4rt.WriteRequest) -> None:
         try:
             self.stub.Write(request, timeout=self.timeout)
         except grpc.RpcError as e:
@@ -452,16 +458,19 @@ class P4RuntimeClient:
     # ---- table entries
 
     def table_entry(self, table: str, match: Mapping[str, MatchValue], action: str | None = None,
-                    params: Mapping[str, int] | None = None, priority: int = 0) -> p4rt.TableEntry:
-        """Build a TableEntry from names and ints (checks names and widths, not semantics)."""
+                    params: Mapping[str, int] | None = None, priority: int = 0,
+                    into: p4rt.TableEntry | None = None) -> p4rt.TableEntry:
+        """Build a TableEntry (in ``into`` if given) from names and ints.
+
+        Checks names and widths only; the switch checks the rest.
+        """
         index = self._p4info_index()
+        entry = into if into is not None else p4rt.TableEntry()
         try:
             info = index.table(table)
-            entry = p4rt.TableEntry(table_id=info.id, priority=priority)
+            entry.table_id, entry.priority = info.id, priority
             for name, value in match.items():
-                fm = _field_match(info, info.match_field(name), value)
-                if fm is not None:
-                    entry.match.append(fm)
+                _add_field_match(entry, info, info.match_field(name), value)
             if action is not None:
                 self._set_action(entry, index, info, action, params or {})
         except P4InfoLookupError as e:
@@ -480,10 +489,6 @@ class P4RuntimeClient:
             entry.action.action.params.add(param_id=param.id, value=_encode(
                 value, param.bitwidth, f"action '{info.name}' param '{param.name}'"))
 
-    def _update(self, op: EntryOp) -> p4rt.Update:
-        entry = self.table_entry(op.table, op.match, op.action, op.params, op.priority)
-        return p4rt.Update(type=_UPDATE_TYPES[op.kind], entity=p4rt.Entity(table_entry=entry))
-
     def insert_entry(self, table: str, match: Mapping[str, MatchValue], action: str,
                      params: Mapping[str, int] | None = None, priority: int = 0) -> None:
         """INSERT one entry."""
@@ -500,7 +505,12 @@ class P4RuntimeClient:
 
     def write_entries(self, ops: Iterable[EntryOp]) -> None:
         """Several table-entry updates in one Write RPC; P4RuntimeError.errors lists failures."""
-        self.write([self._update(op) for op in ops])
+        request = self._write_request()
+        for op in ops:
+            update = request.updates.add(type=_UPDATE_TYPES[op.kind])
+            self.table_entry(op.table, op.match, op.action, op.params, op.priority,
+                             into=update.entity.table_entry)
+        self._send(request)
 
     def read_entries(self, table: str | None = None) -> list[TableEntryView]:
         """All entries of one table, or of every table."""

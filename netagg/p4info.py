@@ -133,7 +133,7 @@ class ActionInfo:
         raise P4InfoLookupError(f"action '{self.name}' has no parameter {key!r}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class TableInfo:
     """A table: match fields (P4Info order), allowed actions and their scopes, size."""
 

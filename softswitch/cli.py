@@ -12,8 +12,9 @@ import signal
 import sys
 import threading
 
-from netagg import wire
 from netagg.softswitch.target import Faults, SoftwareTarget
+
+from netagg import wire
 
 
 def _interface(text: str) -> tuple[int, str]:

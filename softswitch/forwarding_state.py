@@ -16,6 +16,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -73,6 +74,9 @@ def _invalid(message: str) -> StateError:
 
 
 # --------------------------------------------------------------------------- tables
+
+#: Where ``read`` adds entities (``ReadResponse.entities``).
+RepeatedEntities = Any
 
 #: A normalised match key: per field (P4Info order) exact -> int, lpm -> (value, prefix_len),
 #: ternary -> (value, mask), range -> (low, high), optional -> int or None (wildcard).
@@ -421,12 +425,12 @@ def _describe_key(info: TableInfo, key: MatchKey) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
-def _field_match_proto(mf: MatchFieldInfo, v: object) -> p4rt.FieldMatch | None:
-    """The canonical FieldMatch for a normalised value; None for don't-care."""
+def _add_field_match(te: p4rt.TableEntry, mf: MatchFieldInfo, v: object) -> None:
+    """Add the canonical FieldMatch for a normalised value (nothing for don't-care)."""
     kind, width = mf.match_kind, mf.bitwidth
     if kind != "exact" and v == _dont_care(mf):
-        return None
-    fm = p4rt.FieldMatch(field_id=mf.id)
+        return
+    fm = te.match.add(field_id=mf.id)
     if kind == "exact":
         fm.exact.value = encode_int(v, width)  # type: ignore[arg-type]
     elif kind == "optional":
@@ -437,7 +441,6 @@ def _field_match_proto(mf: MatchFieldInfo, v: object) -> p4rt.FieldMatch | None:
         fm.ternary.value, fm.ternary.mask = encode_int(v[0], width), encode_int(v[1], width)  # type: ignore[index]
     else:
         fm.range.low, fm.range.high = encode_int(v[0], width), encode_int(v[1], width)  # type: ignore[index]
-    return fm
 
 
 # --------------------------------------------------------------------------- the state
@@ -709,27 +712,40 @@ class ForwardingState:
             raise _invalid(f"the P4Info has no counter with id {counter_id:#x}") from None
 
     # ---- P4Runtime reads
+    #
+    # Results are built in place (``new()`` hands out the message to fill): with the
+    # pure-Python protobuf runtime, copying thousands of messages costs more than building them.
 
-    def read(self, entity: p4rt.Entity) -> list[p4rt.Entity]:
-        """The entities a Read of ``entity`` returns; raises StateError."""
+    def read(self, entity: p4rt.Entity, sink: RepeatedEntities | None = None) -> list[p4rt.Entity]:
+        """The entities a Read of ``entity`` selects, added to ``sink`` if given; raises StateError."""
+        add: Callable[[], p4rt.Entity] = sink.add if sink is not None else p4rt.Entity
+        added: list[p4rt.Entity] = []
+
+        def new_entity() -> p4rt.Entity:
+            added.append(add())
+            return added[-1]
+
         kind = entity.WhichOneof("entity")
         if kind == "table_entry":
-            return [p4rt.Entity(table_entry=te) for te in self.read_table_entries(entity.table_entry)]
-        if kind == "counter_entry":
-            return [p4rt.Entity(counter_entry=ce)
-                    for ce in self.read_counter_entries(entity.counter_entry)]
-        if kind == "packet_replication_engine_entry":
-            groups = self.read_multicast_groups(_multicast_entry(entity))
-            return [p4rt.Entity(packet_replication_engine_entry=p4rt.PacketReplicationEngineEntry(
-                multicast_group_entry=g)) for g in groups]
-        if kind == "register_entry":
+            self.read_table_entries(entity.table_entry, lambda: new_entity().table_entry)
+        elif kind == "counter_entry":
+            self.read_counter_entries(entity.counter_entry, lambda: new_entity().counter_entry)
+        elif kind == "packet_replication_engine_entry":
+            self.read_multicast_groups(
+                _multicast_entry(entity),
+                lambda: new_entity().packet_replication_engine_entry.multicast_group_entry)
+        elif kind == "register_entry":
             # Exactly like PI/BMv2 (p4lang/PI#376): registers cannot be read over P4Runtime.
             raise StateError(_Code.UNIMPLEMENTED, "Register reads are not supported yet")
-        if kind is None:
+        elif kind is None:
             raise _invalid("the read request holds an empty entity")
-        raise StateError(_Code.UNIMPLEMENTED, f"{kind} reads are not supported by this target")
+        else:
+            raise StateError(_Code.UNIMPLEMENTED, f"{kind} reads are not supported by this target")
+        return added
 
-    def read_table_entries(self, te: p4rt.TableEntry) -> list[p4rt.TableEntry]:
+    def read_table_entries(self, te: p4rt.TableEntry,
+                           new: Callable[[], p4rt.TableEntry] = p4rt.TableEntry,
+                           ) -> list[p4rt.TableEntry]:
         """Entries of one table (or all: table_id 0), a single one (match given), or the default."""
         if te.table_id == 0:
             if te.match or te.is_default_action:
@@ -741,32 +757,19 @@ class ForwardingState:
         out: list[p4rt.TableEntry] = []
         for table in tables:
             if te.is_default_action:
-                out.append(self._default_entry_proto(table))
-            elif te.match:
-                key = _parse_match(table.info, te)
-                found = table.get(key, _parse_priority(table.info, te.priority))
-                out += [self._entry_proto(table, found)] if found else []
+                out.append(_fill_default_entry(new(), table))
+                continue
+            if te.match:
+                found = table.get(_parse_match(table.info, te), _parse_priority(table.info, te.priority))
+                entries = [found] if found else []
             else:
-                out += [self._entry_proto(table, e) for e in table.entries()]
+                entries = table.entries()
+            out += [_fill_entry(new(), table.info, e) for e in entries]
         return out
 
-    def _entry_proto(self, table: Table, e: TableEntryRecord) -> p4rt.TableEntry:
-        te = p4rt.TableEntry(table_id=table.info.id, priority=e.priority,
-                             controller_metadata=e.controller_metadata, metadata=e.metadata)
-        for mf, v in zip(table.info.match_fields, e.key, strict=True):
-            fm = _field_match_proto(mf, v)
-            if fm is not None:
-                te.match.append(fm)
-        _set_action(te, e.action, e.params)
-        return te
-
-    def _default_entry_proto(self, table: Table) -> p4rt.TableEntry:
-        te = p4rt.TableEntry(table_id=table.info.id, is_default_action=True)
-        if table.default_action is not None:
-            _set_action(te, table.default_action, table.default_params)
-        return te
-
-    def read_counter_entries(self, ce: p4rt.CounterEntry) -> list[p4rt.CounterEntry]:
+    def read_counter_entries(self, ce: p4rt.CounterEntry,
+                             new: Callable[[], p4rt.CounterEntry] = p4rt.CounterEntry,
+                             ) -> list[p4rt.CounterEntry]:
         """Cells of one counter (or all: counter_id 0); every index unless one is given."""
         infos = self.index.counters if ce.counter_id == 0 else (self._counter_info(ce.counter_id),)
         out: list[p4rt.CounterEntry] = []
@@ -778,11 +781,17 @@ class ForwardingState:
             packets, byte_counts = self._counters[info.name]
             for i, p, b in zip(indices, packets[indices].tolist(), byte_counts[indices].tolist(),
                                strict=True):
-                out.append(p4rt.CounterEntry(counter_id=info.id, index=p4rt.Index(index=i),
-                                             data=p4rt.CounterData(packet_count=p, byte_count=b)))
+                cell = new()
+                cell.counter_id = info.id
+                cell.index.index = i
+                cell.data.packet_count = p
+                cell.data.byte_count = b
+                out.append(cell)
         return out
 
-    def read_multicast_groups(self, mge: p4rt.MulticastGroupEntry) -> list[p4rt.MulticastGroupEntry]:
+    def read_multicast_groups(self, mge: p4rt.MulticastGroupEntry,
+                              new: Callable[[], p4rt.MulticastGroupEntry] = p4rt.MulticastGroupEntry,
+                              ) -> list[p4rt.MulticastGroupEntry]:
         """One group (NOT_FOUND if absent) or all (id 0), replicas in the form they were written."""
         gid = _check_group_id(mge.multicast_group_id, allow_zero=True)
         if gid == 0:
@@ -791,10 +800,10 @@ class ForwardingState:
             gids = [gid]
         else:
             raise StateError(_Code.NOT_FOUND, f"multicast group {gid} does not exist")
-        return [self._group_proto(g) for g in gids]
+        return [self._fill_group(new(), g) for g in gids]
 
-    def _group_proto(self, gid: int) -> p4rt.MulticastGroupEntry:
-        entry = p4rt.MulticastGroupEntry(multicast_group_id=gid)
+    def _fill_group(self, entry: p4rt.MulticastGroupEntry, gid: int) -> p4rt.MulticastGroupEntry:
+        entry.multicast_group_id = gid
         for (port, instance), form in zip(self.multicast_groups[gid], self._replica_forms[gid],
                                           strict=True):
             if form is None:
@@ -802,6 +811,25 @@ class ForwardingState:
             else:
                 entry.replicas.add(port=port.to_bytes(form, "big"), instance=instance)
         return entry
+
+
+def _fill_entry(te: p4rt.TableEntry, info: TableInfo, e: TableEntryRecord) -> p4rt.TableEntry:
+    te.table_id = info.id
+    te.priority = e.priority
+    te.controller_metadata = e.controller_metadata
+    te.metadata = e.metadata
+    for mf, v in zip(info.match_fields, e.key, strict=True):
+        _add_field_match(te, mf, v)
+    _set_action(te, e.action, e.params)
+    return te
+
+
+def _fill_default_entry(te: p4rt.TableEntry, table: Table) -> p4rt.TableEntry:
+    te.table_id = table.info.id
+    te.is_default_action = True
+    if table.default_action is not None:
+        _set_action(te, table.default_action, table.default_params)
+    return te
 
 
 # --------------------------------------------------------------------------- helpers

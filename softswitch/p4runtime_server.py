@@ -54,8 +54,6 @@ log = logging.getLogger(__name__)
 P4RUNTIME_API_VERSION = "1.3.0"
 #: p4.v1.Error.space of the errors this target reports.
 ERROR_SPACE = "netagg-softswitch"
-#: Entities per ReadResponse message.
-READ_BATCH = 1000
 #: gRPC trailing-metadata key carrying a serialized google.rpc.Status.
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _MAX_MESSAGE_BYTES = 64 << 20
@@ -278,10 +276,13 @@ class P4RuntimeDevice:
                     results.append(StateError(_Code.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
         return results
 
-    def read(self, entities: list[p4rt.Entity]) -> list[p4rt.Entity]:
-        """Everything the entities of one ReadRequest select; the first failure raises."""
+    def read(self, entities: list[p4rt.Entity]) -> p4rt.ReadResponse:
+        """One ReadResponse with everything the entities select (as PI); the first failure raises."""
+        response = p4rt.ReadResponse()
         with self.state.lock:
-            return [found for entity in entities for found in self.state.read(entity)]
+            for entity in entities:
+                self.state.read(entity, response.entities)
+        return response
 
 
 def _copy_config(config: p4rt.ForwardingPipelineConfig) -> p4rt.ForwardingPipelineConfig:
@@ -364,13 +365,11 @@ class P4RuntimeServicer(p4runtime_pb2_grpc.P4RuntimeServicer):
         try:
             self.device.check_device(request.device_id)
             self.device.check_configured()
-            entities = self.device.read(list(request.entities))
+            response = self.device.read(list(request.entities))
         except Exception as e:
             failure = _failure(e)
         else:
-            yield p4rt.ReadResponse(entities=entities[:READ_BATCH])
-            for start in range(READ_BATCH, len(entities), READ_BATCH):
-                yield p4rt.ReadResponse(entities=entities[start:start + READ_BATCH])
+            yield response
             return
         context.abort(failure.code, failure.message)
 

@@ -13,12 +13,12 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+from netagg.softswitch.forwarding_state import ForwardingState
 from p4.config.v1 import p4info_pb2
 
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.dataplane import DropReason, ValueOp
-from netagg.softswitch.forwarding_state import ForwardingState
 
 _ETH = struct.Struct("!6s6sH")
 _IPV4 = struct.Struct("!BBHHHBBH4s4s")
@@ -291,9 +291,7 @@ class NetaggPipeline:
 
     def _exponent_max(self, hdr: list, pool_index: int, op: ValueOp) -> None:
         """ExponentMax: write / signed max / read; the packet carries the stored value."""
-        if op == ValueOp.WRITE:
-            self.exponent_max[pool_index] = hdr[_EXP]
-        elif op == ValueOp.MERGE and hdr[_EXP] > self.exponent_max[pool_index]:
+        if op == ValueOp.WRITE or (op == ValueOp.MERGE and hdr[_EXP] > self.exponent_max[pool_index]):
             self.exponent_max[pool_index] = hdr[_EXP]
         hdr[_EXP] = int(self.exponent_max[pool_index])
 

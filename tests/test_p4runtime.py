@@ -127,7 +127,7 @@ def test_encode_int_is_canonical() -> None:
 
 @pytest.mark.parametrize(("value", "bitwidth"), [(256, 8), (-1, 8), (2**9, 9), (1, 0)])
 def test_encode_int_rejects_what_does_not_fit(value: int, bitwidth: int) -> None:
-    with pytest.raises(ValueError, match="fit|positive"):
+    with pytest.raises(ValueError, match=r"fit|positive"):
         encode_int(value, bitwidth)
 
 
@@ -356,37 +356,46 @@ def test_lpm_longest_prefix_wins(client: P4RuntimeClient, switch: Switch) -> Non
 
 
 _INSERT = p4rt.Update.INSERT
-INVALID_UPDATES = [
-    ("value too wide", table_update(_INSERT, JOBS_ID, [exact(1, b"\x01\x00\x00")], SET_JOB_ID,
-                                    GOOD_JOB_PARAMS), "INVALID_ARGUMENT", "does not fit in 16 bits"),
-    ("unknown field", table_update(_INSERT, JOBS_ID, [exact(1, b"\x01"), exact(2, b"\x01")], SET_JOB_ID,
-                                   GOOD_JOB_PARAMS), "INVALID_ARGUMENT", "no match field with id 2"),
-    ("missing exact field", table_update(_INSERT, JOBS_ID, [], SET_JOB_ID, GOOD_JOB_PARAMS),
-     "INVALID_ARGUMENT", "'job_id' (exact, 16 bits) is missing"),
-    ("wrong match kind", table_update(_INSERT, JOBS_ID, [lpm(1, b"\x01", 16)], SET_JOB_ID,
-                                      GOOD_JOB_PARAMS), "INVALID_ARGUMENT", "got a lpm match"),
-    ("bits beyond prefix", table_update(_INSERT, ROUTES_ID, [lpm(1, b"\x0a\x01\x00\x00", 8)], FORWARD_ID,
-                                        [(1, b"\x01"), (2, b"\x01")]),
-     "INVALID_ARGUMENT", "bits set beyond the prefix length 8"),
-    ("prefix too long", table_update(_INSERT, ROUTES_ID, [lpm(1, b"\x0a\x00\x00\x00", 33)], FORWARD_ID,
-                                     [(1, b"\x01"), (2, b"\x01")]), "INVALID_ARGUMENT", "prefix length 33"),
-    ("missing param", table_update(_INSERT, JOBS_ID, [exact(1, b"\x01")], SET_JOB_ID, GOOD_JOB_PARAMS[:4]),
-     "INVALID_ARGUMENT", "missing parameter(s) generation"),
-    ("param too wide", table_update(_INSERT, ROUTES_ID, [lpm(1, b"\x0a\x00\x00\x00", 8)], FORWARD_ID,
-                                    [(1, b"\x02\x00"), (2, b"\x01")]), "INVALID_ARGUMENT",
+ONE = [exact(1, b"\x01")]
+PORT_AND_MAC = [(1, b"\x01"), (2, b"\x01")]
+TEN_SLASH_8 = [lpm(1, b"\x0a\x00\x00\x00", 8)]
+
+
+def insert_job(match: list[p4rt.FieldMatch] = ONE, action_id: int = SET_JOB_ID,
+               params: list[tuple[int, bytes]] = GOOD_JOB_PARAMS, priority: int = 0) -> p4rt.Update:
+    return table_update(_INSERT, JOBS_ID, match, action_id, params, priority)
+
+
+def insert_route(match: list[p4rt.FieldMatch], params: list[tuple[int, bytes]] = PORT_AND_MAC,
+                 ) -> p4rt.Update:
+    return table_update(_INSERT, ROUTES_ID, match, FORWARD_ID, params)
+
+
+INVALID_UPDATES = [  # (id, update, code, fragment of the message)
+    ("value too wide", insert_job([exact(1, b"\x01\x00\x00")]), "INVALID_ARGUMENT",
+     "does not fit in 16 bits"),
+    ("unknown field", insert_job([*ONE, exact(2, b"\x01")]), "INVALID_ARGUMENT", "no match field with id 2"),
+    ("missing exact field", insert_job([]), "INVALID_ARGUMENT", "'job_id' (exact, 16 bits) is missing"),
+    ("wrong match kind", insert_job([lpm(1, b"\x01", 16)]), "INVALID_ARGUMENT", "got a lpm match"),
+    ("bits beyond prefix", insert_route([lpm(1, b"\x0a\x01\x00\x00", 8)]), "INVALID_ARGUMENT",
+     "bits set beyond the prefix length 8"),
+    ("prefix too long", insert_route([lpm(1, b"\x0a\x00\x00\x00", 33)]), "INVALID_ARGUMENT",
+     "prefix length 33"),
+    ("missing param", insert_job(params=GOOD_JOB_PARAMS[:4]), "INVALID_ARGUMENT",
+     "missing parameter(s) generation"),
+    ("param too wide", insert_route(TEN_SLASH_8, [(1, b"\x02\x00"), (2, b"\x01")]), "INVALID_ARGUMENT",
      "parameter 'port' (9 bits): value 0x200 does not fit"),
-    ("unknown param", table_update(_INSERT, JOBS_ID, [exact(1, b"\x01")], SET_JOB_ID,
-                                   [*GOOD_JOB_PARAMS, (6, b"\x01")]), "INVALID_ARGUMENT", "no parameter with id 6"),
-    ("foreign action", table_update(_INSERT, JOBS_ID, [exact(1, b"\x01")], FORWARD_ID,
-                                    [(1, b"\x01"), (2, b"\x01")]), "INVALID_ARGUMENT", "not an action of table"),
-    ("@defaultonly action", table_update(_INSERT, JOBS_ID, [exact(1, b"\x01")], UNKNOWN_JOB_ID),
-     "PERMISSION_DENIED", "@defaultonly"),
-    ("no action", table_update(_INSERT, JOBS_ID, [exact(1, b"\x01")]), "INVALID_ARGUMENT", "needs an action"),
-    ("priority on exact table", table_update(_INSERT, JOBS_ID, [exact(1, b"\x01")], SET_JOB_ID,
-                                             GOOD_JOB_PARAMS, priority=5), "INVALID_ARGUMENT", "priority must be 0"),
-    ("unknown table", table_update(_INSERT, 0x02000099, [], SET_JOB_ID), "INVALID_ARGUMENT", "no table with id"),
-    ("empty value", table_update(_INSERT, JOBS_ID, [exact(1, b"")], SET_JOB_ID, GOOD_JOB_PARAMS),
-     "INVALID_ARGUMENT", "empty byte string"),
+    ("unknown param", insert_job(params=[*GOOD_JOB_PARAMS, (6, b"\x01")]), "INVALID_ARGUMENT",
+     "no parameter with id 6"),
+    ("foreign action", insert_job(action_id=FORWARD_ID, params=PORT_AND_MAC), "INVALID_ARGUMENT",
+     "not an action of table"),
+    ("@defaultonly action", insert_job(action_id=UNKNOWN_JOB_ID, params=[]), "PERMISSION_DENIED",
+     "@defaultonly"),
+    ("no action", insert_job(action_id=0), "INVALID_ARGUMENT", "needs an action"),
+    ("priority on exact table", insert_job(priority=5), "INVALID_ARGUMENT", "priority must be 0"),
+    ("unknown table", table_update(_INSERT, 0x02000099, [], SET_JOB_ID), "INVALID_ARGUMENT",
+     "no table with id"),
+    ("empty value", insert_job([exact(1, b"")]), "INVALID_ARGUMENT", "empty byte string"),
 ]
 
 
@@ -509,11 +518,35 @@ def test_counters_read(client: P4RuntimeClient, switch: Switch) -> None:
     cells = client.read_counters(CONTRIBUTIONS)
     assert len(cells) == 1024 and cells[5] == (2, 600) and sum(p for p, _ in cells.values()) == 2
     assert client.read_counters("NetaggIngress.drop_reasons")[3] == (1, 64)
-    everything = client.read([p4rt.Entity(counter_entry=p4rt.CounterEntry())])
-    assert len(everything) == 16 + 5 * 1024 + 16
+    every_counter = client.read([p4rt.Entity(counter_entry=p4rt.CounterEntry(index=p4rt.Index(index=3)))])
+    assert len(every_counter) == 7  # counter_id 0: cell 3 of each counter
+    assert {e.counter_entry.counter_id: e.counter_entry.data.packet_count for e in every_counter
+            }[0x12000001] == 1
     with pytest.raises(P4RuntimeError) as info:
         client.read_counter(CONTRIBUTIONS, 1024)
     assert info.value.code == "OUT_OF_RANGE"
+
+
+def counter_update(kind: int, index: int, packets: int = 0, byte_count: int = 0) -> p4rt.Update:
+    cell = p4rt.CounterEntry(counter_id=0x12000002, index=p4rt.Index(index=index),
+                             data=p4rt.CounterData(packet_count=packets, byte_count=byte_count))
+    return p4rt.Update(type=kind, entity=p4rt.Entity(counter_entry=cell))
+
+
+def test_counter_writes(client: P4RuntimeClient) -> None:
+    client.write([counter_update(p4rt.Update.MODIFY, 7, 40, 4000)])
+    assert client.read_counter(CONTRIBUTIONS, 7) == (40, 4000)
+    client.write([counter_update(p4rt.Update.DELETE, 7)])  # PI zeroes the cell
+    assert client.read_counter(CONTRIBUTIONS, 7) == (0, 0)
+    assert write_error(client, counter_update(_INSERT, 7)).errors[0].code == "INVALID_ARGUMENT"
+    assert write_error(client, counter_update(p4rt.Update.MODIFY, 1024)).errors[0].code == "OUT_OF_RANGE"
+
+
+def test_wrong_device_id_is_not_found(client: P4RuntimeClient) -> None:
+    request = p4rt.WriteRequest(device_id=2, election_id=p4rt.Uint128(low=10))
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.Write(request, timeout=3)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "device id 2" in info.value.details()
 
 
 def test_register_read_is_unimplemented_as_in_bmv2(client: P4RuntimeClient) -> None:
@@ -525,14 +558,12 @@ def test_register_read_is_unimplemented_as_in_bmv2(client: P4RuntimeClient) -> N
 # --------------------------------------------------------------------------- ForwardingState alone
 
 
-def ternary_p4info() -> p4info_pb2.P4Info:
-    """A table with ternary, range and optional fields (netagg has none)."""
+def synthetic_p4info(*fields: tuple[str, int]) -> p4info_pb2.P4Info:
+    """One table "acl" (id 0x02000010) with 8-bit fields of these kinds, action "hit"(x: bit<8>)."""
     p4info = p4info_pb2.P4Info()
     table = p4info.tables.add(size=16)
     table.preamble.id, table.preamble.name = 0x02000010, "acl"
-    for field_id, name, kind in [(1, "t", p4info_pb2.MatchField.TERNARY),
-                                 (2, "r", p4info_pb2.MatchField.RANGE),
-                                 (3, "o", p4info_pb2.MatchField.OPTIONAL)]:
+    for field_id, (name, kind) in enumerate(fields, start=1):
         table.match_fields.add(id=field_id, name=name, bitwidth=8, match_type=kind)
     table.action_refs.add(id=0x01000010)
     action = p4info.actions.add()
@@ -541,12 +572,18 @@ def ternary_p4info() -> p4info_pb2.P4Info:
     return p4info
 
 
+def insert_into_acl(state: ForwardingState, priority: int, x: int, *match: p4rt.FieldMatch) -> None:
+    state.apply_update(table_update(_INSERT, 0x02000010, list(match), 0x01000010, [(1, bytes([x]))],
+                                    priority=priority))
+
+
 def test_ternary_range_optional_priority() -> None:
-    state = ForwardingState(P4InfoIndex(ternary_p4info()))
+    mf = p4info_pb2.MatchField
+    state = ForwardingState(P4InfoIndex(synthetic_p4info(("t", mf.TERNARY), ("r", mf.RANGE),
+                                                         ("o", mf.OPTIONAL))))
 
     def insert(priority: int, x: int, *match: p4rt.FieldMatch) -> None:
-        state.apply_update(table_update(_INSERT, 0x02000010, list(match), 0x01000010, [(1, bytes([x]))],
-                                        priority=priority))
+        insert_into_acl(state, priority, x, *match)
 
     ternary = p4rt.FieldMatch(field_id=1, ternary=p4rt.FieldMatch.Ternary(value=b"\x10", mask=b"\xf0"))
     in_range = p4rt.FieldMatch(field_id=2, range=p4rt.FieldMatch.Range(low=b"\x05", high=b"\x0a"))
@@ -562,8 +599,27 @@ def test_ternary_range_optional_priority() -> None:
     with pytest.raises(StateError) as info:
         insert(0, 4, optional)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "priority > 0" in info.value.message
+    bad_ternary = p4rt.FieldMatch(field_id=1, ternary=p4rt.FieldMatch.Ternary(value=b"\x11", mask=b"\xf0"))
     with pytest.raises(StateError, match="outside mask"):
-        insert(1, 4, p4rt.FieldMatch(field_id=1, ternary=p4rt.FieldMatch.Ternary(value=b"\x11", mask=b"\xf0")))
+        insert(1, 4, bad_ternary)
+
+
+def test_exact_plus_lpm_table() -> None:
+    mf = p4info_pb2.MatchField
+    state = ForwardingState(P4InfoIndex(synthetic_p4info(("vrf", mf.EXACT), ("dst", mf.LPM),
+                                                         ("tos", mf.EXACT))))
+    insert_into_acl(state, 0, 1, exact(1, b"\x01"), lpm(2, b"\x80", 1), exact(3, b"\x00"))
+    insert_into_acl(state, 0, 2, exact(1, b"\x01"), lpm(2, b"\xc0", 2), exact(3, b"\x00"))
+    insert_into_acl(state, 0, 3, exact(1, b"\x02"), exact(3, b"\x00"))  # dst omitted: /0
+    acl = state.table("acl")
+    assert acl.lookup((1, 0xC5, 0)) == ("hit", (2,))
+    assert acl.lookup((1, 0x85, 0)) == ("hit", (1,))
+    assert acl.lookup((1, 0x05, 0)) == ("NoAction", ())
+    assert acl.lookup((2, 0x05, 0)) == ("hit", (3,))
+    assert acl.lookup((1, 0xC5, 1)) == ("NoAction", ())
+    [entry] = state.read_table_entries(p4rt.TableEntry(table_id=0x02000010,
+                                                       match=[exact(1, b"\x02"), exact(3, b"\x00")]))
+    assert [m.field_id for m in entry.match] == [1, 3]
 
 
 def test_reset_clears_everything_but_keeps_table_objects() -> None:

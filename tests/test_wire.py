@@ -62,7 +62,8 @@ def test_pack_rejects_wrong_value_count():
 def test_scapy_layer_matches_codec():
     values = np.arange(-32, 32, dtype=np.int32)
     header = _header()
-    scapy_bytes = bytes(netagg_payload(values.tolist(), **{f.name: getattr(header, f.name) for f in wire.HEADER_FIELDS}))
+    fields = {f.name: getattr(header, f.name) for f in wire.HEADER_FIELDS}
+    scapy_bytes = bytes(netagg_payload(values.tolist(), **fields))
     assert scapy_bytes == wire.pack(header, values)
 
 

@@ -17,7 +17,7 @@ def _defines() -> dict[str, int]:
 
 def _p4_header_fields(name: str) -> list[tuple[str, int, bool]]:
     text = (INCLUDE / "headers.p4").read_text()
-    body = re.search(r"header %s \{(.*?)\}" % name, text, re.S).group(1)
+    body = re.search(rf"header {name} \{{(.*?)\}}", text, re.S).group(1)
     return [(field, int(bits), kind == "int") for kind, bits, field in re.findall(r"(bit|int)<(\d+)>\s+(\w+);", body)]
 
 
@@ -78,5 +78,6 @@ def test_p4info_sizes_match_defines():
 def test_every_contract_name_is_in_p4info():
     info = load_p4info(dp.P4INFO_PATH)
     names = {o.preamble.name for group in (info.tables, info.actions, info.counters, info.registers) for o in group}
-    contract = [value for key, value in vars(dp).items() if key.startswith(("TABLE_", "ACTION_", "COUNTER_", "REGISTER_"))]
+    prefixes = ("TABLE_", "ACTION_", "COUNTER_", "REGISTER_")
+    contract = [value for key, value in vars(dp).items() if key.startswith(prefixes)]
     assert contract and set(contract) <= names

@@ -1,0 +1,60 @@
+"""Numpy views of netagg packets and small helpers shared by the worker and the PS.
+
+The record dtype below is *derived* from ``wire.HEADER_FIELDS`` (the one wire-format
+definition), so a ``(n,)`` array of :data:`PACKET_DTYPE` is ``n`` packets exactly as
+``wire.pack`` lays them out: headers can be filled for a whole batch with numpy and
+each row sent as is.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+
+from netagg import wire
+from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
+
+_DTYPE_CODES = {(8, False): ">u1", (8, True): ">i1", (16, False): ">u2", (32, False): ">u4"}
+#: One netagg header as a numpy record (big-endian fields in wire order).
+HEADER_DTYPE = np.dtype([(f.name, _DTYPE_CODES[(f.bits, f.signed)]) for f in wire.HEADER_FIELDS])
+#: One whole netagg message: header plus K big-endian int32 values.
+PACKET_DTYPE = np.dtype([("hdr", HEADER_DTYPE), ("values", wire.WIRE_VALUE_DTYPE, (wire.K,))])
+assert HEADER_DTYPE.itemsize == wire.HEADER_BYTES and PACKET_DTYPE.itemsize == wire.NETAGG_BYTES
+
+#: Slots used in fallback mode when the controller reserved none on the switch.
+DEFAULT_FALLBACK_SLOTS = 64
+#: Bit 31 of ``seq`` marks an exponent probe (zeros, first window); data blocks use bits 0..30.
+PROBE_SEQ_BIT = 0x80000000
+SEQ_MASK = 0x7FFFFFFF
+#: Socket buffer sizes asked for (the kernel may cap them at net.core.*mem_max).
+SOCKET_BUFFER_BYTES = 4 << 20
+
+
+def slot_count_of(config: WorkerConfig) -> int:
+    """The job's window: ``slot_count``, or :data:`DEFAULT_FALLBACK_SLOTS` in fallback mode without one."""
+    if config.slot_count >= 1:
+        return config.slot_count
+    return DEFAULT_FALLBACK_SLOTS
+
+
+def resolve(endpoint: Endpoint) -> tuple[str, int]:
+    """``(dotted IPv4, port)`` as ``recvfrom`` reports senders; raises ConfigError if unresolvable."""
+    try:
+        return (socket.gethostbyname(endpoint.host), endpoint.port)
+    except OSError as err:
+        raise ConfigError(f"cannot resolve {endpoint.host!r}: {err}") from None
+
+
+def udp_socket(bind: tuple[str, int]) -> socket.socket:
+    """A non-blocking UDP socket bound to ``bind`` with large buffers."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        sock.bind(bind)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -1,0 +1,138 @@
+"""Block floating point: float32 gradients to int32 values the switch can sum without overflow.
+
+Every block of ``wire.K`` values shares one exponent ``G``, the maximum over all workers
+of each worker's *block exponent* ``E = floor(log2(max |x|))`` (the IEEE-754 exponent of
+the block's largest magnitude, so every value of the block satisfies ``|x| < 2**(E+1)``).
+With ``n`` workers each value is scaled by the power of two ``2**(P - G - 1)``, where
+``2**P`` is the largest power of two with ``n * 2**P <= 2**31``, and rounded to the
+nearest integer: ``|q| < 2**P``, so the sum of ``n`` of them fits in an int32.
+See ``docs/quantization.md`` for the derivation and the error bound.
+
+The scale is a power of two, so ``x * scale`` and ``sum * 2**-scale`` are exact in
+float32: encoding rounds once (to an integer) and decoding rounds once (to float32).
+Everything is vectorized over ``(blocks, K)`` arrays; no Python loop per value.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from netagg import wire
+
+K = wire.K
+#: Exponent of a block without any magnitude (all zeros, or "no block"): int8's minimum,
+#: so it never raises the switch's maximum.
+EXP_NONE = -128
+#: Smallest exponent of a non-zero float32 block (denormals: |x| < 2**-126).
+EXP_MIN = -127
+#: Largest exponent of a finite float32 (max float32 < 2**128).
+EXP_MAX = 127
+
+_ABS_MASK = np.uint32(0x7FFFFFFF)
+_INF_BITS = 0x7F800000
+#: Wire values: big-endian int32.
+WIRE_DTYPE = wire.WIRE_VALUE_DTYPE
+
+
+def scale_bits(num_workers: int) -> int:
+    """P: the largest integer with ``num_workers * 2**P <= 2**31``."""
+    if not 1 <= num_workers <= wire.MAX_WORKERS:
+        raise ValueError(f"num_workers {num_workers} not in 1..{wire.MAX_WORKERS}")
+    return 31 - (num_workers - 1).bit_length()
+
+
+def _pow2_tables(num_workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per exponent G (index G + 128): encode factors (a, b) and decode factors (c, d).
+
+    ``x * a * b == x * 2**(P-G-1)`` and ``s * c * d == s * 2**(G+1-P)``, each factor a
+    finite float32 power of two (one factor alone would overflow or underflow float32 for
+    extreme G); the second factor is 1 wherever the first suffices.
+    """
+    p = scale_bits(num_workers)
+    g = np.arange(-128, 128, dtype=np.int64)
+    enc = p - g - 1  # in [p-128, p+127]
+    enc_a = np.minimum(enc, 100)
+    enc_b = enc - enc_a
+    dec = -enc  # in [-p-127, 128-p]
+    dec_a = np.maximum(dec, -100)
+    dec_b = dec - dec_a
+    one = np.float32(1)
+    return tuple(np.ldexp(one, e.astype(np.int32)).astype(np.float32) for e in (enc_a, enc_b, dec_a, dec_b))
+
+
+_TABLES: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _tables(num_workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    tables = _TABLES.get(num_workers)
+    if tables is None:
+        tables = _TABLES[num_workers] = _pow2_tables(num_workers)
+    return tables
+
+
+def block_exponents(blocks: np.ndarray) -> np.ndarray:
+    """Each block's exponent ``floor(log2(max |x|))`` as int8; raises ValueError on NaN/Inf.
+
+    ``blocks`` is a float32 array of shape ``(nblocks, K)``. Denormal-only blocks get
+    ``EXP_MIN`` (-127, still ``|x| < 2**(E+1)``); all-zero blocks get ``EXP_NONE``.
+    """
+    if blocks.dtype != np.float32 or blocks.ndim != 2 or blocks.shape[1] != K:
+        raise TypeError(f"expected float32 blocks of shape (n, {K}), got {blocks.dtype} {blocks.shape}")
+    if blocks.shape[0] == 0:
+        return np.empty(0, np.int8)
+    magnitude = np.bitwise_and(blocks.view(np.uint32), _ABS_MASK)
+    block_max = magnitude.max(axis=1)
+    if int(block_max.max()) >= _INF_BITS:
+        bad = np.flatnonzero(magnitude.reshape(-1) >= _INF_BITS)
+        first = int(bad[0])
+        value = blocks.reshape(-1)[first]
+        raise ValueError(
+            f"gradient contains {'NaN' if np.isnan(value) else 'Inf'} "
+            f"({bad.size} non-finite value(s), first at flat index {first}); nothing was sent"
+        )
+    exponents = (block_max >> 23).astype(np.int16) - 127
+    exponents[block_max == 0] = EXP_NONE
+    return exponents.astype(np.int8)
+
+
+def quantize(blocks: np.ndarray, exponents: np.ndarray, num_workers: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``rint(x * 2**(P - G - 1))`` per block as int32 (big-endian wire order by default).
+
+    ``exponents`` are the *global* exponents G (int8, one per block): G must be at least
+    each block's own :func:`block_exponents` value, else the values could overflow.
+    """
+    enc_a, enc_b, _, _ = _tables(num_workers)
+    index = exponents.astype(np.intp) + 128
+    scaled = np.multiply(blocks, enc_a[index][:, None])
+    extreme = np.flatnonzero(enc_b[index] != 1)
+    if extreme.size:  # scale beyond float32 range: the second, exact factor
+        scaled[extreme] *= enc_b[index[extreme]][:, None]
+    if out is None:
+        out = np.empty(blocks.shape, WIRE_DTYPE)
+    np.rint(scaled, out=out, casting="unsafe")
+    return out
+
+
+def dequantize(
+    sums: np.ndarray, exponents: np.ndarray, num_workers: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """The float32 values ``sum * 2**(G + 1 - P)`` of summed int32 blocks (any byte order)."""
+    _, _, dec_a, dec_b = _tables(num_workers)
+    index = exponents.astype(np.intp) + 128
+    if out is None:
+        out = np.empty(sums.shape, np.float32)
+    extreme = np.flatnonzero(dec_b[index] != 1)
+    np.multiply(sums, dec_a[index][:, None], out=out, dtype=np.float32, casting="unsafe")
+    if extreme.size:  # tiny exponents: 2**(G+1-P) is below float32's range, scale twice
+        out[extreme] *= dec_b[index[extreme]][:, None]
+    return out
+
+
+def error_bound(exponents: np.ndarray, num_workers: int) -> np.ndarray:
+    """Per block: the largest |decoded sum - exact sum| from quantization alone (float64).
+
+    ``n * 2**(G - P)``: half a quantum per worker. Decoding to float32 adds at most half a
+    float32 ulp of the result (see docs/quantization.md).
+    """
+    g = exponents.astype(np.float64)
+    return num_workers * np.exp2(g - scale_bits(num_workers))

@@ -1,0 +1,105 @@
+"""Shared fixtures: a software target process in loopback mode and a controller process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from netagg.bmv2.targets import TargetProcess, start_target
+
+from netagg import dataplane as dp
+
+ADMIN_TOKEN = "admin-test-token"
+TOKENS = {"alice": "alice-test-token", "bob": "bob-test-token"}
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def soft_switch(tmp_path: Path) -> Iterator[TargetProcess]:
+    """The software target as a process: P4Runtime on a free port, loopback UDP port."""
+    target = start_target("soft", {}, tmp_path / "softswitch.log", loopback=f"127.0.0.1:{free_udp_port()}")
+    yield target
+    target.stop()
+
+
+def controller_config(tmp_path: Path, grpc_address: str, aggregator_port: int, capacity: int = 64,
+                      min_slots: int = 4, lease: float = 3600) -> Path:
+    config = {
+        "switch": {"grpc_address": grpc_address, "device_id": 1, "election_id": 10,
+                   "p4info": str(dp.P4INFO_PATH),
+                   "aggregator": {"ip": "127.0.0.1", "mac": "02:00:00:00:aa:01", "udp_port": aggregator_port}},
+        "slots": {"capacity": capacity, "min_per_job": min_slots},
+        "jobs": {"lease_seconds": lease},
+        "controller": {"database": str(tmp_path / "ctl.db"), "api_socket": str(tmp_path / "ctl.sock"),
+                       "admin_token": ADMIN_TOKEN},
+        "tenants": {name: {"token": token} for name, token in TOKENS.items()},
+        "hosts": [{"name": "local", "ip": "127.0.0.1", "mac": "02:00:00:00:bb:01", "port": 1}],
+        "parameter_servers": [{"name": "ps0", "host": "local", "udp_port": 29001}],
+    }
+    path = tmp_path / "controller.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@dataclass
+class ControllerProcess:
+    """A `netagg controller run` process."""
+
+    config: Path
+    socket: Path
+    process: subprocess.Popen
+    log: Path
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_controller(config: Path, log: Path, timeout: float = 20.0) -> ControllerProcess:
+    socket_path = Path(yaml.safe_load(config.read_text())["controller"]["api_socket"])
+    if socket_path.exists():
+        socket_path.unlink()
+    with open(log, "ab") as out:
+        process = subprocess.Popen([sys.executable, "-m", "netagg.controller.cli", "--config", str(config),
+                                    "controller", "run"], stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    controller = ControllerProcess(config, socket_path, process, log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"controller exited {process.returncode}:\n{log.read_text()[-3000:]}")
+        if socket_path.exists():
+            return controller
+        time.sleep(0.05)
+    controller.kill()
+    raise RuntimeError(f"controller did not come up:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def controller(tmp_path: Path, soft_switch: TargetProcess) -> Iterator[ControllerProcess]:
+    config = controller_config(tmp_path, soft_switch.grpc_address, soft_switch.loopback_address[1])
+    ctl = start_controller(config, tmp_path / "controller.log")
+    yield ctl
+    ctl.stop()
