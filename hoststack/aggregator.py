@@ -1,0 +1,152 @@
+"""One job's aggregation in software, with exactly the switch's semantics.
+
+The parameter server uses it in fallback mode: it receives the workers' contribution
+packets instead of the switch and must answer exactly as the switch would (same int32
+modular sums, same maximum exponent, same bitmap/pool rules, docs/protocol.md steps
+1-5): a new contribution is added once per (slot, pool, rank); the one completing a round
+becomes the result for every worker; a retransmission after completion is answered with
+the stored result, to its sender only; a retransmission before completion and a late
+copy of a completed round are dropped.
+
+Workers are told apart by their source address. Unless a table is given, the first
+address seen for a rank is pinned to it (the switch's ``workers`` table, learned).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from netagg import wire
+from netagg.dataplane import DropReason
+
+Address = tuple[str, int]
+_unpack_header = wire.HEADER_STRUCT.unpack_from
+_FLAGS_OFFSET = 1
+_EXPONENT_OFFSET = 8
+
+
+class Outcome(NamedTuple):
+    """A result to send: to every worker of the job (``to_group``) or back to the sender."""
+
+    packet: bytes
+    to_group: bool
+
+
+@dataclass
+class AggregatorStats:
+    """The switch's per-job counters, plus drops by reason."""
+
+    contributions: int = 0
+    results: int = 0
+    duplicates: int = 0
+    retransmit_results: int = 0
+    drops: Counter = field(default_factory=Counter)
+
+
+class SoftAggregator:
+    """Bitmaps, counts, exponent maxima and int32 sums of one job's slots and pools."""
+
+    def __init__(
+        self,
+        job_id: int,
+        num_workers: int,
+        slot_count: int,
+        *,
+        result_flags: int = wire.FLAG_RESULT | wire.FLAG_PS_FORWARDED,
+        workers: Mapping[Address, int] | None = None,
+    ) -> None:
+        if not 1 <= num_workers <= wire.MAX_WORKERS or slot_count < 1:
+            raise ValueError(f"bad job shape: {num_workers} workers, {slot_count} slots")
+        self.job_id = job_id
+        self.num_workers = num_workers
+        self.slot_count = slot_count
+        self.result_flags = result_flags
+        self._learn = workers is None
+        self.rank_of: dict[Address, int] = dict(workers or {})
+        self.address_of: dict[int, Address] = {rank: addr for addr, rank in self.rank_of.items()}
+        self.bitmaps = [[0] * slot_count for _ in range(wire.NUM_POOLS)]
+        self.counts = [0] * (slot_count * wire.NUM_POOLS)
+        self.exponents = [0] * (slot_count * wire.NUM_POOLS)
+        self.sums = np.zeros((slot_count * wire.NUM_POOLS, wire.K), np.int32)
+        self.stats = AggregatorStats()
+
+    def group(self) -> list[Address]:
+        """Where a completed round's result goes: every known worker."""
+        return list(self.address_of.values())
+
+    def _drop(self, reason: DropReason) -> None:
+        self.stats.drops[reason.name] += 1
+
+    def handle(self, data: bytes | bytearray | memoryview, source: Address) -> Outcome | None:
+        """Process one datagram from ``source``; the result to send, if any."""
+        if len(data) != wire.NETAGG_BYTES:
+            return self._drop(DropReason.MALFORMED)
+        version, flags, job, slot, pool, rank, exponent, _, _, _ = _unpack_header(data, 0)
+        if version != wire.VERSION:
+            return self._drop(DropReason.BAD_VERSION)
+        if flags & wire.FLAG_RESULT:
+            return self._drop(DropReason.RESULT_FROM_HOST)
+        if job != self.job_id:
+            return self._drop(DropReason.UNKNOWN_JOB)
+        known_rank = self.rank_of.get(source)
+        if known_rank is None:
+            if not self._learn or rank >= self.num_workers or rank in self.address_of:
+                return self._drop(DropReason.UNKNOWN_WORKER)
+        if slot >= self.slot_count:
+            return self._drop(DropReason.SLOT_OUT_OF_RANGE)
+        if pool >= wire.NUM_POOLS:
+            return self._drop(DropReason.BAD_POOL)
+        if known_rank is None:
+            self.rank_of[source] = known_rank = rank
+            self.address_of[rank] = source
+        elif rank != known_rank:
+            return self._drop(DropReason.RANK_MISMATCH)
+        return self._aggregate(data, slot, pool, rank, exponent)
+
+    def _aggregate(self, data: bytes | bytearray | memoryview, slot: int, pool: int, rank: int,
+                   exponent: int) -> Outcome | None:
+        mask = 1 << rank
+        index = slot * wire.NUM_POOLS + pool
+        mine = self.bitmaps[pool][slot]
+        self.bitmaps[pool][slot] = mine | mask
+        self.bitmaps[1 - pool][slot] &= ~mask
+        first = mine == 0
+        fresh = not mine & mask
+        count = self.counts[index]
+        late = False
+        if fresh:
+            if first:
+                count = self.counts[index] = self.num_workers - 1
+            elif count == 0:
+                late = True
+            else:
+                count = self.counts[index] = count - 1
+        complete = count == 0 and not late
+        row = self.sums[index]
+        if fresh and not late:
+            self.stats.contributions += 1
+            values = np.frombuffer(data, wire.WIRE_VALUE_DTYPE, wire.K, wire.HEADER_BYTES)
+            if first:
+                row[:] = values
+                self.exponents[index] = exponent
+            else:
+                np.add(row, values, out=row)  # int32: wraps modulo 2**32 like the switch
+                self.exponents[index] = max(self.exponents[index], exponent)
+            if not complete:
+                return None
+            self.stats.results += 1
+        elif not fresh and complete:
+            self.stats.retransmit_results += 1
+        else:
+            self.stats.duplicates += 1
+            return None
+        packet = bytearray(data[:wire.HEADER_BYTES])
+        packet[_FLAGS_OFFSET] |= self.result_flags
+        packet[_EXPONENT_OFFSET] = self.exponents[index] & 0xFF
+        packet += row.astype(wire.WIRE_VALUE_DTYPE).tobytes()
+        return Outcome(bytes(packet), to_group=fresh)

@@ -1,0 +1,93 @@
+"""The worker <-> parameter server control protocol: request/response frames over TCP.
+
+A frame is ``!II`` (JSON length, blob length), a UTF-8 JSON object, then the blob (raw
+array bytes, described by the JSON). Every request gets exactly one response; a
+response is ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``. The operations
+are listed in docs/hoststack.md. Every socket operation has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any
+
+_FRAME = struct.Struct("!II")
+MAX_JSON_BYTES = 1 << 24
+MAX_BLOB_BYTES = 1 << 31
+
+
+class PsError(RuntimeError):
+    """The parameter server refused a request, or the connection to it broke or timed out."""
+
+
+class ProtocolError(PsError):
+    """A frame that does not follow the protocol."""
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"") -> None:
+    """Send one frame (the socket's timeout applies)."""
+    text = json.dumps(header, separators=(",", ":")).encode()
+    view = memoryview(blob).cast("B")
+    sock.sendall(_FRAME.pack(len(text), view.nbytes) + text)
+    if view.nbytes:
+        sock.sendall(view)
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytearray:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("connection closed mid-frame" if got else "connection closed")
+        got += n
+    return buf
+
+
+def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
+    """Receive one frame; raises ProtocolError on oversize or non-JSON frames."""
+    json_len, blob_len = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
+    if json_len > MAX_JSON_BYTES or blob_len > MAX_BLOB_BYTES:
+        raise ProtocolError(f"frame too large ({json_len} + {blob_len} bytes)")
+    try:
+        header = json.loads(_recv_exact(sock, json_len))
+    except ValueError as err:
+        raise ProtocolError(f"frame header is not JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("frame header is not a JSON object")
+    return header, _recv_exact(sock, blob_len) if blob_len else bytearray()
+
+
+class PsClient:
+    """A worker's connection to its parameter server."""
+
+    def __init__(self, address: tuple[str, int], timeout: float = 30.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        try:
+            self.sock = socket.create_connection(address, timeout=timeout)
+        except OSError as err:
+            raise PsError(f"cannot connect to the parameter server at {address[0]}:{address[1]}: {err}") from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def request(self, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
+                timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
+        """Send a request and return the (successful) response; raises PsError otherwise."""
+        self.sock.settimeout(self.timeout if timeout is None else timeout)
+        try:
+            send_frame(self.sock, header, blob)
+            response, data = recv_frame(self.sock)
+        except TimeoutError:
+            raise PsError(f"parameter server {self.address[0]}:{self.address[1]} did not answer "
+                          f"{header.get('op')} in time") from None
+        except OSError as err:
+            raise PsError(f"connection to the parameter server broke during {header.get('op')}: {err}") from None
+        if not response.get("ok"):
+            raise PsError(f"parameter server refused {header.get('op')}: {response.get('error', 'no reason')}")
+        return response, data
+
+    def close(self) -> None:
+        self.sock.close()
