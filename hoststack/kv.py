@@ -1,0 +1,228 @@
+"""PS-lite style worker API over in-network aggregation.
+
+``KVWorker(config)`` gives ``push``/``pull``/``pushpull`` returning a timestamp,
+``wait(ts)`` and ``allreduce(array)``. Operations run one after another, in call order,
+on one background thread (every worker of a job must issue the same pushes in the same
+order: they are collective). Arguments are validated and copied when the call is made,
+so NaN/Inf raise ``ValueError`` at once and the caller may reuse its arrays.
+
+What ``pull`` returns depends on the mode:
+
+* ``allreduce`` and ``fallback``: the aggregate (sum over workers) of the last push of
+  each key, kept by this worker.
+* ``ps``: the parameter server's value after its handle applied this worker's pushes
+  (sum store by default, or SGD weights).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from netagg import wire
+from netagg.hoststack import blocks as blk
+from netagg.hoststack import quantization as qz
+from netagg.hoststack.envconfig import config_from_env
+from netagg.hoststack.packets import resolve
+from netagg.hoststack.psproto import PsClient, PsError
+from netagg.hoststack.transport import Transport
+from netagg.jobconfig import WorkerConfig
+
+__all__ = ["KVWorker", "PsError"]
+
+#: Key used by :meth:`KVWorker.allreduce` in ps mode (not stored by the PS).
+_REPAIR_BATCH = 4096
+
+
+class KVWorker:
+    """One worker of a job (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: WorkerConfig | None = None,
+        *,
+        progress_timeout: float = 10.0,
+        ps_timeout: float = 30.0,
+        rto_initial: float = 0.05,
+        rto_min: float = 0.002,
+        rto_max: float = 1.0,
+    ) -> None:
+        self.config = config if config is not None else config_from_env()
+        self.mode = self.config.mode
+        self.num_workers = self.config.num_workers
+        self.transport = Transport(self.config, progress_timeout=progress_timeout, rto_initial=rto_initial,
+                                   rto_min=rto_min, rto_max=rto_max)
+        self.ps_timeout = ps_timeout
+        self._ps: PsClient | None = None
+        if self.mode == "ps":
+            assert self.config.ps is not None
+            try:
+                self._ps = PsClient(resolve(self.config.ps), timeout=ps_timeout)
+                host, port = self.transport.address
+                self._ps.request({"op": "hello", "job_id": self.config.job_id, "rank": self.config.rank,
+                                  "host": host, "port": port})
+            except BaseException:
+                self.transport.close()
+                if self._ps is not None:
+                    self._ps.close()
+                raise
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"netagg-kv{self.config.rank}")
+        self._futures: dict[int, Future] = {}
+        self._ts = itertools.count()
+        self._lock = threading.Lock()
+        self._store: dict[int, tuple[np.ndarray, tuple[int, ...]]] = {}
+        self._rounds = 0
+
+    # -- PS-lite API -----------------------------------------------------------
+    def push(self, keys: Sequence[int] | int, values: Sequence[Any] | Any) -> int:
+        """Aggregate ``values`` for ``keys`` with the job; returns a timestamp for :meth:`wait`."""
+        keys, values = _listify(keys, values)
+        layout, blocks = blk.pack(keys, values)
+        exponents = qz.block_exponents(blocks)
+        return self._submit(self._push, layout, blocks, exponents, False)
+
+    def pull(self, keys: Sequence[int] | int, out: Sequence[np.ndarray] | None = None) -> int:
+        """Fetch the values of ``keys``; ``wait(ts)`` returns them (also written into ``out`` if given)."""
+        keys = [blk._check_key(k) for k in ([keys] if isinstance(keys, int | np.integer) else keys)]
+        if out is not None and len(out) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(out)} output arrays")
+        return self._submit(self._pull, keys, out)
+
+    def pushpull(self, keys: Sequence[int] | int, values: Sequence[Any] | Any,
+                 out: Sequence[np.ndarray] | None = None) -> int:
+        """push then pull the same keys; ``wait(ts)`` returns the pulled values."""
+        keys, values = _listify(keys, values)
+        if out is not None and len(out) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(out)} output arrays")
+        layout, blocks = blk.pack(keys, values)
+        exponents = qz.block_exponents(blocks)
+        return self._submit(self._pushpull, layout, blocks, exponents, out)
+
+    def wait(self, ts: int, timeout: float | None = None) -> Any:
+        """Block until operation ``ts`` finished; returns its result (pull values or None), raises its error."""
+        with self._lock:
+            future = self._futures.pop(ts, None)
+        if future is None:
+            raise KeyError(f"unknown or already waited-for timestamp {ts}")
+        return future.result(timeout)
+
+    def allreduce(self, array: Any) -> Any:
+        """The sum of ``array`` over all workers, with its shape and dtype (nothing is stored)."""
+        layout, blocks = blk.pack([0], [array])
+        exponents = qz.block_exponents(blocks)
+        future = self._executor.submit(self._aggregate, blocks, exponents)
+        return blk.unpack(layout, future.result())[0]
+
+    def init(self, keys: Sequence[int] | int, values: Sequence[Any] | Any) -> int:
+        """Set initial values: at the PS in ps mode (e.g. SGD weights), locally otherwise."""
+        keys, values = _listify(keys, values)
+        arrays = [np.ascontiguousarray(blk.unpack(*blk.pack([k], [v]))[0], np.float32).reshape(-1)
+                  for k, v in zip(keys, values, strict=True)]
+        shapes = [tuple(np.shape(v)) for v in values]
+        return self._submit(self._init, keys, arrays, shapes)
+
+    def close(self) -> None:
+        """Finish queued operations, then release the sockets."""
+        self._executor.shutdown(wait=True)
+        self.transport.close()
+        if self._ps is not None:
+            self._ps.close()
+
+    def __enter__(self) -> KVWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- engine thread -------------------------------------------------------
+    def _submit(self, fn: Any, *args: Any) -> int:
+        ts = next(self._ts)
+        future = self._executor.submit(fn, *args)
+        with self._lock:
+            self._futures[ts] = future
+        return ts
+
+    def _aggregate(self, blocks: np.ndarray, exponents: np.ndarray) -> np.ndarray:
+        sums, global_exp = self.transport.exchange(blocks, exponents)
+        return qz.dequantize(sums, global_exp, self.num_workers)
+
+    def _push(self, layout: blk.Layout, blocks: np.ndarray, exponents: np.ndarray, keep: bool) -> list | None:
+        seq_start = self.transport._seq
+        sums, global_exp = self.transport.exchange(blocks, exponents)
+        aggregate = qz.dequantize(sums, global_exp, self.num_workers).reshape(-1)
+        for segment in layout.segments:
+            start = segment.first_block * wire.K
+            self._store[segment.key] = (aggregate[start:start + segment.size], segment.shape)
+        if self._ps is not None:
+            self._commit(layout, seq_start, sums, global_exp)
+        return blk.unpack(layout, aggregate) if keep else None
+
+    def _commit(self, layout: blk.Layout, seq_start: int, sums: np.ndarray, global_exp: np.ndarray) -> None:
+        """Tell the PS the push's layout and exponents; send it any block it missed."""
+        assert self._ps is not None
+        round_id = self._rounds
+        self._rounds += 1
+        base = {"job_id": self.config.job_id, "round": round_id}
+        response, _ = self._ps.request({**base, "op": "commit", "seq_start": seq_start, "keys": layout.keys,
+                                        "sizes": layout.sizes}, global_exp.astype(np.int8).tobytes())
+        missing = response["missing"]
+        while missing:
+            batch = missing[:_REPAIR_BATCH]
+            blocks = np.array([(s - seq_start) & 0x7FFFFFFF for s in batch], dtype=np.intp)
+            response, _ = self._ps.request({**base, "op": "repair", "seqs": batch},
+                                           np.ascontiguousarray(sums[blocks]).tobytes())
+            missing = response["missing"]
+
+    def _pull(self, keys: list[int], out: Sequence[np.ndarray] | None) -> list[np.ndarray]:
+        if self._ps is not None:
+            response, data = self._ps.request({"op": "pull", "job_id": self.config.job_id, "keys": keys,
+                                               "after_round": self._rounds - 1, "timeout": self.ps_timeout},
+                                              timeout=self.ps_timeout + 5)
+            flat = np.frombuffer(data, np.float32)
+            values, start = [], 0
+            for key, size in zip(keys, response["sizes"], strict=True):
+                shape = self._store[key][1] if key in self._store and np.prod(self._store[key][1]) == size \
+                    else (size,)
+                values.append(flat[start:start + size].copy().reshape(shape))
+                start += size
+        else:
+            missing = [k for k in keys if k not in self._store]
+            if missing:
+                raise KeyError(f"key(s) {missing} were never pushed or initialized by this worker")
+            values = [self._store[k][0].copy().reshape(self._store[k][1]) for k in keys]
+        if out is None:
+            return values
+        for target, value in zip(out, values, strict=True):
+            np.copyto(target, value.reshape(np.shape(target)), casting="same_kind")
+        return list(out)
+
+    def _pushpull(self, layout: blk.Layout, blocks: np.ndarray, exponents: np.ndarray,
+                  out: Sequence[np.ndarray] | None) -> list:
+        if self._ps is None:
+            values = self._push(layout, blocks, exponents, keep=True)
+            assert values is not None
+            if out is None:
+                return values
+            for target, value in zip(out, values, strict=True):
+                np.copyto(target, np.asarray(value).reshape(np.shape(target)), casting="same_kind")
+            return list(out)
+        self._push(layout, blocks, exponents, keep=False)
+        return self._pull(layout.keys, out)
+
+    def _init(self, keys: list[int], arrays: list[np.ndarray], shapes: list[tuple[int, ...]]) -> None:
+        if self._ps is not None:
+            self._ps.request({"op": "init", "job_id": self.config.job_id, "keys": keys,
+                              "sizes": [a.size for a in arrays]}, b"".join(a.tobytes() for a in arrays))
+        for key, array, shape in zip(keys, arrays, shapes, strict=True):
+            self._store[key] = (array, shape)
+
+
+def _listify(keys: Sequence[int] | int, values: Sequence[Any] | Any) -> tuple[list[int], list[Any]]:
+    if isinstance(keys, int | np.integer):
+        return [int(keys)], [values]
+    return list(keys), list(values)

@@ -1,0 +1,470 @@
+"""The parameter server (PS) of one job: ``python -m netagg.hoststack.server --config ps.yaml``.
+
+It listens on the job's ``ps`` endpoint: UDP for netagg packets, TCP (same port number)
+for the control protocol of :mod:`~netagg.hoststack.psproto`.
+
+* ``fallback`` mode: the workers send their contributions here instead of to the
+  switch; :class:`~netagg.hoststack.aggregator.SoftAggregator` aggregates them with the
+  switch's exact semantics and every result goes back as a RESULT | PS_FORWARDED packet.
+* ``ps`` mode: the switch aggregates and sends each result to the PS. The PS reflects
+  every result to the workers registered by HELLO (their window's clock), keeps the sums
+  of data blocks, and when a worker COMMITs a push (layout and global exponents) it
+  decodes the aggregate, asks for blocks it missed (REPAIR) and applies the handle per
+  key. PULL returns the stored values once a given push is applied.
+* ``allreduce`` mode needs no PS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from netagg import wire
+from netagg.hoststack import quantization as qz
+from netagg.hoststack.aggregator import SoftAggregator
+from netagg.hoststack.blocks import blocks_for
+from netagg.hoststack.envconfig import config_from_env
+from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, resolve, slot_count_of, udp_socket
+from netagg.hoststack.psproto import ProtocolError, recv_frame, send_frame
+from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
+
+log = logging.getLogger(__name__)
+
+#: ``handle(store, key, aggregate, num_workers)``: apply one key's aggregate (float32, flat) to the store.
+Handle = Callable[[dict[int, np.ndarray], int, np.ndarray, int], None]
+_POLL_SECONDS = 0.1
+_HALF_SEQ_SPACE = 1 << 30
+
+
+def sum_store(store: dict[int, np.ndarray], key: int, aggregate: np.ndarray, num_workers: int) -> None:
+    """The default handle: keep the latest aggregate (the sum over workers) per key."""
+    store[key] = aggregate.copy()
+
+
+@dataclass
+class SGD:
+    """Plain SGD on the stored weights: ``w -= lr * aggregate / num_workers`` (w starts at 0 unless INIT)."""
+
+    lr: float
+
+    def __call__(self, store: dict[int, np.ndarray], key: int, aggregate: np.ndarray, num_workers: int) -> None:
+        weights = store.get(key)
+        if weights is None or weights.shape != aggregate.shape:
+            weights = np.zeros_like(aggregate)
+        weights -= np.float32(self.lr / num_workers) * aggregate
+        store[key] = weights
+
+
+@dataclass
+class ServerStats:
+    """What the PS saw."""
+
+    datagrams: int = 0
+    malformed: int = 0
+    foreign: int = 0
+    switch_results: int = 0
+    forwarded: int = 0
+    rounds_applied: int = 0
+    repaired_blocks: int = 0
+    requests: int = 0
+    bad_requests: int = 0
+
+
+@dataclass
+class _PushRound:
+    """One push (all workers' same call) as the PS assembles it in ps mode."""
+
+    round_id: int
+    seq_start: int
+    keys: list[int]
+    sizes: list[int]
+    num_blocks: int
+    sums: np.ndarray
+    have: np.ndarray
+    missing: int
+    exponents: np.ndarray | None = None
+    applied: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.missing == 0 and self.exponents is not None
+
+    def offset(self, seq: int) -> int:
+        return (seq - self.seq_start) & SEQ_MASK
+
+    def put(self, block: int, payload: bytes | bytearray | memoryview) -> bool:
+        if self.have[block]:
+            return False
+        self.sums.view(np.uint8).reshape(self.num_blocks, wire.PAYLOAD_BYTES)[block] = np.frombuffer(
+            payload, np.uint8, wire.PAYLOAD_BYTES)
+        self.have[block] = True
+        self.missing -= 1
+        return True
+
+    def missing_seqs(self) -> list[int]:
+        return [(self.seq_start + int(b)) & SEQ_MASK for b in np.flatnonzero(~self.have)]
+
+
+class KVServer:
+    """The PS of one job (see the module docstring). Use as a context manager or start()/stop()."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        handle: Handle | None = None,
+        *,
+        bind: Endpoint | None = None,
+        commit_grace: float = 0.5,
+        pull_timeout: float = 30.0,
+        pending_limit: int = 1 << 22,
+    ) -> None:
+        if config.mode not in ("ps", "fallback"):
+            raise ConfigError(f"mode: a parameter server serves ps or fallback jobs, not {config.mode}")
+        self.config = config
+        self.mode = config.mode
+        self.num_workers = config.num_workers
+        self.handle: Handle = handle or sum_store
+        self.commit_grace = commit_grace
+        self.pull_timeout = pull_timeout
+        self.pending_limit = pending_limit
+        endpoint = bind or config.ps
+        assert endpoint is not None  # WorkerConfig guarantees it in ps/fallback mode
+        self.udp = udp_socket(resolve(endpoint))
+        self.address: tuple[str, int] = self.udp.getsockname()
+        self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.tcp.bind(self.address)
+            self.tcp.listen(64)
+            self.tcp.settimeout(_POLL_SECONDS)
+        except OSError:
+            self.udp.close()
+            self.tcp.close()
+            raise
+        self.aggregator = (
+            SoftAggregator(config.job_id, config.num_workers, slot_count_of(config))
+            if self.mode == "fallback" else None
+        )
+        self.switch = resolve(config.aggregator) if self.mode == "ps" else None
+        self.workers: dict[int, tuple[str, int]] = {}
+        self.store: dict[int, np.ndarray] = {}
+        self.stats = ServerStats()
+        self._rounds: dict[int, _PushRound] = {}
+        self._next_apply = 0
+        self._pending: dict[int, bytes] = {}
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> KVServer:
+        for target, name in ((self._udp_loop, "udp"), (self._accept_loop, "tcp")):
+            thread = threading.Thread(target=target, name=f"netagg-ps-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._threads.clear()
+        self.udp.close()
+        self.tcp.close()
+
+    def __enter__(self) -> KVServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def serve_forever(self) -> None:
+        """Serve until stop() is called (or SIGINT/SIGTERM when run as a program)."""
+        if not self._threads:
+            self.start()
+        while not self._stop.wait(0.5):
+            pass
+
+    @property
+    def applied_rounds(self) -> int:
+        """How many pushes (ps mode) have been applied to the store."""
+        return self._next_apply
+
+    # -- UDP -----------------------------------------------------------------
+    def _udp_loop(self) -> None:
+        poller = select.poll()
+        poller.register(self.udp.fileno(), select.POLLIN)
+        buf = bytearray(2048)
+        view = memoryview(buf)
+        while not self._stop.is_set():
+            if not poller.poll(_POLL_SECONDS * 1000):
+                continue
+            for _ in range(256):
+                try:
+                    size, source = self.udp.recvfrom_into(buf)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    continue
+                self.stats.datagrams += 1
+                try:
+                    if self.aggregator is not None:
+                        self._on_contribution(view[:size], source)
+                    else:
+                        self._on_switch_result(view[:size], source)
+                except Exception:  # never let one datagram stop the loop
+                    self.stats.malformed += 1
+                    log.exception("PS: datagram from %s:%d failed", *source)
+
+    def _send(self, packet: bytes | bytearray, address: tuple[str, int]) -> None:
+        try:
+            self.udp.sendto(packet, address)
+        except OSError:
+            pass  # the worker retransmits
+
+    def _on_contribution(self, data: memoryview, source: tuple[str, int]) -> None:
+        assert self.aggregator is not None
+        outcome = self.aggregator.handle(data, source)
+        if outcome is None:
+            return
+        for address in self.aggregator.group() if outcome.to_group else [source]:
+            self._send(outcome.packet, address)
+
+    def _on_switch_result(self, data: memoryview, source: tuple[str, int]) -> None:
+        if source != self.switch:
+            self.stats.foreign += 1
+            return
+        if len(data) != wire.NETAGG_BYTES:
+            self.stats.malformed += 1
+            return
+        version, flags, job, *_, seq = wire.HEADER_STRUCT.unpack_from(data, 0)
+        if version != wire.VERSION or not flags & wire.FLAG_RESULT or job != self.config.job_id:
+            self.stats.malformed += 1
+            return
+        self.stats.switch_results += 1
+        packet = bytearray(data)
+        packet[1] |= wire.FLAG_PS_FORWARDED
+        for address in list(self.workers.values()):
+            self._send(packet, address)
+            self.stats.forwarded += 1
+        if not seq & PROBE_SEQ_BIT:
+            self._store_block(seq, packet[wire.HEADER_BYTES:])
+
+    def _store_block(self, seq: int, payload: bytes | bytearray) -> None:
+        with self._cond:
+            for round_ in self._rounds.values():
+                if not round_.applied and (block := round_.offset(seq)) < round_.num_blocks:
+                    if round_.put(block, payload):
+                        self._apply_ready()
+                    return
+            self._pending[seq] = bytes(payload)
+            if len(self._pending) > self.pending_limit:
+                del self._pending[next(iter(self._pending))]
+
+    # -- rounds (ps mode) ----------------------------------------------------
+    def _apply_ready(self) -> None:
+        """Apply complete rounds in order (holding the lock)."""
+        while (round_ := self._rounds.get(self._next_apply)) is not None and round_.complete:
+            values = qz.dequantize(round_.sums, round_.exponents, self.num_workers).reshape(-1)
+            first = 0
+            for key, size in zip(round_.keys, round_.sizes, strict=True):
+                self.handle(self.store, key, values[first * wire.K:first * wire.K + size].copy(), self.num_workers)
+                first += blocks_for(size)
+            round_.applied = True
+            round_.sums = round_.sums[:0]
+            del self._rounds[self._next_apply]
+            self._next_apply += 1
+            self.stats.rounds_applied += 1
+            self._cond.notify_all()
+
+    def _open_round(self, round_id: int, seq_start: int, keys: list[int], sizes: list[int]) -> _PushRound:
+        nb = sum(blocks_for(size) for size in sizes)
+        round_ = _PushRound(round_id, seq_start, keys, sizes, nb, np.zeros((nb, wire.K), qz.WIRE_DTYPE),
+                            np.zeros(nb, bool), nb)
+        for block in range(nb):
+            payload = self._pending.pop((seq_start + block) & SEQ_MASK, None)
+            if payload is not None:
+                round_.put(block, payload)
+        stale = [s for s in self._pending if 0 < (seq_start - s) & SEQ_MASK < _HALF_SEQ_SPACE]
+        for seq in stale:
+            del self._pending[seq]
+        self._rounds[round_id] = round_
+        return round_
+
+    # -- TCP -----------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.tcp.accept()
+            except (TimeoutError, BlockingIOError):
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                time.sleep(_POLL_SECONDS)
+                continue
+            thread = threading.Thread(target=self._serve_connection, args=(conn,), name="netagg-ps-conn",
+                                      daemon=True)
+            thread.start()
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while not self._stop.is_set():
+                readable, _, _ = select.select([conn], [], [], _POLL_SECONDS)
+                if not readable:
+                    continue
+                conn.settimeout(self.pull_timeout)
+                try:
+                    header, blob = recv_frame(conn)
+                except (ProtocolError, OSError):
+                    self.stats.bad_requests += 1
+                    return  # closed, timed out mid-frame or garbage: drop the connection
+                self.stats.requests += 1
+                try:
+                    response, data = self._dispatch(header, blob)
+                except (KeyError, TypeError, ValueError) as err:
+                    self.stats.bad_requests += 1
+                    response, data = {"ok": False, "error": f"{type(err).__name__}: {err}"}, b""
+                try:
+                    send_frame(conn, response, data)
+                except OSError:
+                    return
+
+    def _dispatch(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes | bytearray]:
+        op = header.get("op")
+        if int(header.get("job_id", -1)) != self.config.job_id:
+            raise ValueError(f"request for job {header.get('job_id')}, this PS serves job {self.config.job_id}")
+        handler = {"hello": self._op_hello, "commit": self._op_commit, "repair": self._op_repair,
+                   "pull": self._op_pull, "init": self._op_init}.get(op)
+        if handler is None:
+            raise ValueError(f"unknown op {op!r}")
+        return handler(header, blob)
+
+    def _op_hello(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        rank = int(header["rank"])
+        if not 0 <= rank < self.num_workers:
+            raise ValueError(f"rank {rank} not in 0..{self.num_workers - 1}")
+        address = resolve(Endpoint(str(header["host"]), int(header["port"])))
+        with self._cond:
+            self.workers[rank] = address
+        return {"ok": True, "mode": self.mode, "num_workers": self.num_workers,
+                "slot_count": slot_count_of(self.config)}, b""
+
+    def _op_commit(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        round_id, seq_start = int(header["round"]), int(header["seq_start"]) & SEQ_MASK
+        keys, sizes = [int(k) for k in header["keys"]], [int(s) for s in header["sizes"]]
+        exponents = np.frombuffer(blob, np.int8).copy()
+        nb = sum(blocks_for(size) for size in sizes)
+        if len(keys) != len(sizes) or exponents.size != nb:
+            raise ValueError(f"commit of round {round_id}: {len(keys)} keys, {len(sizes)} sizes, "
+                             f"{exponents.size} exponents for {nb} blocks")
+        with self._cond:
+            if round_id < self._next_apply:
+                return {"ok": True, "missing": []}, b""
+            round_ = self._rounds.get(round_id)
+            if round_ is None:
+                round_ = self._open_round(round_id, seq_start, keys, sizes)
+            elif (round_.seq_start, round_.keys, round_.sizes) != (seq_start, keys, sizes):
+                raise ValueError(f"round {round_id}: this worker's push differs from another worker's "
+                                 f"(keys/sizes/seq); all workers must push the same keys in the same order")
+            if round_.exponents is None:
+                round_.exponents = exponents
+            self._apply_ready()
+            deadline = time.monotonic() + self.commit_grace
+            while round_.missing and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            return {"ok": True, "missing": round_.missing_seqs()}, b""
+
+    def _op_repair(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        round_id, seqs = int(header["round"]), [int(s) for s in header["seqs"]]
+        if len(blob) != len(seqs) * wire.PAYLOAD_BYTES:
+            raise ValueError(f"repair: {len(blob)} bytes for {len(seqs)} blocks")
+        with self._cond:
+            round_ = self._rounds.get(round_id)
+            if round_ is None:
+                return {"ok": True, "missing": []}, b""  # applied already
+            for i, seq in enumerate(seqs):
+                block = round_.offset(seq)
+                if block >= round_.num_blocks:
+                    raise ValueError(f"repair: seq {seq} is not part of round {round_id}")
+                if round_.put(block, blob[i * wire.PAYLOAD_BYTES:(i + 1) * wire.PAYLOAD_BYTES]):
+                    self.stats.repaired_blocks += 1
+            missing = round_.missing_seqs()
+            self._apply_ready()
+        return {"ok": True, "missing": missing}, b""
+
+    def _op_pull(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        keys, after = [int(k) for k in header["keys"]], int(header.get("after_round", -1))
+        timeout = min(float(header.get("timeout", self.pull_timeout)), self.pull_timeout)
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._next_apply > after, timeout):
+                raise ValueError(f"push round {after} not applied within {timeout:.1f} s "
+                                 f"({self._next_apply} applied)")
+            unknown = [k for k in keys if k not in self.store]
+            if unknown:
+                raise KeyError(f"no value stored for key(s) {unknown}")
+            values = [self.store[k] for k in keys]
+            data = b"".join(np.ascontiguousarray(v, np.float32).tobytes() for v in values)
+        return {"ok": True, "sizes": [int(v.size) for v in values]}, data
+
+    def _op_init(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        keys, sizes = [int(k) for k in header["keys"]], [int(s) for s in header["sizes"]]
+        values = np.frombuffer(blob, np.float32)
+        if len(keys) != len(sizes) or values.size != sum(sizes):
+            raise ValueError(f"init: {len(keys)} keys, sizes {sizes}, {values.size} values")
+        with self._cond:
+            start = 0
+            for key, size in zip(keys, sizes, strict=True):
+                self.store[key] = values[start:start + size].copy()
+                start += size
+        return {"ok": True}, b""
+
+
+def _endpoint_arg(text: str) -> Endpoint:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return Endpoint(host, int(port))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: run the PS of one job until SIGINT/SIGTERM."""
+    parser = argparse.ArgumentParser(prog="python -m netagg.hoststack.server", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="the job's YAML config (any rank's); default: DMLC_*/NETAGG_* env")
+    parser.add_argument("--bind", type=_endpoint_arg, help="HOST:PORT to listen on instead of the config's ps")
+    parser.add_argument("--handle", choices=("sum", "sgd"), default="sum", help="what a push does (default sum)")
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate of --handle sgd")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = WorkerConfig.load(args.config) if args.config else config_from_env(role="server")
+        server = KVServer(config, SGD(args.lr) if args.handle == "sgd" else sum_store, bind=args.bind)
+    except (ConfigError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with server:
+        print(f"netagg PS: job {config.job_id} ({config.mode}, {config.num_workers} workers) on "
+              f"{server.address[0]}:{server.address[1]} (udp+tcp)", flush=True)
+        while not stop.wait(0.5):
+            pass
+    print(f"netagg PS: stopped; {server.stats}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
