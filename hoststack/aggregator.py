@@ -94,9 +94,8 @@ class SoftAggregator:
         if job != self.job_id:
             return self._drop(DropReason.UNKNOWN_JOB)
         known_rank = self.rank_of.get(source)
-        if known_rank is None:
-            if not self._learn or rank >= self.num_workers or rank in self.address_of:
-                return self._drop(DropReason.UNKNOWN_WORKER)
+        if known_rank is None and (not self._learn or rank >= self.num_workers or rank in self.address_of):
+            return self._drop(DropReason.UNKNOWN_WORKER)
         if slot >= self.slot_count:
             return self._drop(DropReason.SLOT_OUT_OF_RANGE)
         if pool >= wire.NUM_POOLS:

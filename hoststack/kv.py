@@ -23,19 +23,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-
-from netagg import wire
 from netagg.hoststack import blocks as blk
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.packets import resolve
 from netagg.hoststack.psproto import PsClient, PsError
 from netagg.hoststack.transport import Transport
+
+from netagg import wire
 from netagg.jobconfig import WorkerConfig
 
 __all__ = ["KVWorker", "PsError"]
 
-#: Key used by :meth:`KVWorker.allreduce` in ps mode (not stored by the PS).
+#: Blocks per REPAIR request.
 _REPAIR_BATCH = 4096
 
 
@@ -121,10 +121,10 @@ class KVWorker:
     def init(self, keys: Sequence[int] | int, values: Sequence[Any] | Any) -> int:
         """Set initial values: at the PS in ps mode (e.g. SGD weights), locally otherwise."""
         keys, values = _listify(keys, values)
-        arrays = [np.ascontiguousarray(blk.unpack(*blk.pack([k], [v]))[0], np.float32).reshape(-1)
-                  for k, v in zip(keys, values, strict=True)]
-        shapes = [tuple(np.shape(v)) for v in values]
-        return self._submit(self._init, keys, arrays, shapes)
+        layout, blocks = blk.pack(keys, values)
+        flat = blocks.reshape(-1)
+        arrays = [flat[s.first_block * wire.K:s.first_block * wire.K + s.size].copy() for s in layout.segments]
+        return self._submit(self._init, layout.keys, arrays, [s.shape for s in layout.segments])
 
     def close(self) -> None:
         """Finish queued operations, then release the sockets."""
@@ -152,7 +152,7 @@ class KVWorker:
         return qz.dequantize(sums, global_exp, self.num_workers)
 
     def _push(self, layout: blk.Layout, blocks: np.ndarray, exponents: np.ndarray, keep: bool) -> list | None:
-        seq_start = self.transport._seq
+        seq_start = self.transport.next_seq
         sums, global_exp = self.transport.exchange(blocks, exponents)
         aggregate = qz.dequantize(sums, global_exp, self.num_workers).reshape(-1)
         for segment in layout.segments:

@@ -17,6 +17,7 @@ for the control protocol of :mod:`~netagg.hoststack.psproto`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import select
 import signal
@@ -25,18 +26,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from netagg import wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.aggregator import SoftAggregator
 from netagg.hoststack.blocks import blocks_for
 from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, resolve, slot_count_of, udp_socket
 from netagg.hoststack.psproto import ProtocolError, recv_frame, send_frame
+
+from netagg import wire
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -228,10 +229,8 @@ class KVServer:
                     log.exception("PS: datagram from %s:%d failed", *source)
 
     def _send(self, packet: bytes | bytearray, address: tuple[str, int]) -> None:
-        try:
+        with contextlib.suppress(OSError):  # lost: the worker retransmits
             self.udp.sendto(packet, address)
-        except OSError:
-            pass  # the worker retransmits
 
     def _on_contribution(self, data: memoryview, source: tuple[str, int]) -> None:
         assert self.aggregator is not None

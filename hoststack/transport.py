@@ -29,8 +29,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from netagg import wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.packets import (
     PACKET_DTYPE,
@@ -40,6 +38,8 @@ from netagg.hoststack.packets import (
     slot_count_of,
     udp_socket,
 )
+
+from netagg import wire
 from netagg.jobconfig import WorkerConfig
 
 K = wire.K
@@ -173,6 +173,11 @@ class Transport:
         finally:
             self.stats.exchanges += 1
         return round_.sums, round_.global_exp
+
+    @property
+    def next_seq(self) -> int:
+        """``seq`` of the next exchange's first data block."""
+        return self._seq
 
     def close(self) -> None:
         self.sock.close()
