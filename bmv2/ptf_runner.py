@@ -13,11 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from netagg import dataplane as dp
 from netagg.bmv2.netns import VethRig, can_create_namespaces, ns_exec, terminate_on_sigterm
 from netagg.bmv2.p4build import P4CompileError, compile_program
 from netagg.bmv2.targets import TARGETS, TargetError, bmv2_missing, start_target
-
-from netagg import dataplane as dp
 
 PTF_DIR = dp.REPO_ROOT / "ptf-tests"
 NUM_PORTS = 8

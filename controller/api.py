@@ -19,7 +19,6 @@ from typing import Any
 
 from netagg.controller.p4runtime_client import P4RuntimeError
 from netagg.controller.service import Caller, JobService, ServiceError
-
 from netagg.jobconfig import ConfigError
 
 log = logging.getLogger(__name__)

@@ -14,12 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from netagg import dataplane as dp
 from netagg.controller.api import ApiClient, ApiError
 from netagg.controller.config import load_config
 from netagg.controller.p4runtime_client import P4RuntimeError
 from netagg.controller.service import ServiceError
-
-from netagg import dataplane as dp
 from netagg.jobconfig import ConfigError
 
 EXIT_CODES = {

@@ -14,13 +14,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from netagg import wire
 from netagg.controller.allocator import SlotAllocator, SlotRange
 from netagg.controller.config import ControllerConfig
 from netagg.controller.p4runtime_client import P4RuntimeClient, P4RuntimeError
 from netagg.controller.store import JobRecord, JobStore, PsEndpoint, WorkerEndpoint
 from netagg.controller.switch_programmer import ReconcileReport, SwitchProgrammer
-
-from netagg import wire
 from netagg.jobconfig import Endpoint, WorkerConfig
 from netagg.p4info import P4InfoIndex, load_p4info, p4info_differences
 

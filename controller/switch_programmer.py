@@ -12,11 +12,10 @@ import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from netagg import dataplane as dp
 from netagg.controller.config import ControllerConfig
 from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord
-
-from netagg import dataplane as dp
 
 #: Tables the controller owns completely (anything else found there is removed).
 MANAGED_TABLES = (dp.TABLE_JOBS, dp.TABLE_WORKERS, dp.TABLE_REPLICAS, dp.TABLE_ROUTES)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from base_test import NetaggTest, contribution, int32, make_workers, result_for
-
 from netagg import wire
+
+from base_test import NetaggTest, contribution, int32, make_workers, result_for
 
 
 def _random_values(rng: random.Random) -> list[int]:

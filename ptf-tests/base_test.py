@@ -15,7 +15,6 @@ from pathlib import Path
 
 import ptf
 import ptf.testutils as tu
-from netagg.controller.p4runtime_client import P4RuntimeClient
 from ptf.base_tests import BaseTest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
@@ -23,6 +22,7 @@ from scapy.packet import Packet
 
 from netagg import dataplane as dp
 from netagg import wire
+from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.scapy_layers import Netagg, NetaggValues, netagg_payload
 
 SWITCH_MAC = "02:00:00:00:00:fe"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from base_test import SWITCH_MAC, NetaggTest
 from scapy.layers.inet import IP, TCP, UDP
 from scapy.layers.l2 import Ether
 
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.dataplane import DropReason
+
+from base_test import SWITCH_MAC, NetaggTest
 
 PS_MAC = "02:00:00:00:02:01"
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from base_test import NetaggTest, Worker, contribution, make_workers, result_for
-
 from netagg import wire
 from netagg.dataplane import DropReason
+
+from base_test import NetaggTest, Worker, contribution, make_workers, result_for
 
 
 class _Rejected(NetaggTest):

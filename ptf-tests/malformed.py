@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from base_test import AGGREGATOR_IP, SWITCH_MAC, NetaggTest, contribution, make_workers, result_for
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import ARP, Ether
 
 from netagg import wire
 from netagg.dataplane import DropReason
+
+from base_test import AGGREGATOR_IP, SWITCH_MAC, NetaggTest, contribution, make_workers, result_for
 
 
 class _Malformed(NetaggTest):

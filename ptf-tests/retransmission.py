@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from base_test import NetaggTest, contribution, make_workers, result_for
-
 from netagg import wire
+
+from base_test import NetaggTest, contribution, make_workers, result_for
 
 
 class DuplicateIgnored(NetaggTest):

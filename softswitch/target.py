@@ -7,15 +7,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from netagg import dataplane as dp
+from netagg.p4info import P4InfoIndex
 from netagg.softswitch.faults import FaultInjector
 from netagg.softswitch.forwarding_state import ForwardingState
 from netagg.softswitch.p4runtime_server import P4RuntimeDevice, ServerHandle, serve
 from netagg.softswitch.pipeline import NetaggPipeline
 from netagg.softswitch.ports import LoopbackUdpPort, Port, RawSocketPort
 from netagg.softswitch.switch import SoftSwitch
-
-from netagg import dataplane as dp
-from netagg.p4info import P4InfoIndex
 
 log = logging.getLogger(__name__)
 

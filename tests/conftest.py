@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from netagg.bmv2.targets import TargetProcess, start_target
 
 from netagg import dataplane as dp
+from netagg.bmv2.p4build import compile_program
+from netagg.bmv2.targets import TargetProcess, bmv2_missing, start_target
 
 ADMIN_TOKEN = "admin-test-token"
 TOKENS = {"alice": "alice-test-token", "bob": "bob-test-token"}
@@ -27,6 +28,16 @@ def free_udp_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session")
+def bmv2_json(tmp_path_factory) -> Path:
+    """The program compiled for BMv2 (skips, saying why, without p4c and BMv2)."""
+    reason = bmv2_missing()
+    if reason:
+        pytest.skip(f"BMv2 target: {reason}")
+    json_path, _ = compile_program(tmp_path_factory.mktemp("p4c"))
+    return json_path
+
+
 @pytest.fixture
 def soft_switch(tmp_path: Path) -> Iterator[TargetProcess]:
     """The software target as a process: P4Runtime on a free port, loopback UDP port."""
@@ -35,11 +46,26 @@ def soft_switch(tmp_path: Path) -> Iterator[TargetProcess]:
     target.stop()
 
 
+@pytest.fixture(params=["soft", pytest.param("bmv2", marks=pytest.mark.bmv2)])
+def any_switch(request, tmp_path: Path) -> Iterator[TargetProcess]:
+    """Each target in turn, for control-plane tests: the software target, then BMv2 (no ports)."""
+    if request.param == "soft":
+        yield request.getfixturevalue("soft_switch")
+        return
+    json_path = request.getfixturevalue("bmv2_json")
+    target = start_target("bmv2", {}, tmp_path / "bmv2.log")
+    target.extra["bmv2_json"] = json_path
+    target.loopback_address = ("127.0.0.1", 28900)  # unused: BMv2 has no loopback port
+    yield target
+    target.stop()
+
+
 def controller_config(tmp_path: Path, grpc_address: str, aggregator_port: int, capacity: int = 64,
-                      min_slots: int = 4, lease: float = 3600) -> Path:
+                      min_slots: int = 4, lease: float = 3600, bmv2_json: Path | None = None) -> Path:
     config = {
         "switch": {"grpc_address": grpc_address, "device_id": 1, "election_id": 10,
                    "p4info": str(dp.P4INFO_PATH),
+                   **({"bmv2_json": str(bmv2_json)} if bmv2_json else {}),
                    "aggregator": {"ip": "127.0.0.1", "mac": "02:00:00:00:aa:01", "udp_port": aggregator_port}},
         "slots": {"capacity": capacity, "min_per_job": min_slots},
         "jobs": {"lease_seconds": lease},
@@ -97,9 +123,23 @@ def start_controller(config: Path, log: Path, timeout: float = 20.0) -> Controll
     raise RuntimeError(f"controller did not come up:\n{log.read_text()[-3000:]}")
 
 
+def config_for(tmp_path: Path, switch: TargetProcess, **kwargs) -> Path:
+    """A controller configuration for ``switch`` (either target)."""
+    return controller_config(tmp_path, switch.grpc_address, switch.loopback_address[1],
+                             bmv2_json=switch.extra.get("bmv2_json"), **kwargs)
+
+
 @pytest.fixture
-def controller(tmp_path: Path, soft_switch: TargetProcess) -> Iterator[ControllerProcess]:
-    config = controller_config(tmp_path, soft_switch.grpc_address, soft_switch.loopback_address[1])
-    ctl = start_controller(config, tmp_path / "controller.log")
+def controller(tmp_path: Path, any_switch: TargetProcess) -> Iterator[ControllerProcess]:
+    """A controller process on each target in turn."""
+    ctl = start_controller(config_for(tmp_path, any_switch), tmp_path / "controller.log")
+    yield ctl
+    ctl.stop()
+
+
+@pytest.fixture
+def soft_controller(tmp_path: Path, soft_switch: TargetProcess) -> Iterator[ControllerProcess]:
+    """A controller on the software target (tests that send traffic over loopback UDP)."""
+    ctl = start_controller(config_for(tmp_path, soft_switch), tmp_path / "controller.log")
     yield ctl
     ctl.stop()

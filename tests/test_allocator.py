@@ -5,6 +5,7 @@ from itertools import pairwise
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from netagg.controller.allocator import AllocationError, SlotAllocator, SlotRange
 
 

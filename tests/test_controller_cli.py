@@ -8,13 +8,14 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ADMIN_TOKEN, TOKENS, controller_config, free_udp_port, start_controller
-from netagg.controller.cli import EXIT_CODES, main
-from netagg.controller.p4runtime_client import P4RuntimeClient
 
 from netagg import dataplane as dp
 from netagg import wire
+from netagg.controller.cli import EXIT_CODES, main
+from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.jobconfig import WorkerConfig
+
+from conftest import ADMIN_TOKEN, TOKENS, config_for, controller_config, free_udp_port, start_controller
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,7 +77,8 @@ def switch_entries(grpc_address: str) -> dict[str, int]:
         return counts
 
 
-def test_create_show_delete_with_live_counters(capsys, controller, soft_switch):
+def test_create_show_delete_with_live_counters(capsys, soft_controller, soft_switch):
+    controller = soft_controller
     ports = [free_udp_port() for _ in range(3)]
     created = create(capsys, controller, TOKENS["alice"], ports, 8, "--name", "resnet")
     job = created["job"]
@@ -118,7 +120,8 @@ def test_best_effort_admission(capsys, controller):
     assert fb_config.mode == "fallback" and fb_config.aggregator.port == 29001
 
 
-def test_reused_slots_give_correct_sums(capsys, controller):
+def test_reused_slots_give_correct_sums(capsys, soft_controller):
+    controller = soft_controller
     ports = [free_udp_port() for _ in range(2)]
     old = create(capsys, controller, TOKENS["alice"], ports, 4)["job"]
     old_configs = worker_configs(capsys, controller, TOKENS["alice"], old["job_id"], 2)
@@ -181,8 +184,9 @@ def test_unreachable_controller_and_switch(capsys, tmp_path):
     assert code == EXIT_CODES["switch_error"] and "Traceback" not in err
 
 
-def test_lease_expiry_reclaims_job(capsys, tmp_path, soft_switch):
-    config = controller_config(tmp_path, soft_switch.grpc_address, soft_switch.loopback_address[1])
+def test_lease_expiry_reclaims_job(capsys, tmp_path, any_switch):
+    soft_switch = any_switch
+    config = config_for(tmp_path, any_switch)
     ctl = start_controller(config, tmp_path / "controller.log")
     try:
         job = create(capsys, ctl, TOKENS["alice"], [free_udp_port()], 4, "--lease", "1")["job"]

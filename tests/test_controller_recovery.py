@@ -7,13 +7,14 @@ import threading
 from itertools import pairwise
 
 import pytest
-from conftest import ADMIN_TOKEN, TOKENS, controller_config, free_udp_port, start_controller
+
+from netagg import dataplane as dp
 from netagg.bmv2.targets import start_target
 from netagg.controller.api import ApiClient, ApiError
 from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.switch_programmer import ip_to_int
 
-from netagg import dataplane as dp
+from conftest import ADMIN_TOKEN, TOKENS, config_for, free_udp_port, start_controller
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -65,8 +66,9 @@ def burst(client: ApiClient, stop: threading.Event, seed: int) -> None:
             raise
 
 
-def test_kill_minus_nine_during_burst_loses_nothing(tmp_path, soft_switch):
-    config = controller_config(tmp_path, soft_switch.grpc_address, soft_switch.loopback_address[1], capacity=256)
+def test_kill_minus_nine_during_burst_loses_nothing(tmp_path, any_switch):
+    soft_switch = any_switch
+    config = config_for(tmp_path, any_switch, capacity=256)
     for round_ in range(3):
         ctl = start_controller(config, tmp_path / "controller.log")
         stop = threading.Event()
@@ -88,8 +90,9 @@ def test_kill_minus_nine_during_burst_loses_nothing(tmp_path, soft_switch):
         ctl.stop()
 
 
-def test_restart_reinstalls_lost_switch_state_and_removes_strays(tmp_path, soft_switch):
-    config = controller_config(tmp_path, soft_switch.grpc_address, soft_switch.loopback_address[1])
+def test_restart_reinstalls_lost_switch_state_and_removes_strays(tmp_path, any_switch):
+    soft_switch = any_switch
+    config = config_for(tmp_path, any_switch)
     ctl = start_controller(config, tmp_path / "controller.log")
     alice = ApiClient(ctl.socket, TOKENS["alice"])
     kept = alice.call("create", name="kept", workers=[f"local:{free_udp_port()}", f"local:{free_udp_port()}"],
@@ -116,8 +119,8 @@ def test_restart_reinstalls_lost_switch_state_and_removes_strays(tmp_path, soft_
     # The switch restarts empty (no pipeline, no entries); the controller restores everything.
     host, port = soft_switch.loopback_address
     soft_switch.stop()
-    fresh = start_target("soft", {}, tmp_path / "softswitch2.log", grpc_address=soft_switch.grpc_address,
-                         loopback=f"{host}:{port}")
+    fresh = start_target(soft_switch.kind, {}, tmp_path / "switch2.log", grpc_address=soft_switch.grpc_address,
+                         loopback=f"{host}:{port}" if soft_switch.kind == "soft" else None)
     try:
         ctl = start_controller(config, tmp_path / "controller.log")
         try:

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from netagg.bmv2.ptf_runner import EXIT_SKIPPED, skip_reason
 
 from netagg import dataplane as dp
+from netagg.bmv2.ptf_runner import EXIT_SKIPPED, skip_reason
 
 
 @pytest.mark.slow

@@ -1,0 +1,78 @@
+"""Packets/s of the host stack's send path vs a bare ``sendto`` loop of the same packet size.
+
+Both send to a local UDP sink that nobody reads (the kernel drops what overflows its
+buffer, so neither side is clocked by a receiver). The send path is the transport's own
+code for a window refill: quantize a batch of blocks, fill the headers of their slots'
+preallocated packets with numpy, then ``sendto`` each row, set its expectation and arm
+the batch's retransmission timer. Prints ``ratio = send path pps / bare pps`` (goal >= 0.8).
+Run: ``python -m benchmarks.hoststack_send``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import time
+
+import numpy as np
+from netagg.hoststack import quantization as qz
+from netagg.hoststack.transport import Transport, _Round
+
+from netagg import wire
+from netagg.jobconfig import Endpoint, WorkerConfig
+
+
+def bare_sendto(sock: socket.socket, dest: tuple[str, int], count: int) -> float:
+    """Packets/s of ``sendto`` of one prebuilt packet in a loop."""
+    packet = wire.pack(wire.Header(job_id=1, slot=0, pool=0, rank=0, seq=0), np.zeros(wire.K, np.int32))
+    send = sock.sendto
+    start = time.perf_counter()
+    for _ in range(count):
+        send(packet, dest)
+    return count / (time.perf_counter() - start)
+
+
+def send_path(transport: Transport, count: int) -> float:
+    """Packets/s of the transport's window refill (``_Round.emit``) over ``count`` blocks."""
+    slots = transport.slot_count
+    rng = np.random.default_rng(0)
+    blocks = rng.standard_normal((count, wire.K)).astype(np.float32)
+    exponents = qz.block_exponents(blocks)
+    round_ = _Round(transport, blocks, exponents)
+    round_.global_exp[:] = exponents  # as if the switch had answered with these maxima
+    batches = [(list(range(slots)), list(range(first, first + slots))) for first in range(0, count, slots)]
+    start = time.perf_counter()
+    for slot_list, block_list in batches:
+        round_.emit(slot_list, block_list)
+    return count / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--packets", type=int, default=100_000)
+    parser.add_argument("--slots", type=int, default=128, help="window (packets per refill batch)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating measurements; best of each is kept")
+    args = parser.parse_args()
+    count = args.packets // args.slots * args.slots
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sink.bind(("127.0.0.1", 0))
+    dest = sink.getsockname()
+    config = WorkerConfig(job_id=1, rank=0, num_workers=8, slot_count=args.slots, mode="allreduce",
+                          aggregator=Endpoint(*dest), bind=Endpoint("127.0.0.1", 0))
+    with Transport(config) as transport:
+        bare_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        bare_sock.bind(("127.0.0.1", 0))
+        bare, ours = 0.0, 0.0
+        for _ in range(args.rounds):
+            bare = max(bare, bare_sendto(bare_sock, dest, count))
+            ours = max(ours, send_path(transport, count))
+        bare_sock.close()
+    sink.close()
+    print(f"packet {wire.NETAGG_BYTES} bytes, {count} packets, window {args.slots}")
+    print(f"bare sendto loop : {bare:>10.0f} packets/s")
+    print(f"send path        : {ours:>10.0f} packets/s")
+    print(f"ratio            : {ours / bare:.3f}  (goal >= 0.8)")
+
+
+if __name__ == "__main__":
+    main()
