@@ -97,7 +97,7 @@ def _drive_raw(interfaces: dict[int, str], rounds: int) -> dict:
         for rank in range(WORKERS):
             got = 0
             while got < SLOTS:
-                data, address = socks[rank + 1].recvfrom(4096)
+                _, address = socks[rank + 1].recvfrom(4096)
                 if address[2] == 4:  # our own outgoing frame
                     continue
                 got += 1

@@ -130,6 +130,14 @@ class Transport:
         self.sources = frozenset(sources)
         self.sock = udp_socket(resolve(config.bind))
         self.address: tuple[str, int] = self.sock.getsockname()
+        if len(self.sources) == 1:
+            # One peer: a connected socket sends faster and the kernel drops strangers' datagrams.
+            self.sock.connect(self.destination)
+            self._send = self.sock.send
+        else:
+            destination = self.destination
+            sendto = self.sock.sendto
+            self._send = lambda data: sendto(data, destination)
         self._poller = select.poll()
         self._poller.register(self.sock.fileno(), select.POLLIN)
         self.rto = RtoEstimator(rto_initial, rto_min, rto_max)
@@ -231,46 +239,54 @@ class _Round:
         self.remaining = nb
 
     # -- sending -------------------------------------------------------------
-    def emit(self, slots: list[int], blocks: list[int]) -> None:
-        """Fill and send the packets for ``blocks`` (-1 = probe) in ``slots``; one timer for all."""
+    def emit_probes(self) -> None:
+        """The first window: one probe per used slot (zeros, carrying the exponent of block ``slot``)."""
         t = self.t
-        packets = t._packets
-        sl = np.asarray(slots, dtype=np.intp)
-        bl = np.asarray(blocks, dtype=np.int64)
-        probe = bl < 0
+        slots = np.arange(self.used_slots)
+        packets = t._packets[:self.used_slots]
+        packets["values"] = 0
         hdr = packets["hdr"]
-        if probe.any():
-            psl = sl[probe]
-            packets["values"][psl] = 0
-            hdr["seq"][psl] = PROBE_SEQ_BIT | ((self.probe0 + psl) & SEQ_MASK)
-            hdr["exponent"][psl] = self._ahead[psl]
-            data = ~probe
-            sl, bl = sl[data], bl[data]
-        if sl.size:
-            g = self.global_exp[bl]
-            if (g < self.local_exp[bl]).any():
-                raise TransportError("aggregator returned an exponent below this worker's: protocol violation")
-            packets["values"][sl] = qz.quantize(self.blocks[bl], g, t.num_workers)
-            hdr["seq"][sl] = (self.seq0 + bl) & SEQ_MASK
-            hdr["exponent"][sl] = self._ahead[bl + self.window]
-        all_slots = np.asarray(slots, dtype=np.intp)
-        pools = t._next_pool[all_slots]
-        hdr["pool"][all_slots] = pools
-        hdr["flags"][all_slots] = 0
-        keys = ((pools.astype(np.int64) << 32) | hdr["seq"][all_slots]).tolist()
+        hdr["seq"] = PROBE_SEQ_BIT | ((self.probe0 + slots) & SEQ_MASK)
+        hdr["exponent"] = self._ahead[:self.used_slots]
+        self._send(slots.tolist(), slots, hdr["seq"])
+
+    def emit(self, slots: list[int], blocks: list[int]) -> None:
+        """Quantize data ``blocks`` (their global exponents are known) and send them in ``slots``."""
+        t = self.t
+        sl = np.array(slots, dtype=np.intp)
+        bl = np.array(blocks, dtype=np.intp)
+        g = self.global_exp[bl]
+        if (g < self.local_exp[bl]).any():
+            raise TransportError("aggregator returned an exponent below this worker's: protocol violation")
+        packets = t._packets
+        packets["values"][sl] = qz.quantize(self.blocks[bl], g, t.num_workers)
+        seqs = (bl + self.seq0) & SEQ_MASK
+        hdr = packets["hdr"]
+        hdr["seq"][sl] = seqs
+        hdr["exponent"][sl] = self._ahead[bl + self.window]
+        self._send(slots, sl, seqs)
+
+    def _send(self, slots: list[int], sl: np.ndarray, seqs: np.ndarray) -> None:
+        """Set pool and flags of the filled packets, send them, expect their results, arm one timer."""
+        t = self.t
+        pools = t._next_pool[sl]
+        hdr = t._packets["hdr"]
+        hdr["pool"][sl] = pools
+        hdr["flags"][sl] = 0
+        keys = ((pools.astype(np.int64) << 32) | seqs).tolist()
         now = time.monotonic()
-        rows, expect, sent_at, send, dest = t._rows, self.expect, self.sent_at, t.sock.sendto, t.destination
-        sent = 0
+        rows, expect, sent_at, send = t._rows, self.expect, self.sent_at, t._send
+        errors = 0
         for slot, key in zip(slots, keys, strict=True):
             try:
-                send(rows[slot], dest)
-                sent += 1
+                send(rows[slot])
             except OSError:  # full buffer or ICMP: the timer resends
-                t.stats.socket_errors += 1
+                errors += 1
             expect[slot] = key
             sent_at[slot] = now
-        t.stats.packets_sent += sent
-        self._arm(now + t.rto.rto, list(slots), keys)
+        t.stats.packets_sent += len(keys) - errors
+        t.stats.socket_errors += errors
+        self._arm(now + t.rto.rto, slots, keys)
 
     def _arm(self, deadline: float, slots: list[int], keys: list[int]) -> None:
         self._timer_id += 1
@@ -287,7 +303,7 @@ class _Round:
                 self.retries[slot] = retries
                 t._raw[slot, 1] |= wire.FLAG_RETRANSMIT
                 try:
-                    t.sock.sendto(t._rows[slot], t.destination)
+                    t._send(t._rows[slot])
                     t.stats.packets_sent += 1
                 except OSError:
                     t.stats.socket_errors += 1
@@ -300,7 +316,7 @@ class _Round:
         nb = self.num_blocks
         if nb == 0:
             return
-        self.emit(list(range(self.used_slots)), [-1] * self.used_slots)
+        self.emit_probes()
         last_progress = time.monotonic()
         buf, view = t._recv_buf, t._recv_view
         sources, job_id, stats = t.sources, t.config.job_id, t.stats
