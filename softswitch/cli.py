@@ -12,9 +12,8 @@ import signal
 import sys
 import threading
 
-from netagg.softswitch.target import Faults, SoftwareTarget
-
 from netagg import wire
+from netagg.softswitch.target import Faults, SoftwareTarget
 
 
 def _interface(text: str) -> tuple[int, str]:

@@ -13,12 +13,12 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
-from netagg.softswitch.forwarding_state import ForwardingState
 from p4.config.v1 import p4info_pb2
 
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.dataplane import DropReason, ValueOp
+from netagg.softswitch.forwarding_state import ForwardingState
 
 _ETH = struct.Struct("!6s6sH")
 _IPV4 = struct.Struct("!BBHHHBBH4s4s")
