@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from netagg.hoststack import quantization as qz
 
 from netagg import wire
+from netagg.hoststack import quantization as qz
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:

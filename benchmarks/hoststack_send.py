@@ -15,10 +15,10 @@ import socket
 import time
 
 import numpy as np
-from netagg.hoststack import quantization as qz
-from netagg.hoststack.transport import Transport, _Round
 
 from netagg import wire
+from netagg.hoststack import quantization as qz
+from netagg.hoststack.transport import Transport, _Round
 from netagg.jobconfig import Endpoint, WorkerConfig
 
 

@@ -127,6 +127,9 @@ def start_target(kind: str, interfaces: Mapping[int, str], log_path: Path, grpc_
 
 def wait_for_p4runtime(target: TargetProcess, namespace: str | None, timeout: float) -> None:
     """Poll the gRPC port until it accepts connections (inside the namespace if any)."""
+    if target.grpc_address.startswith("unix:"):
+        _wait_for_unix_socket(target, target.grpc_address[len("unix:"):], timeout)
+        return
     host, port = target.grpc_address.rsplit(":", 1)
     probe = [sys.executable, "-c",
              f"import socket; socket.create_connection(({host!r}, {int(port)}), timeout=0.5).close()"]
@@ -145,3 +148,20 @@ def wait_for_p4runtime(target: TargetProcess, namespace: str | None, timeout: fl
         time.sleep(0.1)
     raise TargetError(f"{target.kind} target did not open P4Runtime on {target.grpc_address} "
                       f"within {timeout:.0f} s:\n{target.log_tail()}")
+
+
+def _wait_for_unix_socket(target: TargetProcess, path: str, timeout: float) -> None:
+    """A unix-socket P4Runtime address is reachable from every network namespace."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if target.process.poll() is not None:
+            raise TargetError(f"{target.kind} target exited with {target.process.returncode}:\n{target.log_tail()}")
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(0.5)
+                s.connect(path)
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TargetError(f"{target.kind} target did not open P4Runtime on unix:{path} within {timeout:.0f} s:\n"
+                      f"{target.log_tail()}")

@@ -187,8 +187,8 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
     _check_keys(r)
     r.section("switch")
     grpc_address = r.value("switch.grpc_address", str)
-    if not re.match(r"^[\w.\-\[\]:]+:\d+$", grpc_address):
-        raise r.fail("switch.grpc_address", f"{grpc_address!r} is not host:port")
+    if not (re.match(r"^[\w.\-\[\]:]+:\d+$", grpc_address) or re.match(r"^unix:/\S+$", grpc_address)):
+        raise r.fail("switch.grpc_address", f"{grpc_address!r} is not host:port or unix:/path")
     device_id = r.value("switch.device_id", int, 1)
     election_id = r.value("switch.election_id", int, 1)
     if election_id < 1:

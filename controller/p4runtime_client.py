@@ -50,6 +50,8 @@ MatchValue = int | tuple[int, int]
 _MAX_MESSAGE_BYTES = 64 << 20
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _U64 = (1 << 64) - 1
+#: How long to wait for an answer to an arbitration with an unchanged id (PI sends none).
+_REPEAT_ARBITRATION_WAIT = 0.5
 
 
 # --------------------------------------------------------------------------- errors
@@ -280,18 +282,22 @@ class P4RuntimeClient:
 
     def arbitrate(self, election_id: tuple[int, int] | int | None = None) -> bool:
         """Send a MasterArbitrationUpdate (optionally with a new election id); True if primary."""
-        if election_id is not None:
-            self.election_id = _election_tuple(election_id)
+        new_id = _election_tuple(election_id) if election_id is not None else self.election_id
         with self._cond:
             seen = self._arbitrations
-        high, low = self.election_id
+            # PI does not answer a repeated update with an unchanged id: do not wait long for it.
+            repeat = seen > 0 and new_id == self.election_id
+        self.election_id = new_id
         self._requests.put(p4rt.StreamMessageRequest(arbitration=p4rt.MasterArbitrationUpdate(
-            device_id=self.device_id, election_id=p4rt.Uint128(high=high, low=low))))
-        deadline = time.monotonic() + self.timeout
+            device_id=self.device_id, election_id=p4rt.Uint128(high=new_id[0], low=new_id[1]))))
+        wait = min(self.timeout, _REPEAT_ARBITRATION_WAIT) if repeat else self.timeout
+        deadline = time.monotonic() + wait
         with self._cond:
             while self._arbitrations == seen and not self._stream_ended:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if repeat:
+                        return self._primary
                     raise P4RuntimeError("DEADLINE_EXCEEDED", f"no arbitration answer from "
                                          f"{self.address} within {self.timeout:g} s")
                 self._cond.wait(remaining)

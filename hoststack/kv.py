@@ -23,14 +23,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+
+from netagg import wire
 from netagg.hoststack import blocks as blk
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.packets import resolve
 from netagg.hoststack.psproto import PsClient, PsError
 from netagg.hoststack.transport import Transport
-
-from netagg import wire
 from netagg.jobconfig import WorkerConfig
 
 __all__ = ["KVWorker", "PsError"]

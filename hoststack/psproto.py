@@ -26,6 +26,10 @@ class ProtocolError(PsError):
     """A frame that does not follow the protocol."""
 
 
+class ConnectionClosed(ConnectionError):
+    """The peer closed the connection between frames."""
+
+
 def send_frame(sock: socket.socket, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"") -> None:
     """Send one frame (the socket's timeout applies)."""
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -42,7 +46,7 @@ def _recv_exact(sock: socket.socket, size: int) -> bytearray:
     while got < size:
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise ConnectionError("connection closed mid-frame" if got else "connection closed")
+            raise ConnectionError("connection closed mid-frame") if got else ConnectionClosed("connection closed")
         got += n
     return buf
 

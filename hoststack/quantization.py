@@ -116,13 +116,18 @@ def quantize(blocks: np.ndarray, exponents: np.ndarray, num_workers: int, out: n
 def dequantize(
     sums: np.ndarray, exponents: np.ndarray, num_workers: int, out: np.ndarray | None = None
 ) -> np.ndarray:
-    """The float32 values ``sum * 2**(G + 1 - P)`` of summed int32 blocks (any byte order)."""
+    """The values ``sum * 2**(G + 1 - P)`` of summed int32 blocks (any byte order).
+
+    Computed in ``out``'s dtype: float32 by default (correctly rounded: one rounding of the
+    int32 sum to 24 bits, then an exact power-of-two scaling), float64 if ``out`` is float64.
+    A float32 result is ``inf`` only where the exact sum exceeds float32's range.
+    """
     _, _, dec_a, dec_b = _tables(num_workers)
     index = exponents.astype(np.intp) + 128
     if out is None:
         out = np.empty(sums.shape, np.float32)
+    np.multiply(sums, dec_a[index][:, None], out=out, dtype=out.dtype, casting="unsafe")
     extreme = np.flatnonzero(dec_b[index] != 1)
-    np.multiply(sums, dec_a[index][:, None], out=out, dtype=np.float32, casting="unsafe")
     if extreme.size:  # tiny exponents: 2**(G+1-P) is below float32's range, scale twice
         out[extreme] *= dec_b[index[extreme]][:, None]
     return out

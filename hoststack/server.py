@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from netagg import wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.aggregator import SoftAggregator
 from netagg.hoststack.blocks import blocks_for
 from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, resolve, slot_count_of, udp_socket
-from netagg.hoststack.psproto import ProtocolError, recv_frame, send_frame
-
-from netagg import wire
+from netagg.hoststack.psproto import ConnectionClosed, ProtocolError, recv_frame, send_frame
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -327,6 +327,8 @@ class KVServer:
                 conn.settimeout(self.pull_timeout)
                 try:
                     header, blob = recv_frame(conn)
+                except ConnectionClosed:
+                    return
                 except (ProtocolError, OSError):
                     self.stats.bad_requests += 1
                     return  # closed, timed out mid-frame or garbage: drop the connection

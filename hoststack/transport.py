@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from netagg import wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.packets import (
     PACKET_DTYPE,
@@ -38,8 +40,6 @@ from netagg.hoststack.packets import (
     slot_count_of,
     udp_socket,
 )
-
-from netagg import wire
 from netagg.jobconfig import WorkerConfig
 
 K = wire.K

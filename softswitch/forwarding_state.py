@@ -774,10 +774,8 @@ class ForwardingState:
         infos = self.index.counters if ce.counter_id == 0 else (self._counter_info(ce.counter_id),)
         out: list[p4rt.CounterEntry] = []
         for info in infos:
-            if ce.HasField("index"):
-                indices = [_check_counter_index(info, ce.index.index)]
-            else:
-                indices = list(range(info.size))
+            indices = ([_check_counter_index(info, ce.index.index)] if ce.HasField("index")
+                       else list(range(info.size)))
             packets, byte_counts = self._counters[info.name]
             for i, p, b in zip(indices, packets[indices].tolist(), byte_counts[indices].tolist(),
                                strict=True):

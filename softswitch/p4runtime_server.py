@@ -34,11 +34,11 @@ from typing import NamedTuple, TypeVar
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, status_pb2
-from netagg.softswitch.forwarding_state import ForwardingState, StateError
 from p4.v1 import p4runtime_pb2 as p4rt
 from p4.v1 import p4runtime_pb2_grpc
 
 from netagg.p4info import p4info_differences
+from netagg.softswitch.forwarding_state import ForwardingState, StateError
 
 __all__ = [
     "P4RUNTIME_API_VERSION",
@@ -61,6 +61,8 @@ _U64 = (1 << 64) - 1
 _Code = grpc.StatusCode
 _Set = p4rt.SetForwardingPipelineConfigRequest
 _Get = p4rt.GetForwardingPipelineConfigRequest
+_Request = (p4rt.WriteRequest | p4rt.ReadRequest | p4rt.SetForwardingPipelineConfigRequest
+            | p4rt.GetForwardingPipelineConfigRequest)
 
 
 def _election_id(uint128: p4rt.Uint128) -> int:
@@ -187,10 +189,15 @@ class P4RuntimeDevice:
         """The committed config (its p4_device_config is stored but unused), or None."""
         return self._config
 
-    def check_device(self, device_id: int) -> None:
-        if device_id != self.device_id:
-            raise StateError(_Code.NOT_FOUND, f"unknown device id {device_id}: this P4Runtime "
-                             f"server serves device {self.device_id}")
+    def check_device(self, request: _Request) -> None:
+        """NOT_FOUND for another device id or a role other than the default one (spec order)."""
+        if request.device_id != self.device_id:
+            raise StateError(_Code.NOT_FOUND, f"unknown device id {request.device_id}: this "
+                             f"P4Runtime server serves device {self.device_id}")
+        role = getattr(request, "role", "") or getattr(request, "role_id", 0)
+        if role:
+            raise StateError(_Code.NOT_FOUND, f"unknown role {role!r}: only the default role "
+                             f"is supported")
 
     def check_configured(self) -> None:
         if self._config is None:
@@ -349,7 +356,7 @@ class P4RuntimeServicer(p4runtime_pb2_grpc.P4RuntimeServicer):
 
     def _write(self, request: p4rt.WriteRequest) -> p4rt.WriteResponse:
         device = self.device
-        device.check_device(request.device_id)
+        device.check_device(request)
         device.arbitration.check_primary(request.election_id)
         device.check_configured()
         if request.atomicity != p4rt.WriteRequest.CONTINUE_ON_ERROR:
@@ -363,7 +370,7 @@ class P4RuntimeServicer(p4runtime_pb2_grpc.P4RuntimeServicer):
     def Read(self, request: p4rt.ReadRequest, context: grpc.ServicerContext,
              ) -> Iterator[p4rt.ReadResponse]:
         try:
-            self.device.check_device(request.device_id)
+            self.device.check_device(request)
             self.device.check_configured()
             response = self.device.read(list(request.entities))
         except Exception as e:
@@ -377,7 +384,7 @@ class P4RuntimeServicer(p4runtime_pb2_grpc.P4RuntimeServicer):
                                     context: grpc.ServicerContext,
                                     ) -> p4rt.SetForwardingPipelineConfigResponse:
         def handle() -> p4rt.SetForwardingPipelineConfigResponse:
-            self.device.check_device(request.device_id)
+            self.device.check_device(request)
             self.device.arbitration.check_primary(request.election_id)
             self.device.set_pipeline(request.action, request.config)
             return p4rt.SetForwardingPipelineConfigResponse()
@@ -387,7 +394,7 @@ class P4RuntimeServicer(p4runtime_pb2_grpc.P4RuntimeServicer):
                                     context: grpc.ServicerContext,
                                     ) -> p4rt.GetForwardingPipelineConfigResponse:
         def handle() -> p4rt.GetForwardingPipelineConfigResponse:
-            self.device.check_device(request.device_id)
+            self.device.check_device(request)
             config = self.device.get_pipeline(request.response_type)
             return p4rt.GetForwardingPipelineConfigResponse(config=config)
         return _answer(context, handle)

@@ -64,7 +64,7 @@ class SoftwareTarget:
 
     @property
     def grpc_address(self) -> str:
-        if self.server is None:
+        if self.server is None or self._grpc_request.startswith("unix:"):
             return self._grpc_request
         return f"{self._grpc_request.rsplit(':', 1)[0]}:{self.server.port}"
 

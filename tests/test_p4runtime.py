@@ -13,12 +13,10 @@ import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from netagg.controller.p4runtime_client import EntryOp, P4RuntimeClient, P4RuntimeError
-from netagg.softswitch.forwarding_state import ForwardingState, StateError
-from netagg.softswitch.p4runtime_server import serve
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2 as p4rt
 
+from netagg.controller.p4runtime_client import EntryOp, P4RuntimeClient, P4RuntimeError
 from netagg.p4info import (
     P4InfoIndex,
     P4InfoLookupError,
@@ -28,6 +26,8 @@ from netagg.p4info import (
     p4info_differences,
     same_pipeline,
 )
+from netagg.softswitch.forwarding_state import ForwardingState, StateError
+from netagg.softswitch.p4runtime_server import serve
 
 P4INFO_PATH = Path(__file__).resolve().parents[1] / "p4src" / "netagg.p4info.txtpb"
 P4INFO = load_p4info(P4INFO_PATH)  # parsed once: text parsing costs ~40 ms
@@ -187,6 +187,7 @@ def test_capabilities_and_primary(switch: Switch) -> None:
         assert c.is_primary
         assert c.primary_election_id == (0, 10)
         assert c.capabilities() == "1.3.0"
+        assert c.arbitrate()  # same id again: still primary
 
 
 def test_higher_election_id_is_primary_and_backup_cannot_write(client: P4RuntimeClient,
@@ -551,6 +552,9 @@ def test_wrong_device_id_is_not_found(client: P4RuntimeClient) -> None:
     with pytest.raises(grpc.RpcError) as info:
         client.stub.Write(request, timeout=3)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND and "device id 2" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.Read(p4rt.ReadRequest(device_id=1, role="tenant-a"), timeout=3).next()
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "role 'tenant-a'" in info.value.details()
 
 
 def test_register_read_is_unimplemented_as_in_bmv2(client: P4RuntimeClient) -> None:
