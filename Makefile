@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml scripts/setup-system.sh
 	@scripts/setup-system.sh
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,demo]'
 	@touch $(STAMP)
 
 ## setup: create .venv and install netagg with its test tools
@@ -32,6 +32,10 @@ test: build
 ## ptf: the PTF suite against TARGET=soft|bmv2 (needs root for namespaces)
 ptf: build
 	$(BIN)/python -m netagg.bmv2.ptf_runner --target $(TARGET)
+
+## demo: switch + controller + 4 workers train an MLP through the switch (embedded default target)
+demo: setup
+	$(BIN)/python -m netagg.demo
 
 ## bench-switch: aggregated packets/s of the software target (and BMv2 where installed)
 bench-switch: build

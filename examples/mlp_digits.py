@@ -126,6 +126,12 @@ def train_reference(steps: int, num_workers: int, seed: int = 0) -> dict:
     return {"loss": loss, "test_accuracy": accuracy(params, data.x_test, data.y_test)}
 
 
+def transfer_stats(worker) -> dict:
+    """Packets and retransmissions of the worker's transport so far."""
+    stats = worker.transport.stats
+    return {"packets_sent": stats.packets_sent, "retransmissions": stats.retransmissions}
+
+
 def train_worker(config_path: str, steps: int, seed: int = 0, report_every: int = 1, quiet: bool = False) -> dict:
     """One worker of the job described by ``config_path``; returns its final metrics."""
     from netagg.hoststack.kv import KVWorker
@@ -145,11 +151,11 @@ def train_worker(config_path: str, steps: int, seed: int = 0, report_every: int 
             mean = unflatten(total / config.num_workers, params)
             params = [p - LEARNING_RATE * g for p, g in zip(params, mean)]
             if not quiet and step % report_every == 0 and config.rank == 0:
-                print(json.dumps({"step": step, "loss": round(loss, 4), **worker.stats()}), flush=True)
+                print(json.dumps({"step": step, "loss": round(loss, 4), **transfer_stats(worker)}), flush=True)
         result = {"rank": config.rank, "steps": steps, "loss": loss,
                   "test_accuracy": accuracy(params, data.x_test, data.y_test),
                   "seconds": time.perf_counter() - started,
-                  "param_checksum": float(sum(float(np.abs(p).sum()) for p in params)), **worker.stats()}
+                  "param_checksum": float(sum(float(np.abs(p).sum()) for p in params)), **transfer_stats(worker)}
     finally:
         worker.close()
     print(json.dumps({"final": result}), flush=True)
@@ -163,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reference", type=int, metavar="NUM_WORKERS",
                         help="run the single-process float32 reference for NUM_WORKERS workers instead")
+    parser.add_argument("--report-every", type=int, default=1, help="print progress every N steps (rank 0)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     if args.reference:
@@ -170,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.config:
         parser.error("--config is required (or --reference N)")
-    train_worker(args.config, args.steps, args.seed, quiet=args.quiet)
+    train_worker(args.config, args.steps, args.seed, report_every=args.report_every, quiet=args.quiet)
     return 0
 
 

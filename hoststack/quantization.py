@@ -126,7 +126,8 @@ def dequantize(
     index = exponents.astype(np.intp) + 128
     if out is None:
         out = np.empty(sums.shape, np.float32)
-    np.multiply(sums, dec_a[index][:, None], out=out, dtype=out.dtype, casting="unsafe")
+    with np.errstate(over="ignore"):  # inf: the exact sum is beyond float32 (documented)
+        np.multiply(sums, dec_a[index][:, None], out=out, dtype=out.dtype, casting="unsafe")
     extreme = np.flatnonzero(dec_b[index] != 1)
     if extreme.size:  # tiny exponents: 2**(G+1-P) is below float32's range, scale twice
         out[extreme] *= dec_b[index[extreme]][:, None]

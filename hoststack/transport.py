@@ -205,7 +205,7 @@ class Transport:
             return None
         except OSError:  # e.g. ICMP port unreachable from an earlier send on loopback
             self.stats.socket_errors += 1
-            return (0, ("", 0))
+            return (-1, ("", 0))
 
 
 class _Round:
@@ -338,12 +338,13 @@ class _Round:
                 if got is None:
                     break
                 size, source = got
-                if size != _NETAGG_BYTES:
-                    if size:
-                        stats.malformed += 1
+                if size < 0:
                     continue
                 if source not in sources:
                     stats.foreign += 1
+                    continue
+                if size != _NETAGG_BYTES:
+                    stats.malformed += 1
                     continue
                 version, flags, job, slot, pool, _, exponent, _, _, seq = _unpack_header(buf, 0)
                 if version != wire.VERSION or not flags & wire.FLAG_RESULT or job != job_id:

@@ -1,0 +1,142 @@
+"""``make demo``: train a small MLP with 4 workers whose every gradient is summed by the switch.
+
+Starts the software target (loopback UDP), the controller and a parameter server;
+creates a 4-worker job through the ``netagg`` CLI; runs 4 worker processes of
+``examples/mlp_digits.py`` and, beside them, the same training in one process with
+float32 gradients; shows progress per step; checks that netagg reaches the
+reference's test accuracy within ``--tolerance``; stops everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from netagg import dataplane as dp
+from netagg import wire
+from netagg.deployment import DeploymentError, LocalDeployment
+
+EXAMPLE = dp.REPO_ROOT / "examples" / "mlp_digits.py"
+#: The example's learning rate, which the PS applies in ps mode.
+LEARNING_RATE = 0.1
+
+
+@dataclass
+class DemoResult:
+    """What the demo measured."""
+
+    steps: int
+    workers: list[dict] = field(default_factory=list)
+    reference: dict = field(default_factory=dict)
+    job: dict = field(default_factory=dict)
+    counters: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def accuracy(self) -> float:
+        return self.workers[0]["test_accuracy"]
+
+    @property
+    def workers_agree(self) -> bool:
+        """All ranks ended with bit-identical parameters (same aggregate every step)."""
+        return len({w["param_checksum"] for w in self.workers}) == 1
+
+
+def _progress(line: str, steps: int, started: float) -> None:
+    record = json.loads(line)
+    if "step" not in record:
+        return
+    step = record["step"] + 1
+    megabytes = record["packets_sent"] * wire.PAYLOAD_BYTES / 1e6
+    print(f"  step {step:4d}/{steps}  loss {record['loss']:.4f}  aggregated {megabytes:7.2f} MB  "
+          f"packets {record['packets_sent']:7d}  retransmissions {record['retransmissions']:4d}  "
+          f"{time.monotonic() - started:5.1f} s", flush=True)
+
+
+def run_demo(workdir: Path, num_workers: int = 4, steps: int = 150, slots: int = 64, mode: str = "allreduce",
+             report_every: int = 10, quiet: bool = False) -> DemoResult:
+    """The whole demo; raises DeploymentError when a process fails."""
+    result = DemoResult(steps=steps)
+    started = time.monotonic()
+    say = (lambda *_: None) if quiet else print
+    with LocalDeployment(workdir) as deployment:
+        say(f"switch: software target on {deployment.switch.grpc_address} (P4Runtime), "
+            f"loopback UDP {deployment.switch.loopback_address[1]}; controller up")
+        created = deployment.create_job(num_workers, slots, mode=mode, name="mlp-digits")
+        result.job = created["job"]
+        job_id = result.job["job_id"]
+        say(f"job {job_id}: {num_workers} workers, mode {result.job['mode']}, slots {result.job['slots']} "
+            f"(admission {created['admission']})")
+        if result.job["mode"] in ("ps", "fallback"):
+            deployment.start_ps(created["config_paths"][0], handle="sgd" if result.job["mode"] == "ps" else "sum",
+                                lr=LEARNING_RATE)
+            say(f"parameter server up ({result.job['mode']} mode)")
+        reference = subprocess.Popen([sys.executable, str(EXAMPLE), "--reference", str(num_workers),
+                                      "--steps", str(steps)], stdout=subprocess.PIPE, text=True, cwd=dp.REPO_ROOT)
+        workers = [deployment.spawn(f"worker{rank}", [
+            sys.executable, str(EXAMPLE), "--config", str(path), "--steps", str(steps),
+            "--report-every", str(report_every)], stdout=subprocess.PIPE)
+            for rank, path in enumerate(created["config_paths"])]
+        for line in workers[0].stdout:
+            if line.startswith('{"final"'):
+                result.workers.append(json.loads(line)["final"])
+            elif not quiet:
+                _progress(line, steps, started)
+        for rank, worker in enumerate(workers[1:], start=1):
+            out, _ = worker.communicate(timeout=300)
+            finals = [json.loads(line)["final"] for line in out.splitlines() if line.startswith('{"final"')]
+            if worker.returncode != 0 or not finals:
+                raise DeploymentError(f"worker {rank} failed:\n{deployment.log_tail(f'worker{rank}')}")
+            result.workers.append(finals[0])
+        if workers[0].wait(timeout=60) != 0 or not result.workers or result.workers[0]["rank"] != 0:
+            raise DeploymentError(f"worker 0 failed:\n{deployment.log_tail('worker0')}")
+        out, _ = reference.communicate(timeout=300)
+        result.reference = json.loads(out.strip().splitlines()[-1])["reference"]
+        shown = json.loads(deployment.cli("--json", "job", "show", str(job_id)))
+        result.counters = shown.get("counters", {})
+        deployment.cli("job", "delete", str(job_id))
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--mode", choices=("allreduce", "ps"), default="allreduce")
+    parser.add_argument("--tolerance", type=float, default=0.02,
+                        help="largest allowed drop in test accuracy vs the float32 reference (default 0.02)")
+    parser.add_argument("--workdir", type=Path, help="keep logs and configs here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    print(f"netagg demo: {args.workers} workers train an MLP on scikit-learn's digits for {args.steps} steps; "
+          "every gradient is summed in the switch")
+    try:
+        with tempfile.TemporaryDirectory(prefix="netagg-demo-") as tmp:
+            workdir = args.workdir or Path(tmp)
+            result = run_demo(workdir, args.workers, args.steps, mode=args.mode)
+    except (DeploymentError, KeyboardInterrupt) as err:
+        print(f"demo failed: {err}", file=sys.stderr)
+        return 1
+    ref_acc = result.reference["test_accuracy"]
+    ok = result.accuracy >= ref_acc - args.tolerance and result.workers_agree
+    rank0 = result.workers[0]
+    print("\nsummary")
+    print(f"  test accuracy: netagg {result.accuracy:.4f}, single-process float32 {ref_acc:.4f} "
+          f"(tolerance {args.tolerance:.2f}) -> {'OK' if ok else 'FAILED'}")
+    print(f"  final loss: netagg {rank0['loss']:.4f}, reference {result.reference['loss']:.4f}")
+    print(f"  workers hold identical parameters: {result.workers_agree}")
+    print(f"  per worker: {rank0['packets_sent']} packets, {rank0['retransmissions']} retransmissions, "
+          f"{rank0['packets_sent'] * wire.PAYLOAD_BYTES / 1e6:.2f} MB of gradients")
+    print("  switch counters for the job: " + ", ".join(f"{k}={v}" for k, v in result.counters.items()))
+    print(f"  wall time {result.seconds:.1f} s; every process stopped")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

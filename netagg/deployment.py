@@ -1,0 +1,165 @@
+"""A complete netagg deployment on this machine: switch, controller, parameter server, workers.
+
+Used by ``make demo`` and its integration test. Every process it starts is
+stopped when the context exits — normally, on an exception, or on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from netagg import dataplane as dp
+from netagg.bmv2.targets import TargetProcess, start_target
+from netagg.jobconfig import WorkerConfig
+
+TENANT_TOKEN = "demo-tenant-token"
+ADMIN_TOKEN = "demo-admin-token"
+
+
+class DeploymentError(RuntimeError):
+    """A process of the deployment failed to start or to do its job."""
+
+
+def free_ports(kind: int, count: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, kind)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class LocalDeployment:
+    """Software target (loopback UDP), controller and CLI on 127.0.0.1, all in ``workdir``."""
+
+    def __init__(self, workdir: Path, capacity: int = 1024) -> None:
+        self.workdir = workdir
+        self.capacity = capacity
+        self.processes: list[subprocess.Popen] = []
+        self.switch: TargetProcess | None = None
+        self.config_path = workdir / "controller.yaml"
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "NETAGG_CONFIG": str(self.config_path)}
+
+    # -- lifecycle ---------------------------------------------------------
+    def __enter__(self) -> LocalDeployment:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        self._previous_sigterm = previous
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+    def _start(self) -> None:
+        udp_port, ps_port = free_ports(socket.SOCK_DGRAM, 2)
+        self.switch = start_target("soft", {}, self.workdir / "softswitch.log", loopback=f"127.0.0.1:{udp_port}")
+        config = {
+            "switch": {"grpc_address": self.switch.grpc_address, "p4info": str(dp.P4INFO_PATH),
+                       "aggregator": {"ip": "127.0.0.1", "udp_port": udp_port}},
+            "slots": {"capacity": self.capacity, "min_per_job": 4},
+            "controller": {"database": str(self.workdir / "controller.db"),
+                           "api_socket": str(self.workdir / "controller.sock"), "admin_token": ADMIN_TOKEN},
+            "tenants": {"demo": {"token": TENANT_TOKEN}},
+            "hosts": [{"name": "local", "ip": "127.0.0.1", "mac": "02:00:00:00:bb:01", "port": 1}],
+            "parameter_servers": [{"name": "ps0", "host": "local", "udp_port": ps_port}],
+        }
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        socket_path = Path(config["controller"]["api_socket"])
+        controller = self.spawn("controller", [sys.executable, "-m", "netagg.controller.cli", "controller", "run"])
+        deadline = time.monotonic() + 20
+        while not socket_path.exists():
+            if controller.poll() is not None or time.monotonic() > deadline:
+                raise DeploymentError(f"the controller did not start:\n{self.log_tail('controller')}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Stop every process (workers and PS first, then the controller, the switch last)."""
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.terminate()
+        for process in reversed(self.processes):
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+        self.processes.clear()
+        if self.switch is not None:
+            self.switch.stop()
+            self.switch = None
+
+    # -- processes -----------------------------------------------------------
+    def spawn(self, name: str, cmd: Sequence[str], stdout: int | None = None) -> subprocess.Popen:
+        """Start a process logged to ``workdir/<name>.log`` (or piped, when ``stdout`` is PIPE)."""
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it until it exits
+        process = subprocess.Popen(list(cmd), stdout=stdout if stdout is not None else log, stderr=log,
+                                   env=self._env, cwd=dp.REPO_ROOT, text=stdout is not None)
+        log.close()
+        self.processes.append(process)
+        return process
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.workdir / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def cli(self, *args: str, token: str = TENANT_TOKEN) -> str:
+        """Run ``netagg ARGS`` as the operator would; returns stdout, raises on a non-zero exit."""
+        result = subprocess.run([sys.executable, "-m", "netagg.controller.cli", "--token", token, *args],
+                                capture_output=True, text=True, env=self._env, cwd=dp.REPO_ROOT, timeout=60)
+        if result.returncode != 0:
+            raise DeploymentError(f"netagg {' '.join(args)} exited {result.returncode}: {result.stderr.strip()}")
+        return result.stdout
+
+    def create_job(self, num_workers: int, slots: int, mode: str = "allreduce", name: str = "demo") -> dict:
+        """``netagg job create`` with fresh worker ports and the deployment's PS; writes every rank's YAML."""
+        ports = free_ports(socket.SOCK_DGRAM, num_workers)
+        created = json.loads(self.cli("--json", "job", "create", "--name", name, "--slots", str(slots),
+                                      "--mode", mode, "--ps", "ps0",
+                                      "--workers", ",".join(f"local:{p}" for p in ports)))
+        job_id = created["job"]["job_id"]
+        created["config_paths"] = []
+        for rank in range(num_workers):
+            path = self.workdir / f"job{job_id}-rank{rank}.yaml"
+            self.cli("job", "config", str(job_id), "--rank", str(rank), "-o", str(path))
+            WorkerConfig.load(path)  # validates what the controller wrote
+            created["config_paths"].append(path)
+        return created
+
+    def start_ps(self, config_path: Path, handle: str = "sum", lr: float = 0.1) -> subprocess.Popen:
+        """The job's parameter server, listening on the endpoint in its config; waits until it is up."""
+        ps = self.spawn("ps", [sys.executable, "-m", "netagg.hoststack.server", "--config", str(config_path),
+                               "--handle", handle, "--lr", str(lr)])
+        endpoint = WorkerConfig.load(config_path).ps
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(endpoint.as_tuple(), timeout=0.5).close()
+                return ps
+            except OSError:
+                if ps.poll() is not None or time.monotonic() > deadline:
+                    raise DeploymentError(f"the parameter server did not start:\n{self.log_tail('ps')}") from None
+                time.sleep(0.05)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

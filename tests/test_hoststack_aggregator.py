@@ -1,0 +1,115 @@
+"""The PS's software aggregator follows the switch's rules (docs/protocol.md, steps 1-5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from netagg import wire
+from netagg.hoststack.aggregator import SoftAggregator
+
+JOB = 9
+ADDR = [("127.0.0.1", 40000 + r) for r in range(4)]
+
+
+def packet(rank: int, slot: int = 0, pool: int = 0, seq: int = 1, exponent: int = 0, values=None,
+           flags: int = 0, job: int = JOB) -> bytes:
+    vals = np.full(wire.K, rank + 1, np.int32) if values is None else np.asarray(values, np.int32)
+    return wire.pack(wire.Header(job_id=job, slot=slot, pool=pool, rank=rank, seq=seq, exponent=exponent,
+                                 flags=flags), vals)
+
+
+def contribute(agg: SoftAggregator, rank: int, **kw):
+    return agg.handle(packet(rank, **kw), ADDR[rank])
+
+
+def test_the_last_contribution_completes_with_sums_and_max_exponent_to_the_group():
+    agg = SoftAggregator(JOB, 3, slot_count=4)
+    assert contribute(agg, 0, exponent=-3, seq=77) is None
+    assert contribute(agg, 1, exponent=5, seq=77) is None
+    outcome = contribute(agg, 2, exponent=2, seq=77)
+    assert outcome is not None and outcome.to_group
+    header, values = wire.unpack(outcome.packet)
+    assert header.flags == wire.FLAG_RESULT | wire.FLAG_PS_FORWARDED
+    assert (header.exponent, header.seq, header.slot, header.pool, header.rank) == (5, 77, 0, 0, 2)
+    np.testing.assert_array_equal(values, 1 + 2 + 3)
+    assert sorted(agg.group()) == ADDR[:3]
+    assert (agg.stats.contributions, agg.stats.results) == (3, 1)
+
+
+def test_retransmissions_before_completion_are_dropped_after_answered_to_the_sender():
+    agg = SoftAggregator(JOB, 2, slot_count=1)
+    assert contribute(agg, 0) is None
+    assert contribute(agg, 0, flags=wire.FLAG_RETRANSMIT) is None  # incomplete: duplicate
+    assert agg.stats.duplicates == 1
+    first = contribute(agg, 1)
+    again = contribute(agg, 0, flags=wire.FLAG_RETRANSMIT)  # complete: stored result, to rank 0 only
+    assert not again.to_group
+    h_first, v_first = wire.unpack(first.packet)
+    h_again, v_again = wire.unpack(again.packet)
+    np.testing.assert_array_equal(v_first, v_again)
+    assert h_again.exponent == h_first.exponent
+    assert h_again.flags == wire.FLAG_RESULT | wire.FLAG_PS_FORWARDED | wire.FLAG_RETRANSMIT
+    assert agg.stats.retransmit_results == 1 and agg.stats.contributions == 2
+
+
+def test_pools_alternate_and_a_late_copy_of_a_completed_round_is_never_added():
+    agg = SoftAggregator(JOB, 2, slot_count=1)
+    contribute(agg, 0, pool=0, values=np.full(wire.K, 10))
+    assert contribute(agg, 1, pool=0, values=np.full(wire.K, 20)).to_group
+    # Rank 1 moves on to pool 1 (clearing its bit in pool 0); then a delayed copy of its pool-0
+    # packet arrives: new for the bitmap, but the round is complete, so it is dropped, not added.
+    assert contribute(agg, 1, pool=1, values=np.full(wire.K, 2)) is None
+    assert contribute(agg, 1, pool=0, values=np.full(wire.K, 20)) is None
+    assert agg.stats.duplicates == 1
+    stored = contribute(agg, 0, pool=0, flags=wire.FLAG_RETRANSMIT)
+    np.testing.assert_array_equal(wire.unpack(stored.packet)[1], 30)
+    # Like the switch, the copy's bitmap update cleared rank 1's bit in pool 1: rank 0's packet
+    # starts pool 1 afresh and rank 1's retransmission is counted again: the sum is still right.
+    assert contribute(agg, 0, pool=1, values=np.full(wire.K, 1)) is None
+    outcome = contribute(agg, 1, pool=1, values=np.full(wire.K, 2), flags=wire.FLAG_RETRANSMIT)
+    np.testing.assert_array_equal(wire.unpack(outcome.packet)[1], 3)
+    # Pool 0 again after pool 1 completed: a fresh round (the first contribution overwrites).
+    contribute(agg, 0, pool=0, values=np.full(wire.K, 100))
+    outcome = contribute(agg, 1, pool=0, values=np.full(wire.K, 200))
+    np.testing.assert_array_equal(wire.unpack(outcome.packet)[1], 300)
+
+
+def test_sums_wrap_modulo_2_32_like_the_switch():
+    agg = SoftAggregator(JOB, 2, slot_count=1)
+    contribute(agg, 0, values=np.full(wire.K, 2**31 - 1))
+    outcome = contribute(agg, 1, values=np.full(wire.K, 1))
+    np.testing.assert_array_equal(wire.unpack(outcome.packet)[1], -(2**31))
+
+
+def test_a_single_worker_job_completes_at_once():
+    agg = SoftAggregator(JOB, 1, slot_count=1)
+    outcome = contribute(agg, 0, exponent=-7)
+    assert outcome.to_group and wire.unpack(outcome.packet)[0].exponent == -7
+
+
+@pytest.mark.parametrize(("data", "source", "reason"), [
+    (packet(0)[:-1], ADDR[0], "MALFORMED"),
+    (b"\x02" + packet(0)[1:], ADDR[0], "BAD_VERSION"),
+    (packet(0, flags=wire.FLAG_RESULT), ADDR[0], "RESULT_FROM_HOST"),
+    (packet(0, job=JOB + 1), ADDR[0], "UNKNOWN_JOB"),
+    (packet(0, slot=4), ADDR[0], "SLOT_OUT_OF_RANGE"),
+    (packet(0)[:6] + b"\x02" + packet(0)[7:], ADDR[0], "BAD_POOL"),
+    (packet(3), ADDR[3], "UNKNOWN_WORKER"),  # rank >= num_workers
+    (packet(1), ADDR[0], "RANK_MISMATCH"),  # ADDR[0] is pinned to rank 0
+    (packet(0), ADDR[2], "UNKNOWN_WORKER"),  # rank 0 is pinned to ADDR[0]
+])
+def test_bad_packets_are_dropped_and_counted_without_state_changes(data, source, reason):
+    agg = SoftAggregator(JOB, 3, slot_count=4)
+    assert contribute(agg, 0, slot=1) is None  # pins ADDR[0] to rank 0
+    assert agg.handle(data, source) is None
+    assert agg.stats.drops == {reason: 1}
+    assert agg.stats.contributions == 1 and agg.bitmaps[0][0] == 0
+
+
+def test_a_fixed_worker_table_rejects_unknown_addresses():
+    agg = SoftAggregator(JOB, 2, slot_count=1, workers={ADDR[0]: 0, ADDR[1]: 1})
+    assert agg.handle(packet(1), ("127.0.0.1", 1)) is None
+    assert agg.stats.drops == {"UNKNOWN_WORKER": 1}
+    contribute(agg, 0)
+    assert contribute(agg, 1).to_group

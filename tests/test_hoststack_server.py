@@ -1,0 +1,78 @@
+"""``python -m netagg.hoststack.server``: the PS as a process, workers configured from YAML files."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from netagg.hoststack.kv import KVWorker
+from netagg.hoststack.psproto import PsError
+from netagg.hoststack.server import KVServer, main
+from netagg.hoststack.testing import expected_allreduce, free_udp_ports, job_configs, run_workers
+from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
+
+
+def read_line(process: subprocess.Popen, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([process.stdout], [], [], 0.1)
+        if ready:
+            return process.stdout.readline()
+        if process.poll() is not None:
+            break
+    raise AssertionError(f"no output from the PS (exit {process.poll()}): {process.stderr.read()}")
+
+
+def test_server_process_serves_a_fallback_job_and_stops_on_sigterm(tmp_path):
+    n = 2
+    ps = Endpoint("127.0.0.1", free_udp_ports(1)[0])
+    configs = job_configs(n, "fallback", ps, ps, slot_count=8, job_id=4)
+    paths = []
+    for config in configs:
+        paths.append(tmp_path / f"rank{config.rank}.yaml")
+        config.save(paths[-1])
+    process = subprocess.Popen([sys.executable, "-m", "netagg.hoststack.server", "--config", str(paths[0])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert f"on 127.0.0.1:{ps.port} (udp+tcp)" in read_line(process)
+        inputs = [np.full(100, rank + 0.5, np.float32) for rank in range(n)]
+        loaded = [WorkerConfig.load(path) for path in paths]
+        results = run_workers(loaded, lambda w, rank: w.allreduce(inputs[rank]))
+        expected, _ = expected_allreduce(inputs)
+        for result in results:
+            np.testing.assert_array_equal(result, expected)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0
+        assert "stopped" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_server_main_reports_config_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("job_id: 1\nrank: 0\n")
+    assert main(["--config", str(bad)]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_server_refuses_an_allreduce_job():
+    config = job_configs(1, "allreduce", Endpoint("127.0.0.1", 9), None)[0]
+    with pytest.raises(ConfigError, match="ps or fallback"):
+        KVServer(config)
+
+
+def test_a_ps_mode_worker_without_its_ps_fails_at_once():
+    nobody = Endpoint("127.0.0.1", free_udp_ports(1)[0])
+    config = job_configs(1, "ps", Endpoint("127.0.0.1", 9), nobody)[0]
+    with pytest.raises(PsError, match="cannot connect to the parameter server"):
+        KVWorker(config, ps_timeout=2)

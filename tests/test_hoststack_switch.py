@@ -1,0 +1,91 @@
+"""The host stack through the software switch (allreduce and ps modes), with seeded faults."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from netagg import wire
+from netagg.hoststack.server import SGD, KVServer
+from netagg.hoststack.testing import expected_allreduce, free_udp_ports, run_workers
+from netagg.jobconfig import Endpoint
+
+testing = pytest.importorskip("netagg.softswitch.testing")
+
+N = 4
+SIZE = 10_000
+SLOTS = 16
+
+
+def make_inputs(n: int = N, size: int = SIZE, seed: int = 3) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    scales = 10.0 ** rng.integers(-20, 20, -(-size // wire.K)).repeat(wire.K)[:size]
+    return [(rng.standard_normal(size) * scales).astype(np.float32) for _ in range(n)]
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.01, 0.05, 0.2])
+def test_allreduce_is_bit_identical_under_loss_duplication_and_reordering(loss):
+    inputs = make_inputs()
+    expected, _ = expected_allreduce(inputs)
+    faults = {"drop": loss, "duplicate": loss / 2, "reorder": loss / 2, "seed": 5} if loss else {}
+    with testing.LoopbackSwitch(**faults) as switch:
+        configs = switch.add_job(N, slot_count=SLOTS)
+        results = run_workers(configs, lambda w, rank: w.allreduce(inputs[rank]), rto_initial=0.01)
+        counters = switch.counters(configs[0].job_id)
+        fault_stats = switch.fault_stats
+    for result in results:
+        np.testing.assert_array_equal(result, expected)
+    blocks = -(-SIZE // wire.K)
+    assert counters["results"] == blocks + SLOTS  # each round completed exactly once (probes included)
+    if loss:
+        assert fault_stats["dropped"] and fault_stats["duplicated"] and fault_stats["reordered"]
+        assert counters["retransmit_results"] > 0
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.2])
+def test_ps_mode_sum_store_gets_every_block_even_when_the_switch_to_ps_copy_is_lost(loss):
+    inputs = make_inputs(size=4_000)
+    second = [x * 2 for x in make_inputs(size=70, seed=9)]
+    expected, _ = expected_allreduce(inputs)
+    expected_second, _ = expected_allreduce(second)
+    faults = {"drop": loss, "duplicate": loss / 2, "reorder": loss / 2, "seed": 8} if loss else {}
+    with testing.LoopbackSwitch(**faults) as switch:
+        ps = Endpoint("127.0.0.1", free_udp_ports(1)[0])
+        configs = switch.add_job(N, slot_count=SLOTS, mode="ps", ps=ps)
+        with KVServer(configs[0]) as server:
+            def job(worker, rank):
+                worker.wait(worker.push([1, 2], [inputs[rank], second[rank]]))
+                return worker.wait(worker.pull([1, 2])), worker.wait(worker.pushpull(2, second[rank]))
+
+            results = run_workers(configs, job, rto_initial=0.01)
+            assert server.applied_rounds == 2
+            if loss:
+                assert server.stats.repaired_blocks > 0
+    for (pulled, pushpulled) in results:
+        np.testing.assert_array_equal(pulled[0], expected)
+        np.testing.assert_array_equal(pulled[1], expected_second)
+        np.testing.assert_array_equal(pushpulled[0], expected_second)
+
+
+def test_ps_mode_sgd_handle_updates_the_weights():
+    lr = 0.5
+    weights = np.linspace(-1, 1, 100).astype(np.float32)
+    grads = make_inputs(size=100, seed=4)
+    aggregate, _ = expected_allreduce(grads)
+    with testing.LoopbackSwitch() as switch:
+        ps = Endpoint("127.0.0.1", free_udp_ports(1)[0])
+        configs = switch.add_job(N, slot_count=SLOTS, mode="ps", ps=ps)
+        with KVServer(configs[0], SGD(lr)):
+            def job(worker, rank):
+                if rank == 0:
+                    worker.wait(worker.init(7, weights))
+                for _ in range(2):
+                    updated = worker.wait(worker.pushpull(7, grads[rank]))[0]
+                return updated
+
+            results = run_workers(configs, job)
+    want = weights.copy()
+    for _ in range(2):
+        want -= np.float32(lr / N) * aggregate
+    for updated in results:
+        np.testing.assert_array_equal(updated, want)

@@ -1,0 +1,156 @@
+"""The UDP transport end to end against the fallback-mode PS on loopback (no switch needed)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import numpy as np
+import pytest
+
+from netagg import wire
+from netagg.hoststack import quantization as qz
+from netagg.hoststack.kv import KVWorker
+from netagg.hoststack.testing import (
+    LossyRelay,
+    expected_allreduce,
+    fallback_job,
+    job_configs,
+    run_workers,
+    through_relay,
+)
+from netagg.hoststack.transport import RtoEstimator, Transport, TransportError, TransportTimeout
+from netagg.jobconfig import Endpoint
+
+
+def make_inputs(n: int, size: int, seed: int = 0) -> list[np.ndarray]:
+    """Per rank: normal values at a few very different scales, so blocks have different exponents."""
+    rng = np.random.default_rng(seed)
+    scales = 10.0 ** rng.integers(-30, 30, max(1, -(-size // wire.K))).repeat(wire.K)[:size]
+    return [(rng.standard_normal(size) * scales).astype(np.float32) for _ in range(n)]
+
+
+def check(results: list[np.ndarray], inputs: list[np.ndarray]) -> None:
+    """Every worker got the same bits, exactly the oracle's, within the bound of the float64 sum."""
+    expected, bound = expected_allreduce(inputs)
+    for result in results:
+        assert result.dtype == inputs[0].dtype and result.shape == inputs[0].shape
+        np.testing.assert_array_equal(result, expected)
+    truth = np.sum([x.astype(np.float64) for x in inputs], axis=0)
+    error = np.abs(results[0].astype(np.float64) - truth)
+    assert np.all(error <= bound + np.abs(truth) * 2.0**-23 + 2.0**-149)
+
+
+@pytest.mark.parametrize(("n", "size"), [(2, 1), (2, 65), (2, 750_000), (4, 20_000), (8, 3_000)])
+def test_allreduce_through_the_fallback_ps(n, size):
+    inputs = make_inputs(n, size, seed=n * size)
+    with fallback_job(n, slot_count=32) as (server, configs):
+        results = run_workers(configs, lambda w, rank: w.allreduce(inputs[rank]))
+        blocks = -(-size // wire.K)
+        assert server.aggregator.stats.results == blocks + min(blocks, 32)  # data blocks + probes
+    check(results, inputs)
+
+
+def test_consecutive_calls_of_different_sizes_keep_pools_and_seqs_in_step():
+    n = 3
+    calls = [make_inputs(n, size, seed=size) for size in (100, 5_000, 64, 1, 2_000)]
+    with fallback_job(n, slot_count=8) as (_server, configs):
+        results = run_workers(configs, lambda w, rank: [w.allreduce(c[rank]) for c in calls])
+    for i, inputs in enumerate(calls):
+        check([results[rank][i] for rank in range(n)], inputs)
+
+
+@pytest.mark.parametrize(("drop", "duplicate", "reorder"), [(0.05, 0.05, 0.05), (0.2, 0.1, 0.1)])
+def test_loss_duplication_and_reordering_give_bit_identical_results(drop, duplicate, reorder):
+    n = 3
+    inputs = make_inputs(n, 6_000, seed=7)
+    with fallback_job(n, slot_count=16) as (server, configs), \
+            LossyRelay(server.address, n, drop, duplicate, reorder, seed=11) as relay:
+        results = run_workers(through_relay(configs, relay),
+                              lambda w, rank: (w.allreduce(inputs[rank]), w.transport.stats),
+                              rto_initial=0.01)
+        assert relay.up.stats.dropped and relay.down.stats.dropped and relay.down.stats.duplicated
+        assert relay.up.stats.reordered and relay.down.stats.reordered
+        assert server.aggregator.stats.retransmit_results > 0  # lost results were answered again
+    check([r for r, _ in results], inputs)
+    stats = [s for _, s in results]
+    assert sum(s.retransmissions for s in stats) > 0
+    assert sum(s.stale_results for s in stats) > 0  # duplicated results were ignored
+
+
+def test_a_dead_worker_makes_the_others_time_out():
+    n = 3
+    inputs = make_inputs(n, 1_000)
+    with fallback_job(n) as (_, configs), pytest.raises(TransportTimeout, match="no result for"):
+        run_workers(configs[:2], lambda w, rank: w.allreduce(inputs[rank]), progress_timeout=0.5)
+
+
+def test_after_a_timeout_the_transport_refuses_to_continue():
+    with fallback_job(2) as (_, configs), Transport(configs[0], progress_timeout=0.3) as transport:
+        blocks = np.ones((3, wire.K), np.float32)
+        with pytest.raises(TransportTimeout):
+            transport.exchange(blocks)  # rank 1 never comes
+        with pytest.raises(TransportError, match="earlier failure"):
+            transport.exchange(blocks)
+
+
+def test_nan_is_rejected_before_anything_is_sent():
+    with fallback_job(1) as (server, configs):
+        with KVWorker(configs[0]) as worker:
+            bad = np.ones(100, np.float32)
+            bad[42] = np.nan
+            with pytest.raises(ValueError, match="NaN"):
+                worker.push(3, bad)
+            with pytest.raises(ValueError, match="Inf"):
+                worker.allreduce(np.array([np.inf], np.float32))
+            assert worker.transport.stats.packets_sent == 0
+            np.testing.assert_array_equal(worker.allreduce(np.ones(3, np.float32)), 1)
+        assert server.stats.datagrams == 1 + 1  # the probe and the block of the last call
+
+
+def test_strangers_datagrams_are_counted_and_ignored():
+    # A ps-mode transport listens to two peers (switch and PS), so its socket is unconnected and
+    # sees whatever arrives; here the "switch" is a 1-worker fallback PS.
+    with fallback_job(1) as (server, _configs):
+        ps_config = job_configs(1, "ps", Endpoint(*server.address), Endpoint("127.0.0.1", 9))[0]
+        with Transport(ps_config) as transport, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+            for junk in (b"", b"x" * 10, b"\x01" * wire.NETAGG_BYTES):
+                stranger.sendto(junk, transport.address)
+            blocks = np.arange(2 * wire.K, dtype=np.float32).reshape(2, wire.K)
+            sums, exponents = transport.exchange(blocks)
+            assert transport.stats.foreign == 3 and transport.stats.malformed == 0
+            np.testing.assert_array_equal(qz.dequantize(sums, exponents, 1), blocks)
+
+
+def test_the_ps_ignores_malformed_datagrams_and_garbage_connections():
+    n = 2
+    with fallback_job(n) as (server, configs):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+            good = wire.pack(wire.Header(job_id=1, slot=0, pool=0, rank=0, seq=0), np.zeros(wire.K, np.int32))
+            for junk in (b"short", b"\x07" + good[1:], good[:1] + b"\x01" + good[2:], good[:2] + b"\x00\x63" +
+                         good[4:]):
+                stranger.sendto(junk, server.address)
+        with socket.create_connection(server.address, timeout=5) as garbage:
+            garbage.sendall(b"\xff" * 64)
+            with contextlib.suppress(ConnectionResetError):  # RST: the PS closed with our bytes unread
+                assert garbage.recv(1) == b""  # the PS hangs up on a frame it cannot parse
+        inputs = make_inputs(n, 500)
+        results = run_workers(configs, lambda w, rank: w.allreduce(inputs[rank]))
+        check(results, inputs)
+        assert server.aggregator.stats.drops == {"MALFORMED": 1, "BAD_VERSION": 1, "RESULT_FROM_HOST": 1,
+                                                  "UNKNOWN_JOB": 1}
+        assert server.stats.bad_requests == 1
+
+
+def test_rto_estimator_follows_rfc6298_with_clamping_and_backoff():
+    rto = RtoEstimator(initial=0.05, minimum=0.002, maximum=1.0)
+    assert rto.rto == 0.05
+    rto.sample(0.010)
+    assert rto.srtt == 0.010 and rto.rttvar == 0.005 and rto.rto == pytest.approx(0.030)
+    for _ in range(200):
+        rto.sample(0.0001)
+    assert rto.rto == 0.002  # clamped to the minimum
+    assert [rto.backoff(k) for k in (0, 1, 2)] == [0.002, 0.004, 0.008]
+    assert rto.backoff(40) == 1.0  # clamped to the maximum
+    rto.sample(30.0)
+    assert rto.rto == 1.0
