@@ -126,9 +126,9 @@ class KVServer:
         handle: Handle | None = None,
         *,
         bind: Endpoint | None = None,
-        commit_grace: float = 0.5,
+        commit_grace: float = 0.05,
         pull_timeout: float = 30.0,
-        pending_limit: int = 1 << 22,
+        pending_limit: int = 1 << 21,
     ) -> None:
         if config.mode not in ("ps", "fallback"):
             raise ConfigError(f"mode: a parameter server serves ps or fallback jobs, not {config.mode}")

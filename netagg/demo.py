@@ -68,14 +68,14 @@ def run_demo(workdir: Path, num_workers: int = 4, steps: int = 150, slots: int =
     with LocalDeployment(workdir) as deployment:
         say(f"switch: software target on {deployment.switch.grpc_address} (P4Runtime), "
             f"loopback UDP {deployment.switch.loopback_address[1]}; controller up")
-        created = deployment.create_job(num_workers, slots, mode=mode, name="mlp-digits")
+        created = deployment.create_job([deployment.HOST] * num_workers, slots, mode=mode, name="mlp-digits")
         result.job = created["job"]
         job_id = result.job["job_id"]
         say(f"job {job_id}: {num_workers} workers, mode {result.job['mode']}, slots {result.job['slots']} "
             f"(admission {created['admission']})")
         if result.job["mode"] in ("ps", "fallback"):
-            deployment.start_ps(created["config_paths"][0], handle="sgd" if result.job["mode"] == "ps" else "sum",
-                                lr=LEARNING_RATE)
+            deployment.start_ps(created["config_paths"][0], deployment.HOST,
+                                handle="sgd" if result.job["mode"] == "ps" else "sum", lr=LEARNING_RATE)
             say(f"parameter server up ({result.job['mode']} mode)")
         reference = subprocess.Popen([sys.executable, str(EXAMPLE), "--reference", str(num_workers),
                                       "--steps", str(steps)], stdout=subprocess.PIPE, text=True, cwd=dp.REPO_ROOT)

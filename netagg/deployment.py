@@ -43,22 +43,21 @@ def free_ports(kind: int, count: int) -> list[int]:
             s.close()
 
 
-class LocalDeployment:
-    """Software target (loopback UDP), controller and CLI on 127.0.0.1, all in ``workdir``."""
+class Deployment:
+    """Switch, controller and CLI; subclasses decide where the switch and the hosts live."""
 
-    def __init__(self, workdir: Path, capacity: int = 1024) -> None:
+    def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.capacity = capacity
         self.processes: list[subprocess.Popen] = []
         self.switch: TargetProcess | None = None
         self.config_path = workdir / "controller.yaml"
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "NETAGG_CONFIG": str(self.config_path)}
+        self._previous_sigterm = None
 
     # -- lifecycle ---------------------------------------------------------
-    def __enter__(self) -> LocalDeployment:
+    def __enter__(self) -> Deployment:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-        self._previous_sigterm = previous
+        self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             self._start()
         except BaseException:
@@ -71,26 +70,42 @@ class LocalDeployment:
         signal.signal(signal.SIGTERM, self._previous_sigterm)
 
     def _start(self) -> None:
-        udp_port, ps_port = free_ports(socket.SOCK_DGRAM, 2)
-        self.switch = start_target("soft", {}, self.workdir / "softswitch.log", loopback=f"127.0.0.1:{udp_port}")
-        config = {
-            "switch": {"grpc_address": self.switch.grpc_address, "p4info": str(dp.P4INFO_PATH),
-                       "aggregator": {"ip": "127.0.0.1", "udp_port": udp_port}},
-            "slots": {"capacity": self.capacity, "min_per_job": 4},
+        """Start the switch, write ``controller.yaml`` (see controller_config), start the controller."""
+        raise NotImplementedError
+
+    def controller_config(self, grpc_address: str, aggregator_ip: str, aggregator_port: int, hosts: list[dict],
+                          ps_host: str, ps_port: int, capacity: int, bmv2_json: Path | None = None) -> dict:
+        switch = {"grpc_address": grpc_address, "p4info": str(dp.P4INFO_PATH),
+                  "aggregator": {"ip": aggregator_ip, "udp_port": aggregator_port}}
+        if bmv2_json is not None:
+            switch["bmv2_json"] = str(bmv2_json)
+        return {
+            "switch": switch,
+            "slots": {"capacity": capacity, "min_per_job": 4},
             "controller": {"database": str(self.workdir / "controller.db"),
                            "api_socket": str(self.workdir / "controller.sock"), "admin_token": ADMIN_TOKEN},
             "tenants": {"demo": {"token": TENANT_TOKEN}},
-            "hosts": [{"name": "local", "ip": "127.0.0.1", "mac": "02:00:00:00:bb:01", "port": 1}],
-            "parameter_servers": [{"name": "ps0", "host": "local", "udp_port": ps_port}],
+            "hosts": hosts,
+            "parameter_servers": [{"name": "ps0", "host": ps_host, "udp_port": ps_port}],
         }
+
+    def start_controller(self, config: dict) -> None:
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         socket_path = Path(config["controller"]["api_socket"])
         controller = self.spawn("controller", [sys.executable, "-m", "netagg.controller.cli", "controller", "run"])
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30
         while not socket_path.exists():
             if controller.poll() is not None or time.monotonic() > deadline:
                 raise DeploymentError(f"the controller did not start:\n{self.log_tail('controller')}")
             time.sleep(0.05)
+
+    def host_command(self, host: str, cmd: Sequence[str]) -> list[str]:
+        """How to run ``cmd`` on ``host`` (a configured host name)."""
+        return list(cmd)
+
+    def worker_ports(self, hosts: Sequence[str]) -> list[int]:
+        """UDP ports for workers on ``hosts``."""
+        return free_ports(socket.SOCK_DGRAM, len(hosts))
 
     def stop(self) -> None:
         """Stop every process (workers and PS first, then the controller, the switch last)."""
@@ -130,12 +145,14 @@ class LocalDeployment:
             raise DeploymentError(f"netagg {' '.join(args)} exited {result.returncode}: {result.stderr.strip()}")
         return result.stdout
 
-    def create_job(self, num_workers: int, slots: int, mode: str = "allreduce", name: str = "demo") -> dict:
-        """``netagg job create`` with fresh worker ports and the deployment's PS; writes every rank's YAML."""
-        ports = free_ports(socket.SOCK_DGRAM, num_workers)
+    def create_job(self, hosts: Sequence[str], slots: int, mode: str = "allreduce", name: str = "demo") -> dict:
+        """``netagg job create`` for one worker per entry of ``hosts`` (configured host names), with the
+        deployment's PS; writes every rank's YAML."""
+        num_workers = len(hosts)
+        ports = self.worker_ports(hosts)
         created = json.loads(self.cli("--json", "job", "create", "--name", name, "--slots", str(slots),
                                       "--mode", mode, "--ps", "ps0",
-                                      "--workers", ",".join(f"local:{p}" for p in ports)))
+                                      "--workers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports))))
         job_id = created["job"]["job_id"]
         created["config_paths"] = []
         for rank in range(num_workers):
@@ -145,20 +162,34 @@ class LocalDeployment:
             created["config_paths"].append(path)
         return created
 
-    def start_ps(self, config_path: Path, handle: str = "sum", lr: float = 0.1) -> subprocess.Popen:
-        """The job's parameter server, listening on the endpoint in its config; waits until it is up."""
-        ps = self.spawn("ps", [sys.executable, "-m", "netagg.hoststack.server", "--config", str(config_path),
-                               "--handle", handle, "--lr", str(lr)])
-        endpoint = WorkerConfig.load(config_path).ps
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(endpoint.as_tuple(), timeout=0.5).close()
-                return ps
-            except OSError:
-                if ps.poll() is not None or time.monotonic() > deadline:
-                    raise DeploymentError(f"the parameter server did not start:\n{self.log_tail('ps')}") from None
-                time.sleep(0.05)
+    def start_ps(self, config_path: Path, ps_host: str, handle: str = "sum", lr: float = 0.1) -> subprocess.Popen:
+        """The job's parameter server on ``ps_host``, on the endpoint in its config; waits until it is up."""
+        ps = self.spawn("ps", self.host_command(ps_host, [
+            sys.executable, "-m", "netagg.hoststack.server", "--config", str(config_path),
+            "--handle", handle, "--lr", str(lr)]))
+        deadline = time.monotonic() + 30
+        while "netagg PS:" not in self.log_tail("ps"):
+            if ps.poll() is not None or time.monotonic() > deadline:
+                raise DeploymentError(f"the parameter server did not start:\n{self.log_tail('ps')}")
+            time.sleep(0.05)
+        return ps
+
+
+class LocalDeployment(Deployment):
+    """The embedded default: software target in loopback UDP mode; every host is 127.0.0.1."""
+
+    HOST = "local"
+
+    def __init__(self, workdir: Path, capacity: int = 1024) -> None:
+        super().__init__(workdir)
+        self.capacity = capacity
+
+    def _start(self) -> None:
+        udp_port, ps_port = free_ports(socket.SOCK_DGRAM, 2)
+        self.switch = start_target("soft", {}, self.workdir / "softswitch.log", loopback=f"127.0.0.1:{udp_port}")
+        hosts = [{"name": self.HOST, "ip": "127.0.0.1", "mac": "02:00:00:00:bb:01", "port": 1}]
+        self.start_controller(self.controller_config(self.switch.grpc_address, "127.0.0.1", udp_port, hosts,
+                                                     self.HOST, ps_port, self.capacity))
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

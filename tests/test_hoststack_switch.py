@@ -13,7 +13,7 @@ from netagg.jobconfig import Endpoint
 testing = pytest.importorskip("netagg.softswitch.testing")
 
 N = 4
-SIZE = 10_000
+SIZE = 6_000
 SLOTS = 16
 
 
