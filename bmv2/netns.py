@@ -167,14 +167,30 @@ class Topology:
                                          "dev", host.ifname, "nud", "permanent"]))
 
     def _shape(self, host: Host) -> None:
-        """netem delay + rate on both ends, so each direction is shaped once."""
+        """Shape both ends of the host's link, so each direction is shaped once."""
         for ns, ifname in ((host.namespace, host.ifname), (self.switch_namespace, host.switch_ifname)):
-            netem = ["netem", "limit", str(self.shape.queue_packets)]
-            if self.shape.delay_ms:
-                netem += ["delay", f"{self.shape.delay_ms}ms"]
-            if self.shape.rate_mbit:
-                netem += ["rate", f"{self.shape.rate_mbit}mbit"]
-            run(ns_exec(ns, ["tc", "qdisc", "replace", "dev", ifname, "root", *netem]))
+            shape_link(ns, ifname, self.shape, self.mtu)
+
+
+def shape_link(namespace: str, ifname: str, shape: LinkShape, mtu: int) -> str:
+    """netem (rate + delay) where the kernel has it, else tbf (rate only); returns the qdisc used."""
+    netem = ["netem", "limit", str(shape.queue_packets)]
+    if shape.delay_ms:
+        netem += ["delay", f"{shape.delay_ms}ms"]
+    if shape.rate_mbit:
+        netem += ["rate", f"{shape.rate_mbit}mbit"]
+    result = run(ns_exec(namespace, ["tc", "qdisc", "replace", "dev", ifname, "root", *netem]), check=False)
+    if result.returncode == 0:
+        return "netem"
+    if "unknown" not in result.stderr or not shape.rate_mbit:
+        raise NetnsError(f"tc netem on {ifname}: {result.stderr.strip()}")
+    # No sch_netem in this kernel: a token bucket gives the rate; the delay is not emulated.
+    rate_bytes = shape.rate_mbit * 1e6 / 8
+    burst = max(2 * (mtu + 14), int(rate_bytes / 250) + mtu)
+    limit = shape.queue_packets * (mtu + 14)
+    run(ns_exec(namespace, ["tc", "qdisc", "replace", "dev", ifname, "root", "tbf", "rate",
+                            f"{shape.rate_mbit}mbit", "burst", str(burst), "limit", str(limit)]))
+    return "tbf"
 
 
 @contextmanager

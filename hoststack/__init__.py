@@ -1,22 +1,31 @@
 """The worker side of netagg: quantization, fragmentation, UDP transport and a PS-lite style API.
 
-See docs/hoststack.md. ``KVWorker`` and ``KVServer`` are the entry points.
+See docs/hoststack.md. ``KVWorker`` and ``KVServer`` are the entry points. Exports are
+imported lazily, so ``python -m netagg.hoststack.server`` does not import itself twice.
 """
 
-from netagg.hoststack.envconfig import config_from_env
-from netagg.hoststack.kv import KVWorker
-from netagg.hoststack.psproto import PsError
-from netagg.hoststack.server import SGD, KVServer, sum_store
-from netagg.hoststack.transport import Transport, TransportError, TransportTimeout
+from __future__ import annotations
 
-__all__ = [
-    "SGD",
-    "KVServer",
-    "KVWorker",
-    "PsError",
-    "Transport",
-    "TransportError",
-    "TransportTimeout",
-    "config_from_env",
-    "sum_store",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "KVWorker": "kv",
+    "PsError": "psproto",
+    "KVServer": "server",
+    "SGD": "server",
+    "sum_store": "server",
+    "Transport": "transport",
+    "TransportError": "transport",
+    "TransportTimeout": "transport",
+    "config_from_env": "envconfig",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

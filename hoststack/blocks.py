@@ -106,7 +106,7 @@ def _to_numpy(value: Any) -> tuple[np.ndarray, Any, tuple[Any, Any] | None]:
 
 def pack(keys: Sequence[int], values: Sequence[Any]) -> tuple[Layout, np.ndarray]:
     """Flatten ``values`` into a new ``(num_blocks, K)`` float32 array, one segment per key."""
-    keys = [_check_key(k) for k in keys]
+    keys = [check_key(k) for k in keys]
     if len(keys) != len(values):
         raise ValueError(f"{len(keys)} keys but {len(values)} values")
     if len(set(keys)) != len(keys):
@@ -159,7 +159,8 @@ def _restore(segment: Segment, values: np.ndarray) -> Any:
     return tensor.to(device)
 
 
-def _check_key(key: Any) -> int:
+def check_key(key: Any) -> int:
+    """A key as an int; TypeError for anything but an integer (bools included)."""
     if isinstance(key, bool) or not isinstance(key, int | np.integer):
         raise TypeError(f"keys must be integers, got {key!r}")
     return int(key)

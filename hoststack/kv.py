@@ -51,12 +51,13 @@ class KVWorker:
         rto_initial: float = 0.05,
         rto_min: float = 0.002,
         rto_max: float = 1.0,
+        max_backoff: int = 2,
     ) -> None:
         self.config = config if config is not None else config_from_env()
         self.mode = self.config.mode
         self.num_workers = self.config.num_workers
         self.transport = Transport(self.config, progress_timeout=progress_timeout, rto_initial=rto_initial,
-                                   rto_min=rto_min, rto_max=rto_max)
+                                   rto_min=rto_min, rto_max=rto_max, max_backoff=max_backoff)
         self.ps_timeout = ps_timeout
         self._ps: PsClient | None = None
         if self.mode == "ps":
@@ -88,7 +89,7 @@ class KVWorker:
 
     def pull(self, keys: Sequence[int] | int, out: Sequence[np.ndarray] | None = None) -> int:
         """Fetch the values of ``keys``; ``wait(ts)`` returns them (also written into ``out`` if given)."""
-        keys = [blk._check_key(k) for k in ([keys] if isinstance(keys, int | np.integer) else keys)]
+        keys = [blk.check_key(k) for k in ([keys] if isinstance(keys, int | np.integer) else keys)]
         if out is not None and len(out) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(out)} output arrays")
         return self._submit(self._pull, keys, out)

@@ -61,12 +61,15 @@ def _pow2_tables(num_workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
 
 
 _TABLES: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+#: Per worker count: table indices below this need the second encode factor.
+_EXTREME_INDEX: dict[int, int] = {}
 
 
 def _tables(num_workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     tables = _TABLES.get(num_workers)
     if tables is None:
         tables = _TABLES[num_workers] = _pow2_tables(num_workers)
+        _EXTREME_INDEX[num_workers] = int(np.flatnonzero(tables[1] == 1)[0])
     return tables
 
 
@@ -104,9 +107,9 @@ def quantize(blocks: np.ndarray, exponents: np.ndarray, num_workers: int, out: n
     enc_a, enc_b, _, _ = _tables(num_workers)
     index = exponents.astype(np.intp) + 128
     scaled = np.multiply(blocks, enc_a[index][:, None])
-    extreme = np.flatnonzero(enc_b[index] != 1)
-    if extreme.size:  # scale beyond float32 range: the second, exact factor
-        scaled[extreme] *= enc_b[index[extreme]][:, None]
+    if index.size and int(index.min()) < _EXTREME_INDEX[num_workers]:  # rare: G < P - 101 (about -70)
+        extreme = np.flatnonzero(enc_b[index] != 1)
+        scaled[extreme] *= enc_b[index[extreme]][:, None]  # scale beyond float32 range: second factor
     if out is None:
         out = np.empty(blocks.shape, WIRE_DTYPE)
     np.rint(scaled, out=out, casting="unsafe")

@@ -79,12 +79,23 @@ class TransportStats:
 
 @dataclass
 class RtoEstimator:
-    """RFC 6298's retransmission timeout from round-trip samples, clamped to [minimum, maximum]."""
+    """RFC 6298's retransmission timeout from round-trip samples, clamped to [minimum, maximum].
+
+    A round completes only when the slowest worker's packet arrived, so one worker's loss
+    inflates everyone's round trip; samples are therefore clipped to twice the smoothed RTT
+    (a real increase still raises SRTT by up to 12.5 % per sample) so that RTTVAR does not
+    explode under loss.
+    """
 
     initial: float = 0.05
     minimum: float = 0.002
     maximum: float = 1.0
     granularity: float = 0.0005
+    #: Doublings of one packet's timeout before it plateaus: a failed retransmission here mostly
+    #: means another worker's packet was lost (the round was incomplete), not congestion ...
+    max_backoff: int = 2
+    #: ... for this many more retries; after them doubling resumes (a straggler or dead peer).
+    plateau: int = 2
     srtt: float | None = None
     rttvar: float = 0.0
     rto: float = field(init=False)
@@ -97,13 +108,19 @@ class RtoEstimator:
         if self.srtt is None:
             self.srtt, self.rttvar = rtt, rtt / 2
         else:
+            rtt = min(rtt, 2 * self.srtt)
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
         self.rto = min(max(self.srtt + max(self.granularity, 4 * self.rttvar), self.minimum), self.maximum)
 
     def backoff(self, retries: int) -> float:
-        """Timeout after ``retries`` retransmissions of the same packet."""
-        return min(self.rto * (2 ** min(retries, 30)), self.maximum)
+        """Timeout after ``retries`` retransmissions of the same packet.
+
+        ``rto * 2**e`` with e = 1, 2, .., max_backoff, then ``plateau`` times max_backoff,
+        then increasing by one per retry again; at most ``maximum``.
+        """
+        doublings = max(min(retries, self.max_backoff), retries - self.plateau)
+        return min(self.rto * (2 ** min(doublings, 40)), self.maximum)
 
 
 class Transport:
@@ -117,6 +134,7 @@ class Transport:
         rto_initial: float = 0.05,
         rto_min: float = 0.002,
         rto_max: float = 1.0,
+        max_backoff: int = 2,
     ) -> None:
         self.config = config
         self.num_workers = config.num_workers
@@ -140,7 +158,7 @@ class Transport:
             self._send = lambda data: sendto(data, destination)
         self._poller = select.poll()
         self._poller.register(self.sock.fileno(), select.POLLIN)
-        self.rto = RtoEstimator(rto_initial, rto_min, rto_max)
+        self.rto = RtoEstimator(rto_initial, rto_min, rto_max, max_backoff=max_backoff)
         self.stats = TransportStats()
         # One preallocated packet per slot; row s is always slot s.
         self._packets = np.zeros(self.slot_count, PACKET_DTYPE)
@@ -152,6 +170,7 @@ class Transport:
         self._raw = self._packets.view(np.uint8).reshape(self.slot_count, _NETAGG_BYTES)
         self._rows = [memoryview(self._raw[s]) for s in range(self.slot_count)]
         self._next_pool = np.zeros(self.slot_count, np.uint8)
+        self._flagged: set[int] = set()  # rows whose flags carry FLAG_RETRANSMIT
         self._seq = 0
         self._probe_seq = 0
         self._recv_buf = bytearray(2048)
@@ -272,7 +291,9 @@ class _Round:
         pools = t._next_pool[sl]
         hdr = t._packets["hdr"]
         hdr["pool"][sl] = pools
-        hdr["flags"][sl] = 0
+        if t._flagged:  # clear FLAG_RETRANSMIT left by earlier retransmissions from these rows
+            hdr["flags"][list(t._flagged)] = 0
+            t._flagged.clear()
         keys = ((pools.astype(np.int64) << 32) | seqs).tolist()
         now = time.monotonic()
         rows, expect, sent_at, send = t._rows, self.expect, self.sent_at, t._send
@@ -302,6 +323,7 @@ class _Round:
                 retries = self.retries.get(slot, 0) + 1
                 self.retries[slot] = retries
                 t._raw[slot, 1] |= wire.FLAG_RETRANSMIT
+                t._flagged.add(slot)
                 try:
                     t._send(t._rows[slot])
                     t.stats.packets_sent += 1

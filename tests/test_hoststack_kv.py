@@ -85,3 +85,15 @@ def test_errors_surface_at_the_call_or_at_wait():
         ts = worker.init([5], [np.arange(4, dtype=np.float32).reshape(2, 2)])
         worker.wait(ts)
         np.testing.assert_array_equal(worker.wait(worker.pull(5))[0], [[0, 1], [2, 3]])
+
+
+def test_torch_tensors_in_and_out():
+    torch = pytest.importorskip("torch")
+    inputs = [torch.full((3, 4), float(rank + 1)).to(torch.bfloat16) for rank in range(N)]
+    with fallback_job(N) as (_, configs):
+        results = run_workers(configs, lambda w, rank: (w.allreduce(inputs[rank]),
+                                                         w.wait(w.pushpull(1, torch.ones(5) * rank))[0]))
+    for summed, pushpulled in results:
+        assert isinstance(summed, torch.Tensor) and summed.dtype == torch.bfloat16 and summed.shape == (3, 4)
+        assert torch.equal(summed, torch.full((3, 4), 6.0).to(torch.bfloat16))
+        assert torch.equal(pushpulled, torch.full((5,), 3.0))

@@ -142,15 +142,20 @@ def test_the_ps_ignores_malformed_datagrams_and_garbage_connections():
         assert server.stats.bad_requests == 1
 
 
-def test_rto_estimator_follows_rfc6298_with_clamping_and_backoff():
-    rto = RtoEstimator(initial=0.05, minimum=0.002, maximum=1.0)
+def test_rto_estimator_follows_rfc6298_with_clipping_clamping_and_capped_backoff():
+    rto = RtoEstimator(initial=0.05, minimum=0.002, maximum=1.0, max_backoff=2)
     assert rto.rto == 0.05
     rto.sample(0.010)
     assert rto.srtt == 0.010 and rto.rttvar == 0.005 and rto.rto == pytest.approx(0.030)
+    rto.sample(10.0)  # clipped to 2 x SRTT: one slow round cannot blow the timeout up
+    assert rto.srtt == pytest.approx(0.01125) and rto.rto < 0.05
     for _ in range(200):
         rto.sample(0.0001)
     assert rto.rto == 0.002  # clamped to the minimum
-    assert [rto.backoff(k) for k in (0, 1, 2)] == [0.002, 0.004, 0.008]
-    assert rto.backoff(40) == 1.0  # clamped to the maximum
-    rto.sample(30.0)
-    assert rto.rto == 1.0
+    # Doubling twice, a plateau of two retries, then doubling again (a straggler or dead peer).
+    assert [rto.backoff(k) for k in range(8)] == [0.002, 0.004, 0.008, 0.008, 0.008, 0.016, 0.032, 0.064]
+    for _ in range(100):
+        rto.sample(30.0)  # a real, lasting increase is followed (by up to 12.5 % per sample)
+    assert rto.rto == 1.0  # clamped to the maximum
+    assert RtoEstimator(initial=0.1, max_backoff=30).backoff(5) == 1.0
+    assert RtoEstimator(initial=0.1).backoff(100) == 1.0

@@ -1,0 +1,100 @@
+"""One worker of an allreduce measurement, run on an emulated-cluster host.
+
+``--netagg CONFIG``: netagg (in-network or fallback, as the config says), via KVWorker.
+``--gloo RANK WORLD MASTER``: torch.distributed's Gloo ring allreduce (torch optional).
+Every rank reduces the same deterministic tensor (seeded by its rank) ``--iterations``
+times after one warm-up and prints one JSON line: seconds per allreduce (median),
+a digest of the result, and the result's first values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def tensor_for(rank: int, size: int) -> np.ndarray:
+    """The input of ``rank``: reproducible, mixed signs and magnitudes."""
+    rng = np.random.default_rng(1000 + rank)
+    return (rng.standard_normal(size) * 10.0 ** rng.uniform(-3, 1, size)).astype(np.float32)
+
+
+def _netagg(config_path: str, size: int, iterations: int) -> tuple[list[float], np.ndarray, dict]:
+    from netagg.hoststack.kv import KVWorker
+    from netagg.jobconfig import WorkerConfig
+
+    config = WorkerConfig.load(config_path)
+    data = tensor_for(config.rank, size)
+    with KVWorker(config, progress_timeout=60.0) as worker:
+        result = worker.allreduce(data)  # warm-up (and the result we report)
+        times = []
+        for _ in range(iterations):
+            start = time.perf_counter()
+            worker.allreduce(data)
+            times.append(time.perf_counter() - start)
+        stats = worker.transport.stats
+        extra = {"packets_sent": stats.packets_sent, "retransmissions": stats.retransmissions}
+    return times, result, extra
+
+
+def _gloo(rank: int, world: int, master: str, size: int, iterations: int) -> tuple[list[float], np.ndarray, dict]:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    host, port = master.rsplit(":", 1)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        data = torch.from_numpy(tensor_for(rank, size))
+        result = data.clone()
+        dist.all_reduce(result)
+        times = []
+        for _ in range(iterations):
+            work = data.clone()
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(work)
+            times.append(time.perf_counter() - start)
+    finally:
+        dist.destroy_process_group()
+    return times, result.numpy(), {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--netagg", metavar="CONFIG")
+    group.add_argument("--gloo", nargs=3, metavar=("RANK", "WORLD", "MASTER"))
+    parser.add_argument("--size", type=int, required=True, help="float32 values per tensor")
+    parser.add_argument("--iterations", type=int, default=3)
+    args = parser.parse_args(argv)
+    cpu_start = os.times()
+    if args.netagg:
+        times, result, extra = _netagg(args.netagg, args.size, args.iterations)
+    else:
+        rank, world, master = int(args.gloo[0]), int(args.gloo[1]), args.gloo[2]
+        times, result, extra = _gloo(rank, world, master, args.size, args.iterations)
+    cpu = os.times()
+    busy = (cpu.user - cpu_start.user) + (cpu.system - cpu_start.system)
+    print(json.dumps({
+        "seconds": statistics.median(times) if times else float("nan"),
+        "all_seconds": times,
+        "cpu_seconds": busy,
+        "digest": hashlib.sha256(np.ascontiguousarray(result, np.float32).tobytes()).hexdigest(),
+        "head": [float(x) for x in result[:4]],
+        **extra,
+    }), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

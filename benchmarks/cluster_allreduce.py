@@ -1,0 +1,229 @@
+"""``make bench``: allreduce time on the emulated cluster — netagg in the switch, netagg through
+the PS (fallback, no switch aggregation), and Gloo's ring (when torch is installed) — same links,
+same tensors, one run. Each time is also shown as a ratio to its physical bound on those links:
+
+* in-network:  M / (e·B)                 (each worker sends M and receives M, full duplex)
+* ring:        2(N-1)/N · M / (e_tcp·B)
+* PS:          N · M / (e·B)             (all of it crosses the PS's link)
+
+with M the tensor bytes, B the per-host link rate and e the payload share of each packet on
+the wire (all headers, preamble and gaps counted). Writes a table to stdout, a CSV and a PNG
+plot under ``results/``. Needs root (namespaces); prints why it cannot run otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from netagg import dataplane as dp
+from netagg import wire
+from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
+from netagg.bmv2.netns import can_create_namespaces
+
+WORKER = [sys.executable, "-m", "benchmarks.allreduce_worker"]
+GLOO_PORT = 29500
+#: TCP payload share of a 1500-byte-MTU frame: MSS 1448 (timestamps on) of 1500 + 38 bytes on the wire.
+E_TCP = 1448 / (1500 + 38)
+KINDS = ("netagg", "fallback", "gloo")
+
+
+@dataclass
+class Measurement:
+    kind: str
+    workers: int
+    megabytes: float
+    seconds: float
+    bound_seconds: float
+    ratio_to_bound: float
+    identical_on_all_workers: bool
+    digest: str
+    head: list[float]
+    worker_cpu_share: float
+    switch_cpu_share: float
+    retransmissions: int
+
+
+def torch_available() -> bool:
+    try:
+        import torch.distributed  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def bound_seconds(kind: str, num_workers: int, tensor_bytes: int, rate_mbit: float) -> float:
+    rate = rate_mbit * 1e6 / 8
+    e = wire.payload_efficiency()
+    if kind == "netagg":
+        return tensor_bytes / (e * rate)
+    if kind == "gloo":
+        return 2 * (num_workers - 1) / num_workers * tensor_bytes / (E_TCP * rate)
+    return num_workers * tensor_bytes / (e * rate)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User+system CPU seconds of a process and its children so far (from /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    return sum(int(x) for x in fields[11:15]) / ticks
+
+
+def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, iterations: int) -> Measurement:
+    """One allreduce measurement of ``kind`` on the first ``num_workers`` hosts."""
+    hosts = cluster.worker_hosts[:num_workers]
+    job_id = None
+    ps = None
+    if kind == "gloo":
+        master = f"{cluster.ip_of(hosts[0])}:{GLOO_PORT}"
+        # Gloo must bind to the host's link, not to whatever the hostname resolves to.
+        commands = [["env", f"GLOO_SOCKET_IFNAME={cluster.ifname_of(host)}", *WORKER, "--gloo", str(rank),
+                     str(num_workers), master] for rank, host in enumerate(hosts)]
+    else:
+        mode = "allreduce" if kind == "netagg" else "fallback"
+        created = cluster.create_job(hosts, slots=256, mode=mode, name=f"bench-{kind}")
+        job_id = created["job"]["job_id"]
+        if created["job"]["mode"] != mode:
+            raise RuntimeError(f"asked for {mode}, admitted as {created['job']['mode']}: {created['reason']}")
+        if mode == "fallback":
+            ps = cluster.start_ps(created["config_paths"][0], cluster.ps_host)
+        commands = [[*WORKER, "--netagg", str(path)] for path in created["config_paths"]]
+    switch_cpu_before = _cpu_seconds(cluster.switch.process.pid)
+    started = time.monotonic()
+    procs = [subprocess.Popen(cluster.host_command(host, [*cmd, "--size", str(size), "--iterations", str(iterations)]),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=dp.REPO_ROOT)
+             for host, cmd in zip(hosts, commands)]
+    results = []
+    try:
+        for rank, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=1800)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{kind} worker {rank} failed:\n{err[-2000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        if ps is not None:
+            ps.terminate()
+            ps.wait(timeout=10)
+            cluster.processes.remove(ps)
+        if job_id is not None:
+            cluster.cli("job", "delete", str(job_id))
+    wall = time.monotonic() - started
+    seconds = max(r["seconds"] for r in results)
+    bound = bound_seconds(kind, num_workers, size * 4, cluster.spec.rate_mbit)
+    return Measurement(
+        kind=kind, workers=num_workers, megabytes=size * 4 / 1e6, seconds=seconds, bound_seconds=bound,
+        ratio_to_bound=seconds / bound, identical_on_all_workers=len({r["digest"] for r in results}) == 1,
+        digest=results[0]["digest"], head=results[0]["head"],
+        worker_cpu_share=max(r["cpu_seconds"] for r in results) / wall,
+        switch_cpu_share=(_cpu_seconds(cluster.switch.process.pid) - switch_cpu_before) / wall,
+        retransmissions=sum(r.get("retransmissions", 0) for r in results),
+    )
+
+
+def _table(rows: list[Measurement]) -> str:
+    lines = [f"{'kind':<9} {'N':>2} {'MB':>7} {'seconds':>9} {'bound':>8} {'x bound':>8} {'identical':>9} "
+             f"{'worker cpu':>10} {'switch cpu':>10} {'retx':>6}"]
+    for m in rows:
+        lines.append(f"{m.kind:<9} {m.workers:>2} {m.megabytes:>7.2f} {m.seconds:>9.3f} {m.bound_seconds:>8.3f} "
+                     f"{m.ratio_to_bound:>8.2f} {m.identical_on_all_workers!s:>9} {m.worker_cpu_share:>10.0%} "
+                     f"{m.switch_cpu_share:>10.0%} {m.retransmissions:>6}")
+    return "\n".join(lines)
+
+
+def _speedups(rows: list[Measurement]) -> list[str]:
+    out = []
+    by_key = {(m.kind, m.workers, m.megabytes): m for m in rows}
+    e = wire.payload_efficiency()
+    for (kind, n, mb), m in sorted(by_key.items()):
+        if kind != "netagg":
+            continue
+        for other, ideal in (("gloo", 2 * (n - 1) / n * e / E_TCP), ("fallback", float(n))):
+            o = by_key.get((other, n, mb))
+            if o:
+                speedup = o.seconds / m.seconds
+                out.append(f"N={n} {mb:.2f} MB: speedup over {other} {speedup:.2f}x, "
+                           f"{speedup / ideal:.2f} of its maximum {ideal:.2f}x")
+    return out
+
+
+def _plot(rows: list[Measurement], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for kind in KINDS:
+        for n in sorted({m.workers for m in rows}):
+            pts = sorted((m.megabytes, m.seconds, m.ratio_to_bound) for m in rows if m.kind == kind and m.workers == n)
+            if pts:
+                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{kind} N={n}")
+                axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=f"{kind} N={n}")
+    axes[0].set(xscale="log", yscale="log", xlabel="tensor MB", ylabel="allreduce seconds", title="time")
+    axes[1].set(xscale="log", xlabel="tensor MB", ylabel="time / physical bound", title="ratio to bound")
+    axes[1].axhline(1.0, color="grey", linewidth=0.8)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[0.25, 1.0, 4.0])
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--rate-mbit", type=float, help="override configs/cluster.yaml's link rate")
+    parser.add_argument("--target", choices=("soft", "bmv2"), help="override configs/cluster.yaml's target")
+    parser.add_argument("--out", type=Path, default=dp.REPO_ROOT / "results")
+    args = parser.parse_args(argv)
+    ok, why = can_create_namespaces()
+    if not ok:
+        print(f"make bench: the emulated cluster {why}; nothing measured")
+        return 2
+    kinds = [k for k in args.kinds if k != "gloo" or torch_available()]
+    if "gloo" in args.kinds and "gloo" not in kinds:
+        print("gloo: skipped (torch is not installed: pip install torch==2.13.0)")
+    spec = ClusterSpec.load(num_workers=max(args.workers), rate_mbit=args.rate_mbit, target=args.target)
+    from tqdm import tqdm
+
+    jobs = [(n, mb, kind) for n in args.workers for mb in args.sizes_mb for kind in kinds]
+    rows: list[Measurement] = []
+    print(f"emulated cluster: {spec.num_workers} worker hosts + 1 PS host, {spec.target} switch, "
+          f"{spec.rate_mbit} Mbit/s and {spec.delay_ms} ms per link, MTU {spec.mtu}; machine: {os.cpu_count()} cores")
+    with tempfile.TemporaryDirectory(prefix="netagg-bench-") as tmp, EmulatedCluster(Path(tmp), spec) as cluster:
+        for n, mb, kind in tqdm(jobs, desc="allreduce", unit="run"):
+            size = max(1, int(mb * 1e6 / 4))
+            rows.append(run_kind(cluster, kind, n, size, args.iterations))
+    print(_table(rows))
+    for line in _speedups(rows):
+        print(line)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    csv_path, png_path = args.out / f"bench-{stamp}.csv", args.out / f"bench-{stamp}.png"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(m) for m in rows)
+    _plot(rows, png_path)
+    print(f"wrote {csv_path} and {png_path}")
+    return 0 if all(m.identical_on_all_workers and math.isfinite(m.seconds) for m in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The emulated cluster: N worker hosts and a PS host in network namespaces around one switch.
+
+Each host hangs off its own switch port by a veth pair shaped with ``tc`` (rate,
+delay) from ``configs/cluster.yaml``; the switch — BMv2 or the software target on raw
+sockets — runs in its own namespace and is reached over a unix-socket P4Runtime
+address; the controller runs in the root namespace. Everything is torn down when the
+context exits, whatever happens (errors, Ctrl-C, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from netagg import dataplane as dp
+from netagg import wire
+from netagg.bmv2.netns import LinkShape, Topology, ns_exec
+from netagg.bmv2.p4build import compile_program
+from netagg.bmv2.targets import start_target
+from netagg.deployment import Deployment
+from netagg.jobconfig import ConfigError
+
+CLUSTER_CONFIG = dp.REPO_ROOT / "configs" / "cluster.yaml"
+PS_PORT = 29000
+WORKER_PORT_BASE = 41000
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Shape of the emulated cluster."""
+
+    num_workers: int = 4
+    target: str = "soft"
+    rate_mbit: float | None = 20.0
+    delay_ms: float = 0.5
+    queue_packets: int = 1000
+    mtu: int = 1500
+    slots: int = 1024
+
+    @classmethod
+    def load(cls, path: Path = CLUSTER_CONFIG, **overrides: object) -> ClusterSpec:
+        """Read ``configs/cluster.yaml``; keyword overrides win (None = keep the file's value)."""
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError(f"{path}: {err}") from None
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        spec = cls(**data)
+        if not 1 <= spec.num_workers <= wire.MAX_WORKERS:
+            raise ConfigError(f"{path}: num_workers: {spec.num_workers} not in 1..{wire.MAX_WORKERS}")
+        if spec.target not in ("soft", "bmv2"):
+            raise ConfigError(f"{path}: target: {spec.target!r} is not soft or bmv2")
+        return spec
+
+
+class EmulatedCluster(Deployment):
+    """Hosts ``h0 .. h{N-1}`` are workers, ``h{N}`` runs the parameter server."""
+
+    def __init__(self, workdir: Path, spec: ClusterSpec, prefix: str | None = None) -> None:
+        super().__init__(workdir)
+        self.spec = spec
+        self.prefix = prefix or f"nc{os.getpid() % 100000}"
+        self.topology = Topology(self.prefix, spec.num_workers + 1, mtu=spec.mtu,
+                                 shape=LinkShape(spec.rate_mbit, spec.delay_ms, spec.queue_packets))
+
+    @property
+    def worker_hosts(self) -> list[str]:
+        return [h.name for h in self.topology.hosts[:-1]]
+
+    @property
+    def ps_host(self) -> str:
+        return self.topology.hosts[-1].name
+
+    def _start(self) -> None:
+        self.topology.build()
+        bmv2_json = compile_program(self.workdir / "p4c")[0] if self.spec.target == "bmv2" else None
+        self.switch = start_target(self.spec.target, self.topology.switch_interfaces(), self.workdir / "switch.log",
+                                   grpc_address=f"unix:{self.workdir}/p4runtime.sock",
+                                   namespace=self.topology.switch_namespace)
+        hosts = [{"name": h.name, "ip": h.ip, "mac": h.mac, "port": h.switch_port} for h in self.topology.hosts]
+        self.start_controller(self.controller_config(
+            self.switch.grpc_address, self.topology.aggregator_ip, wire.NETAGG_UDP_PORT, hosts, self.ps_host,
+            PS_PORT, self.spec.slots, bmv2_json))
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            self.topology.destroy()
+
+    def namespace_of(self, host: str) -> str:
+        return next(h.namespace for h in self.topology.hosts if h.name == host)
+
+    def ifname_of(self, host: str) -> str:
+        return next(h.ifname for h in self.topology.hosts if h.name == host)
+
+    def ip_of(self, host: str) -> str:
+        return next(h.ip for h in self.topology.hosts if h.name == host)
+
+    def host_command(self, host: str, cmd: Sequence[str]) -> list[str]:
+        return ns_exec(self.namespace_of(host), cmd)
+
+    def worker_ports(self, hosts: Sequence[str]) -> list[int]:
+        return [WORKER_PORT_BASE + i for i in range(len(hosts))]
