@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 TARGET ?= soft
 PYTEST_ARGS ?=
 
-.PHONY: setup build p4info test ptf demo bench-switch lint clean
+.PHONY: setup build p4info test ptf demo bench bench-switch lint clean
 
 $(STAMP): pyproject.toml scripts/setup-system.sh
 	@scripts/setup-system.sh
@@ -40,6 +40,10 @@ demo: setup
 ## bench-switch: aggregated packets/s of the software target (and BMv2 where installed)
 bench-switch: build
 	$(BIN)/python -m benchmarks.switch_throughput
+
+## bench: allreduce on the emulated cluster: netagg vs PS fallback vs Gloo ring (root; torch optional)
+bench: setup
+	$(BIN)/python -m benchmarks.cluster_allreduce
 
 ## lint: ruff
 lint: setup
