@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import select
 import signal
@@ -141,18 +142,8 @@ class KVServer:
         self.pending_limit = pending_limit
         endpoint = bind or config.ps
         assert endpoint is not None  # WorkerConfig guarantees it in ps/fallback mode
-        self.udp = udp_socket(resolve(endpoint))
+        self.udp, self.tcp = _bind_pair(resolve(endpoint))
         self.address: tuple[str, int] = self.udp.getsockname()
-        self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.tcp.bind(self.address)
-            self.tcp.listen(64)
-            self.tcp.settimeout(_POLL_SECONDS)
-        except OSError:
-            self.udp.close()
-            self.tcp.close()
-            raise
         self.aggregator = (
             SoftAggregator(config.job_id, config.num_workers, slot_count_of(config))
             if self.mode == "fallback" else None
@@ -431,6 +422,26 @@ class KVServer:
                 self.store[key] = values[start:start + size].copy()
                 start += size
         return {"ok": True}, b""
+
+
+def _bind_pair(address: tuple[str, int], attempts: int = 20) -> tuple[socket.socket, socket.socket]:
+    """A UDP and a listening TCP socket on the same port; port 0 picks one free for both."""
+    for attempt in range(attempts):
+        udp = udp_socket(address)
+        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tcp.bind(udp.getsockname())
+            tcp.listen(64)
+            tcp.settimeout(_POLL_SECONDS)
+            return udp, tcp
+        except OSError as err:
+            udp.close()
+            tcp.close()
+            # An ephemeral UDP port may be some TCP connection's local port: try another one.
+            if address[1] != 0 or err.errno != errno.EADDRINUSE or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _endpoint_arg(text: str) -> Endpoint:

@@ -73,7 +73,10 @@ def fallback_job(num_workers: int, slot_count: int = 32, job_id: int = 1,
                                ps=Endpoint(LOCALHOST, 0))
     with KVServer(placeholder, handle) as server:
         ps = Endpoint(*server.address)
-        yield server, job_configs(num_workers, "fallback", ps, ps, slot_count, job_id)
+        # Port 0: each worker binds a free port itself (the PS learns the addresses), so no race
+        # with other processes between choosing a port and binding it.
+        yield server, [dataclasses.replace(placeholder, rank=rank, aggregator=ps, ps=ps)
+                       for rank in range(num_workers)]
 
 
 def run_workers(configs: Sequence[WorkerConfig], fn: Callable[[KVWorker, int], Any], timeout: float = 120.0,
