@@ -21,13 +21,14 @@ def test_each_kind_of_allreduce_on_the_emulated_cluster(tmp_path):
         pytest.skip(f"emulated cluster: {why}")
     spec = ClusterSpec(num_workers=2, target="soft", rate_mbit=20.0, delay_ms=0.2, slots=64)
     size = 10_000
-    cluster = EmulatedCluster(tmp_path, spec, prefix="ntc")
+    prefix = f"ntc{os.getpid() % 10000}"
+    cluster = EmulatedCluster(tmp_path, spec, prefix=prefix)
     with cluster:
         netagg = run_kind(cluster, "netagg", 2, size, iterations=1)
         fallback = run_kind(cluster, "fallback", 2, size, iterations=1)
         gloo = run_kind(cluster, "gloo", 2, size, iterations=1) if torch_available() else None
         pids = [p.pid for p in cluster.processes] + [cluster.switch.process.pid]
-        namespaces = [ns for ns in list_namespaces() if ns.startswith("ntc-")]
+        namespaces = [ns for ns in list_namespaces() if ns.startswith(prefix + "-")]
         assert len(namespaces) == 4  # switch + 2 workers + PS host
     assert netagg.identical_on_all_workers and fallback.identical_on_all_workers
     # The PS aggregates exactly as the switch does: bit-identical sums.
@@ -40,7 +41,7 @@ def test_each_kind_of_allreduce_on_the_emulated_cluster(tmp_path):
     if gloo is not None:
         np.testing.assert_allclose(gloo.head, expected, rtol=1e-5)
     # Torn down: no namespace, veth or process left.
-    assert not [ns for ns in list_namespaces() if ns.startswith("ntc-")]
+    assert not [ns for ns in list_namespaces() if ns.startswith(prefix + "-")]
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
