@@ -53,6 +53,14 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--ps", help="parameter server: a configured name or HOST:UDP_PORT")
     create.add_argument("--lease", type=float, help="lease in seconds (renew with `job renew`)")
     create.add_argument("--tenant", help="owner (admin token only)")
+    create.add_argument("--sync", choices=("sync", "async"), default="sync", dest="update_mode",
+                        help="how the PS applies updates (MLfabric, docs/mlfabric.md; default sync)")
+    create.add_argument("--delay-bound", type=int, help="async: drop updates older than this many versions")
+    create.add_argument("--schedule", choices=("fifo", "mlfabric"), default="fifo",
+                        help="async: arrival order, or transfers granted by the MLfabric scheduler")
+    create.add_argument("--replicas", type=int, help="PS replicas (chain replication); default: as many as named")
+    create.add_argument("--replica-ps", help="comma-separated replica endpoints: configured names or HOST:UDP_PORT "
+                        "(default: the first configured parameter servers other than --ps)")
     job.add_parser("list", help="jobs you can see")
     for name, text in (("show", "a job with its live counters"), ("delete", "remove a job, free its slots"),
                        ("renew", "extend a job's lease")):
@@ -73,6 +81,11 @@ def _format_job(job: dict[str, Any]) -> str:
     ]
     if job.get("ps"):
         lines.append(f"  ps {job['ps']['ip']}:{job['ps']['udp_port']}")
+    if job.get("update_mode", "sync") != "sync" or job.get("replicas"):
+        bound = job.get("delay_bound")
+        replicas = ", ".join(f"{r['ip']}:{r['udp_port']}" for r in job.get("replicas", [])) or "none"
+        lines.append(f"  updates {job.get('update_mode', 'sync')} schedule={job.get('schedule', 'fifo')} "
+                     f"delay_bound={'-' if bound is None else bound} replicas {replicas}")
     if job.get("note"):
         lines.append(f"  admitted {job['note']}")
     if "counters" in job:
@@ -116,6 +129,17 @@ def _job_command(args: argparse.Namespace) -> int:
     if args.action == "create":
         request = dict(name=args.name, workers=[w.strip() for w in args.workers.split(",") if w.strip()],
                        slots=args.slots, mode=args.mode, ps=args.ps, lease_seconds=args.lease, tenant=args.tenant)
+        # MLfabric options: sent only when set, so an older controller still accepts a plain create.
+        if args.update_mode != "sync":
+            request["update_mode"] = args.update_mode
+        if args.delay_bound is not None:
+            request["delay_bound"] = args.delay_bound
+        if args.schedule != "fifo":
+            request["schedule"] = args.schedule
+        if args.replicas is not None:
+            request["replicas"] = args.replicas
+        if args.replica_ps:
+            request["replica_ps"] = [r.strip() for r in args.replica_ps.split(",") if r.strip()]
         result = client.call("create", **request)
     elif args.action == "list":
         result = client.call("list")

@@ -20,7 +20,7 @@ from netagg.controller.config import ControllerConfig
 from netagg.controller.p4runtime_client import P4RuntimeClient, P4RuntimeError
 from netagg.controller.store import JobRecord, JobStore, PsEndpoint, WorkerEndpoint
 from netagg.controller.switch_programmer import ReconcileReport, SwitchProgrammer
-from netagg.jobconfig import Endpoint, WorkerConfig
+from netagg.jobconfig import SCHEDULES, UPDATE_MODES, Endpoint, WorkerConfig
 from netagg.p4info import P4InfoIndex, load_p4info, p4info_differences
 
 log = logging.getLogger(__name__)
@@ -104,11 +104,19 @@ class JobService:
     # -- requests ----------------------------------------------------------
     def create_job(self, caller: Caller, name: str, workers: Sequence[str], slots: int, mode: str = "allreduce",
                    ps: str | None = None, lease_seconds: float | None = None,
-                   tenant: str | None = None) -> dict:
-        """Admit a job (best effort) and program the switch; returns the job and how it was admitted."""
+                   tenant: str | None = None, update_mode: str = "sync", delay_bound: int | None = None,
+                   schedule: str = "fifo", replicas: int | None = None,
+                   replica_ps: Sequence[str] | None = None) -> dict:
+        """Admit a job (best effort) and program the switch; returns the job and how it was admitted.
+
+        ``update_mode``, ``delay_bound``, ``schedule``, ``replicas``/``replica_ps`` are the MLfabric
+        options (docs/mlfabric.md); they are stored with the job and written into its worker configs.
+        """
         owner = self._owner_for(caller, tenant)
         endpoints = self._parse_workers(workers)
         ps_endpoint = self._parse_ps(ps) if ps else None
+        replica_endpoints = self._mlfabric_options(ps_endpoint, update_mode, delay_bound, schedule, replicas,
+                                                   replica_ps)
         if mode not in ("allreduce", "ps", "fallback"):
             raise ServiceError("invalid_argument", f"mode {mode!r} is not allreduce, ps or fallback")
         if mode in ("ps", "fallback") and ps_endpoint is None:
@@ -145,7 +153,8 @@ class JobService:
                         slot_base=taken.base if taken else 0, slot_count=taken.count if taken else 0,
                         slots_wanted=slots, generation=self.store.next_generation(conn), workers=endpoints,
                         ps=ps_endpoint, lease_seconds=lease, lease_expires=now + lease, created=now,
-                        note=f"{admission}: {reason}",
+                        note=f"{admission}: {reason}", update_mode=update_mode, delay_bound=delay_bound,
+                        schedule=schedule, replicas=replica_endpoints,
                     )
                     self.store.insert(conn, job)
             except BaseException:
@@ -197,7 +206,9 @@ class JobService:
                                                                   self.config.aggregator_port)
         return WorkerConfig(job_id=job.job_id, rank=rank, num_workers=len(job.workers),
                             slot_count=job.slot_count, mode=job.mode, aggregator=aggregator,
-                            bind=Endpoint(worker.ip, worker.udp_port), ps=ps, tenant=job.tenant)
+                            bind=Endpoint(worker.ip, worker.udp_port), ps=ps, tenant=job.tenant,
+                            update_mode=job.update_mode, delay_bound=job.delay_bound, schedule=job.schedule,
+                            replicas=tuple(Endpoint(r.ip, r.udp_port) for r in job.replicas))
 
     def reap_expired(self, now: float | None = None) -> list[int]:
         """Delete every job whose lease ran out; returns their ids."""
@@ -301,6 +312,46 @@ class JobService:
             return PsEndpoint(ps.host, self.config.hosts[ps.host].ip, ps.udp_port)
         host, ip, port = self._endpoint(text, "ps")
         return PsEndpoint(host, ip, port)
+
+    def _mlfabric_options(self, ps: PsEndpoint | None, update_mode: str, delay_bound: int | None, schedule: str,
+                          replicas: int | None, replica_ps: Sequence[str] | None) -> list[PsEndpoint]:
+        """Check the MLfabric options; returns the replica endpoints (named, or the first free configured PSs)."""
+        def bad(message: str) -> ServiceError:
+            return ServiceError("invalid_argument", message)
+
+        if update_mode not in UPDATE_MODES:
+            raise bad(f"update mode {update_mode!r} is not one of {', '.join(UPDATE_MODES)}")
+        if schedule not in SCHEDULES:
+            raise bad(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if delay_bound is not None and (not isinstance(delay_bound, int) or isinstance(delay_bound, bool)
+                                        or delay_bound < 0):
+            raise bad(f"delay bound must be an integer >= 0, got {delay_bound!r}")
+        if delay_bound is not None and update_mode != "async":
+            raise bad("a delay bound needs --sync async")
+        if schedule != "fifo" and update_mode != "async":
+            raise bad(f"schedule {schedule} needs --sync async")
+        if update_mode == "async" and ps is None:
+            raise bad("--sync async needs --ps (the parameter server applies the updates)")
+        named = [self._parse_ps(text) for text in (replica_ps or [])]
+        if replicas is not None and (not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0):
+            raise bad(f"replicas must be an integer >= 0, got {replicas!r}")
+        count = len(named) if replicas is None else replicas
+        if named and count != len(named):
+            raise bad(f"--replicas {count} but {len(named)} replica endpoint(s) named")
+        if count and ps is None:
+            raise bad("replicas need --ps (the primary parameter server)")
+        if count and not named:
+            for candidate in self.config.parameter_servers.values():
+                endpoint = PsEndpoint(candidate.host, self.config.hosts[candidate.host].ip, candidate.udp_port)
+                if (endpoint.ip, endpoint.udp_port) != (ps.ip, ps.udp_port) and len(named) < count:
+                    named.append(endpoint)
+            if len(named) < count:
+                raise bad(f"--replicas {count}: only {len(named)} configured parameter server(s) besides the "
+                          f"primary; name them with --replica-ps")
+        addresses = [(p.ip, p.udp_port) for p in [ps, *named] if p is not None]
+        if len(set(addresses)) != len(addresses):
+            raise bad("the primary and its replicas must be distinct endpoints")
+        return named
 
     def _view(self, job: JobRecord) -> dict:
         view = job.to_dict()

@@ -40,6 +40,14 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta (key, value) VALUES ('next_generation', 1);
 """
 
+#: Columns added after the first schema (name, declaration); ``JobStore`` adds any that a database lacks.
+MIGRATIONS = (
+    ("update_mode", "TEXT NOT NULL DEFAULT 'sync'"),
+    ("delay_bound", "INTEGER"),
+    ("schedule", "TEXT NOT NULL DEFAULT 'fifo'"),
+    ("replicas", "TEXT NOT NULL DEFAULT '[]'"),
+)
+
 
 @dataclass(frozen=True)
 class WorkerEndpoint:
@@ -80,6 +88,11 @@ class JobRecord:
     created: float
     counter_base: dict[str, int] = field(default_factory=dict)
     note: str = ""
+    #: MLfabric options (docs/mlfabric.md): sync/async, delay bound, update order, PS replicas.
+    update_mode: str = "sync"
+    delay_bound: int | None = None
+    schedule: str = "fifo"
+    replicas: list[PsEndpoint] = field(default_factory=list)
 
     @property
     def uses_switch(self) -> bool:
@@ -99,6 +112,8 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
         ps=PsEndpoint(**ps) if ps else None,
         lease_seconds=row["lease_seconds"], lease_expires=row["lease_expires"], created=row["created"],
         counter_base=json.loads(row["counter_base"]), note=row["note"],
+        update_mode=row["update_mode"], delay_bound=row["delay_bound"], schedule=row["schedule"],
+        replicas=[PsEndpoint(**r) for r in json.loads(row["replicas"])],
     )
 
 
@@ -112,7 +127,15 @@ class JobStore:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.executescript(SCHEMA)
+        self._migrate()
         self._lock = threading.RLock()
+
+    def _migrate(self) -> None:
+        """Add the columns of :data:`MIGRATIONS` that an older database lacks (their defaults fill old rows)."""
+        have = {row["name"] for row in self._conn.execute("PRAGMA table_info(jobs)")}
+        for name, declaration in MIGRATIONS:
+            if name not in have:
+                self._conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
 
     def close(self) -> None:
         self._conn.close()
@@ -137,12 +160,14 @@ class JobStore:
     def insert(self, conn: sqlite3.Connection, job: JobRecord) -> None:
         conn.execute(
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
-            " workers, ps, lease_seconds, lease_expires, created, counter_base, note)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " workers, ps, lease_seconds, lease_expires, created, counter_base, note,"
+            " update_mode, delay_bound, schedule, replicas)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
              job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
              json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
-             job.created, json.dumps(job.counter_base), job.note),
+             job.created, json.dumps(job.counter_base), job.note, job.update_mode, job.delay_bound, job.schedule,
+             json.dumps([asdict(r) for r in job.replicas])),
         )
 
     def set_state(self, job_id: int, state: str) -> None:

@@ -22,12 +22,15 @@ from typing import NamedTuple
 import numpy as np
 
 from netagg import wire
-from netagg.dataplane import DropReason
+from netagg.dataplane import DropReason, ValueOp
+from netagg.slots import SlotRegisters
 
 Address = tuple[str, int]
 _unpack_header = wire.HEADER_STRUCT.unpack_from
 _FLAGS_OFFSET = 1
 _EXPONENT_OFFSET = 8
+#: One aggregator serves one job, so the slots' owner tag is constant.
+_GENERATION = 1
 
 
 class Outcome(NamedTuple):
@@ -69,10 +72,7 @@ class SoftAggregator:
         self._learn = workers is None
         self.rank_of: dict[Address, int] = dict(workers or {})
         self.address_of: dict[int, Address] = {rank: addr for addr, rank in self.rank_of.items()}
-        self.bitmaps = [[0] * slot_count for _ in range(wire.NUM_POOLS)]
-        self.counts = [0] * (slot_count * wire.NUM_POOLS)
-        self.exponents = [0] * (slot_count * wire.NUM_POOLS)
-        self.sums = np.zeros((slot_count * wire.NUM_POOLS, wire.K), np.int32)
+        self.registers = SlotRegisters(slot_count)
         self.stats = AggregatorStats()
 
     def group(self) -> list[Address]:
@@ -109,43 +109,25 @@ class SoftAggregator:
 
     def _aggregate(self, data: bytes | bytearray | memoryview, slot: int, pool: int, rank: int,
                    exponent: int) -> Outcome | None:
-        mask = 1 << rank
-        index = slot * wire.NUM_POOLS + pool
-        mine = self.bitmaps[pool][slot]
-        self.bitmaps[pool][slot] = mine | mask
-        self.bitmaps[1 - pool][slot] &= ~mask
-        first = mine == 0
-        fresh = not mine & mask
-        count = self.counts[index]
-        late = False
-        if fresh:
-            if first:
-                count = self.counts[index] = self.num_workers - 1
-            elif count == 0:
-                late = True
-            else:
-                count = self.counts[index] = count - 1
-        complete = count == 0 and not late
-        row = self.sums[index]
-        if fresh and not late:
+        regs = self.registers
+        decision = regs.decide(slot, pool, 1 << rank, self.num_workers, _GENERATION)
+        if decision.fresh and not decision.late:
             self.stats.contributions += 1
-            values = np.frombuffer(data, wire.WIRE_VALUE_DTYPE, wire.K, wire.HEADER_BYTES)
-            if first:
-                row[:] = values
-                self.exponents[index] = exponent
-            else:
-                np.add(row, values, out=row)  # int32: wraps modulo 2**32 like the switch
-                self.exponents[index] = max(self.exponents[index], exponent)
-            if not complete:
-                return None
-            self.stats.results += 1
-        elif not fresh and complete:
+            if decision.complete:
+                self.stats.results += 1
+        elif decision.op == ValueOp.READ:
             self.stats.retransmit_results += 1
         else:
             self.stats.duplicates += 1
+        index = regs.pool_index(slot, pool)
+        if decision.op != ValueOp.NONE:
+            exponent = regs.exponent(index, decision.op, exponent)
+            values = np.frombuffer(data, wire.WIRE_VALUE_DTYPE, wire.K, wire.HEADER_BYTES)
+            sums = regs.sums(index, decision.op, values)
+        if not decision.delivers:
             return None
         packet = bytearray(data[:wire.HEADER_BYTES])
         packet[_FLAGS_OFFSET] |= self.result_flags
-        packet[_EXPONENT_OFFSET] = self.exponents[index] & 0xFF
-        packet += row.astype(wire.WIRE_VALUE_DTYPE).tobytes()
-        return Outcome(bytes(packet), to_group=fresh)
+        packet[_EXPONENT_OFFSET] = exponent & 0xFF
+        packet += sums.astype(wire.WIRE_VALUE_DTYPE).tobytes()
+        return Outcome(bytes(packet), to_group=decision.fresh)

@@ -14,6 +14,10 @@ import yaml
 from netagg import wire
 
 MODES = ("allreduce", "ps", "fallback")
+#: How the job's parameter server applies updates (netagg.mlfabric, docs/mlfabric.md).
+UPDATE_MODES = ("sync", "async")
+#: In async mode: updates in arrival order, or transfers granted by the MLfabric scheduler.
+SCHEDULES = ("fifo", "mlfabric")
 
 
 class ConfigError(ValueError):
@@ -48,6 +52,14 @@ class WorkerConfig:
     ps: Endpoint | None = None
     tenant: str = ""
     extra: dict = field(default_factory=dict)
+    #: MLfabric: ``sync`` (one step per round of all workers) or ``async`` (bounded-delay updates).
+    update_mode: str = "sync"
+    #: async: the largest delay (PS version at apply minus the update's version) that is still applied.
+    delay_bound: int | None = None
+    #: async: ``fifo`` (arrival order) or ``mlfabric`` (the scheduler grants each transfer).
+    schedule: str = "fifo"
+    #: The PS's replicas in chain order (the primary forwards every applied update to the first).
+    replicas: tuple[Endpoint, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -62,9 +74,29 @@ class WorkerConfig:
             raise ConfigError(f"slot_count: {self.slot_count} must be >= 1 outside fallback mode")
         if self.mode in ("ps", "fallback") and self.ps is None:
             raise ConfigError(f"ps: mode {self.mode} needs the parameter server's endpoint")
+        self._check_mlfabric()
+
+    def _check_mlfabric(self) -> None:
+        if self.update_mode not in UPDATE_MODES:
+            raise ConfigError(f"update_mode: {self.update_mode!r} is not one of {', '.join(UPDATE_MODES)}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.delay_bound is not None:
+            if not isinstance(self.delay_bound, int) or isinstance(self.delay_bound, bool) or self.delay_bound < 0:
+                raise ConfigError(f"delay_bound: expected an integer >= 0, got {self.delay_bound!r}")
+            if self.update_mode != "async":
+                raise ConfigError("delay_bound: only an async job has a delay bound")
+        if self.schedule != "fifo" and self.update_mode != "async":
+            raise ConfigError(f"schedule: {self.schedule} needs update_mode async")
+        if not isinstance(self.replicas, tuple) or not all(isinstance(r, Endpoint) for r in self.replicas):
+            raise ConfigError(f"replicas: expected a tuple of endpoints, got {self.replicas!r}")
+        if (self.update_mode == "async" or self.replicas) and self.ps is None:
+            raise ConfigError("ps: an async or replicated job needs the parameter server's endpoint")
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(asdict(self), sort_keys=False)
+        data = asdict(self)
+        data["replicas"] = list(data["replicas"])
+        return yaml.safe_dump(data, sort_keys=False)
 
     def save(self, path: Path) -> None:
         Path(path).write_text(self.to_yaml())
@@ -82,6 +114,11 @@ class WorkerConfig:
             for key in ("aggregator", "bind", "ps"):
                 if values.get(key) is not None:
                     values[key] = _endpoint(values[key], f"{source}: {key}")
+            if "replicas" in values:
+                replicas = values["replicas"] or []
+                if not isinstance(replicas, list | tuple):
+                    raise ConfigError(f"{source}: replicas: expected a list of {{host, port}}, got {replicas!r}")
+                values["replicas"] = tuple(_endpoint(r, f"{source}: replicas[{i}]") for i, r in enumerate(replicas))
             for key in ("job_id", "rank", "num_workers", "slot_count"):
                 if not isinstance(values.get(key), int) or isinstance(values.get(key), bool):
                     raise ConfigError(f"{source}: {key}: expected an integer, got {values.get(key)!r}")

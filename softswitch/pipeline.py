@@ -18,12 +18,13 @@ from p4.config.v1 import p4info_pb2
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.dataplane import DropReason, ValueOp
+from netagg.slots import SlotRegisters
 from netagg.softswitch.forwarding_state import ForwardingState
 
 _ETH = struct.Struct("!6s6sH")
 _IPV4 = struct.Struct("!BBHHHBBH4s4s")
 _UDP = struct.Struct("!HHHH")
-_VALUES_DTYPE = np.dtype(">u4")
+_VALUES_DTYPE = wire.WIRE_VALUE_DTYPE
 _MF_BIT = 0x2000
 _FRAG_OFFSET_MASK = 0x1FFF
 
@@ -36,7 +37,7 @@ class ParsedPacket:
     ipv4: list | None = None  # [ver_ihl, tos, total_len, ident, flags_frag, ttl, proto, csum, src, dst]
     udp: list | None = None  # [src_port, dst_port, length, checksum]
     netagg: list | None = None  # wire.HEADER_FIELDS order
-    values: np.ndarray | None = None  # uint32[K]
+    values: np.ndarray | None = None  # int32[K]
     payload: bytes = b""
     parser_error: bool = False
 
@@ -70,7 +71,7 @@ def parse(frame: bytes) -> ParsedPacket:
                 if len(frame) < offset + wire.PAYLOAD_BYTES:
                     pkt.parser_error = True
                     return pkt
-                pkt.values = np.frombuffer(frame, _VALUES_DTYPE, wire.K, offset).astype(np.uint32)
+                pkt.values = np.frombuffer(frame, _VALUES_DTYPE, wire.K, offset).astype(np.int32)
                 offset += wire.PAYLOAD_BYTES
     pkt.payload = frame[offset:]
     return pkt
@@ -129,14 +130,10 @@ class NetaggPipeline:
     def __init__(self, state: ForwardingState, p4info: p4info_pb2.P4Info) -> None:
         self.state = state
         sizes = _register_sizes(p4info)
-        num_slots = sizes[dp.REGISTER_SLOT_OWNER]
-        num_pool_slots = sizes["NetaggIngress.worker_count.worker_count"]
         # Registers (SlotOwner, BitmapCheck, WorkerCount, ExponentMax, ValueSum).
-        self.slot_owner = np.zeros(num_slots, np.uint32)
-        self.bitmaps = np.zeros((wire.NUM_POOLS, num_slots), np.uint32)
-        self.worker_count = np.zeros(num_pool_slots, np.uint8)
-        self.exponent_max = np.zeros(num_pool_slots, np.int8)
-        self.values = np.zeros((num_pool_slots, wire.K), np.uint32)
+        self.registers = SlotRegisters(sizes[dp.REGISTER_SLOT_OWNER])
+        if sizes["NetaggIngress.worker_count.worker_count"] != self.registers.num_slots * wire.NUM_POOLS:
+            raise ValueError("the P4Info's per-pool registers are not NUM_POOLS x the slot registers")
         self._jobs = state.table(dp.TABLE_JOBS)
         self._workers = state.table(dp.TABLE_WORKERS)
         self._routes = state.table(dp.TABLE_ROUTES)
@@ -161,8 +158,7 @@ class NetaggPipeline:
 
     def reset_registers(self) -> None:
         """Power-on state (registers are not writable over P4Runtime)."""
-        for array in (self.slot_owner, self.bitmaps, self.worker_count, self.exponent_max, self.values):
-            array.fill(0)
+        self.registers.reset()
 
     # -- ingress -----------------------------------------------------------
     def _ingress(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int, length: int) -> int | None:
@@ -241,70 +237,27 @@ class NetaggPipeline:
                 self.state.count(dp.COUNTER_JOB_REJECTS, job, length)
             self.state.count(dp.COUNTER_DROP_REASONS, meta.drop_reason, length)
             return None
-        slot, pool, pool_index = meta.slot_index, hdr[_POOL], meta.pool_index
-        if slot >= self.slot_owner.shape[0] or pool_index >= self.worker_count.shape[0]:
+        regs = self.registers
+        if meta.slot_index >= regs.num_slots:
             # The controller never installs such a range; BMv2 leaves it undefined.
             return None
-        # SlotOwner.
-        stale = int(self.slot_owner[slot]) != meta.generation
-        if stale:
-            self.slot_owner[slot] = meta.generation
-        # BitmapCheck.
-        mine = 0 if stale else int(self.bitmaps[pool, slot])
-        other = 0 if stale else int(self.bitmaps[1 - pool, slot])
-        self.bitmaps[pool, slot] = mine | meta.worker_mask
-        self.bitmaps[1 - pool, slot] = other & ~meta.worker_mask & 0xFFFFFFFF
-        first = mine == 0
-        fresh = (mine & meta.worker_mask) == 0
-        # WorkerCount.
-        count = int(self.worker_count[pool_index])
-        late = False
-        if fresh:
-            if first:
-                count = (meta.num_workers - 1) & 0xFF
-                self.worker_count[pool_index] = count
-            elif count == 0:
-                late = True
-            else:
-                count -= 1
-                self.worker_count[pool_index] = count
-        complete = count == 0 and not late
-        # Decision (NetaggIngress.apply).
-        if fresh and not late:
+        decision = regs.decide(meta.slot_index, hdr[_POOL], meta.worker_mask, meta.num_workers, meta.generation)
+        # Counters and delivery as NetaggIngress.apply decides.
+        if decision.fresh and not decision.late:
             self.state.count(dp.COUNTER_JOB_CONTRIBUTIONS, job, length)
-            op = ValueOp.WRITE if first else ValueOp.MERGE
-            if complete:
+            if decision.complete:
                 meta.to_group = True
                 self.state.count(dp.COUNTER_JOB_RESULTS, job, length)
-        elif not fresh and complete:
-            op = ValueOp.READ
+        elif decision.op == ValueOp.READ:
             self.state.count(dp.COUNTER_JOB_RETRANSMIT_RESULTS, job, length)
         else:
-            op = ValueOp.NONE
             self.state.count(dp.COUNTER_JOB_DUPLICATES, job, length)
-        if op != ValueOp.NONE:
-            self._exponent_max(hdr, pool_index, op)
-            self._value_sum(pkt, pool_index, op)
-        if complete:
+        if decision.op != ValueOp.NONE:
+            hdr[_EXP] = regs.exponent(meta.pool_index, decision.op, hdr[_EXP])
+            pkt.values = regs.sums(meta.pool_index, decision.op, pkt.values)
+        if decision.delivers:
             return self._result_delivery(pkt, meta, ingress_port)
         return None
-
-    def _exponent_max(self, hdr: list, pool_index: int, op: ValueOp) -> None:
-        """ExponentMax: write / signed max / read; the packet carries the stored value."""
-        if op == ValueOp.WRITE or (op == ValueOp.MERGE and hdr[_EXP] > self.exponent_max[pool_index]):
-            self.exponent_max[pool_index] = hdr[_EXP]
-        hdr[_EXP] = int(self.exponent_max[pool_index])
-
-    def _value_sum(self, pkt: ParsedPacket, pool_index: int, op: ValueOp) -> None:
-        """ValueSum: overwrite, modular add, or read the K sums."""
-        row = self.values[pool_index]
-        if op == ValueOp.WRITE:
-            row[:] = pkt.values
-        elif op == ValueOp.MERGE:
-            row += pkt.values
-            pkt.values = row.copy()
-        else:
-            pkt.values = row.copy()
 
     def _result_delivery(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int) -> int:
         """ResultDelivery: a RESULT from the aggregator address, to the group or the sender."""

@@ -104,7 +104,7 @@ def test_bad_packets_are_dropped_and_counted_without_state_changes(data, source,
     assert contribute(agg, 0, slot=1) is None  # pins ADDR[0] to rank 0
     assert agg.handle(data, source) is None
     assert agg.stats.drops == {reason: 1}
-    assert agg.stats.contributions == 1 and agg.bitmaps[0][0] == 0
+    assert agg.stats.contributions == 1 and agg.registers.bitmaps[0][0] == 0
 
 
 def test_a_fixed_worker_table_rejects_unknown_addresses():
