@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml scripts/setup-system.sh
 	@scripts/setup-system.sh
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,demo]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,demo,bench]'
 	@touch $(STAMP)
 
 ## setup: create .venv and install netagg with its test tools
