@@ -81,7 +81,8 @@ def _cpu_seconds(pid: int) -> float:
     return sum(int(x) for x in fields[11:15]) / ticks
 
 
-def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, iterations: int) -> Measurement:
+def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, iterations: int,
+             slots: int = 16) -> Measurement:
     """One allreduce measurement of ``kind`` on the first ``num_workers`` hosts."""
     hosts = cluster.worker_hosts[:num_workers]
     job_id = None
@@ -93,7 +94,7 @@ def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, i
                      str(num_workers), master] for rank, host in enumerate(hosts)]
     else:
         mode = "allreduce" if kind == "netagg" else "fallback"
-        created = cluster.create_job(hosts, slots=256, mode=mode, name=f"bench-{kind}")
+        created = cluster.create_job(hosts, slots=slots, mode=mode, name=f"bench-{kind}")
         job_id = created["job"]["job_id"]
         if created["job"]["mode"] != mode:
             raise RuntimeError(f"asked for {mode}, admitted as {created['job']['mode']}: {created['reason']}")
@@ -188,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[0.25, 1.0, 4.0])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=16,
+                        help="slots per job = packets in flight per worker; a few times the links' "
+                             "bandwidth-delay product in packets (default 16)")
     parser.add_argument("--rate-mbit", type=float, help="override configs/cluster.yaml's link rate")
     parser.add_argument("--target", choices=("soft", "bmv2"), help="override configs/cluster.yaml's target")
     parser.add_argument("--out", type=Path, default=dp.REPO_ROOT / "results")
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="netagg-bench-") as tmp, EmulatedCluster(Path(tmp), spec) as cluster:
         for n, mb, kind in tqdm(jobs, desc="allreduce", unit="run"):
             size = max(1, int(mb * 1e6 / 4))
-            rows.append(run_kind(cluster, kind, n, size, args.iterations))
+            rows.append(run_kind(cluster, kind, n, size, args.iterations, args.slots))
     print(_table(rows))
     for line in _speedups(rows):
         print(line)

@@ -1,0 +1,166 @@
+"""Time to a target training loss on the emulated cluster: sync PS vs plain async vs MLfabric-scheduled async.
+
+Four workers (hosts h0..h3) train examples/mlp_digits.py's MLP against the MLfabric PS
+on the PS host; one worker's link (both directions) is re-shaped to ``--slow-fraction``
+of the others' rate. Each run is one job created through the CLI (``netagg job create
+... --sync async --delay-bound B [--schedule mlfabric]``), the PS and a monitor run on
+the PS host (the monitor reads the model locally, off the shaped links, and halts the
+job once the loss over the whole training set reaches ``--target-loss``).
+
+Prints, per run: seconds to the target (from the moment all workers joined),
+gradients applied and dropped, the largest applied delay, the scheduler's decisions;
+then the time ratios. Needs root (namespaces); prints why it cannot run otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from netagg import dataplane as dp
+from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
+from netagg.bmv2.netns import LinkShape, can_create_namespaces, shape_link
+from netagg.jobconfig import WorkerConfig
+from netagg.mlfabric.testing import PS_COMMAND, WORKER_COMMAND, stop
+
+KINDS = {
+    "sync": ["--sync", "sync"],
+    "async": ["--sync", "async"],
+    "mlfabric": ["--sync", "async", "--schedule", "mlfabric"],
+}
+
+
+def create_job(cluster: EmulatedCluster, hosts: list[str], options: list[str], name: str) -> tuple[int, list[Path]]:
+    """``netagg job create`` with MLfabric options (mode ps, PS ps0); writes every rank's YAML."""
+    ports = cluster.worker_ports(hosts)
+    created = json.loads(cluster.cli("--json", "job", "create", "--name", name, "--slots", "4", "--mode", "ps",
+                                     "--ps", "ps0", "--workers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports)),
+                                     *options))
+    job_id = created["job"]["job_id"]
+    paths = []
+    for rank in range(len(hosts)):
+        path = cluster.workdir / f"mlfabric-job{job_id}-rank{rank}.yaml"
+        cluster.cli("job", "config", str(job_id), "--rank", str(rank), "-o", str(path))
+        WorkerConfig.load(path)
+        paths.append(path)
+    return job_id, paths
+
+
+def run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace) -> dict:
+    hosts = cluster.worker_hosts[:args.workers]
+    options = KINDS[kind] + (["--delay-bound", str(args.delay_bound)] if kind != "sync" else [])
+    job_id, paths = create_job(cluster, hosts, options, f"mlfabric-{kind}")
+    log = cluster.workdir / f"mlfabric-ps-{kind}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs: list[subprocess.Popen] = []
+    try:
+        with open(log, "wb") as out:
+            ps = subprocess.Popen(cluster.host_command(cluster.ps_host, [*PS_COMMAND, "--config", str(paths[0]),
+                                                                         "--lr", str(args.lr)]),
+                                  stdout=out, stderr=subprocess.STDOUT, env=env, cwd=dp.REPO_ROOT)
+        procs.append(ps)
+        deadline = time.monotonic() + 30
+        while "mlfabric PS:" not in log.read_text(errors="replace"):
+            if ps.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"PS did not start:\n{log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.05)
+        monitor = subprocess.Popen(cluster.host_command(cluster.ps_host, [
+            *WORKER_COMMAND, "--monitor", "--config", str(paths[0]), "--target-loss", str(args.target_loss),
+            "--max-seconds", str(args.max_seconds), "--interval", "0.1"]),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=dp.REPO_ROOT)
+        procs.append(monitor)
+        workers = [subprocess.Popen(cluster.host_command(host, [*WORKER_COMMAND, "--config", str(path),
+                                                                "--steps", str(args.max_steps)]),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                    cwd=dp.REPO_ROOT)
+                   for host, path in zip(hosts, paths)]
+        procs.extend(workers)
+        out, err = monitor.communicate(timeout=args.max_seconds + 120)
+        if monitor.returncode != 0:
+            raise RuntimeError(f"monitor failed:\n{err[-2000:]}")
+        final = json.loads(out.strip().splitlines()[-1])["final"]
+        reports = []
+        for rank, proc in enumerate(workers):
+            w_out, w_err = proc.communicate(timeout=60)
+            if proc.returncode != 0:
+                raise RuntimeError(f"worker {rank} failed:\n{w_err[-2000:]}")
+            reports.append(json.loads(w_out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            stop(proc)
+        cluster.cli("job", "delete", str(job_id))
+    stats = final["stats"]
+    scheduler = final.get("scheduler") or {}
+    return {
+        "kind": kind, "time_to_target": final["time_to_target"], "loss": final.get("loss"),
+        "accuracy": final.get("accuracy"), "version": final.get("version"),
+        "applied": stats["applied"], "dropped": stats["dropped"], "max_delay": final["max_delay"],
+        "applied_by_rank": stats["applied_by_rank"], "dropped_by_rank": stats["dropped_by_rank"],
+        "scheduler_dropped": sum(r.get("scheduler_dropped", 0) for r in reports),
+        "aggregated_members": scheduler.get("aggregated", 0), "groups": scheduler.get("groups", 0),
+        "bandwidth": {k: round(v / 1e3, 1) for k, v in (scheduler.get("bandwidth") or {}).items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--rate-mbit", type=float, default=4.0, help="every host's link (default 4)")
+    parser.add_argument("--slow-fraction", type=float, default=0.25, help="the slow worker's share of that rate")
+    parser.add_argument("--delay-bound", type=int, default=4)
+    parser.add_argument("--target-loss", type=float, default=0.3)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--max-seconds", type=float, default=60.0, help="give up on a run after this long")
+    parser.add_argument("--max-steps", type=int, default=400, help="steps per worker at most")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
+    args = parser.parse_args(argv)
+    ok, why = can_create_namespaces()
+    if not ok:
+        print(f"mlfabric_convergence: the emulated cluster {why}; nothing measured")
+        return 2
+    spec = ClusterSpec.load(num_workers=args.workers, rate_mbit=args.rate_mbit, target="soft")
+    slow_rate = args.rate_mbit * args.slow_fraction
+    print(f"emulated cluster: {args.workers} workers + PS host, soft switch, {spec.rate_mbit} Mbit/s and "
+          f"{spec.delay_ms} ms per link, worker h{args.workers - 1} at {slow_rate:g} Mbit/s; "
+          f"delay bound {args.delay_bound}, lr {args.lr}, target loss {args.target_loss}; "
+          f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="netagg-mlfabric-") as tmp, EmulatedCluster(Path(tmp), spec) as cluster:
+        slow = cluster.topology.hosts[args.workers - 1]
+        shape = LinkShape(slow_rate, spec.delay_ms, spec.queue_packets)
+        shape_link(slow.namespace, slow.ifname, shape, spec.mtu)
+        shape_link(cluster.topology.switch_namespace, slow.switch_ifname, shape, spec.mtu)
+        for repeat in range(args.repeats):
+            for kind in args.kinds:
+                row = run(cluster, kind, args)
+                row["repeat"] = repeat
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print()
+    print(f"{'kind':<9} {'rep':>3} {'s to loss':>9} {'applied':>7} {'dropped':>7} {'sched drop':>10} "
+          f"{'aggregated':>10} {'max delay':>9}")
+    for r in rows:
+        t = "-" if r["time_to_target"] is None else f"{r['time_to_target']:.2f}"
+        print(f"{r['kind']:<9} {r['repeat']:>3} {t:>9} {r['applied']:>7} {r['dropped']:>7} "
+              f"{r['scheduler_dropped']:>10} {r['aggregated_members']:>10} {r['max_delay']!s:>9}")
+    means = {}
+    for kind in args.kinds:
+        times = [r["time_to_target"] for r in rows if r["kind"] == kind]
+        if times and all(t is not None for t in times):
+            means[kind] = sum(times) / len(times)
+    if "mlfabric" in means:
+        for other in ("sync", "async"):
+            if other in means:
+                print(f"time to loss {args.target_loss}: {other} / mlfabric = {means[other] / means['mlfabric']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

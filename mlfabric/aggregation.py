@@ -1,0 +1,157 @@
+"""Aggregation at an idle worker: sums the updates the scheduler sent here, pushes one update to the PS.
+
+Each worker of an ``schedule: mlfabric`` job runs an :class:`AggregationService` (a TCP
+endpoint it announces in its ``hello``). A worker told to ``aggregate`` sends its update
+here (``agg_push`` with the group id and size from the scheduler's decision). When
+all members of the group arrived (or ``group_timeout`` after the first one), the service
+waits for the aggregate's slot on the PS's link (``agg_grant``), pushes the sum with the
+members as ``parts``, and answers every member with the PS's outcome — so a member's
+update is acknowledged only once the PS (and its replicas) applied it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from netagg.mlfabric.protocol import FabricError, Frame, accept_loop, from_blob, listen
+from netagg.mlfabric.worker import FabricClient
+
+
+@dataclass
+class _Group:
+    size: int
+    deadline: float
+    parts: list[list[Any]] = field(default_factory=list)
+    total: np.ndarray | None = None
+    forwarding: bool = False
+    outcome: dict[str, Any] | None = None
+    error: str = ""
+
+
+@dataclass
+class AggregationStats:
+    """What this aggregator did."""
+
+    members: int = 0
+    groups: int = 0
+    partial_groups: int = 0
+    errors: int = 0
+
+
+class AggregationService:
+    """A worker's aggregation endpoint (see the module docstring)."""
+
+    def __init__(self, client_factory: Callable[[], FabricClient], job_id: int, bind: tuple[str, int],
+                 group_timeout: float = 5.0, keep_groups: int = 1024) -> None:
+        self.client_factory = client_factory
+        self.job_id = job_id
+        self.group_timeout = group_timeout
+        self.keep_groups = keep_groups
+        self.sock = listen(bind)
+        self.address: tuple[str, int] = self.sock.getsockname()
+        self.stats = AggregationStats()
+        self._groups: dict[int, _Group] = {}
+        self._client: FabricClient | None = None
+        self._client_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> AggregationService:
+        self._thread = threading.Thread(target=accept_loop, args=(self.sock, lambda: (self._handle, None),
+                                                                  self._stop, "mlfabric-agg"),
+                                        name="mlfabric-agg-accept", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.sock.close()
+        if self._client is not None:
+            self._client.close()
+
+    def __enter__(self) -> AggregationService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _handle(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
+        if header.get("op") != "agg_push":
+            raise ValueError(f"an aggregator takes agg_push, not {header.get('op')!r}")
+        if header.get("job_id") != self.job_id:
+            raise ValueError(f"agg_push for job {header.get('job_id')!r}; this aggregator serves job {self.job_id}")
+        group_id, size = int(header["group"]), int(header["group_size"])
+        part = [str(header["update_id"]), int(header["rank"]), int(header["version"])]
+        values = from_blob(frame.blob)
+        if size < 1 or not np.isfinite(values).all():
+            raise ValueError("agg_push: group_size must be >= 1 and the update finite")
+        with self._cond:
+            group = self._groups.get(group_id)
+            if group is None:
+                group = self._groups[group_id] = _Group(size, time.monotonic() + self.group_timeout)
+                self._forget_old()
+            if group.forwarding or len(group.parts) >= group.size:
+                raise ValueError(f"group {group_id} is complete or already sent")
+            if group.total is not None and group.total.size != values.size:
+                raise ValueError(f"group {group_id}: {values.size} values, the group has {group.total.size}")
+            group.parts.append(part)
+            group.total = values if group.total is None else group.total + values
+            self.stats.members += 1
+            self._cond.notify_all()
+            # Wait for the group's outcome; the first member to find the group complete (or expired) leaves
+            # the loop by ``break`` and forwards it. Python's while/else: ``else`` runs when the outcome came.
+            while group.outcome is None and not group.error:
+                if not group.forwarding and (len(group.parts) == group.size or time.monotonic() >= group.deadline):
+                    group.forwarding = True
+                    break
+                self._cond.wait(max(0.01, min(0.5, group.deadline - time.monotonic())))
+            else:
+                return self._answer(group)
+        self._forward(group_id, group)
+        with self._cond:
+            return self._answer(group)
+
+    def _answer(self, group: _Group) -> tuple[dict[str, Any], bytes]:
+        if group.error:
+            raise ValueError(f"the aggregate was not applied: {group.error}")
+        assert group.outcome is not None
+        return {"ok": True, **group.outcome}, b""
+
+    def _forward(self, group_id: int, group: _Group) -> None:
+        """Wait for the aggregate's slot, push it, record the outcome for every member."""
+        assert group.total is not None
+        outcome: dict[str, Any] | None = None
+        error = ""
+        try:
+            with self._client_lock:
+                if self._client is None:
+                    self._client = self.client_factory()
+                self._client.agg_grant(group_id)
+                outcome = self._client.push(f"agg{group_id}", min(p[2] for p in group.parts), group.total,
+                                            parts=group.parts)
+        except FabricError as err:
+            error = str(err)
+        with self._cond:
+            self.stats.groups += 1
+            if len(group.parts) < group.size:
+                self.stats.partial_groups += 1
+            if error:
+                self.stats.errors += 1
+            group.outcome, group.error = outcome, error
+            self._cond.notify_all()
+
+    def _forget_old(self) -> None:
+        while len(self._groups) > self.keep_groups:
+            del self._groups[next(iter(self._groups))]

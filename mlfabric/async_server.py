@@ -1,0 +1,614 @@
+"""The MLfabric parameter server: ``python -m netagg.mlfabric.async_server --config rank0.yaml``.
+
+One process per node of the job's PS chain (the primary on the config's ``ps``
+endpoint, replica ``i`` on ``replicas[i]`` with ``--replica i``), TCP with the framing of
+:mod:`netagg.mlfabric.protocol`. It holds one flat float32 model and its **version**:
+the number of worker gradients applied so far.
+
+* ``async`` jobs: each push carries the version its gradient was computed on. The PS
+  applies pushes in the order it takes them (arrival order; with ``schedule: mlfabric``
+  that is the order the scheduler granted) and drops any whose **delay** — the version
+  at apply time minus the version it was computed on — exceeds ``delay_bound``: dropped
+  updates are counted per rank and reported to the sender. An aggregate (several
+  workers' gradients summed by an idle worker) is applied, or dropped, as a whole.
+  SGD: ``w -= lr * g`` per gradient.
+* ``sync`` jobs: a push waits until every worker pushed for the same version, then the
+  mean is applied once (``w -= lr * mean``; the version grows by the number of workers).
+* every applied update is logged (update id, rank, version, delay) and, with replicas,
+  forwarded down the chain (:mod:`netagg.mlfabric.replication`) before the push is
+  acknowledged. A replica serves workers only once promoted (``promote``), which it
+  accepts only while no primary is connected to it.
+
+Malformed frames close the connection (counted); bad requests (unknown rank, wrong
+job, wrong size, NaN) get ``ok: false`` with the reason (counted); the PS never blocks
+a request longer than its timeouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from netagg.hoststack.packets import resolve
+from netagg.jobconfig import ConfigError, WorkerConfig
+from netagg.mlfabric.grants import GrantService
+from netagg.mlfabric.protocol import Frame, accept_loop, from_blob, listen
+from netagg.mlfabric.replication import ChainForwarder, ReplicationStalled
+from netagg.mlfabric.scheduler import AGGREGATE, Scheduler, TransferRequest
+
+log = logging.getLogger(__name__)
+
+APPLIED, DROPPED = "applied", "dropped"
+_WORKER_OPS = ("hello", "init", "pull", "push", "request", "agg_grant", "halt")
+
+
+@dataclass
+class ServerStats:
+    """What the PS did (``stats`` op)."""
+
+    requests: int = 0
+    bad_requests: int = 0
+    malformed_frames: int = 0
+    unknown_workers: int = 0
+    pushes: int = 0
+    duplicates: int = 0
+    #: Gradients applied / dropped (an aggregate of k counts k).
+    applied: int = 0
+    dropped: int = 0
+    #: Model updates (one per push, aggregate or sync round) and how many were aggregates.
+    applies: int = 0
+    aggregated_applies: int = 0
+    partial_rounds: int = 0
+    replication_stalls: int = 0
+    applied_by_rank: Counter = field(default_factory=Counter)
+    dropped_by_rank: Counter = field(default_factory=Counter)
+    last_error: str = ""
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One applied gradient: its update id, sender rank, the version it was computed on, its delay."""
+
+    seq: int
+    update_id: str
+    rank: int
+    version: int
+    delay: int
+
+
+class FabricServer:
+    """One node of a job's MLfabric PS chain (see the module docstring)."""
+
+    def __init__(self, config: WorkerConfig, *, lr: float = 0.1, replica: int | None = None,
+                 bind: tuple[str, int] | None = None, max_lag: int = 1, ack_timeout: float = 10.0,
+                 sync_timeout: float = 30.0, gate_timeout: float = 30.0, pull_timeout: float = 30.0,
+                 batch_window: float = 0.01, default_bandwidth: float = 1.25e6, scheduler: Scheduler | None = None,
+                 frame_timeout: float = 30.0) -> None:
+        if config.ps is None:
+            raise ConfigError("ps: an MLfabric job needs the parameter server's endpoint")
+        if replica is not None and not 0 <= replica < len(config.replicas):
+            raise ConfigError(f"replica {replica}: the job has {len(config.replicas)} replica(s)")
+        self.config = config
+        self.job_id = config.job_id
+        self.num_workers = config.num_workers
+        self.update_mode = config.update_mode
+        self.delay_bound = config.delay_bound
+        self.lr = np.float32(lr)
+        self.role = "primary" if replica is None else "replica"
+        self.replica_index = replica
+        chain = [config.ps, *config.replicas]
+        position = 0 if replica is None else replica + 1
+        self.endpoint = chain[position]
+        successor = chain[position + 1] if position + 1 < len(chain) else None
+        self.ack_timeout = ack_timeout
+        self.sync_timeout = sync_timeout
+        self.gate_timeout = gate_timeout
+        self.pull_timeout = pull_timeout
+        self.frame_timeout = frame_timeout
+        self.sock = listen(bind or resolve(self.endpoint))
+        self.address: tuple[str, int] = self.sock.getsockname()
+        self.forwarder = (ChainForwarder(resolve(successor), self.job_id, max_lag=max_lag, timeout=ack_timeout)
+                          if successor is not None else None)
+        self.grants: GrantService | None = None
+        if config.schedule == "mlfabric":
+            self.grants = GrantService(scheduler or Scheduler(self.delay_bound, default_bandwidth=default_bandwidth),
+                                       lambda: self.version, batch_window=batch_window)
+        self.model: np.ndarray | None = None
+        self.version = 0
+        self.seq = 0
+        self.halted = False
+        self.started_at: float | None = None
+        self.log: list[LogEntry] = []
+        self.delays: list[int] = []
+        self.stats = ServerStats()
+        self.workers: dict[int, dict[str, Any]] = {}
+        self._outcomes: dict[str, dict[str, Any]] = {}
+        self._round: dict[int, tuple[str, np.ndarray]] = {}
+        self._round_version = 0
+        self._upstream = 0
+        self._created = time.monotonic()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> FabricServer:
+        if self.forwarder is not None:
+            self.forwarder.start()
+        thread = threading.Thread(target=accept_loop, args=(self.sock, self._session, self._stop, "mlfabric-ps"),
+                                  kwargs={"frame_timeout": self.frame_timeout,
+                                          "on_malformed": self._on_malformed, "on_error": self._on_error},
+                                  name="mlfabric-accept", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._threads.clear()
+        if self.forwarder is not None:
+            self.forwarder.stop()
+        self.sock.close()
+
+    def __enter__(self) -> FabricServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- connections -------------------------------------------------------------
+    def _session(self) -> tuple[Any, Any]:
+        state = {"upstream": False}
+
+        def handle(frame: Frame) -> tuple[dict[str, Any], bytes]:
+            return self._dispatch(frame, state)
+
+        def on_close() -> None:
+            if state["upstream"]:
+                with self._cond:
+                    self._upstream -= 1
+                    self._cond.notify_all()
+
+        return handle, on_close
+
+    def _on_malformed(self, message: str) -> None:
+        with self._cond:
+            self.stats.malformed_frames += 1
+            self.stats.last_error = message
+
+    def _on_error(self, message: str) -> None:
+        with self._cond:
+            self.stats.bad_requests += 1
+            self.stats.last_error = message
+
+    def _dispatch(self, frame: Frame, state: dict[str, bool]) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
+        op = header.get("op")
+        with self._cond:
+            self.stats.requests += 1
+        if header.get("job_id") != self.job_id:
+            raise ValueError(f"request for job {header.get('job_id')!r}; this PS serves job {self.job_id}")
+        handlers = {"hello": self._op_hello, "init": self._op_init, "pull": self._op_pull, "push": self._op_push,
+                    "request": self._op_request, "agg_grant": self._op_agg_grant, "halt": self._op_halt,
+                    "stats": self._op_stats, "promote": self._op_promote}
+        if op == "chain_hello":
+            return self._op_chain_hello(state)
+        if op == "replicate":
+            if not state["upstream"]:
+                raise ValueError("replicate without chain_hello on this connection")
+            return self._op_replicate(frame)
+        handler = handlers.get(op)  # type: ignore[arg-type]
+        if handler is None:
+            raise ValueError(f"unknown op {op!r}")
+        if op in _WORKER_OPS:
+            if self.role != "primary":
+                raise ValueError("this node is a replica, not the primary (promote it after the primary failed)")
+            if op != "halt":
+                self._rank(header)
+        return handler(frame)
+
+    def _rank(self, header: dict[str, Any]) -> int:
+        rank = header.get("rank")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.num_workers:
+            with self._cond:
+                self.stats.unknown_workers += 1
+            raise ValueError(f"unknown worker: rank {rank!r} (job {self.job_id} has ranks 0..{self.num_workers - 1})")
+        return rank
+
+    # -- worker ops ----------------------------------------------------------------
+    def _op_hello(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
+        rank = header["rank"]
+        agg = header.get("agg")
+        if agg is not None and not (isinstance(agg, list) and len(agg) == 2 and isinstance(agg[0], str)
+                                    and isinstance(agg[1], int)):
+            raise ValueError(f"agg: expected [host, port], got {agg!r}")
+        with self._cond:
+            info = self.workers.setdefault(rank, {"agg": None})
+            if agg is not None:  # a worker's second connection (its aggregator's) does not unset it
+                info["agg"] = agg
+            if len(self.workers) == self.num_workers and self.started_at is None:
+                self.started_at = time.monotonic()
+            self._cond.notify_all()
+        if self.grants is not None:
+            self.grants.register(rank, can_aggregate=agg is not None)
+        return {"ok": True, "role": self.role, "version": self.version, "num_workers": self.num_workers,
+                "update_mode": self.update_mode, "delay_bound": self.delay_bound, "schedule": self.config.schedule,
+                "initialized": self.model is not None}, b""
+
+    def _op_init(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        values = from_blob(frame.blob)
+        if values.size == 0 or not np.isfinite(values).all():
+            raise ValueError("init: the model must be non-empty and finite")
+        with self._cond:
+            if self.model is not None:
+                if values.size != self.model.size:
+                    raise ValueError(f"init: {values.size} values, the model has {self.model.size}")
+                return {"ok": True, "initialized_now": False, "version": self.version}, b""
+            seq = self._commit({"kind": "init"}, values.tobytes(), lambda: self._apply_init(values))
+        self._await_safe(seq)
+        return {"ok": True, "initialized_now": True, "version": 0}, b""
+
+    def _op_pull(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
+        min_version = int(header.get("min_version", 0))
+        timeout = min(float(header.get("timeout", self.pull_timeout)), self.pull_timeout)
+        with self._cond:
+            self._cond.wait_for(lambda: self.halted or (
+                self.model is not None and self.version >= min_version and self._gate_open()), timeout)
+            if self.model is None:
+                raise ValueError("pull: the model was never initialized")
+            if not self.halted and self.version < min_version:
+                raise ValueError(f"pull: version {min_version} not reached within {timeout:.1f} s "
+                                 f"(at {self.version})")
+            self.started_at = self.started_at or time.monotonic()  # waited long enough for the others
+            return {"ok": True, "version": self.version, "halted": self.halted,
+                    "size": int(self.model.size)}, self.model.tobytes()
+
+    def _gate_open(self) -> bool:
+        if self.started_at is None and time.monotonic() - self._created > self.gate_timeout:
+            self.started_at = time.monotonic()
+        return self.started_at is not None
+
+    def _op_push(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
+        rank = header["rank"]
+        parts = self._parts(header)
+        with self._cond:
+            self.stats.pushes += 1
+            if self.model is None:
+                raise ValueError("push before the model was initialized")
+            grad = from_blob(frame.blob, self.model.size)
+        if not np.isfinite(grad).all():
+            raise ValueError("push: the update has NaN or Inf values")
+        if self.grants is not None:
+            self.grants.observe(rank, len(frame.blob), frame.last_byte - frame.first_byte)
+        ids = [p[0] for p in parts]
+        try:
+            if self.update_mode == "sync":
+                outcome = self._push_sync(rank, parts, grad)
+            else:
+                outcome = self._push_async(parts, grad)
+        finally:
+            if self.grants is not None:
+                self.grants.settled(ids)
+        if outcome["outcome"] == APPLIED:
+            self._await_safe(outcome["seq"])
+        return {"ok": True, **outcome}, b""
+
+    def _parts(self, header: dict[str, Any]) -> list[tuple[str, int, int]]:
+        """The gradients in a push: ``parts`` (an aggregate) or the sender's own update."""
+        raw = header.get("parts")
+        if raw is None:
+            raw = [[header["update_id"], header["rank"], header["version"]]]
+        if not isinstance(raw, list) or not raw:
+            raise ValueError("parts: expected a non-empty list of [update_id, rank, version]")
+        parts = []
+        for part in raw:
+            if not (isinstance(part, list) and len(part) == 3 and isinstance(part[0], str)
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in part[1:])):
+                raise ValueError(f"parts: bad entry {part!r} (expected [update_id, rank, version])")
+            update_id, rank, version = part
+            if not 0 <= rank < self.num_workers:
+                with self._cond:
+                    self.stats.unknown_workers += 1
+                raise ValueError(f"unknown worker: rank {rank} in parts")
+            if version < 0 or version > self.version:
+                raise ValueError(f"update {update_id}: version {version} is not one this PS had "
+                                 f"(0..{self.version})")
+            parts.append((update_id, rank, version))
+        if len({p[0] for p in parts}) != len(parts):
+            raise ValueError("parts: an update id appears twice")
+        return parts
+
+    def _duplicate(self, ids: list[str]) -> dict[str, Any] | None:
+        """The stored outcome if every id was seen; None if none was; ValueError if some were."""
+        seen = [i for i in ids if i in self._outcomes]
+        if not seen:
+            return None
+        if len(seen) != len(ids):
+            raise ValueError(f"updates {seen} were already pushed, {sorted(set(ids) - set(seen))} were not")
+        self.stats.duplicates += 1
+        return {**self._outcomes[ids[0]], "duplicate": True}
+
+    def _push_async(self, parts: list[tuple[str, int, int]], grad: np.ndarray) -> dict[str, Any]:
+        ids = [p[0] for p in parts]
+        with self._cond:
+            if (previous := self._duplicate(ids)) is not None:
+                return previous
+            delays = [self.version - version for _, _, version in parts]
+            if self.delay_bound is not None and max(delays) > self.delay_bound:
+                return self._drop(parts, delays, f"delay {max(delays)} > bound {self.delay_bound}")
+            delta = (-self.lr * grad).astype(np.float32)
+            return self._apply_update(parts, delays, delta)
+
+    def _push_sync(self, rank: int, parts: list[tuple[str, int, int]], grad: np.ndarray) -> dict[str, Any]:
+        if len(parts) != 1:
+            raise ValueError("a sync job takes one worker's gradient per push, not aggregates")
+        update_id, _, version = parts[0]
+        deadline = time.monotonic() + self.sync_timeout
+        with self._cond:
+            if (previous := self._duplicate([update_id])) is not None:
+                return previous
+            if version != self.version:
+                return self._drop(parts, [self.version - version], f"sync round {version} is over "
+                                  f"(the PS is at version {self.version})")
+            if rank in self._round:
+                raise ValueError(f"rank {rank} already pushed for version {version}")
+            self._round[rank] = (update_id, grad)
+            self._round_version = version
+            if len(self._round) == self.num_workers:
+                self._apply_round()
+            while update_id not in self._outcomes:
+                left = deadline - time.monotonic()
+                if left <= 0:  # a worker is missing: apply what the round has
+                    self.stats.partial_rounds += 1
+                    self._apply_round()
+                    break
+                self._cond.wait(min(left, 0.5))
+            return self._outcomes[update_id]
+
+    def _apply_round(self) -> None:
+        """Apply the buffered sync round (holding the lock): ``w -= lr * mean``."""
+        assert self.model is not None
+        ranks = sorted(self._round)
+        total = np.sum([self._round[r][1] for r in ranks], axis=0, dtype=np.float32)
+        delta = (-(self.lr / np.float32(len(ranks))) * total).astype(np.float32)
+        parts = [(self._round[r][0], r, self._round_version) for r in ranks]
+        self._round = {}
+        self._apply_update(parts, [self.version - self._round_version] * len(parts), delta)
+
+    def _drop(self, parts: list[tuple[str, int, int]], delays: list[int], reason: str) -> dict[str, Any]:
+        outcome = {"outcome": DROPPED, "reason": reason, "delays": delays, "version": self.version}
+        for update_id, rank, _ in parts:
+            self._outcomes[update_id] = outcome
+            self.stats.dropped += 1
+            self.stats.dropped_by_rank[rank] += 1
+        self._cond.notify_all()
+        return outcome
+
+    def _apply_update(self, parts: list[tuple[str, int, int]], delays: list[int],
+                      delta: np.ndarray) -> dict[str, Any]:
+        """Apply and log one update (holding the lock); replicated before anyone is told."""
+        meta = {"kind": "update", "parts": [list(p) for p in parts], "delays": delays}
+        try:
+            seq = self._commit(meta, delta.tobytes(), lambda: self._apply_delta(parts, delays, delta))
+        except ReplicationStalled as err:
+            self.stats.replication_stalls += 1
+            raise ValueError(f"not applied: {err}") from None
+        outcome = {"outcome": APPLIED, "delays": delays, "version": self.version, "seq": seq}
+        for update_id, _, _ in parts:
+            self._outcomes[update_id] = outcome
+        self._cond.notify_all()
+        return outcome
+
+    def _commit(self, meta: dict[str, Any], blob: bytes, apply: Any) -> int:
+        """Reserve room in the chain, apply, hand the record to the successor (holding the lock)."""
+        if self.forwarder is not None:
+            self.forwarder.reserve(self.ack_timeout)
+        apply()
+        self.seq += 1
+        if self.forwarder is not None:
+            self.forwarder.submit(self.seq, meta, blob)
+        self._cond.notify_all()
+        return self.seq
+
+    def _apply_init(self, values: np.ndarray) -> None:
+        self.model = values.astype(np.float32).copy()
+        self.version = 0
+
+    def _apply_delta(self, parts: list[tuple[str, int, int]], delays: list[int], delta: np.ndarray) -> None:
+        assert self.model is not None
+        self.model += delta
+        seq = self.seq + 1
+        for (update_id, rank, version), delay in zip(parts, delays):
+            self.log.append(LogEntry(seq, update_id, rank, version, delay))
+            self.delays.append(delay)
+            self.stats.applied_by_rank[rank] += 1
+        self.version += len(parts)
+        self.stats.applied += len(parts)
+        self.stats.applies += 1
+        if len(parts) > 1 and self.update_mode == "async":
+            self.stats.aggregated_applies += 1
+
+    def _await_safe(self, seq: int) -> None:
+        """Return once record ``seq`` is acknowledged down the chain; ValueError (not acked) otherwise."""
+        if self.forwarder is not None and not self.forwarder.wait_acked(seq, self.ack_timeout):
+            with self._cond:
+                self.stats.replication_stalls += 1
+            raise ValueError(f"applied at the primary but not acknowledged by the replica within "
+                             f"{self.ack_timeout:.1f} s: not safe, push again with the same update id")
+
+    def _op_request(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        if self.grants is None:
+            raise ValueError(f"this job's schedule is {self.config.schedule}: push without asking")
+        header = frame.header
+        request = TransferRequest(rank=header["rank"], update_id=str(header["update_id"]),
+                                  version=int(header["version"]), size=int(header["size"]),
+                                  norm=float(header.get("norm", 0.0)), arrival=self.grants.clock())
+        if request.size <= 0 or not math.isfinite(request.norm):
+            raise ValueError(f"request: size {request.size} and norm {request.norm} must be > 0 and finite")
+        try:
+            decision = self.grants.request(request, timeout=self.pull_timeout)
+        except TimeoutError as err:
+            raise ValueError(str(err)) from None
+        response: dict[str, Any] = {"ok": True, "action": decision.action, "reason": decision.reason,
+                                    "predicted_delay": decision.predicted_delay}
+        if decision.action == AGGREGATE:
+            assert decision.aggregator is not None and decision.group is not None
+            with self._cond:
+                agg = self.workers.get(decision.aggregator, {}).get("agg")
+            if agg is None:  # cannot happen: only workers with an aggregation endpoint aggregate
+                raise ValueError(f"aggregator {decision.aggregator} has no aggregation endpoint")
+            response.update(group=decision.group, aggregator=decision.aggregator, agg=agg,
+                            group_size=len(self.grants.group_members(decision.group)))
+        return response, b""
+
+    def _op_agg_grant(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        if self.grants is None:
+            raise ValueError(f"this job's schedule is {self.config.schedule}: there are no aggregation groups")
+        group = self.grants.group_slot(int(frame.header["group"]), timeout=self.pull_timeout)
+        return {"ok": True, "members": list(group.members)}, b""
+
+    def _op_halt(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        with self._cond:
+            seq = self._commit({"kind": "halt"}, b"", self._apply_halt) if not self.halted else 0
+        if seq:
+            self._await_safe(seq)
+        return {"ok": True}, b""
+
+    def _apply_halt(self) -> None:
+        self.halted = True
+
+    def _op_stats(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        with self._cond:
+            stats = asdict(self.stats)
+            stats["applied_by_rank"] = {str(k): v for k, v in self.stats.applied_by_rank.items()}
+            stats["dropped_by_rank"] = {str(k): v for k, v in self.stats.dropped_by_rank.items()}
+            result: dict[str, Any] = {
+                "ok": True, "role": self.role, "version": self.version, "seq": self.seq, "halted": self.halted,
+                "initialized": self.model is not None, "started_at": self.started_at, "stats": stats,
+                "max_delay": max(self.delays, default=None), "delays": list(self.delays),
+            }
+            if frame.header.get("log"):
+                result["log"] = [asdict(e) for e in self.log]
+            if self.forwarder is not None:
+                result["replication"] = {"acked_seq": self.forwarder.acked_seq, "lag": self.forwarder.lag,
+                                         "records_sent": self.forwarder.records_sent,
+                                         "last_error": self.forwarder.last_error}
+            model = self.model.tobytes() if frame.header.get("model") and self.model is not None else b""
+        if self.grants is not None:
+            result["scheduler"] = self.grants.snapshot()
+        return result, model
+
+    # -- chain ops -----------------------------------------------------------------
+    def _op_promote(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        with self._cond:
+            if self.role == "primary":
+                return {"ok": True, "role": self.role, "promoted": False}, b""
+            if self._upstream > 0:
+                raise ValueError("not promoted: the primary is still connected to this replica")
+            self.role = "primary"
+            self.started_at = self.started_at or time.monotonic()
+            log.warning("promoted to primary at version %d (record %d)", self.version, self.seq)
+            self._cond.notify_all()
+        return {"ok": True, "role": self.role, "promoted": True}, b""
+
+    def _op_chain_hello(self, state: dict[str, bool]) -> tuple[dict[str, Any], bytes]:
+        with self._cond:
+            if self.role == "primary":
+                raise ValueError("this node is a primary; it takes no replication stream")
+            if not state["upstream"]:
+                state["upstream"] = True
+                self._upstream += 1
+            return {"ok": True, "seq": self.seq}, b""
+
+    def _op_replicate(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
+        seq, kind = int(header["seq"]), header.get("kind")
+        with self._cond:
+            if self.role == "primary":
+                raise ValueError("this node was promoted; it takes no more replication records")
+            if seq <= self.seq:
+                return {"ok": True, "seq": self.seq}, b""  # a resend after a reconnect
+            if seq != self.seq + 1:
+                raise ValueError(f"record {seq} after {self.seq}: a record is missing")
+            if kind == "init":
+                values = from_blob(frame.blob)
+                committed = self._commit({"kind": "init"}, frame.blob, lambda: self._apply_init(values))
+            elif kind == "update":
+                if self.model is None:
+                    raise ValueError("update record before the init record")
+                delta = from_blob(frame.blob, self.model.size)
+                parts = [(str(p[0]), int(p[1]), int(p[2])) for p in header["parts"]]
+                delays = [int(d) for d in header["delays"]]
+                committed = self._commit({"kind": "update", "parts": [list(p) for p in parts], "delays": delays},
+                                         bytes(frame.blob), lambda: self._apply_delta(parts, delays, delta))
+                outcome = {"outcome": APPLIED, "delays": delays, "version": self.version, "seq": committed}
+                for update_id, _, _ in parts:
+                    self._outcomes[update_id] = outcome
+            elif kind == "halt":
+                committed = self._commit({"kind": "halt"}, b"", self._apply_halt)
+            else:
+                raise ValueError(f"unknown record kind {kind!r}")
+        self._await_safe(committed)
+        return {"ok": True, "seq": committed}, b""
+
+
+def _endpoint_arg(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one node of a job's MLfabric PS until SIGINT/SIGTERM."""
+    parser = argparse.ArgumentParser(prog="python -m netagg.mlfabric.async_server",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="the job's worker YAML (any rank's)")
+    parser.add_argument("--replica", type=int, help="run replica N of the chain (default: the primary)")
+    parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    parser.add_argument("--bind", type=_endpoint_arg, help="HOST:PORT to listen on instead of the config's")
+    parser.add_argument("--max-lag", type=int, default=1, help="records a replica may lag behind (default 1)")
+    parser.add_argument("--default-bandwidth", type=float, default=1.25e6,
+                        help="scheduler: bytes/s assumed for a sender not measured yet")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = WorkerConfig.load(args.config)
+        server = FabricServer(config, lr=args.lr, replica=args.replica, bind=args.bind, max_lag=args.max_lag,
+                              default_bandwidth=args.default_bandwidth)
+    except (ConfigError, OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with server:
+        print(f"mlfabric PS: job {config.job_id} {server.role} ({config.update_mode}, schedule {config.schedule}, "
+              f"delay bound {config.delay_bound}, {len(config.replicas)} replica(s)) on "
+              f"{server.address[0]}:{server.address[1]}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    print(f"mlfabric PS: stopped at version {server.version}; {server.stats}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""MLfabric's network-aware update scheduler: a pure function of a batch of transfer requests.
+
+Given the pending requests (rank, model version, update size, gradient norm), the
+senders' measured bandwidths, the PS's version and its link's backlog, and the time
+(an injectable clock), :meth:`Scheduler.plan` decides for every request:
+
+1. **Order**: shortest job first by estimated transfer time ``size / bandwidth``
+   (ties: larger gradient norm, then earlier arrival, then rank).
+2. **Drop** what cannot meet the delay bound: walking that order, an update's predicted
+   delay is ``server_version + in_flight + gradients ahead of it - its version``; above the
+   bound it is dropped before a byte is sent.
+3. **Slots**: each kept update gets a transfer slot on the PS's link, back to back from
+   ``max(now, link_free_at)``: no two overlap, and the PS applies them in slot order.
+4. **Aggregate** updates that would queue for later (slot start after ``now``): they can
+   instead go to an idle worker (no request in this batch, its link free), which sums them
+   and sends one update to the PS. Members send to the aggregator in non-overlapping slots
+   on its link (at ``min`` of both bandwidths); the aggregate's slot on the PS link starts
+   when the last member arrived and the updates ahead of it are done. Of the choices
+   "aggregate the first k queued updates" (k >= ``min_aggregate``) or none, the plan takes
+   the one with the smallest total completion time over gradients (SJF's own objective),
+   none on a tie. Aggregation never raises a member's predicted delay: every member is
+   applied at the version the first of them would have seen.
+
+The class keeps no state but the clock and a group counter; the caller
+(:class:`~netagg.mlfabric.grants.GrantService`) carries ``link_free_at`` and the
+in-flight count from one batch to the next.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+SEND, AGGREGATE, DROP = "send", "aggregate", "drop"
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """A worker asks to send one update."""
+
+    rank: int
+    update_id: str
+    version: int
+    size: int
+    norm: float = 0.0
+    arrival: float = 0.0
+    #: Gradients summed in the update (1 for a worker's own).
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A transfer interval on one link (scheduler clock, seconds)."""
+
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one request may do.
+
+    ``send``: to the PS in ``slot`` (PS link). ``aggregate``: to worker ``aggregator`` in
+    ``slot`` (the aggregator's link), as part of ``group``. ``drop``: not at all.
+    """
+
+    update_id: str
+    rank: int
+    action: str
+    slot: Slot | None = None
+    predicted_version: int | None = None
+    predicted_delay: int | None = None
+    group: int | None = None
+    aggregator: int | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class AggregateGroup:
+    """Updates summed at ``aggregator`` and sent to the PS in ``slot`` as one update."""
+
+    group: int
+    aggregator: int
+    members: tuple[str, ...]
+    slot: Slot
+    size: int
+    count: int
+    predicted_version: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The decisions for one batch, in the order the PS is predicted to apply them."""
+
+    decisions: tuple[Decision, ...]
+    groups: tuple[AggregateGroup, ...]
+    #: When the PS's link is free again after this plan.
+    link_free_at: float
+    #: Gradients this plan will add to the PS's version (sent or aggregated, not dropped).
+    granted_gradients: int
+
+    def decision(self, update_id: str) -> Decision:
+        return next(d for d in self.decisions if d.update_id == update_id)
+
+    def group(self, group: int) -> AggregateGroup:
+        return next(g for g in self.groups if g.group == group)
+
+
+class BandwidthEstimator:
+    """Per-rank sending bandwidth (bytes/s): an exponentially weighted mean of measured transfers."""
+
+    def __init__(self, default: float, alpha: float = 0.3, min_seconds: float = 0.002) -> None:
+        self.default = default
+        self.alpha = alpha
+        self.min_seconds = min_seconds
+        self._rate: dict[int, float] = {}
+
+    def observe(self, rank: int, nbytes: int, seconds: float) -> None:
+        """One transfer of ``nbytes`` took ``seconds`` (too short to measure: ignored)."""
+        if nbytes <= 0 or seconds < self.min_seconds:
+            return
+        sample = nbytes / seconds
+        old = self._rate.get(rank)
+        self._rate[rank] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+
+    def get(self, rank: int) -> float:
+        return self._rate.get(rank, self.default)
+
+    def snapshot(self) -> dict[int, float]:
+        return dict(self._rate)
+
+
+class Scheduler:
+    """Plans batches of transfer requests (see the module docstring)."""
+
+    def __init__(self, delay_bound: int | None, *, default_bandwidth: float = 1.25e6, aggregate: bool = True,
+                 min_aggregate: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
+        if min_aggregate < 2:
+            raise ValueError("an aggregate needs at least 2 members")
+        self.delay_bound = delay_bound
+        self.default_bandwidth = default_bandwidth
+        self.aggregate = aggregate
+        self.min_aggregate = min_aggregate
+        self.clock = clock
+        self._groups = itertools.count(1)
+
+    def plan(self, requests: Sequence[TransferRequest], *, server_version: int, in_flight: int = 0,
+             bandwidth: Mapping[int, float] | None = None, idle: Sequence[int] = (),
+             link_free_at: float = 0.0) -> Plan:
+        """Decide every request of the batch.
+
+        ``server_version``: the PS's version now; ``in_flight``: gradients granted earlier
+        and not applied yet; ``bandwidth``: bytes/s per rank (default ``default_bandwidth``);
+        ``idle``: ranks that may aggregate; ``link_free_at``: end of the last granted slot.
+        """
+        now = self.clock()
+        rates = dict(bandwidth or {})
+
+        def rate(rank: int) -> float:
+            return max(rates.get(rank, self.default_bandwidth), 1e-9)
+
+        order = sorted(requests, key=lambda r: (r.size / rate(r.rank), -r.norm, r.arrival, r.rank, r.update_id))
+        base = server_version + in_flight
+        drops: list[Decision] = []
+        kept: list[TransferRequest] = []
+        ahead = 0
+        for req in order:
+            delay = base + ahead - req.version
+            if self.delay_bound is not None and delay > self.delay_bound:
+                drops.append(Decision(req.update_id, req.rank, DROP, predicted_version=base + ahead,
+                                      predicted_delay=delay,
+                                      reason=f"predicted delay {delay} > bound {self.delay_bound}"))
+            else:
+                kept.append(req)
+                ahead += req.count
+        start = max(now, link_free_at)
+        durations = [req.size / rate(req.rank) for req in kept]
+        direct = self._direct(kept, durations, start, base)
+        best_cost, best = self._cost(direct), (direct, ())
+        queued = sum(1 for d in direct if d.slot is not None and d.slot.start > now)
+        senders = {req.rank for req in requests}
+        candidates = sorted((r for r in idle if r not in senders), key=lambda r: (-rate(r), r))
+        if self.aggregate and candidates and queued >= self.min_aggregate:
+            aggregator = candidates[0]
+            first_queued = len(kept) - queued
+            for k in range(self.min_aggregate, queued + 1):
+                option = self._with_aggregate(kept, durations, first_queued, k, aggregator, rate, start, now, base)
+                cost = self._cost(option[0], option[1])
+                if cost < best_cost - 1e-12:
+                    best_cost, best = cost, option
+        decisions, groups = best
+        if groups:  # number the chosen group now, so rejected options consume no id
+            group_id = next(self._groups)
+            groups = tuple(AggregateGroup(group_id, g.aggregator, g.members, g.slot, g.size, g.count,
+                                          g.predicted_version) for g in groups)
+            decisions = [Decision(d.update_id, d.rank, d.action, d.slot, d.predicted_version, d.predicted_delay,
+                                  group_id, d.aggregator) if d.action == AGGREGATE else d for d in decisions]
+        ends = [d.slot.end for d in decisions if d.action == SEND and d.slot] + [g.slot.end for g in groups]
+        return Plan(tuple(decisions) + tuple(drops), tuple(groups), max([link_free_at, *ends]), ahead)
+
+    # -- internals -------------------------------------------------------------
+    @staticmethod
+    def _direct(kept: list[TransferRequest], durations: list[float], start: float, base: int) -> list[Decision]:
+        out, cursor, ahead = [], start, 0
+        for req, duration in zip(kept, durations):
+            out.append(Decision(req.update_id, req.rank, SEND, Slot(cursor, cursor + duration), base + ahead,
+                                base + ahead - req.version))
+            cursor += duration
+            ahead += req.count
+        return out
+
+    def _with_aggregate(self, kept: list[TransferRequest], durations: list[float], first: int, k: int,
+                        aggregator: int, rate: Callable[[int], float], start: float, now: float,
+                        base: int) -> tuple[list[Decision], tuple[AggregateGroup, ...]]:
+        """Head direct, then kept[first:first+k] summed at ``aggregator``, then the rest direct."""
+        head, members, tail = kept[:first], kept[first:first + k], kept[first + k:]
+        decisions = self._direct(head, durations[:first], start, base)
+        head_end = decisions[-1].slot.end if decisions else start
+        ahead = sum(r.count for r in head)
+        link_rate = rate(aggregator)
+        cursor = now
+        member_decisions = []
+        for req in members:
+            duration = req.size / min(rate(req.rank), link_rate)
+            member_decisions.append(Decision(req.update_id, req.rank, AGGREGATE, Slot(cursor, cursor + duration),
+                                             base + ahead, base + ahead - req.version, 0, aggregator))
+            cursor += duration
+        size = max(r.size for r in members)
+        agg_slot = Slot(max(cursor, head_end), max(cursor, head_end) + size / link_rate)
+        count = sum(r.count for r in members)
+        group = AggregateGroup(0, aggregator, tuple(r.update_id for r in members), agg_slot, size, count,
+                               base + ahead)
+        tail_decisions = self._direct(tail, durations[first + k:], agg_slot.end, base + ahead + count)
+        return decisions + member_decisions + tail_decisions, (group,)
+
+    @staticmethod
+    def _cost(decisions: Sequence[Decision], groups: Sequence[AggregateGroup] = ()) -> float:
+        """Total completion time over gradients (an aggregated gradient completes with its aggregate)."""
+        total = sum(d.slot.end for d in decisions if d.action == SEND and d.slot is not None)
+        total += sum(g.slot.end * len(g.members) for g in groups)
+        return total

@@ -1,0 +1,119 @@
+"""A worker's training loop against the MLfabric PS: pull, compute, (ask,) push — sync or async.
+
+``run_worker(client, grad_fn, initial, steps=...)`` works for any model given as one
+flat float32 vector: ``grad_fn(params, step) -> (loss, gradient)``. In an async job a
+worker pulls the current model and version, computes, and pushes the gradient tagged
+with that version; with ``schedule: mlfabric`` it first asks the scheduler, then sends
+when granted — to the PS, or to the idle worker it was told to aggregate at — or drops
+the update when the scheduler predicts it would exceed the delay bound. In a sync job
+the push returns once the round of all workers was applied. The loop ends after
+``steps`` steps, when the PS says the job is halted, or after ``max_seconds``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from netagg.mlfabric.protocol import Connection, FabricError, Unreachable, to_blob
+from netagg.mlfabric.worker import FabricClient, Unavailable
+
+GradFn = Callable[[np.ndarray, int], tuple[float, np.ndarray]]
+
+
+@dataclass
+class WorkerReport:
+    """What one worker did; ``acked`` lists the update ids the PS acknowledged as applied."""
+
+    rank: int
+    steps: int = 0
+    pushed: int = 0
+    applied: int = 0
+    dropped: int = 0
+    scheduler_dropped: int = 0
+    aggregated: int = 0
+    errors: int = 0
+    failovers: int = 0
+    halted: bool = False
+    seconds: float = 0.0
+    last_loss: float = float("nan")
+    acked: list[str] = field(default_factory=list)
+    delays: list[int] = field(default_factory=list)
+    error_messages: list[str] = field(default_factory=list)
+
+
+def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, steps: int, schedule: str = "fifo",
+               compute_delay: float = 0.0, max_seconds: float | None = None,
+               on_step: Callable[[int, dict[str, Any]], None] | None = None) -> WorkerReport:
+    """Train until ``steps``, a halt, or ``max_seconds``; returns the report (raises Unavailable)."""
+    report = WorkerReport(rank=client.rank)
+    started = time.monotonic()
+    client.hello()
+    client.init(np.asarray(initial, np.float32))
+    for step in range(steps):
+        if max_seconds is not None and time.monotonic() - started > max_seconds:
+            break
+        version, params, halted = client.pull()
+        if halted:
+            report.halted = True
+            break
+        loss, grad = grad_fn(params, step)
+        grad = np.ascontiguousarray(grad, np.float32)
+        report.last_loss = float(loss)
+        if compute_delay:
+            time.sleep(compute_delay)
+        update_id = f"{client.rank}:{step}"
+        report.steps = step + 1
+        try:
+            outcome = _send(client, report, schedule, update_id, version, grad)
+        except Unavailable:
+            raise
+        except FabricError as err:
+            report.errors += 1
+            report.error_messages = [*report.error_messages[-9:], str(err)]
+            continue
+        if outcome is None:
+            continue
+        report.pushed += 1
+        if outcome.get("outcome") == "applied":
+            report.applied += 1
+            report.acked.append(update_id)
+            delays = outcome.get("delays") or []
+            report.delays.append(int(max(delays)) if delays else 0)
+        else:
+            report.dropped += 1
+        if on_step is not None:
+            on_step(step, outcome)
+    report.failovers = client.failovers
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: str, version: int,
+          grad: np.ndarray) -> dict[str, Any] | None:
+    """Push ``grad`` (asking the scheduler first with ``schedule: mlfabric``); None if the scheduler dropped it."""
+    if schedule != "mlfabric":
+        return client.push(update_id, version, grad)
+    decision = client.request(update_id, version, grad.nbytes, float(np.linalg.norm(grad)))
+    action = decision["action"]
+    if action == "drop":
+        report.scheduler_dropped += 1
+        return None
+    if action == "send":
+        return client.push(update_id, version, grad)
+    report.aggregated += 1
+    host, port = decision["agg"]
+    conn = Connection((host, int(port)), timeout=client.timeout)
+    try:
+        header = {"op": "agg_push", "job_id": client.job_id, "group": decision["group"],
+                  "group_size": decision["group_size"], "update_id": update_id, "rank": client.rank,
+                  "version": version}
+        return conn.call(header, to_blob(grad), timeout=60.0)[0]
+    except Unreachable as err:
+        raise FabricError(f"aggregator {host}:{port}: {err}") from None
+    finally:
+        conn.close()

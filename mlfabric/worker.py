@@ -1,0 +1,144 @@
+"""A worker's client of the MLfabric PS chain, with failover from the primary to its replicas.
+
+The worker knows every endpoint of the chain (the config's ``ps``, then ``replicas``).
+When the node it talks to breaks or stops answering, the client moves to the next one,
+asks it to take over (``promote``: a replica accepts only once its primary is gone)
+and repeats the request there. Pushes carry update ids, so a push repeated after a
+failover is applied at most once (the replica already has every update the primary
+acknowledged). Every request has a timeout; after ``failover_timeout`` seconds without
+any reachable primary, :class:`Unavailable` is raised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from netagg.hoststack.packets import resolve
+from netagg.jobconfig import WorkerConfig
+from netagg.mlfabric.protocol import Connection, FabricError, Refused, Unreachable, from_blob, to_blob
+
+_NOT_PRIMARY = "not the primary"
+_ROTATION_PAUSE = 0.2
+
+
+class Unavailable(FabricError):
+    """No node of the chain acted as primary within the failover timeout."""
+
+
+class FabricClient:
+    """One worker's (or a monitor's) connection to the job's PS chain."""
+
+    def __init__(self, endpoints: Sequence[tuple[str, int]], job_id: int, rank: int, *, timeout: float = 10.0,
+                 failover_timeout: float = 30.0, agg: tuple[str, int] | None = None, observer: bool = False) -> None:
+        if not endpoints:
+            raise ValueError("no PS endpoint")
+        self.endpoints = list(endpoints)
+        self.job_id = job_id
+        self.rank = rank
+        self.timeout = timeout
+        self.failover_timeout = failover_timeout
+        self.agg = agg
+        #: An observer (a monitor, a test) only reads ``stats``: it never says hello nor promotes a replica.
+        self.observer = observer
+        self.current = 0
+        self.failovers = 0
+        self.last_failure = ""
+        self._conn: Connection | None = None
+
+    @classmethod
+    def from_config(cls, config: WorkerConfig, **options: Any) -> FabricClient:
+        """A client for ``config``'s job and rank; endpoints: ``ps`` then ``replicas``."""
+        assert config.ps is not None
+        endpoints = [resolve(config.ps), *(resolve(r) for r in config.replicas)]
+        return cls(endpoints, config.job_id, config.rank, **options)
+
+    # -- requests --------------------------------------------------------------
+    def call(self, op: str, fields: dict[str, Any] | None = None, blob: bytes = b"",
+             timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
+        """One request to the current primary, failing over as needed; raises Refused or Unavailable."""
+        header = {"op": op, "job_id": self.job_id, "rank": self.rank, **(fields or {})}
+        deadline = time.monotonic() + self.failover_timeout
+        while True:
+            try:
+                conn = self._connection()
+                return conn.call(header, blob, timeout)
+            except Unreachable as err:
+                self._rotate(str(err), deadline)
+            except Refused as err:
+                if _NOT_PRIMARY not in str(err) and "still connected" not in str(err):
+                    raise
+                self._rotate(str(err), deadline)
+
+    def hello(self) -> dict[str, Any]:
+        fields = {"agg": list(self.agg)} if self.agg else {}
+        return self.call("hello", fields)[0]
+
+    def init(self, model: np.ndarray) -> bool:
+        """Offer the initial model; True if this call set it (the first offer wins)."""
+        return bool(self.call("init", {}, to_blob(model))[0]["initialized_now"])
+
+    def pull(self, min_version: int = 0, timeout: float = 30.0) -> tuple[int, np.ndarray, bool]:
+        """``(version, model, halted)`` once the PS is at ``min_version`` or later."""
+        response, data = self.call("pull", {"min_version": min_version, "timeout": timeout}, timeout=timeout + 5)
+        return int(response["version"]), from_blob(data, int(response["size"])), bool(response["halted"])
+
+    def push(self, update_id: str, version: int, update: np.ndarray,
+             parts: list[list[Any]] | None = None, timeout: float = 40.0) -> dict[str, Any]:
+        """Push one update (or an aggregate with its ``parts``); returns the PS's outcome."""
+        fields: dict[str, Any] = {"update_id": update_id, "version": version}
+        if parts is not None:
+            fields["parts"] = parts
+        return self.call("push", fields, to_blob(update), timeout=timeout)[0]
+
+    def request(self, update_id: str, version: int, size: int, norm: float, timeout: float = 40.0) -> dict[str, Any]:
+        """Ask the scheduler to send an update; returns when granted (or dropped)."""
+        return self.call("request", {"update_id": update_id, "version": version, "size": size, "norm": norm},
+                         timeout=timeout)[0]
+
+    def agg_grant(self, group: int, timeout: float = 40.0) -> dict[str, Any]:
+        """As the aggregator of ``group``: wait for the aggregate's slot."""
+        return self.call("agg_grant", {"group": group}, timeout=timeout)[0]
+
+    def stats(self, log: bool = False, model: bool = False) -> tuple[dict[str, Any], np.ndarray | None]:
+        response, data = self.call("stats", {"log": log, "model": model})
+        return response, (from_blob(data) if data else None)
+
+    def halt(self) -> None:
+        self.call("halt")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # -- failover ----------------------------------------------------------------
+    def _connection(self) -> Connection:
+        if self._conn is not None:
+            return self._conn
+        conn = Connection(self.endpoints[self.current], timeout=self.timeout)
+        try:
+            base = {"job_id": self.job_id, "rank": self.rank}
+            if not self.observer:
+                if self.current != 0:
+                    conn.call({"op": "promote", **base})
+                fields = {"agg": list(self.agg)} if self.agg else {}
+                conn.call({"op": "hello", **base, **fields})
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        return conn
+
+    def _rotate(self, why: str, deadline: float) -> None:
+        self.close()
+        self.last_failure = why
+        if time.monotonic() > deadline:
+            raise Unavailable(f"no primary among {self.endpoints} for {self.failover_timeout:.0f} s; last: {why}")
+        self.current = (self.current + 1) % len(self.endpoints)
+        self.failovers += 1
+        if self.current == 0:
+            time.sleep(_ROTATION_PAUSE)

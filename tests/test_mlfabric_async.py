@@ -1,0 +1,254 @@
+"""The MLfabric PS: bounded-delay async updates (real processes), sync rounds, aggregation, bad input."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+from netagg.mlfabric.aggregation import AggregationService
+from netagg.mlfabric.async_server import FabricServer
+from netagg.mlfabric.protocol import Connection, Refused
+from netagg.mlfabric.testing import collect, loopback_configs, start_ps, start_workers, stop, write_configs
+from netagg.mlfabric.training import WorkerReport, _send
+from netagg.mlfabric.worker import FabricClient, Unavailable
+
+pytestmark = pytest.mark.timeout(120)
+
+BOUND = 3
+
+
+def test_a_slow_workers_stale_updates_are_dropped_and_no_applied_update_exceeds_the_bound(tmp_path):
+    configs = loopback_configs(4, update_mode="async", delay_bound=BOUND)
+    paths = write_configs(configs, tmp_path)
+    ps = start_ps(paths[0], tmp_path / "ps.log")
+    try:
+        # Ranks 0-2 compute as fast as they can; rank 3 takes 0.2 s more per step.
+        args = [["--steps", "40"]] * 3 + [["--steps", "12", "--compute-delay", "0.2"]]
+        reports = collect(start_workers(paths, args), timeout=100)
+        observer = FabricClient.from_config(configs[0], observer=True)
+        stats, _ = observer.stats(log=True)
+        observer.close()
+    finally:
+        stop(ps)
+    counters = stats["stats"]
+    # The PS recorded the delay of every applied update: none above the bound.
+    assert stats["max_delay"] <= BOUND
+    assert all(0 <= entry["delay"] <= BOUND for entry in stats["log"])
+    assert len(stats["log"]) == counters["applied"] == stats["version"]
+    # The slow worker's updates were dropped (and counted for it) ...
+    assert counters["dropped_by_rank"].get("3", 0) > 0
+    assert reports[3]["dropped"] == counters["dropped_by_rank"]["3"]
+    # ... while the fast ones mostly got through.
+    assert sum(counters["applied_by_rank"].get(str(r), 0) for r in range(3)) > 60
+    # Every push was either applied or dropped, and the workers agree with the PS.
+    assert counters["applied"] + counters["dropped"] == counters["pushes"] == sum(r["pushed"] for r in reports)
+    assert sorted(a for r in reports for a in r["acked"]) == sorted(e["update_id"] for e in stats["log"])
+    for report in reports:
+        assert report["errors"] == 0 and all(d <= BOUND for d in report["delays"])
+    # Training went somewhere: the fast workers' last minibatch loss is well below the initial ~2.3.
+    assert max(r["last_loss"] for r in reports[:3]) < 1.5
+
+
+def test_the_scheduled_job_grants_non_overlapping_slots_and_keeps_the_bound(tmp_path):
+    configs = loopback_configs(4, update_mode="async", delay_bound=BOUND, schedule="mlfabric")
+    paths = write_configs(configs, tmp_path)
+    ps = start_ps(paths[0], tmp_path / "ps.log")
+    try:
+        args = [["--steps", "25"]] * 3 + [["--steps", "8", "--compute-delay", "0.2"]]
+        reports = collect(start_workers(paths, args), timeout=100)
+        observer = FabricClient.from_config(configs[0], observer=True)
+        stats, _ = observer.stats()
+        observer.close()
+    finally:
+        stop(ps)
+    assert stats["max_delay"] <= BOUND
+    scheduler = stats["scheduler"]
+    slots = scheduler["ps_slots"]
+    assert len(slots) == scheduler["sent"] + scheduler["groups"] > 0
+    # Slots on the PS's link never overlap (batch after batch, each batch back to back).
+    for (_, end), (start, _) in pairwise(slots):
+        assert start >= end - 1e-9
+    # Each request was sent, aggregated or dropped by the scheduler, and the workers saw the same.
+    assert sum(r["scheduler_dropped"] for r in reports) == scheduler["dropped"]
+    assert sum(r["aggregated"] for r in reports) == scheduler["aggregated"]
+    assert sum(r["steps"] for r in reports) == scheduler["sent"] + scheduler["aggregated"] + scheduler["dropped"]
+    assert all(r["errors"] == 0 for r in reports)
+
+
+def _server(num_workers: int = 3, **options) -> tuple[FabricServer, list]:
+    configs = loopback_configs(num_workers, **{k: options.pop(k) for k in list(options)
+                                               if k in ("update_mode", "delay_bound", "schedule", "replicas")})
+    return FabricServer(configs[0], **options).start(), configs
+
+
+def test_async_updates_apply_sgd_exactly_drop_stale_ones_and_deduplicate():
+    server, configs = _server(2, update_mode="async", delay_bound=1, lr=0.5, gate_timeout=0)
+    try:
+        a, b = (FabricClient.from_config(c) for c in configs)
+        a.hello()
+        assert a.init(np.ones(4, np.float32)) and not b.init(np.zeros(4, np.float32))
+        version, model, _ = b.pull()
+        assert version == 0 and np.array_equal(model, np.ones(4, np.float32))
+        g = np.array([1, 2, 3, 4], np.float32)
+        assert a.push("a0", 0, g)["outcome"] == "applied"
+        assert b.push("b0", 0, g)["delays"] == [1]  # one update applied since b's pull: delay 1 <= 1
+        dropped = a.push("a1", 0, g)  # computed on version 0, the PS is at 2: delay 2 > 1
+        assert dropped["outcome"] == "dropped" and "delay 2 > bound 1" in dropped["reason"]
+        again = a.push("a0", 0, g)  # a retried push is not applied twice
+        assert again["outcome"] == "applied" and again["duplicate"]
+        version, model, _ = a.pull()
+        assert version == 2
+        np.testing.assert_array_equal(model, np.ones(4, np.float32) - 0.5 * g - 0.5 * g)
+        assert server.stats.dropped_by_rank[0] == 1 and server.stats.duplicates == 1
+        assert [(e.update_id, e.delay) for e in server.log] == [("a0", 0), ("b0", 1)]
+        # An aggregate of two gradients counts two versions and is applied (or dropped) as a whole.
+        agg = a.push("agg1", 2, 2 * g, parts=[["a2", 0, 2], ["b2", 1, 1]])
+        assert agg["outcome"] == "applied" and agg["delays"] == [0, 1] and a.pull()[0] == 4
+        assert server.stats.aggregated_applies == 1
+        stale = a.push("agg2", 2, g, parts=[["a3", 0, 4], ["b3", 1, 2]])
+        assert stale["outcome"] == "dropped" and server.stats.dropped == 3
+        a.close()
+        b.close()
+    finally:
+        server.stop()
+
+
+def test_sync_rounds_apply_the_mean_once_every_worker_pushed():
+    server, configs = _server(3, update_mode="sync", lr=0.3)
+    try:
+        clients = [FabricClient.from_config(c) for c in configs]
+        for c in clients:
+            c.hello()
+        clients[0].init(np.zeros(5, np.float32))
+        grads = [np.full(5, r + 1.0, np.float32) for r in range(3)]
+        outcomes = [None] * 3
+
+        def push(rank: int) -> None:
+            outcomes[rank] = clients[rank].push(f"{rank}:0", 0, grads[rank])
+
+        threads = [threading.Thread(target=push, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert all(o["outcome"] == "applied" and o["version"] == 3 for o in outcomes)
+        assert server.stats.applies == 1 and server.version == 3
+        _, model, _ = clients[1].pull()
+        np.testing.assert_allclose(model, np.full(5, -0.3 * 2.0, np.float32), rtol=1e-6)
+        # A push for a round that is over is dropped, not mixed into the next one.
+        late = clients[2].push("2:late", 0, grads[2])
+        assert late["outcome"] == "dropped" and "round 0 is over" in late["reason"]
+        for c in clients:
+            c.close()
+    finally:
+        server.stop()
+
+
+def test_updates_queued_behind_the_link_are_aggregated_at_an_idle_worker():
+    # 4 workers: 0-2 ask to send at once; 3 is idle and aggregates. Measured bandwidths: 100 kB/s for
+    # the senders, 400 kB/s for worker 3, so a 10 kB update takes 0.1 s (0.025 s from worker 3).
+    server, configs = _server(4, update_mode="async", delay_bound=10, schedule="mlfabric", lr=1.0,
+                              batch_window=1.0, gate_timeout=0)
+    assert server.grants is not None
+    size = 2500
+    initial = np.zeros(size, np.float32)
+    grads = [np.full(size, 10.0 ** r, np.float32) for r in range(3)]
+    try:
+        with AggregationService(lambda: FabricClient.from_config(configs[3]), 1, ("127.0.0.1", 0)) as agg:
+            idle = FabricClient.from_config(configs[3], agg=agg.address)
+            idle.hello()
+            idle.init(initial)
+            for rank in range(3):
+                server.grants.observe(rank, 100_000, 1.0)
+            server.grants.observe(3, 400_000, 1.0)
+            clients = [FabricClient.from_config(c) for c in configs[:3]]
+            reports = [WorkerReport(rank) for rank in range(3)]
+            outcomes = [None] * 3
+
+            def send(rank: int) -> None:
+                clients[rank].hello()
+                version = clients[rank].pull()[0]
+                outcomes[rank] = _send(clients[rank], reports[rank], "mlfabric", f"{rank}:0", version, grads[rank])
+
+            threads = [threading.Thread(target=send, args=(r,)) for r in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            scheduler = server.grants.stats
+            assert scheduler.batches == 1 and scheduler.groups == 1
+            assert scheduler.sent == 1 and scheduler.aggregated == 2
+            # Equal transfer times, so the largest norm (rank 2) goes first, direct; the two queued behind it
+            # are summed at worker 3, which is faster to the PS than sending them one by one.
+            assert all(o is not None and o["outcome"] == "applied" for o in outcomes)
+            assert server.version == 3 and server.stats.applies == 2 and server.stats.aggregated_applies == 1
+            assert [r.aggregated for r in reports] == [1, 1, 0]
+            assert agg.stats.groups == 1 and agg.stats.members == 2 and agg.stats.partial_groups == 0
+            np.testing.assert_allclose(server.model, -(grads[0] + grads[1] + grads[2]), rtol=1e-6)
+            seqs = {e.update_id: e.seq for e in server.log}
+            aggregated = [f"{r}:0" for r in range(3) if reports[r].aggregated]
+            assert seqs[aggregated[0]] == seqs[aggregated[1]]
+            for c in [*clients, idle]:
+                c.close()
+    finally:
+        server.stop()
+
+
+def test_bad_input_gets_a_clear_error_or_a_counted_drop_and_the_ps_keeps_serving():
+    server, configs = _server(2, update_mode="async", delay_bound=2, frame_timeout=0.5, gate_timeout=0)
+    address = configs[0].ps.as_tuple()
+    try:
+        conn = Connection(address, timeout=5)
+
+        def refused(header: dict, blob: bytes = b"") -> str:
+            with pytest.raises(Refused) as info:
+                conn.call(header, blob)
+            return str(info.value)
+
+        assert "unknown worker: rank 7" in refused({"op": "hello", "job_id": 1, "rank": 7})
+        assert "unknown worker: rank 'x'" in refused({"op": "pull", "job_id": 1, "rank": "x"})
+        assert "this PS serves job 1" in refused({"op": "hello", "job_id": 2, "rank": 0})
+        assert "unknown op 'frobnicate'" in refused({"op": "frobnicate", "job_id": 1, "rank": 0})
+        assert "before the model was initialized" in refused(
+            {"op": "push", "job_id": 1, "rank": 0, "update_id": "u", "version": 0}, b"\0" * 16)
+        conn.call({"op": "init", "job_id": 1, "rank": 0}, np.zeros(4, np.float32).tobytes())
+        assert "expected 4 float32 values, got 3" in refused(
+            {"op": "push", "job_id": 1, "rank": 0, "update_id": "u", "version": 0}, b"\0" * 12)
+        assert "NaN or Inf" in refused({"op": "push", "job_id": 1, "rank": 0, "update_id": "u", "version": 0},
+                                       np.array([0, np.nan, 0, 0], np.float32).tobytes())
+        assert "version 9 is not one this PS had" in refused(
+            {"op": "push", "job_id": 1, "rank": 0, "update_id": "u", "version": 9}, b"\0" * 16)
+        assert "unknown worker: rank 5 in parts" in refused(
+            {"op": "push", "job_id": 1, "rank": 0, "update_id": "u", "version": 0, "parts": [["p", 5, 0]]},
+            b"\0" * 16)
+        assert "push without asking" in refused({"op": "request", "job_id": 1, "rank": 0, "update_id": "u",
+                                                 "version": 0, "size": 16})
+        assert "replicate without chain_hello" in refused({"op": "replicate", "job_id": 1, "seq": 1})
+        assert server.stats.unknown_workers == 3 and server.stats.bad_requests >= 10
+        # Garbage that is not a frame: that connection is closed and counted, nobody else is affected.
+        with socket.create_connection(address, timeout=5) as raw:
+            raw.sendall(struct.pack("!II", 5, 0) + b"{nope")
+            assert raw.recv(100) == b""
+        # A frame cut off mid-way: the PS gives up on it after its frame timeout.
+        with socket.create_connection(address, timeout=5) as raw:
+            raw.sendall(struct.pack("!II", 1000, 0) + b'{"op":')
+            assert raw.recv(100) == b""
+        deadline = time.monotonic() + 5
+        while server.stats.malformed_frames < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.stats.malformed_frames == 2
+        response, data = conn.call({"op": "pull", "job_id": 1, "rank": 1})
+        assert response["version"] == 0 and len(data) == 16
+        conn.close()
+        # A client of a dead PS gets a clear error in bounded time.
+        dead = FabricClient([("127.0.0.1", 9)], 1, 0, timeout=1, failover_timeout=0.5)
+        with pytest.raises(Unavailable, match="no primary"):
+            dead.pull()
+    finally:
+        server.stop()

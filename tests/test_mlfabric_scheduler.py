@@ -1,0 +1,197 @@
+"""The MLfabric scheduler's decisions, deterministically: pure plans over request lists, a fake clock."""
+
+from __future__ import annotations
+
+import threading
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from netagg.mlfabric.grants import GrantService
+from netagg.mlfabric.scheduler import AGGREGATE, DROP, SEND, BandwidthEstimator, Scheduler, TransferRequest
+
+MB = 1_000_000
+
+
+class FakeClock:
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def req(rank: int, size: int = MB, version: int = 10, norm: float = 1.0, arrival: float = 0.0) -> TransferRequest:
+    return TransferRequest(rank=rank, update_id=f"{rank}:{version}", version=version, size=size, norm=norm,
+                           arrival=arrival)
+
+
+def test_shortest_job_first_by_size_over_measured_bandwidth_with_back_to_back_slots():
+    clock = FakeClock(100.0)
+    sched = Scheduler(None, aggregate=False, clock=clock)
+    # rank 0: 1 MB at 1 MB/s = 1 s; rank 1: 1 MB at 4 MB/s = 0.25 s; rank 2: 0.2 MB at 0.1 MB/s = 2 s.
+    plan = sched.plan([req(0), req(1), req(2, size=MB // 5)], server_version=10,
+                      bandwidth={0: 1 * MB, 1: 4 * MB, 2: MB // 10})
+    assert [d.rank for d in plan.decisions] == [1, 0, 2]
+    assert all(d.action == SEND for d in plan.decisions)
+    slots = [(d.slot.start, d.slot.end) for d in plan.decisions]
+    assert slots == [(100.0, 100.25), (100.25, 101.25), (101.25, 103.25)]
+    assert plan.link_free_at == 103.25 and plan.granted_gradients == 3
+    # Predicted versions count the gradients ahead: 10, 11, 12 (the updates were computed on 10).
+    assert [d.predicted_delay for d in plan.decisions] == [0, 1, 2]
+
+
+def test_ties_go_to_the_larger_gradient_norm_then_the_earlier_arrival():
+    sched = Scheduler(None, aggregate=False, clock=FakeClock())
+    plan = sched.plan([req(0, norm=1.0, arrival=2.0), req(1, norm=5.0, arrival=3.0), req(2, norm=1.0, arrival=1.0)],
+                      server_version=10)
+    assert [d.rank for d in plan.decisions] == [1, 2, 0]
+
+
+def test_slots_start_after_the_link_backlog():
+    sched = Scheduler(None, aggregate=False, clock=FakeClock(100.0), default_bandwidth=MB)
+    plan = sched.plan([req(0)], server_version=10, link_free_at=105.0)
+    assert plan.decisions[0].slot.start == 105.0 and plan.link_free_at == 106.0
+
+
+def test_updates_that_cannot_meet_the_delay_bound_are_dropped_before_sending():
+    sched = Scheduler(2, aggregate=False, clock=FakeClock())
+    # PS at version 12 with 1 gradient in flight; equal transfer times, so rank order: rank 0 applies at
+    # 13 (delay 1), rank 1's update (computed on 10) would apply at 14: delay 4 > 2, dropped.
+    plan = sched.plan([req(0, version=12), req(1, version=10), req(2, version=11, size=2 * MB)],
+                      server_version=12, in_flight=1, bandwidth={0: MB, 1: MB, 2: MB})
+    by_rank = {d.rank: d for d in plan.decisions}
+    assert by_rank[0].action == SEND and by_rank[0].predicted_delay == 1
+    assert by_rank[1].action == DROP and by_rank[1].predicted_delay == 4 and "bound 2" in by_rank[1].reason
+    # Rank 2's update (longer) comes after rank 0's, the dropped one not counted: 12 + 1 + 1 - 11 = 3 > 2.
+    assert by_rank[2].action == DROP and by_rank[2].predicted_delay == 3
+    assert by_rank[1].slot is None and plan.granted_gradients == 1
+
+
+def test_a_dropped_update_does_not_count_against_later_ones():
+    sched = Scheduler(1, aggregate=False, clock=FakeClock())
+    plan = sched.plan([req(0, version=5, size=MB // 2), req(1, version=9, size=MB)], server_version=9,
+                      bandwidth={0: MB, 1: MB})
+    assert [(d.rank, d.action, d.predicted_delay) for d in plan.decisions] == [(1, SEND, 0), (0, DROP, 4)]
+
+
+def test_updates_queued_behind_a_busy_link_are_aggregated_at_an_idle_worker():
+    clock = FakeClock(100.0)
+    sched = Scheduler(None, clock=clock, default_bandwidth=MB)
+    # The PS link is busy for 2 more seconds; 4 updates of 1 s each wait. Workers 4 and 5 are idle; 5 is faster.
+    requests = [req(r, arrival=r) for r in range(4)]
+    plan = sched.plan(requests, server_version=10, idle=[4, 5], bandwidth={5: 2 * MB}, link_free_at=102.0)
+    assert len(plan.groups) == 1
+    group = plan.groups[0]
+    assert group.aggregator == 5
+    # Best total completion: two members (at min(1, 2) MB/s: 1 s each on worker 5's link) arrive by 102,
+    # the aggregate (1 MB at 2 MB/s) takes [102, 102.5]; the other two go direct after it.
+    assert group.members == ("0:10", "1:10") and group.count == 2
+    assert (group.slot.start, group.slot.end) == (102.0, 102.5)
+    actions = {d.rank: d for d in plan.decisions}
+    assert [actions[r].action for r in range(4)] == [AGGREGATE, AGGREGATE, SEND, SEND]
+    assert (actions[0].slot.start, actions[0].slot.end) == (100.0, 101.0)
+    assert (actions[1].slot.start, actions[1].slot.end) == (101.0, 102.0)
+    assert actions[0].group == actions[1].group == group.group and actions[0].aggregator == 5
+    assert (actions[2].slot.start, actions[3].slot.start) == (102.5, 103.5)
+    # Both members apply at the version the first would have seen; the rest count them ahead.
+    assert actions[0].predicted_version == actions[1].predicted_version == 10
+    assert [actions[2].predicted_version, actions[3].predicted_version] == [12, 13]
+    assert plan.link_free_at == 104.5 and plan.granted_gradients == 4
+
+
+def test_no_aggregation_when_the_link_is_free_or_nobody_is_idle():
+    sched = Scheduler(None, clock=FakeClock(100.0), default_bandwidth=MB)
+    requests = [req(r) for r in range(4)]
+    free = sched.plan(requests, server_version=10, idle=[4], link_free_at=0.0)
+    assert not free.groups and all(d.action == SEND for d in free.decisions)
+    busy_no_idle = sched.plan(requests, server_version=10, idle=[], link_free_at=105.0)
+    assert not busy_no_idle.groups
+    # A sender of this batch is never its aggregator.
+    busy_sender_idle = sched.plan(requests, server_version=10, idle=[0, 1], link_free_at=105.0)
+    assert not busy_sender_idle.groups
+
+
+def test_aggregation_never_raises_a_predicted_delay():
+    sched = Scheduler(3, clock=FakeClock(100.0), default_bandwidth=MB)
+    requests = [req(r, version=10) for r in range(4)]
+    direct = Scheduler(3, aggregate=False, clock=FakeClock(100.0), default_bandwidth=MB).plan(
+        requests, server_version=10, link_free_at=102.0)
+    aggregated = sched.plan(requests, server_version=10, idle=[7], link_free_at=102.0)
+    assert aggregated.groups
+    before = {d.update_id: d.predicted_delay for d in direct.decisions}
+    for d in aggregated.decisions:
+        assert d.predicted_delay <= before[d.update_id]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4 * MB), st.integers(0, 20), st.floats(0, 10)), min_size=1, max_size=8),
+       st.floats(0, 5), st.integers(0, 6), st.one_of(st.none(), st.integers(0, 6)))
+def test_plans_never_overlap_and_respect_the_bound(items, backlog, in_flight, bound):
+    clock = FakeClock(50.0)
+    sched = Scheduler(bound, clock=clock, default_bandwidth=MB)
+    requests = [TransferRequest(rank=i, update_id=f"u{i}", version=v, size=size, norm=norm)
+                for i, (size, v, norm) in enumerate(items)]
+    bandwidth = {i: (i % 3 + 1) * MB / 2 for i in range(len(items) + 2)}
+    plan = sched.plan(requests, server_version=20, in_flight=in_flight, bandwidth=bandwidth,
+                      idle=[len(items), len(items) + 1], link_free_at=50.0 + backlog)
+    assert sorted(d.update_id for d in plan.decisions) == sorted(r.update_id for r in requests)
+    # The PS's link: direct slots and aggregate slots never overlap, none starts before now or the backlog.
+    ps_slots = sorted([(d.slot.start, d.slot.end) for d in plan.decisions if d.action == SEND]
+                      + [(g.slot.start, g.slot.end) for g in plan.groups])
+    for (_, end), (start, _) in pairwise(ps_slots):
+        assert start >= end - 1e-9
+    assert all(start >= 50.0 + backlog - 1e-9 for start, _ in ps_slots)
+    # Each aggregator's link: members arrive one after another.
+    for group in plan.groups:
+        members = sorted((d.slot.start, d.slot.end) for d in plan.decisions if d.group == group.group)
+        for (_, end), (start, _) in pairwise(members):
+            assert start >= end - 1e-9
+        assert group.slot.start >= members[-1][1] - 1e-9
+    for d in plan.decisions:
+        if d.action == DROP:
+            assert bound is not None and d.predicted_delay > bound
+        elif bound is not None:
+            assert d.predicted_delay <= bound
+    assert plan.granted_gradients == sum(1 for d in plan.decisions if d.action != DROP)
+
+
+def test_bandwidth_estimator_smooths_and_ignores_unmeasurable_samples():
+    est = BandwidthEstimator(default=5.0, alpha=0.5)
+    assert est.get(1) == 5.0
+    est.observe(1, 1000, 1.0)
+    est.observe(1, 3000, 1.0)
+    assert est.get(1) == 2000.0
+    est.observe(1, 1000, 0.0001)  # too short to measure
+    est.observe(1, 0, 1.0)
+    assert est.get(1) == 2000.0 and est.snapshot() == {1: 2000.0}
+
+
+def test_grant_service_batches_until_every_idle_worker_asked_and_grants_in_order():
+    service = GrantService(Scheduler(None, aggregate=False, default_bandwidth=1e9), lambda: 0, batch_window=30.0)
+    for rank in range(3):
+        service.register(rank, can_aggregate=False)
+    decisions: dict[int, object] = {}
+
+    def ask(rank: int) -> None:
+        decisions[rank] = service.request(TransferRequest(rank, f"{rank}:0", 0, 1000, arrival=service.clock()),
+                                          timeout=20)
+
+    threads = [threading.Thread(target=ask, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    # One batch (planned when the third worker asked, long before the 30 s window), three grants.
+    assert service.stats.batches == 1 and service.stats.sent == 3
+    assert sorted(d.action for d in decisions.values()) == [SEND] * 3
+    service.settled([f"{r}:0" for r in range(3)])
+    assert not service._in_flight
+
+
+def test_grant_service_reports_an_unknown_group():
+    service = GrantService(Scheduler(None), lambda: 0)
+    with pytest.raises(KeyError, match="no aggregation group 9"):
+        service.group_slot(9, timeout=1)
