@@ -14,15 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.netns import LinkShape, Topology, ns_exec
 from netagg.bmv2.p4build import compile_program
 from netagg.bmv2.targets import start_target
 from netagg.deployment import Deployment
-from netagg.jobconfig import ConfigError
+from netagg.jobconfig import ConfigError, read_yaml
 
 CLUSTER_CONFIG = dp.REPO_ROOT / "configs" / "cluster.yaml"
 PS_PORT = 29000
@@ -44,10 +42,9 @@ class ClusterSpec:
     @classmethod
     def load(cls, path: Path = CLUSTER_CONFIG, **overrides: object) -> ClusterSpec:
         """Read ``configs/cluster.yaml``; keyword overrides win (None = keep the file's value)."""
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as err:
-            raise ConfigError(f"{path}: {err}") from None
+        data = read_yaml(path) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:

@@ -12,11 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from netagg import dataplane as dp
 from netagg import wire
-from netagg.jobconfig import ConfigError
+from netagg.jobconfig import ConfigError, read_yaml
 
 _MAC = re.compile(r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$")
 
@@ -171,14 +169,7 @@ def _relative(base: Path, value: str) -> Path:
 
 def load_config(path: str | Path) -> ControllerConfig:
     """Read and validate a controller configuration file."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    return parse_config(data, str(path), base=dp.REPO_ROOT)
+    return parse_config(read_yaml(path), str(path), base=dp.REPO_ROOT)
 
 
 def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> ControllerConfig:

@@ -277,8 +277,11 @@ class FabricServer:
                 raise ValueError(f"pull: version {min_version} not reached within {timeout:.1f} s "
                                  f"(at {self.version})")
             self.started_at = self.started_at or time.monotonic()  # waited long enough for the others
-            return {"ok": True, "version": self.version, "halted": self.halted,
-                    "size": int(self.model.size)}, self.model.tobytes()
+            response = {"ok": True, "version": self.version, "halted": self.halted, "size": int(self.model.size)}
+            model, seq = self.model.tobytes(), self.seq
+        # Only replicated state is read: a gradient is never computed on a model a failover could lose.
+        self._await_safe(seq)
+        return response, model
 
     def _gate_open(self) -> bool:
         if self.started_at is None and time.monotonic() - self._created > self.gate_timeout:

@@ -131,14 +131,18 @@ class WorkerConfig:
 
     @classmethod
     def load(cls, path: Path | str) -> WorkerConfig:
-        path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as err:
-            raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(read_yaml(path), str(path))
+
+
+def read_yaml(path: Path | str) -> object:
+    """Parse a YAML file; a missing file or bad syntax is a ConfigError naming the file."""
+    path = Path(path)
+    try:
+        return yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
 
 
 def _endpoint(value: object, where: str) -> Endpoint:

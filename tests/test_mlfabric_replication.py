@@ -62,8 +62,8 @@ def _train(tmp_path, replicas: int, kill_at: int | None):
 def test_kill_minus_nine_of_the_primary_loses_no_acknowledged_update(tmp_path):
     baseline_reports, baseline, baseline_model, _, _ = _train(tmp_path / "plain", replicas=0, kill_at=None)
     reports, stats, model, killed_at, lag_samples = _train(tmp_path / "replicated", replicas=1,
-                                                           kill_at=WORKERS * STEPS // 3)
-    # Killed mid-training; every worker failed over to the replica and finished its steps without errors.
+                                                           kill_at=WORKERS * STEPS // 5)
+    # Killed early in the training (before any worker can have finished); every worker failed over to the replica and finished its steps without errors.
     assert killed_at is not None and 0 < killed_at < WORKERS * STEPS
     assert stats["role"] == "primary" and stats["version"] > killed_at
     for report in reports:
