@@ -3,18 +3,27 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+DEMO_STAMP := $(VENV)/.demo-stamp
 TARGET ?= soft
 PYTEST_ARGS ?=
 
 .PHONY: setup build p4info test ptf demo bench bench-switch lint clean
 
-$(STAMP): pyproject.toml scripts/setup-system.sh
+$(VENV)/.created:
 	@scripts/setup-system.sh
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,demo,bench]'
-	@touch $(STAMP)
+	@touch $@
 
-## setup: create .venv and install netagg with its test tools
+# The demo needs only netagg and scikit-learn; the tests and benchmarks add their tools.
+$(DEMO_STAMP): pyproject.toml $(VENV)/.created
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[demo]'
+	@touch $@
+
+$(STAMP): pyproject.toml $(VENV)/.created
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,demo,bench]'
+	@touch $(STAMP) $(DEMO_STAMP)
+
+## setup: create .venv and install netagg with its test and benchmark tools
 setup: $(STAMP)
 
 ## build: compile p4src/netagg.p4 with p4c-bm2-ss into build/ (skips, saying so, without p4c)
@@ -34,7 +43,7 @@ ptf: build
 	$(BIN)/python -m netagg.bmv2.ptf_runner --target $(TARGET)
 
 ## demo: switch + controller + 4 workers train an MLP through the switch (embedded default target)
-demo: setup
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m netagg.demo
 
 ## bench-switch: aggregated packets/s of the software target (and BMv2 where installed)

@@ -123,7 +123,8 @@ def train_reference(steps: int, num_workers: int, seed: int = 0) -> dict:
                               for r in range(num_workers)])
         loss, grads = loss_and_grads(params, data.x_train[idx], data.y_train[idx])
         params = [p - LEARNING_RATE * g for p, g in zip(params, grads)]
-    return {"loss": loss, "test_accuracy": accuracy(params, data.x_test, data.y_test)}
+    return {"loss": loss, "test_loss": loss_and_grads(params, data.x_test, data.y_test)[0],
+            "test_accuracy": accuracy(params, data.x_test, data.y_test)}
 
 
 def transfer_stats(worker) -> dict:
@@ -153,6 +154,7 @@ def train_worker(config_path: str, steps: int, seed: int = 0, report_every: int 
             if not quiet and step % report_every == 0 and config.rank == 0:
                 print(json.dumps({"step": step, "loss": round(loss, 4), **transfer_stats(worker)}), flush=True)
         result = {"rank": config.rank, "steps": steps, "loss": loss,
+                  "test_loss": loss_and_grads(params, data.x_test, data.y_test)[0],
                   "test_accuracy": accuracy(params, data.x_test, data.y_test),
                   "seconds": time.perf_counter() - started,
                   "param_checksum": float(sum(float(np.abs(p).sum()) for p in params)), **transfer_stats(worker)}

@@ -212,7 +212,7 @@ class FabricServer:
             if not state["upstream"]:
                 raise ValueError("replicate without chain_hello on this connection")
             return self._op_replicate(frame)
-        handler = handlers.get(op)  # type: ignore[arg-type]
+        handler = handlers.get(str(op))
         if handler is None:
             raise ValueError(f"unknown op {op!r}")
         if op in _WORKER_OPS:

@@ -59,7 +59,7 @@ def _progress(line: str, steps: int, started: float) -> None:
           f"{time.monotonic() - started:5.1f} s", flush=True)
 
 
-def run_demo(workdir: Path, num_workers: int = 4, steps: int = 150, slots: int = 64, mode: str = "allreduce",
+def run_demo(workdir: Path, num_workers: int = 4, steps: int = 150, slots: int = 16, mode: str = "allreduce",
              report_every: int = 10, quiet: bool = False) -> DemoResult:
     """The whole demo; raises DeploymentError when a process fails."""
     result = DemoResult(steps=steps)
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--mode", choices=("allreduce", "ps"), default="allreduce")
+    parser.add_argument("--slots", type=int, default=16, help="slots asked for the job (packets in flight per worker)")
     parser.add_argument("--tolerance", type=float, default=0.02,
                         help="largest allowed drop in test accuracy vs the float32 reference (default 0.02)")
     parser.add_argument("--workdir", type=Path, help="keep logs and configs here (default: a temporary folder)")
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="netagg-demo-") as tmp:
             workdir = args.workdir or Path(tmp)
-            result = run_demo(workdir, args.workers, args.steps, mode=args.mode)
+            result = run_demo(workdir, args.workers, args.steps, slots=args.slots, mode=args.mode)
     except (DeploymentError, KeyboardInterrupt) as err:
         print(f"demo failed: {err}", file=sys.stderr)
         return 1
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nsummary")
     print(f"  test accuracy: netagg {result.accuracy:.4f}, single-process float32 {ref_acc:.4f} "
           f"(tolerance {args.tolerance:.2f}) -> {'OK' if ok else 'FAILED'}")
-    print(f"  final loss: netagg {rank0['loss']:.4f}, reference {result.reference['loss']:.4f}")
+    print(f"  test loss: netagg {rank0['test_loss']:.4f}, reference {result.reference['test_loss']:.4f}")
     print(f"  workers hold identical parameters: {result.workers_agree}")
     print(f"  per worker: {rank0['packets_sent']} packets, {rank0['retransmissions']} retransmissions, "
           f"{rank0['packets_sent'] * wire.PAYLOAD_BYTES / 1e6:.2f} MB of gradients")

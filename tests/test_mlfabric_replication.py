@@ -63,7 +63,8 @@ def test_kill_minus_nine_of_the_primary_loses_no_acknowledged_update(tmp_path):
     baseline_reports, baseline, baseline_model, _, _ = _train(tmp_path / "plain", replicas=0, kill_at=None)
     reports, stats, model, killed_at, lag_samples = _train(tmp_path / "replicated", replicas=1,
                                                            kill_at=WORKERS * STEPS // 5)
-    # Killed early in the training (before any worker can have finished); every worker failed over to the replica and finished its steps without errors.
+    # Killed a fifth into the training (no worker can have finished yet); every worker failed over to the
+    # replica and finished its steps without errors.
     assert killed_at is not None and 0 < killed_at < WORKERS * STEPS
     assert stats["role"] == "primary" and stats["version"] > killed_at
     for report in reports:
@@ -144,3 +145,12 @@ def test_a_dead_replica_bounds_the_lag_and_no_push_is_acknowledged_unsafely():
     finally:
         primary.stop()
         replica.stop()
+
+
+def test_the_workers_fast_digits_loader_gives_the_examples_data():
+    from examples.mlp_digits import load_digits_dataset
+
+    fast, reference = load_digits_fast(3), load_digits_dataset(3)
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        a, b = getattr(fast, name), getattr(reference, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
