@@ -8,9 +8,11 @@ are listed in docs/hoststack.md. Every socket operation has a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
+import threading
 from typing import Any
 
 _FRAME = struct.Struct("!II")
@@ -65,8 +67,20 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
     return header, _recv_exact(sock, blob_len) if blob_len else bytearray()
 
 
+class PsUnreachable(PsError):
+    """The server could not be reached, broke the connection, sent garbage or did not answer in time."""
+
+
+class PsRefused(PsError):
+    """The server answered ``{"ok": false, ...}``; the message is its reason."""
+
+
 class PsClient:
-    """A worker's connection to its parameter server."""
+    """A client connection to a parameter server (or any server speaking these frames).
+
+    One request at a time (a lock serializes threads). A connection that failed is
+    closed: the caller reconnects, or fails over, by making a new client.
+    """
 
     def __init__(self, address: tuple[str, int], timeout: float = 30.0) -> None:
         self.address = address
@@ -74,24 +88,27 @@ class PsClient:
         try:
             self.sock = socket.create_connection(address, timeout=timeout)
         except OSError as err:
-            raise PsError(f"cannot connect to the parameter server at {address[0]}:{address[1]}: {err}") from None
+            raise PsUnreachable(f"cannot connect to the parameter server at {address[0]}:{address[1]}: "
+                                f"{err}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._lock = threading.Lock()
 
     def request(self, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
                 timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
-        """Send a request and return the (successful) response; raises PsError otherwise."""
-        self.sock.settimeout(self.timeout if timeout is None else timeout)
-        try:
-            send_frame(self.sock, header, blob)
-            response, data = recv_frame(self.sock)
-        except TimeoutError:
-            raise PsError(f"parameter server {self.address[0]}:{self.address[1]} did not answer "
-                          f"{header.get('op')} in time") from None
-        except OSError as err:
-            raise PsError(f"connection to the parameter server broke during {header.get('op')}: {err}") from None
+        """Send a request and return the successful response; raises PsUnreachable or PsRefused."""
+        with self._lock:
+            self.sock.settimeout(self.timeout if timeout is None else timeout)
+            try:
+                send_frame(self.sock, header, blob)
+                response, data = recv_frame(self.sock)
+            except (OSError, ProtocolError, ConnectionClosed) as err:
+                self.close()
+                what = "did not answer in time" if isinstance(err, TimeoutError) else f"broke: {err}"
+                raise PsUnreachable(f"{self.address[0]}:{self.address[1]} {header.get('op')}: {what}") from None
         if not response.get("ok"):
-            raise PsError(f"parameter server refused {header.get('op')}: {response.get('error', 'no reason')}")
+            raise PsRefused(str(response.get("error", "no reason given")))
         return response, data
 
     def close(self) -> None:
-        self.sock.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()

@@ -22,7 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from netagg.hoststack.psproto import ConnectionClosed, ProtocolError, recv_frame, send_frame
+from netagg.hoststack.psproto import (
+    ConnectionClosed,
+    ProtocolError,
+    PsClient,
+    PsError,
+    PsRefused,
+    PsUnreachable,
+    recv_frame,
+    send_frame,
+)
 
 __all__ = ["Connection", "FabricError", "Frame", "Refused", "Unreachable", "accept_loop", "from_blob", "listen",
            "serve", "to_blob"]
@@ -30,16 +39,12 @@ __all__ = ["Connection", "FabricError", "Frame", "Refused", "Unreachable", "acce
 _POLL_SECONDS = 0.1
 
 
-class FabricError(RuntimeError):
-    """An MLfabric request failed."""
-
-
-class Unreachable(FabricError):
-    """The peer could not be reached, broke the connection or did not answer in time."""
-
-
-class Refused(FabricError):
-    """The peer answered with ``ok: false``; ``message`` is its reason."""
+#: An MLfabric request failed (the host stack's client errors, under MLfabric's names).
+FabricError = PsError
+#: The peer could not be reached, broke the connection or did not answer in time: worth failing over.
+Unreachable = PsUnreachable
+#: The peer answered with ``ok: false``; the message is its reason.
+Refused = PsRefused
 
 
 @dataclass
@@ -67,38 +72,16 @@ def from_blob(blob: bytes | bytearray, size: int | None = None) -> np.ndarray:
     return values
 
 
-class Connection:
+class Connection(PsClient):
     """A client connection to one MLfabric endpoint (PS, replica or aggregator)."""
 
     def __init__(self, address: tuple[str, int], timeout: float = 10.0) -> None:
-        self.address = address
-        self.timeout = timeout
-        try:
-            self.sock = socket.create_connection(address, timeout=timeout)
-        except OSError as err:
-            raise Unreachable(f"cannot connect to {address[0]}:{address[1]}: {err}") from None
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._lock = threading.Lock()
+        super().__init__(address, timeout)
 
     def call(self, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
              timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
         """Send one request, return the successful response; raises Unreachable or Refused."""
-        with self._lock:
-            self.sock.settimeout(self.timeout if timeout is None else timeout)
-            try:
-                send_frame(self.sock, header, blob)
-                response, data = recv_frame(self.sock)
-            except (OSError, ProtocolError, ConnectionClosed) as err:
-                self.close()
-                what = "no answer in time" if isinstance(err, TimeoutError) else str(err) or type(err).__name__
-                raise Unreachable(f"{self.address[0]}:{self.address[1]} {header.get('op')}: {what}") from None
-        if not response.get("ok"):
-            raise Refused(str(response.get("error", "no reason given")))
-        return response, data
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        return self.request(header, blob, timeout)
 
 
 Handler = Callable[[Frame], tuple[dict[str, Any], bytes | bytearray]]
