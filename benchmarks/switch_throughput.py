@@ -31,7 +31,7 @@ from netagg.controller.config import parse_config
 from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord, WorkerEndpoint
 from netagg.controller.switch_programmer import SwitchProgrammer
-from netagg.softswitch.testing import free_udp_ports
+from netagg.localports import free_ports
 
 WORKERS = 4
 SLOTS = 32
@@ -108,7 +108,7 @@ def _drive_raw(interfaces: dict[int, str], rounds: int) -> dict:
 
 def measure_loopback(rounds: int, log_dir: Path) -> dict:
     """The embedded default: the software target process in loopback UDP mode, workers on UDP sockets."""
-    ports = free_udp_ports(WORKERS + 1)
+    ports = free_ports(WORKERS + 1)
     switch = start_target("soft", {}, log_dir / "bench-loopback.log", loopback=f"127.0.0.1:{ports[-1]}")
     try:
         hosts = [{"name": "local", "ip": "127.0.0.1", "mac": "02:00:00:00:bb:01", "port": 1}]

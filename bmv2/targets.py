@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from netagg.bmv2.netns import ns_exec
+from netagg.localports import free_ports
 
 TARGETS = ("soft", "bmv2")
 
@@ -31,12 +32,6 @@ def bmv2_missing() -> str | None:
     if missing:
         return f"{' and '.join(missing)} not on PATH (install p4lang's p4c and behavioral-model packages)"
     return None
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -108,7 +103,7 @@ def start_target(kind: str, interfaces: Mapping[int, str], log_path: Path, grpc_
     """Start the target (inside ``namespace`` if given) and wait until P4Runtime answers."""
     if kind == "bmv2" and (reason := bmv2_missing()):
         raise TargetError(reason)
-    grpc_address = grpc_address or f"127.0.0.1:{free_tcp_port()}"
+    grpc_address = grpc_address or f"127.0.0.1:{free_ports(1, 'tcp')[0]}"
     cmd = ns_exec(namespace, target_command(kind, interfaces, grpc_address, device_id, loopback, faults))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:

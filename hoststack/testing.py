@@ -21,6 +21,7 @@ from netagg.hoststack import quantization as qz
 from netagg.hoststack.kv import KVWorker
 from netagg.hoststack.server import Handle, KVServer
 from netagg.jobconfig import Endpoint, WorkerConfig
+from netagg.localports import free_ports
 from netagg.softswitch.faults import FaultInjector
 
 LOCALHOST = "127.0.0.1"
@@ -44,24 +45,12 @@ def expected_allreduce(inputs: Sequence[Any]) -> tuple[Any, np.ndarray]:
     return result, bound.reshape(layout.segments[0].shape)
 
 
-def free_udp_ports(count: int, host: str = LOCALHOST) -> list[int]:
-    """Distinct UDP ports that were free a moment ago."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def job_configs(num_workers: int, mode: str, aggregator: Endpoint, ps: Endpoint | None, slot_count: int = 32,
                 job_id: int = 1) -> list[WorkerConfig]:
     """One config per rank, each worker bound to its own free loopback port."""
     return [WorkerConfig(job_id=job_id, rank=rank, num_workers=num_workers, slot_count=slot_count, mode=mode,
                          aggregator=aggregator, bind=Endpoint(LOCALHOST, port), ps=ps)
-            for rank, port in enumerate(free_udp_ports(num_workers))]
+            for rank, port in enumerate(free_ports(num_workers))]
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,28 +20,17 @@ from typing import Any
 
 from netagg import dataplane as dp
 from netagg.jobconfig import Endpoint, WorkerConfig
+from netagg.localports import free_ports
 
 LOCALHOST = "127.0.0.1"
 WORKER_COMMAND = (sys.executable, "-m", "benchmarks.mlfabric_worker")
 PS_COMMAND = (sys.executable, "-m", "netagg.mlfabric.async_server")
 
 
-def free_tcp_ports(count: int, host: str = LOCALHOST) -> list[int]:
-    """Distinct TCP ports that were free a moment ago."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def loopback_configs(num_workers: int, *, update_mode: str = "async", delay_bound: int | None = None,
                      schedule: str = "fifo", replicas: int = 0, job_id: int = 1) -> list[WorkerConfig]:
     """One config per rank of a ps-mode job whose PS chain listens on loopback."""
-    ports = free_tcp_ports(1 + replicas + num_workers)
+    ports = free_ports(1 + replicas + num_workers, "tcp")
     ps, chain, binds = Endpoint(LOCALHOST, ports[0]), ports[1:1 + replicas], ports[1 + replicas:]
     return [WorkerConfig(job_id=job_id, rank=rank, num_workers=num_workers, slot_count=1, mode="ps",
                          aggregator=Endpoint(LOCALHOST, 9), bind=Endpoint(LOCALHOST, binds[rank]), ps=ps,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import yaml
 from netagg import dataplane as dp
 from netagg.bmv2.targets import TargetProcess, start_target
 from netagg.jobconfig import WorkerConfig
+from netagg.localports import free_ports
 
 TENANT_TOKEN = "demo-tenant-token"
 ADMIN_TOKEN = "demo-admin-token"
@@ -28,19 +28,6 @@ ADMIN_TOKEN = "demo-admin-token"
 
 class DeploymentError(RuntimeError):
     """A process of the deployment failed to start or to do its job."""
-
-
-def free_ports(kind: int, count: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, kind)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class Deployment:
@@ -105,7 +92,7 @@ class Deployment:
 
     def worker_ports(self, hosts: Sequence[str]) -> list[int]:
         """UDP ports for workers on ``hosts``."""
-        return free_ports(socket.SOCK_DGRAM, len(hosts))
+        return free_ports(len(hosts))
 
     def stop(self) -> None:
         """Stop every process (workers and PS first, then the controller, the switch last)."""
@@ -185,7 +172,7 @@ class LocalDeployment(Deployment):
         self.capacity = capacity
 
     def _start(self) -> None:
-        udp_port, ps_port = free_ports(socket.SOCK_DGRAM, 2)
+        udp_port, ps_port = free_ports(2)
         self.switch = start_target("soft", {}, self.workdir / "softswitch.log", loopback=f"127.0.0.1:{udp_port}")
         hosts = [{"name": self.HOST, "ip": "127.0.0.1", "mac": "02:00:00:00:bb:01", "port": 1}]
         self.start_controller(self.controller_config(self.switch.grpc_address, "127.0.0.1", udp_port, hosts,

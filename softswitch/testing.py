@@ -9,7 +9,6 @@ truth for what a job needs) and written through ``P4RuntimeClient``.
 from __future__ import annotations
 
 import itertools
-import socket
 import time
 
 from netagg import dataplane as dp
@@ -18,23 +17,10 @@ from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord, PsEndpoint, WorkerEndpoint
 from netagg.controller.switch_programmer import SwitchProgrammer
 from netagg.jobconfig import Endpoint, WorkerConfig
+from netagg.localports import free_ports
 from netagg.softswitch.target import LOOPBACK_PORT_NUMBER, Faults, SoftwareTarget
 
 LOCAL_HOST = "local"
-
-
-def free_udp_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Distinct UDP ports that were free a moment ago."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class LoopbackSwitch:
@@ -89,7 +75,7 @@ class LoopbackSwitch:
         """Install a job (unless fallback) and return every rank's configuration."""
         if mode != "fallback" and self._next_slot + slot_count > self.capacity:
             raise ValueError(f"only {self.capacity - self._next_slot} slots left")
-        ports = bind_ports or free_udp_ports(num_workers)
+        ports = bind_ports or free_ports(num_workers)
         job = JobRecord(
             job_id=next(self._job_ids), tenant="test", name="test", mode=mode, state="active",
             slot_base=self._next_slot if mode != "fallback" else 0,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,14 @@ import yaml
 from netagg import dataplane as dp
 from netagg.bmv2.p4build import compile_program
 from netagg.bmv2.targets import TargetProcess, bmv2_missing, start_target
+from netagg.localports import free_ports
 
 ADMIN_TOKEN = "admin-test-token"
 TOKENS = {"alice": "alice-test-token", "bob": "bob-test-token"}
 
 
 def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @pytest.fixture(scope="session")

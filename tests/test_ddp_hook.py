@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from netagg import dataplane as dp
+from netagg.localports import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 EXAMPLE = dp.REPO_ROOT / "examples" / "torch_ddp_digits.py"
 
 
-def _free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(configs, hook: str, tmp_path) -> list[dict]:
-    master = f"127.0.0.1:{_free_tcp_port()}"
+    master = f"127.0.0.1:{free_ports(1, 'tcp')[0]}"
     procs = []
     for cfg in configs:
         path = tmp_path / f"{hook}-rank{cfg.rank}.yaml"

@@ -15,8 +15,9 @@ import pytest
 from netagg.hoststack.kv import KVWorker
 from netagg.hoststack.psproto import PsError
 from netagg.hoststack.server import KVServer, main
-from netagg.hoststack.testing import expected_allreduce, free_udp_ports, job_configs, run_workers
+from netagg.hoststack.testing import expected_allreduce, job_configs, run_workers
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
+from netagg.localports import free_ports
 
 
 def read_line(process: subprocess.Popen, timeout: float = 30.0) -> str:
@@ -32,7 +33,7 @@ def read_line(process: subprocess.Popen, timeout: float = 30.0) -> str:
 
 def test_server_process_serves_a_fallback_job_and_stops_on_sigterm(tmp_path):
     n = 2
-    ps = Endpoint("127.0.0.1", free_udp_ports(1)[0])
+    ps = Endpoint("127.0.0.1", free_ports(1)[0])
     configs = job_configs(n, "fallback", ps, ps, slot_count=8, job_id=4)
     paths = []
     for config in configs:
@@ -72,7 +73,7 @@ def test_server_refuses_an_allreduce_job():
 
 
 def test_a_ps_mode_worker_without_its_ps_fails_at_once():
-    nobody = Endpoint("127.0.0.1", free_udp_ports(1)[0])
+    nobody = Endpoint("127.0.0.1", free_ports(1)[0])
     config = job_configs(1, "ps", Endpoint("127.0.0.1", 9), nobody)[0]
     with pytest.raises(PsError, match="cannot connect to the parameter server"):
         KVWorker(config, ps_timeout=2)

@@ -7,8 +7,9 @@ import pytest
 
 from netagg import wire
 from netagg.hoststack.server import SGD, KVServer
-from netagg.hoststack.testing import expected_allreduce, free_udp_ports, run_workers
+from netagg.hoststack.testing import expected_allreduce, run_workers
 from netagg.jobconfig import Endpoint
+from netagg.localports import free_ports
 
 testing = pytest.importorskip("netagg.softswitch.testing")
 
@@ -50,7 +51,7 @@ def test_ps_mode_sum_store_gets_every_block_even_when_the_switch_to_ps_copy_is_l
     expected_second, _ = expected_allreduce(second)
     faults = {"drop": loss, "duplicate": loss / 2, "reorder": loss / 2, "seed": 8} if loss else {}
     with testing.LoopbackSwitch(**faults) as switch:
-        ps = Endpoint("127.0.0.1", free_udp_ports(1)[0])
+        ps = Endpoint("127.0.0.1", free_ports(1)[0])
         configs = switch.add_job(N, slot_count=SLOTS, mode="ps", ps=ps)
         with KVServer(configs[0]) as server:
             def job(worker, rank):
@@ -73,7 +74,7 @@ def test_ps_mode_sgd_handle_updates_the_weights():
     grads = make_inputs(size=100, seed=4)
     aggregate, _ = expected_allreduce(grads)
     with testing.LoopbackSwitch() as switch:
-        ps = Endpoint("127.0.0.1", free_udp_ports(1)[0])
+        ps = Endpoint("127.0.0.1", free_ports(1)[0])
         configs = switch.add_job(N, slot_count=SLOTS, mode="ps", ps=ps)
         with KVServer(configs[0], SGD(lr)):
             def job(worker, rank):
