@@ -49,7 +49,7 @@ def _worker_mac(rank: int) -> str:
 
 
 def _install_job(grpc_address: str, device_config: bytes, hosts: list[dict], workers: list[WorkerEndpoint],
-                 aggregator_port: int) -> tuple[P4RuntimeClient, int]:
+                 aggregator_port: int, slots: int = SLOTS) -> tuple[P4RuntimeClient, int]:
     client = P4RuntimeClient(grpc_address, device_id=1, election_id=(0, 1))
     client.connect()
     client.set_pipeline(dp.P4INFO_PATH, device_config)
@@ -59,7 +59,7 @@ def _install_job(grpc_address: str, device_config: bytes, hosts: list[dict], wor
         "hosts": hosts,
     }, "<bench>")
     job = JobRecord(job_id=1, tenant="bench", name="bench", mode="allreduce", state="active", slot_base=0,
-                    slot_count=SLOTS, slots_wanted=SLOTS, generation=1, workers=workers, ps=None,
+                    slot_count=slots, slots_wanted=slots, generation=1, workers=workers, ps=None,
                     lease_seconds=3600, lease_expires=time.time() + 3600, created=time.time())
     SwitchProgrammer(client, config).install_job(job)
     return client, job.job_id
