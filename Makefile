@@ -20,7 +20,7 @@ $(DEMO_STAMP): pyproject.toml $(VENV)/.created
 	@touch $@
 
 $(STAMP): pyproject.toml $(VENV)/.created
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,demo,bench]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,demo,bench,fast]'
 	@touch $(STAMP) $(DEMO_STAMP)
 
 ## setup: create .venv and install netagg with its test and benchmark tools
