@@ -42,9 +42,9 @@ test: build
 ptf: build
 	$(BIN)/python -m netagg.bmv2.ptf_runner --target $(TARGET)
 
-## demo: switch + controller + 4 workers train an MLP through the switch (embedded default target)
+## demo: switch + controller + 4 workers train an MLP through the switch (TARGET=soft: embedded default; bmv2)
 demo: $(DEMO_STAMP)
-	$(BIN)/python -m netagg.demo
+	$(BIN)/python -m netagg.demo --target $(TARGET)
 
 ## bench-switch: aggregated packets/s of the software target (and BMv2 where installed)
 bench-switch: build

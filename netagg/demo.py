@@ -20,7 +20,7 @@ from pathlib import Path
 
 from netagg import dataplane as dp
 from netagg import wire
-from netagg.deployment import DeploymentError, LocalDeployment
+from netagg.deployment import Deployment, DeploymentError, LocalDeployment
 
 EXAMPLE = dp.REPO_ROOT / "examples" / "mlp_digits.py"
 #: The example's learning rate, which the PS applies in ps mode.
@@ -59,30 +59,38 @@ def _progress(line: str, steps: int, started: float) -> None:
           f"{time.monotonic() - started:5.1f} s", flush=True)
 
 
+def _deployment(workdir: Path, target: str, num_workers: int) -> Deployment:
+    """The embedded default (software target, loopback UDP), or BMv2 in the namespace topology."""
+    if target == "soft":
+        return LocalDeployment(workdir)
+    from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
+
+    return EmulatedCluster(workdir, ClusterSpec.load(num_workers=num_workers, target=target, rate_mbit=None))
+
+
 def run_demo(workdir: Path, num_workers: int = 4, steps: int = 150, slots: int = 16, mode: str = "allreduce",
-             report_every: int = 10, quiet: bool = False) -> DemoResult:
+             report_every: int = 10, quiet: bool = False, target: str = "soft") -> DemoResult:
     """The whole demo; raises DeploymentError when a process fails."""
     result = DemoResult(steps=steps)
     started = time.monotonic()
     say = (lambda *_: None) if quiet else print
-    with LocalDeployment(workdir) as deployment:
-        say(f"switch: software target on {deployment.switch.grpc_address} (P4Runtime), "
-            f"loopback UDP {deployment.switch.loopback_address[1]}; controller up")
-        created = deployment.create_job([deployment.HOST] * num_workers, slots, mode=mode, name="mlp-digits")
+    with _deployment(workdir, target, num_workers) as deployment:
+        say(f"switch: {deployment.describe()}; controller up")
+        created = deployment.create_job(deployment.worker_hosts[:num_workers], slots, mode=mode, name="mlp-digits")
         result.job = created["job"]
         job_id = result.job["job_id"]
         say(f"job {job_id}: {num_workers} workers, mode {result.job['mode']}, slots {result.job['slots']} "
             f"(admission {created['admission']})")
         if result.job["mode"] in ("ps", "fallback"):
-            deployment.start_ps(created["config_paths"][0], deployment.HOST,
+            deployment.start_ps(created["config_paths"][0], deployment.ps_host,
                                 handle="sgd" if result.job["mode"] == "ps" else "sum", lr=LEARNING_RATE)
             say(f"parameter server up ({result.job['mode']} mode)")
         reference = subprocess.Popen([sys.executable, str(EXAMPLE), "--reference", str(num_workers),
                                       "--steps", str(steps)], stdout=subprocess.PIPE, text=True, cwd=dp.REPO_ROOT)
-        workers = [deployment.spawn(f"worker{rank}", [
+        workers = [deployment.spawn(f"worker{rank}", deployment.host_command(host, [
             sys.executable, str(EXAMPLE), "--config", str(path), "--steps", str(steps),
-            "--report-every", str(report_every)], stdout=subprocess.PIPE)
-            for rank, path in enumerate(created["config_paths"])]
+            "--report-every", str(report_every)]), stdout=subprocess.PIPE)
+            for rank, (host, path) in enumerate(zip(deployment.worker_hosts, created["config_paths"]))]
         for line in workers[0].stdout:
             if line.startswith('{"final"'):
                 result.workers.append(json.loads(line)["final"])
@@ -114,13 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.02,
                         help="largest allowed drop in test accuracy vs the float32 reference (default 0.02)")
     parser.add_argument("--workdir", type=Path, help="keep logs and configs here (default: a temporary folder)")
+    parser.add_argument("--target", choices=("soft", "bmv2"), default="soft",
+                        help="soft: the embedded default (loopback UDP); bmv2: simple_switch_grpc in the "
+                             "namespace topology of configs/cluster.yaml (root, p4c and BMv2 installed)")
     args = parser.parse_args(argv)
     print(f"netagg demo: {args.workers} workers train an MLP on scikit-learn's digits for {args.steps} steps; "
           "every gradient is summed in the switch")
     try:
         with tempfile.TemporaryDirectory(prefix="netagg-demo-") as tmp:
             workdir = args.workdir or Path(tmp)
-            result = run_demo(workdir, args.workers, args.steps, slots=args.slots, mode=args.mode)
+            result = run_demo(workdir, args.workers, args.steps, slots=args.slots, mode=args.mode, target=args.target)
     except (DeploymentError, KeyboardInterrupt) as err:
         print(f"demo failed: {err}", file=sys.stderr)
         return 1

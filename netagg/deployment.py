@@ -86,6 +86,19 @@ class Deployment:
                 raise DeploymentError(f"the controller did not start:\n{self.log_tail('controller')}")
             time.sleep(0.05)
 
+    @property
+    def worker_hosts(self) -> list[str]:
+        """Configured host names that run workers (rank order)."""
+        raise NotImplementedError
+
+    @property
+    def ps_host(self) -> str:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        assert self.switch is not None
+        return f"{self.switch.kind} target, P4Runtime on {self.switch.grpc_address}"
+
     def host_command(self, host: str, cmd: Sequence[str]) -> list[str]:
         """How to run ``cmd`` on ``host`` (a configured host name)."""
         return list(cmd)
@@ -167,9 +180,21 @@ class LocalDeployment(Deployment):
 
     HOST = "local"
 
-    def __init__(self, workdir: Path, capacity: int = 1024) -> None:
+    def __init__(self, workdir: Path, capacity: int = 1024, max_workers: int = 32) -> None:
         super().__init__(workdir)
         self.capacity = capacity
+        self.max_workers = max_workers
+
+    @property
+    def worker_hosts(self) -> list[str]:
+        return [self.HOST] * self.max_workers
+
+    @property
+    def ps_host(self) -> str:
+        return self.HOST
+
+    def describe(self) -> str:
+        return f"{super().describe()}, loopback UDP port {self.switch.loopback_address[1]}"
 
     def _start(self) -> None:
         udp_port, ps_port = free_ports(2)
