@@ -18,15 +18,18 @@
 control ValueSum(inout headers_t hdr, in metadata_t meta) {
     FOR_EACH_VALUE(VALUE_REGISTER)
 
+    @id(0x01000009)
     action write_values() {
         FOR_EACH_VALUE(VALUE_WRITE)
     }
 
+    @id(0x0100000a)
     action merge_values() {
         bit<32> sum;
         FOR_EACH_VALUE(VALUE_MERGE)
     }
 
+    @id(0x0100000b)
     action read_values() {
         FOR_EACH_VALUE(VALUE_READ)
     }
