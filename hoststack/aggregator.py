@@ -23,7 +23,7 @@ import numpy as np
 
 from netagg import wire
 from netagg.dataplane import DropReason, ValueOp
-from netagg.slots import SlotRegisters
+from netagg.slots import RoundState, SlotRegisters
 
 Address = tuple[str, int]
 _unpack_header = wire.HEADER_STRUCT.unpack_from
@@ -86,7 +86,7 @@ class SoftAggregator:
         """Process one datagram from ``source``; the result to send, if any."""
         if len(data) != wire.NETAGG_BYTES:
             return self._drop(DropReason.MALFORMED)
-        version, flags, job, slot, pool, rank, exponent, _, _, _ = _unpack_header(data, 0)
+        version, flags, job, slot, pool, rank, exponent, _, round_, _ = _unpack_header(data, 0)
         if version != wire.VERSION:
             return self._drop(DropReason.BAD_VERSION)
         if flags & wire.FLAG_RESULT:
@@ -105,12 +105,15 @@ class SoftAggregator:
             self.address_of[rank] = source
         elif rank != known_rank:
             return self._drop(DropReason.RANK_MISMATCH)
-        return self._aggregate(data, slot, pool, rank, exponent)
+        return self._aggregate(data, slot, pool, round_, rank, exponent)
 
-    def _aggregate(self, data: bytes | bytearray | memoryview, slot: int, pool: int, rank: int,
+    def _aggregate(self, data: bytes | bytearray | memoryview, slot: int, pool: int, round_: int, rank: int,
                    exponent: int) -> Outcome | None:
         regs = self.registers
-        decision = regs.decide(slot, pool, 1 << rank, self.num_workers, _GENERATION)
+        decision = regs.decide(slot, pool, round_, 1 << rank, self.num_workers, _GENERATION)
+        if decision.round_state == RoundState.OLD:
+            self.stats.duplicates += 1
+            return None
         if decision.fresh and not decision.late:
             self.stats.contributions += 1
             if decision.complete:

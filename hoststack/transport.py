@@ -12,7 +12,9 @@ carries this worker's exponent of the block one window ahead (``b + S``), so the
 of block ``b`` tells every worker the global exponent of block ``b + S`` before it is
 quantized. The first window's exponents come from one *probe* per slot: a packet of
 zeros carrying the exponent of block ``s``, with bit 31 of ``seq`` set. Data blocks use
-``seq = block counter mod 2**31`` (consecutive over the transport's life).
+``seq = block counter mod 2**31`` (consecutive over the transport's life). Every new
+packet of a slot (probe or data) carries the slot's next ``round`` number, so the switch
+drops a delayed copy of an earlier round instead of starting a round with it.
 
 Lost packets are retransmitted (same bytes, ``FLAG_RETRANSMIT``) after a per-slot timeout
 (RFC 6298 estimate from the result round trips, exponential backoff); results are
@@ -170,6 +172,10 @@ class Transport:
         self._raw = self._packets.view(np.uint8).reshape(self.slot_count, _NETAGG_BYTES)
         self._rows = [memoryview(self._raw[s]) for s in range(self.slot_count)]
         self._next_pool = np.zeros(self.slot_count, np.uint8)
+        # Per slot: the round number of its latest use (+1 per new packet, mod 2**16), which
+        # lets the switch tell a delayed copy of an earlier round from a new one. Every worker
+        # of the job uses each slot the same number of times, so their numbers agree.
+        self._rounds = np.zeros(self.slot_count, np.uint16)
         self._flagged: set[int] = set()  # rows whose flags carry FLAG_RETRANSMIT
         self._seq = 0
         self._probe_seq = 0
@@ -291,6 +297,9 @@ class _Round:
         pools = t._next_pool[sl]
         hdr = t._packets["hdr"]
         hdr["pool"][sl] = pools
+        rounds = t._rounds[sl] + np.uint16(1)
+        t._rounds[sl] = rounds
+        hdr["round"][sl] = rounds
         if t._flagged:  # clear FLAG_RETRANSMIT left by earlier retransmissions from these rows
             hdr["flags"][list(t._flagged)] = 0
             t._flagged.clear()

@@ -2,14 +2,16 @@
 target's pipeline model and the parameter server's fallback aggregator, so both follow the
 switch exactly (the P4 program stays the reference; the PTF suite checks the model).
 
-Per slot: an owner tag (``SlotOwner``) and one bitmap per pool (``BitmapCheck``); per
-(slot, pool): the missing-contribution count (``WorkerCount``), the exponent maximum
-(``ExponentMax``) and the K int32 sums (``ValueSum``). See docs/protocol.md.
+Per slot: an owner tag (``SlotOwner``) and the current round of each pool
+(``RoundCheck``); per (slot, pool): the bitmap of contributors (``BitmapCheck``), the
+missing-contribution count (``WorkerCount``), the exponent maximum (``ExponentMax``) and
+the K int32 sums (``ValueSum``). See docs/protocol.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 
@@ -17,11 +19,20 @@ from netagg import wire
 from netagg.dataplane import ValueOp
 
 
+class RoundState(IntEnum):
+    """How a packet's round number compares with its (slot, pool)'s current round (ROUND_* in defines.p4)."""
+
+    SAME = 0
+    NEW = 1
+    OLD = 2
+
+
 @dataclass(slots=True)
 class SlotDecision:
     """What the registers decided about one packet."""
 
     op: ValueOp  #: what ValueSum/ExponentMax do (NONE: nothing)
+    round_state: RoundState  #: the packet's round vs the pool's current round
     first: bool  #: the round's first contribution
     fresh: bool  #: the sender's first packet of this round (else a retransmission)
     complete: bool  #: the round is complete (now, or already)
@@ -33,13 +44,17 @@ class SlotDecision:
         return self.complete and not self.late
 
 
+_OLD = SlotDecision(ValueOp.NONE, RoundState.OLD, False, False, False, False)
+
+
 class SlotRegisters:
     """Registers of ``num_slots`` slots, each with ``wire.NUM_POOLS`` pools."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.owner = [0] * num_slots
-        self.bitmaps = [[0] * num_slots for _ in range(wire.NUM_POOLS)]
+        self.rounds = [[0] * num_slots for _ in range(wire.NUM_POOLS)]
+        self.bitmaps = [0] * (num_slots * wire.NUM_POOLS)
         self.counts = [0] * (num_slots * wire.NUM_POOLS)
         self.exponents = [0] * (num_slots * wire.NUM_POOLS)
         self.values = np.zeros((num_slots * wire.NUM_POOLS, wire.K), np.int32)
@@ -52,18 +67,34 @@ class SlotRegisters:
     def pool_index(slot: int, pool: int) -> int:
         return slot * wire.NUM_POOLS + pool
 
-    def decide(self, slot: int, pool: int, worker_mask: int, num_workers: int, generation: int) -> SlotDecision:
-        """SlotOwner, BitmapCheck and WorkerCount for one packet, and the resulting value op."""
+    def round_check(self, slot: int, pool: int, round_: int, stale: bool) -> RoundState:
+        """RoundCheck: SAME, NEW (ahead, serial arithmetic mod 2**16) or OLD."""
+        if stale:
+            self.rounds[pool][slot] = round_
+            self.rounds[1 - pool][slot] = (round_ - 1) & 0xFFFF
+            return RoundState.NEW
+        ahead = (round_ - self.rounds[pool][slot]) & 0xFFFF
+        if ahead == 0:
+            return RoundState.SAME
+        if ahead < 0x8000:
+            self.rounds[pool][slot] = round_
+            return RoundState.NEW
+        return RoundState.OLD
+
+    def decide(self, slot: int, pool: int, round_: int, worker_mask: int, num_workers: int,
+               generation: int) -> SlotDecision:
+        """SlotOwner, RoundCheck, BitmapCheck and WorkerCount for one packet, and the value op."""
         stale = self.owner[slot] != generation
         if stale:
             self.owner[slot] = generation
-        mine = 0 if stale else self.bitmaps[pool][slot]
-        other = 0 if stale else self.bitmaps[1 - pool][slot]
-        self.bitmaps[pool][slot] = mine | worker_mask
-        self.bitmaps[1 - pool][slot] = other & ~worker_mask & 0xFFFFFFFF
-        first = mine == 0
-        fresh = (mine & worker_mask) == 0
+        state = self.round_check(slot, pool, round_, stale)
+        if state == RoundState.OLD:
+            return _OLD
         index = slot * wire.NUM_POOLS + pool
+        before = 0 if state == RoundState.NEW else self.bitmaps[index]
+        self.bitmaps[index] = before | worker_mask
+        first = state == RoundState.NEW
+        fresh = (before & worker_mask) == 0
         count = self.counts[index]
         late = False
         if fresh:
@@ -80,8 +111,7 @@ class SlotRegisters:
             op = ValueOp.READ
         else:
             op = ValueOp.NONE
-        return SlotDecision(op, first, fresh, complete, late)
-
+        return SlotDecision(op, state, first, fresh, complete, late)
     def exponent(self, index: int, op: ValueOp, exponent: int) -> int:
         """ExponentMax: write / signed max / read; returns what the packet leaves with."""
         if op == ValueOp.WRITE or (op == ValueOp.MERGE and exponent > self.exponents[index]):

@@ -61,7 +61,7 @@ HEADER_FIELDS: tuple[Field, ...] = (
     Field("rank", 8, False, "sender's rank within the job (0..MAX_WORKERS-1)"),
     Field("exponent", 8, True, "host: local max exponent; result: max over workers"),
     Field("reserved0", 8, False, "zero on send; echoed unchanged"),
-    Field("reserved1", 16, False, "zero on send; echoed unchanged"),
+    Field("round", 16, False, "the slot's round number: +1 at every new use of the slot (mod 2**16)"),
     Field("seq", 32, False, "block id chosen by the host, echoed unchanged"),
 )
 
@@ -98,7 +98,7 @@ class Header:
     flags: int = 0
     version: int = VERSION
     reserved0: int = 0
-    reserved1: int = 0
+    round: int = 0
 
     @property
     def is_result(self) -> bool:

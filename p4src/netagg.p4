@@ -13,6 +13,7 @@
 #include "include/parser.p4"
 #include "include/control/worker_lookup.p4"
 #include "include/control/slot_owner.p4"
+#include "include/control/round_check.p4"
 #include "include/control/bitmap_check.p4"
 #include "include/control/worker_count.p4"
 #include "include/control/exponent_max.p4"
@@ -37,6 +38,7 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
 
     WorkerLookup() worker_lookup;
     SlotOwner() slot_owner;
+    RoundCheck() round_check;
     BitmapCheck() bitmap_check;
     WorkerCount() worker_count;
     ExponentMax() exponent_max;
@@ -66,6 +68,13 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
             worker_lookup.apply(hdr, meta);
             if (meta.drop_reason == DROP_NONE) {
                 slot_owner.apply(meta);
+                round_check.apply(hdr, meta);
+            }
+            if (meta.drop_reason == DROP_NONE && meta.round_state == ROUND_OLD) {
+                /* A copy of a round that has been superseded: harmless, dropped. */
+                job_duplicates.count((bit<32>)hdr.netagg.job_id);
+                mark_to_drop(standard_metadata);
+            } else if (meta.drop_reason == DROP_NONE) {
                 bitmap_check.apply(hdr, meta);
                 worker_count.apply(meta);
                 if (meta.fresh == 1 && meta.late == 0) {

@@ -106,8 +106,8 @@ class SlotReuse(NetaggTest):
         job = self.add_job(workers, slot_count=1)
         for round_ in range(5):
             pool = round_ % 2
-            packets = [contribution(job, w, [round_ * 10 + w.rank] * wire.K, pool=pool, seq=round_)
-                       for w in workers]
+            packets = [contribution(job, w, [round_ * 10 + w.rank] * wire.K, pool=pool, seq=round_,
+                                    round=round_ + 1) for w in workers]
             for w, p in zip(workers, packets):
                 self.send(w.port, p)
             total = [sum(round_ * 10 + w.rank for w in workers)] * wire.K

@@ -194,10 +194,10 @@ def _mac(text: str) -> int:
 
 
 def contribution(job: Job, worker: Worker, values: list[int], slot: int = 0, pool: int = 0,
-                 exponent: int = 0, seq: int = 0, flags: int = 0, **overrides: int) -> Packet:
-    """A worker's packet to the aggregator, as its kernel would send it."""
+                 exponent: int = 0, seq: int = 0, flags: int = 0, round: int = 1, **overrides: int) -> Packet:
+    """A worker's packet to the aggregator, as its kernel would send it (``round``: the slot's use number)."""
     header = dict(job_id=job.job_id, slot=slot, pool=pool, rank=worker.rank, exponent=exponent,
-                  seq=seq, flags=flags)
+                  seq=seq, flags=flags, round=round)
     header.update(overrides)
     return (Ether(src=worker.mac, dst=SWITCH_MAC)
             / IP(src=worker.ip, dst=AGGREGATOR_IP, id=0x1234, flags=0, ttl=64)

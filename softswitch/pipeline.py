@@ -18,7 +18,7 @@ from p4.config.v1 import p4info_pb2
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.dataplane import DropReason, ValueOp
-from netagg.slots import SlotRegisters
+from netagg.slots import RoundState, SlotRegisters
 from netagg.softswitch.forwarding_state import ForwardingState
 
 _ETH = struct.Struct("!6s6sH")
@@ -98,8 +98,8 @@ def deparse(pkt: ParsedPacket) -> bytes:
 
 # Field positions in ParsedPacket.netagg (wire.HEADER_FIELDS order).
 _N = {f.name: i for i, f in enumerate(wire.HEADER_FIELDS)}
-_VERSION, _FLAGS, _JOB, _SLOT, _POOL, _RANK, _EXP = (
-    _N["version"], _N["flags"], _N["job_id"], _N["slot"], _N["pool"], _N["rank"], _N["exponent"],
+_VERSION, _FLAGS, _JOB, _SLOT, _POOL, _RANK, _EXP, _ROUND = (
+    _N["version"], _N["flags"], _N["job_id"], _N["slot"], _N["pool"], _N["rank"], _N["exponent"], _N["round"],
 )
 
 
@@ -241,8 +241,12 @@ class NetaggPipeline:
         if meta.slot_index >= regs.num_slots:
             # The controller never installs such a range; BMv2 leaves it undefined.
             return None
-        decision = regs.decide(meta.slot_index, hdr[_POOL], meta.worker_mask, meta.num_workers, meta.generation)
+        decision = regs.decide(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.worker_mask, meta.num_workers,
+                               meta.generation)
         # Counters and delivery as NetaggIngress.apply decides.
+        if decision.round_state == RoundState.OLD:
+            self.state.count(dp.COUNTER_JOB_DUPLICATES, job, length)
+            return None
         if decision.fresh and not decision.late:
             self.state.count(dp.COUNTER_JOB_CONTRIBUTIONS, job, length)
             if decision.complete:

@@ -13,10 +13,10 @@ ADDR = [("127.0.0.1", 40000 + r) for r in range(4)]
 
 
 def packet(rank: int, slot: int = 0, pool: int = 0, seq: int = 1, exponent: int = 0, values=None,
-           flags: int = 0, job: int = JOB) -> bytes:
+           flags: int = 0, job: int = JOB, round_: int = 1) -> bytes:
     vals = np.full(wire.K, rank + 1, np.int32) if values is None else np.asarray(values, np.int32)
     return wire.pack(wire.Header(job_id=job, slot=slot, pool=pool, rank=rank, seq=seq, exponent=exponent,
-                                 flags=flags), vals)
+                                 flags=flags, round=round_), vals)
 
 
 def contribute(agg: SoftAggregator, rank: int, **kw):
@@ -53,25 +53,26 @@ def test_retransmissions_before_completion_are_dropped_after_answered_to_the_sen
     assert agg.stats.retransmit_results == 1 and agg.stats.contributions == 2
 
 
-def test_pools_alternate_and_a_late_copy_of_a_completed_round_is_never_added():
+def test_rounds_alternate_pools_and_a_delayed_copy_of_an_earlier_round_is_never_added():
     agg = SoftAggregator(JOB, 2, slot_count=1)
-    contribute(agg, 0, pool=0, values=np.full(wire.K, 10))
-    assert contribute(agg, 1, pool=0, values=np.full(wire.K, 20)).to_group
-    # Rank 1 moves on to pool 1 (clearing its bit in pool 0); then a delayed copy of its pool-0
-    # packet arrives: new for the bitmap, but the round is complete, so it is dropped, not added.
-    assert contribute(agg, 1, pool=1, values=np.full(wire.K, 2)) is None
-    assert contribute(agg, 1, pool=0, values=np.full(wire.K, 20)) is None
-    assert agg.stats.duplicates == 1
-    stored = contribute(agg, 0, pool=0, flags=wire.FLAG_RETRANSMIT)
-    np.testing.assert_array_equal(wire.unpack(stored.packet)[1], 30)
-    # Like the switch, the copy's bitmap update cleared rank 1's bit in pool 1: rank 0's packet
-    # starts pool 1 afresh and rank 1's retransmission is counted again: the sum is still right.
-    assert contribute(agg, 0, pool=1, values=np.full(wire.K, 1)) is None
-    outcome = contribute(agg, 1, pool=1, values=np.full(wire.K, 2), flags=wire.FLAG_RETRANSMIT)
+    contribute(agg, 0, pool=0, round_=1, values=np.full(wire.K, 10))
+    assert contribute(agg, 1, pool=0, round_=1, values=np.full(wire.K, 20)).to_group
+    # Rank 1 moves on to round 2 (pool 1); then a delayed copy of its round-1 packet arrives:
+    # the same round, its bit set: answered with the stored sum, to rank 1 alone, never added.
+    assert contribute(agg, 1, pool=1, round_=2, values=np.full(wire.K, 2)) is None
+    late = contribute(agg, 1, pool=0, round_=1, values=np.full(wire.K, 20))
+    assert not late.to_group
+    np.testing.assert_array_equal(wire.unpack(late.packet)[1], 30)
+    outcome = contribute(agg, 0, pool=1, round_=2, values=np.full(wire.K, 1))
+    assert outcome.to_group
     np.testing.assert_array_equal(wire.unpack(outcome.packet)[1], 3)
-    # Pool 0 again after pool 1 completed: a fresh round (the first contribution overwrites).
-    contribute(agg, 0, pool=0, values=np.full(wire.K, 100))
-    outcome = contribute(agg, 1, pool=0, values=np.full(wire.K, 200))
+    # Round 3 reuses pool 0 and starts afresh (the first contribution overwrites) ...
+    contribute(agg, 0, pool=0, round_=3, values=np.full(wire.K, 100))
+    # ... and a copy of round 1 arriving now is older than the pool's round: dropped, counted.
+    duplicates = agg.stats.duplicates
+    assert contribute(agg, 1, pool=0, round_=1, values=np.full(wire.K, 20)) is None
+    assert agg.stats.duplicates == duplicates + 1
+    outcome = contribute(agg, 1, pool=0, round_=3, values=np.full(wire.K, 200))
     np.testing.assert_array_equal(wire.unpack(outcome.packet)[1], 300)
 
 
@@ -104,7 +105,7 @@ def test_bad_packets_are_dropped_and_counted_without_state_changes(data, source,
     assert contribute(agg, 0, slot=1) is None  # pins ADDR[0] to rank 0
     assert agg.handle(data, source) is None
     assert agg.stats.drops == {reason: 1}
-    assert agg.stats.contributions == 1 and agg.registers.bitmaps[0][0] == 0
+    assert agg.stats.contributions == 1 and agg.registers.bitmaps[0] == 0
 
 
 def test_a_fixed_worker_table_rejects_unknown_addresses():

@@ -4,7 +4,7 @@ import numpy as np
 
 from netagg import wire
 from netagg.dataplane import ValueOp
-from netagg.slots import SlotRegisters
+from netagg.slots import RoundState, SlotRegisters
 
 
 def _values(v: int) -> np.ndarray:
@@ -13,34 +13,47 @@ def _values(v: int) -> np.ndarray:
 
 def test_round_first_merge_complete_then_resend():
     regs = SlotRegisters(4)
-    d = regs.decide(2, 0, 0b01, 2, generation=7)
-    assert (d.op, d.first, d.fresh, d.complete) == (ValueOp.WRITE, True, True, False)
+    d = regs.decide(2, 0, 1, 0b01, 2, generation=7)
+    assert (d.op, d.round_state, d.first, d.fresh, d.complete) == (ValueOp.WRITE, RoundState.NEW, True, True, False)
     regs.sums(regs.pool_index(2, 0), d.op, _values(5))
-    d = regs.decide(2, 0, 0b01, 2, generation=7)
+    d = regs.decide(2, 0, 1, 0b01, 2, generation=7)
     assert (d.op, d.fresh, d.delivers) == (ValueOp.NONE, False, False)  # duplicate before completion
-    d = regs.decide(2, 0, 0b10, 2, generation=7)
-    assert (d.op, d.complete, d.delivers) == (ValueOp.MERGE, True, True)
+    d = regs.decide(2, 0, 1, 0b10, 2, generation=7)
+    assert (d.op, d.round_state, d.complete, d.delivers) == (ValueOp.MERGE, RoundState.SAME, True, True)
     np.testing.assert_array_equal(regs.sums(regs.pool_index(2, 0), d.op, _values(-7)), _values(-2))
-    d = regs.decide(2, 0, 0b01, 2, generation=7)
+    d = regs.decide(2, 0, 1, 0b01, 2, generation=7)
     assert (d.op, d.fresh, d.delivers) == (ValueOp.READ, False, True)  # resend after completion
 
 
-def test_late_copy_of_a_completed_round_is_not_added():
+def test_a_delayed_copy_after_everyone_moved_on_is_never_a_new_round():
     regs = SlotRegisters(1)
     for mask in (0b01, 0b10):
-        regs.decide(0, 0, mask, 2, generation=1)
-    regs.decide(0, 1, 0b01, 2, generation=1)  # worker 0 moved on: its pool-0 bit is cleared
-    d = regs.decide(0, 0, 0b01, 2, generation=1)  # a late copy of worker 0's pool-0 packet
-    assert d.late and d.op == ValueOp.NONE and not d.delivers
+        regs.decide(0, 0, 1, mask, 2, generation=1)  # round 1 (pool 0) completes
+    for mask in (0b01, 0b10):
+        regs.decide(0, 1, 2, mask, 2, generation=1)  # round 2 (pool 1) completes: all moved on
+    d = regs.decide(0, 0, 1, 0b01, 2, generation=1)  # worker 0's delayed round-1 copy
+    assert d.round_state == RoundState.SAME and d.op == ValueOp.READ  # answered, not added
+    d = regs.decide(0, 0, 3, 0b10, 2, generation=1)  # round 3 starts in pool 0
+    assert d.round_state == RoundState.NEW and d.op == ValueOp.WRITE
+    d = regs.decide(0, 0, 1, 0b01, 2, generation=1)  # the round-1 copy again: now OLD
+    assert d.round_state == RoundState.OLD and d.op == ValueOp.NONE and not d.delivers
 
 
-def test_new_generation_takes_the_slot_over():
+def test_round_numbers_wrap_modulo_2_16():
     regs = SlotRegisters(1)
-    regs.decide(0, 0, 0b001, 3, generation=1)
-    regs.decide(0, 1, 0b010, 3, generation=1)
-    d = regs.decide(0, 0, 0b001, 2, generation=2)
-    assert d.first and d.op == ValueOp.WRITE and regs.owner[0] == 2
-    assert regs.bitmaps[1][0] == 0  # the old job's pool-1 bits are gone too
+    assert regs.decide(0, 0, 0xFFFF, 1, 1, generation=1).round_state == RoundState.NEW
+    assert regs.decide(0, 0, 1, 1, 1, generation=1).round_state == RoundState.NEW  # 0xFFFF + 2
+    assert regs.decide(0, 0, 0xFFFF, 1, 1, generation=1).round_state == RoundState.OLD
+
+
+def test_new_generation_takes_the_slot_over_in_both_pools():
+    regs = SlotRegisters(1)
+    regs.decide(0, 0, 5, 0b001, 3, generation=1)
+    regs.decide(0, 1, 6, 0b010, 3, generation=1)
+    d = regs.decide(0, 0, 5, 0b001, 2, generation=2)  # same round number, new job
+    assert d.round_state == RoundState.NEW and d.first and d.op == ValueOp.WRITE and regs.owner[0] == 2
+    d = regs.decide(0, 1, 5, 0b010, 2, generation=2)  # the other pool: its old bits do not count
+    assert d.round_state == RoundState.NEW and d.first
 
 
 def test_exponent_signed_max_and_modular_sums():

@@ -48,6 +48,11 @@
 #define DROP_RANK_MISMATCH 11
 #define DROP_NO_REPLICA 12
 
+/* How a packet's round number compares with its (slot, pool)'s current round. */
+#define ROUND_SAME 0
+#define ROUND_NEW 1
+#define ROUND_OLD 2
+
 /* What the value and exponent registers do with a packet. */
 #define OP_NONE 0
 #define OP_WRITE 1

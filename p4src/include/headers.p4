@@ -42,7 +42,7 @@ header netagg_h {
     bit<8> rank;
     int<8> exponent;
     bit<8> reserved0;
-    bit<16> reserved1;
+    bit<16> round;
     bit<32> seq;
 }
 
@@ -75,6 +75,7 @@ struct metadata_t {
     slot_index_t slot_index;   /* absolute slot */
     slot_index_t pool_index;   /* absolute slot * NUM_POOLS + pool */
     bit<1> stale;              /* slot last used by another job */
+    bit<2> round_state;        /* ROUND_NEW / ROUND_SAME / ROUND_OLD */
     worker_mask_t bitmap_before;
     bit<1> first;              /* first contribution of the round */
     bit<1> fresh;              /* this worker's first packet of the round */

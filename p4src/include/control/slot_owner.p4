@@ -1,7 +1,8 @@
 /* netagg: which job generation last used this slot? A slot handed to a new job
- * still holds the old job's bitmaps and counts; P4Runtime cannot clear registers
- * on BMv2 (p4lang/PI#376), so the data plane treats a slot whose owner tag differs
- * from the job's generation as empty (meta.stale) and takes it over. */
+ * still holds the old job's round numbers, bitmaps and counts; P4Runtime cannot clear
+ * registers on BMv2 (p4lang/PI#376), so the data plane treats a slot whose owner tag
+ * differs from the job's generation as taken over (meta.stale): RoundCheck then starts
+ * a new round, which rewrites the bitmap, count, exponent and sums. */
 #ifndef _NETAGG_SLOT_OWNER_P4_
 #define _NETAGG_SLOT_OWNER_P4_
 
