@@ -7,6 +7,7 @@ one code path for both.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import socket
 import subprocess
@@ -77,6 +78,12 @@ class TargetProcess:
             return ""
 
 
+@functools.cache
+def _bmv2_has_thrift() -> bool:
+    result = subprocess.run(["simple_switch_grpc", "--help"], capture_output=True, text=True, timeout=30)
+    return "--thrift-port" in result.stdout + result.stderr
+
+
 def target_command(kind: str, interfaces: Mapping[int, str], grpc_address: str, device_id: int = 1,
                    loopback: str | None = None, faults: FaultOptions | None = None) -> list[str]:
     """The command line that starts ``kind`` on ``interfaces`` ({port: ifname})."""
@@ -84,6 +91,10 @@ def target_command(kind: str, interfaces: Mapping[int, str], grpc_address: str, 
         if loopback or (faults and faults.args()):
             raise TargetError("BMv2 has no loopback UDP mode or fault injection; use the software target")
         cmd = ["simple_switch_grpc", "--device-id", str(device_id), "--no-p4", "--log-level", "warn"]
+        if _bmv2_has_thrift():
+            # BMv2 built with thrift opens a runtime port (9090 by default) on every address;
+            # a free one keeps two switches (or anything else on 9090) from colliding.
+            cmd += ["--thrift-port", str(free_ports(1, "tcp")[0])]
         for number, ifname in sorted(interfaces.items()):
             cmd += ["-i", f"{number}@{ifname}"]
         return [*cmd, "--", "--grpc-server-addr", grpc_address]
