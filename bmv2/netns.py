@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 #: MAC every host uses for its neighbours (the switch answers for all of them).
@@ -191,20 +189,6 @@ def shape_link(namespace: str, ifname: str, shape: LinkShape, mtu: int) -> str:
     run(ns_exec(namespace, ["tc", "qdisc", "replace", "dev", ifname, "root", "tbf", "rate",
                             f"{shape.rate_mbit}mbit", "burst", str(burst), "limit", str(limit)]))
     return "tbf"
-
-
-@contextmanager
-def terminate_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt so `finally` blocks tear down topologies."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass

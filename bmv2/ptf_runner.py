@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 from netagg import dataplane as dp
-from netagg.bmv2.netns import VethRig, can_create_namespaces, ns_exec, terminate_on_sigterm
+from netagg.bmv2.netns import VethRig, can_create_namespaces, ns_exec
 from netagg.bmv2.p4build import P4CompileError, compile_program
 from netagg.bmv2.targets import TARGETS, TargetError, bmv2_missing, start_target
+from netagg.shutdown import sigterm_as_interrupt
 
 PTF_DIR = dp.REPO_ROOT / "ptf-tests"
 NUM_PORTS = 8
@@ -41,7 +42,7 @@ def run_suite(target: str, tests: list[str], log_dir: Path, prefix: str) -> int:
     if target == "bmv2":
         json_path, _ = compile_program(log_dir / "p4c")
         config = str(json_path)
-    with terminate_on_sigterm(), VethRig(prefix, NUM_PORTS) as rig:
+    with sigterm_as_interrupt(), VethRig(prefix, NUM_PORTS) as rig:
         switch = start_target(target, rig.switch_interfaces(), log_dir / f"{target}-switch.log",
                               grpc_address=GRPC_ADDRESS, namespace=rig.namespace)
         try:

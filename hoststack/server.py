@@ -21,7 +21,6 @@ import contextlib
 import errno
 import logging
 import select
-import signal
 import socket
 import sys
 import threading
@@ -40,6 +39,7 @@ from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, resolve, slot_count_of, udp_socket
 from netagg.hoststack.psproto import ConnectionClosed, ProtocolError, recv_frame, send_frame
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
+from netagg.shutdown import stop_event
 
 log = logging.getLogger(__name__)
 
@@ -466,9 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_event()
     with server:
         print(f"netagg PS: job {config.job_id} ({config.mode}, {config.num_workers} workers) on "
               f"{server.address[0]}:{server.address[1]} (udp+tcp)", flush=True)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import signal
 import sys
 import threading
 import time
@@ -46,6 +45,7 @@ from netagg.mlfabric.grants import GrantService
 from netagg.mlfabric.protocol import Frame, accept_loop, from_blob, listen
 from netagg.mlfabric.replication import ChainForwarder, ReplicationStalled
 from netagg.mlfabric.scheduler import AGGREGATE, Scheduler, TransferRequest
+from netagg.shutdown import stop_event
 
 log = logging.getLogger(__name__)
 
@@ -600,9 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_event()
     with server:
         print(f"mlfabric PS: job {config.job_id} {server.role} ({config.update_mode}, schedule {config.schedule}, "
               f"delay bound {config.delay_bound}, {len(config.replicas)} replica(s)) on "

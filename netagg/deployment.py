@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import yaml
@@ -21,6 +21,7 @@ from netagg import dataplane as dp
 from netagg.bmv2.targets import TargetProcess, start_target
 from netagg.jobconfig import WorkerConfig
 from netagg.localports import free_ports
+from netagg.shutdown import sigterm_as_interrupt
 
 TENANT_TOKEN = "demo-tenant-token"
 ADMIN_TOKEN = "demo-admin-token"
@@ -39,22 +40,22 @@ class Deployment:
         self.switch: TargetProcess | None = None
         self.config_path = workdir / "controller.yaml"
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "NETAGG_CONFIG": str(self.config_path)}
-        self._previous_sigterm = None
 
     # -- lifecycle ---------------------------------------------------------
     def __enter__(self) -> Deployment:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+        self._cleanup = ExitStack()
+        self._cleanup.enter_context(sigterm_as_interrupt())
+        self._cleanup.callback(self.stop)  # runs first: stop processes, then restore SIGTERM
         try:
             self._start()
         except BaseException:
-            self.stop()
+            self._cleanup.close()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
-        signal.signal(signal.SIGTERM, self._previous_sigterm)
+        self._cleanup.close()
 
     def _start(self) -> None:
         """Start the switch, write ``controller.yaml`` (see controller_config), start the controller."""
@@ -202,7 +203,3 @@ class LocalDeployment(Deployment):
         hosts = [{"name": self.HOST, "ip": "127.0.0.1", "mac": "02:00:00:00:bb:01", "port": 1}]
         self.start_controller(self.controller_config(self.switch.grpc_address, "127.0.0.1", udp_port, hosts,
                                                      self.HOST, ps_port, self.capacity))
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")

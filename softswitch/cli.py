@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 
 from netagg import wire
+from netagg.shutdown import stop_event
 from netagg.softswitch.target import Faults, SoftwareTarget
 
 
@@ -63,9 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"netagg-softswitch: {err}", file=sys.stderr)
         return 1
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = stop_event()
     where = f", loopback {target.loopback.address[0]}:{target.loopback.address[1]}" if target.loopback else ""
     logging.info("ready: P4Runtime on %s, ports %s%s", target.grpc_address,
                  sorted(target.switch.ports), where)
