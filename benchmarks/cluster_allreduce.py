@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import subprocess
@@ -29,6 +28,7 @@ from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
 from netagg.bmv2.netns import can_create_namespaces
+from netagg.deployment import json_result
 
 WORKER = [sys.executable, "-m", "benchmarks.allreduce_worker"]
 GLOO_PORT = 29500
@@ -109,10 +109,7 @@ def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, i
     results = []
     try:
         for rank, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=1800)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{kind} worker {rank} failed:\n{err[-2000:]}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            results.append(json_result(proc, f"{kind} worker {rank}", timeout=1800))
     finally:
         for proc in procs:
             if proc.poll() is None:

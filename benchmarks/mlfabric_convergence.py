@@ -26,6 +26,7 @@ from pathlib import Path
 from netagg import dataplane as dp
 from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
 from netagg.bmv2.netns import LinkShape, can_create_namespaces, shape_link
+from netagg.deployment import json_result
 from netagg.jobconfig import WorkerConfig
 from netagg.mlfabric.testing import PS_COMMAND, WORKER_COMMAND, stop
 
@@ -81,16 +82,8 @@ def run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace) -> dict:
                                     cwd=dp.REPO_ROOT)
                    for host, path in zip(hosts, paths)]
         procs.extend(workers)
-        out, err = monitor.communicate(timeout=args.max_seconds + 120)
-        if monitor.returncode != 0:
-            raise RuntimeError(f"monitor failed:\n{err[-2000:]}")
-        final = json.loads(out.strip().splitlines()[-1])["final"]
-        reports = []
-        for rank, proc in enumerate(workers):
-            w_out, w_err = proc.communicate(timeout=60)
-            if proc.returncode != 0:
-                raise RuntimeError(f"worker {rank} failed:\n{w_err[-2000:]}")
-            reports.append(json.loads(w_out.strip().splitlines()[-1]))
+        final = json_result(monitor, "monitor", timeout=args.max_seconds + 120)["final"]
+        reports = [json_result(proc, f"worker {rank}", timeout=60) for rank, proc in enumerate(workers)]
     finally:
         for proc in procs:
             stop(proc)

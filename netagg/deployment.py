@@ -31,6 +31,14 @@ class DeploymentError(RuntimeError):
     """A process of the deployment failed to start or to do its job."""
 
 
+def json_result(process: subprocess.Popen, what: str, timeout: float) -> dict:
+    """The last line ``process`` prints, parsed as JSON; DeploymentError (with its stderr) if it fails."""
+    out, err = process.communicate(timeout=timeout)
+    if process.returncode != 0 or not (out or "").strip():
+        raise DeploymentError(f"{what} failed (exit {process.returncode}):\n{(err or '')[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
 class Deployment:
     """Switch, controller and CLI; subclasses decide where the switch and the hosts live."""
 
