@@ -154,6 +154,13 @@ class NetaggTest(BaseTest):
     def job_counters(self, job: Job) -> dict[str, int]:
         return {short: self.counter(name, job.job_id) for short, name in dp.JOB_COUNTERS.items()}
 
+    def wait_for_counter(self, job: Job, name: str, value: int, timeout: float = PACKET_TIMEOUT) -> None:
+        """Poll the job's counter ``name`` until it reaches ``value`` (the switch took the packet)."""
+        deadline = time.time() + timeout
+        while self.job_counters(job)[name] < value:
+            self.assertLess(time.time(), deadline, f"{name} never reached {value}")
+            time.sleep(0.02)
+
     def drops(self) -> dict[dp.DropReason, int]:
         return {reason: self.counter(dp.COUNTER_DROP_REASONS, reason) for reason in dp.DropReason}
 

@@ -129,6 +129,8 @@ class DelayedCopyOfAnEarlierRound(NetaggTest):
         before = self.job_counters(job)
         third = [contribution(job, w, [7] * wire.K, pool=0, seq=3, round=3) for w in workers]
         self.send(workers[1].port, third[1])
+        # Packets from different ports have no order inside the switch: let round 3 start first.
+        self.wait_for_counter(job, "contributions", before["contributions"] + 1)
         self.send(workers[0].port, stale)
         self.expect_nothing()
         self.assertEqual(self.job_counters(job)["duplicates"] - before["duplicates"], 1)
