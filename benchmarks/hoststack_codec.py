@@ -49,8 +49,8 @@ def measure(num_values: int, num_workers: int = 8, repeats: int = 7) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 16, 1 << 20, 1 << 22],
-                        help="float32 values per array (default 64Ki 1Mi 4Mi)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 16, 1 << 20, 1 << 22, 1 << 24],
+                        help="float32 values per array (default 64Ki 1Mi 4Mi 16Mi)")
     parser.add_argument("--workers", type=int, default=8)
     args = parser.parse_args()
     print(f"{'values':>10} {'copy ms':>9} {'exp ms':>8} {'quant ms':>9} {'dequant ms':>11} "

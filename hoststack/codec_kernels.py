@@ -9,13 +9,19 @@ big-endian wire integers. Large arrays are split over the cores. Install with
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 from numba import njit, prange
 
+from netagg import wire
+
+#: Values per block, a compile-time constant: fixed-length inner loops unroll and vectorize.
+_K = wire.K
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 _INF_BITS = np.uint32(0x7F800000)
 #: Blocks from which a kernel runs on all cores (below, threads cost more than they give).
-PARALLEL_BLOCKS = 4096
+PARALLEL_BLOCKS = 1024
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -24,71 +30,78 @@ def _bswap32(v: np.uint32) -> np.uint32:
             | ((v >> np.uint32(8)) & np.uint32(0xFF00)) | (v >> np.uint32(24)))
 
 
-def _block_tops(bits: np.ndarray, tops: np.ndarray) -> None:
-    """The largest magnitude (as float32 bits without the sign) of every block."""
-    n, k = bits.shape
-    for b in prange(n):
+def _block_exponents(bits: np.ndarray, out: np.ndarray) -> int:
+    """Writes each block's int8 exponent; returns how many blocks hold a NaN/Inf."""
+    bad = 0
+    for b in prange(bits.shape[0]):
+        row = bits[b]  # a 1-D row and a branch-free max: LLVM vectorizes the inner loop
         top = np.uint32(0)
-        for i in range(k):  # a branch-free max: LLVM vectorizes it
-            top = max(top, bits[b, i] & _ABS_MASK)
-        tops[b] = top
+        for i in range(_K):
+            top = max(top, row[i] & _ABS_MASK)
+        if top >= _INF_BITS:
+            bad += 1
+        out[b] = np.int8(-128) if top == 0 else np.int8(np.int32(top >> np.uint32(23)) - 127)
+    return bad
 
 
-def _quantize(blocks: np.ndarray, index: np.ndarray, enc_a: np.ndarray, enc_b: np.ndarray, out: np.ndarray) -> None:
-    n, k = blocks.shape
-    for b in prange(n):
-        a = enc_a[index[b]]
-        second = enc_b[index[b]]
-        extreme = second != np.float32(1.0)
-        for i in range(k):
-            x = blocks[b, i] * a
-            if extreme:
-                x = x * second
-            out[b, i] = _bswap32(np.uint32(np.int32(np.rint(x))))
+def _quantize(blocks: np.ndarray, exponents: np.ndarray, enc_a: np.ndarray, enc_b: np.ndarray,
+              out: np.ndarray) -> None:
+    for b in prange(blocks.shape[0]):
+        g = np.int32(exponents[b]) + 128
+        a, second = enc_a[g], enc_b[g]
+        src, dst = blocks[b], out[b]
+        if second == np.float32(1.0):  # the branch outside the inner loops keeps them vectorized
+            for i in range(_K):
+                dst[i] = _bswap32(np.uint32(np.int32(np.rint(src[i] * a))))
+        else:  # an extreme exponent: the scale needs two float32 factors
+            for i in range(_K):
+                dst[i] = _bswap32(np.uint32(np.int32(np.rint(src[i] * a * second))))
 
 
-def _dequantize(sums: np.ndarray, index: np.ndarray, dec_a: np.ndarray, dec_b: np.ndarray, out: np.ndarray) -> None:
-    n, k = sums.shape
-    for b in prange(n):
-        a = dec_a[index[b]]
-        second = dec_b[index[b]]
-        extreme = second != np.float32(1.0)
-        for i in range(k):
-            y = np.float32(np.int32(_bswap32(sums[b, i]))) * a
-            if extreme:
-                y = y * second
-            out[b, i] = y
+def _dequantize(sums: np.ndarray, exponents: np.ndarray, dec_a: np.ndarray, dec_b: np.ndarray,
+                out: np.ndarray) -> None:
+    for b in prange(sums.shape[0]):
+        g = np.int32(exponents[b]) + 128
+        a, second = dec_a[g], dec_b[g]
+        src, dst = sums[b], out[b]
+        if second == np.float32(1.0):
+            for i in range(_K):
+                dst[i] = np.float32(np.int32(_bswap32(src[i]))) * a
+        else:
+            for i in range(_K):
+                dst[i] = np.float32(np.int32(_bswap32(src[i]))) * a * second
 
 
-def _compiled(fn):  # one serial and one parallel build of each kernel
-    return (njit(cache=True, nogil=True)(fn), njit(cache=True, nogil=True, parallel=True)(fn))
+def _compiled(fn):
+    """A serial and a parallel build of ``fn``. The parallel one compiles a renamed copy:
+    numba's on-disk cache is keyed by the function's name, so two builds of one function
+    would load each other's machine code (and the parallel build would run serially)."""
+    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_parallel")
+    twin.__qualname__ = fn.__qualname__ + "_parallel"
+    return (njit(cache=True, nogil=True)(fn), njit(cache=True, nogil=True, parallel=True)(twin))
 
 
-_TOPS, _QUANTIZE, _DEQUANTIZE = _compiled(_block_tops), _compiled(_quantize), _compiled(_dequantize)
+_EXPONENTS, _QUANTIZE, _DEQUANTIZE = _compiled(_block_exponents), _compiled(_quantize), _compiled(_dequantize)
 
 
 def _pick(kernels: tuple, blocks: int):
     return kernels[blocks >= PARALLEL_BLOCKS]
 
 
-def block_exponents(bits: np.ndarray, out: np.ndarray) -> int:
+def block_exponents(bits: np.ndarray, out: np.ndarray) -> bool:
     """``bits``: the float32 blocks viewed as uint32 (n, K); writes int8 exponents ``floor(log2 max|x|)``
-    (-128 for all-zero blocks); returns the first block holding a NaN/Inf, or -1."""
-    tops = np.empty(bits.shape[0], np.uint32)
-    _pick(_TOPS, bits.shape[0])(bits, tops)
-    bad = np.flatnonzero(tops >= _INF_BITS)
-    if bad.size:
-        return int(bad[0])
-    out[:] = (tops >> 23).astype(np.int16) - 127
-    out[tops == 0] = -128
-    return -1
+    (-128 for all-zero blocks) into ``out``; returns False if a block holds a NaN/Inf."""
+    return _pick(_EXPONENTS, bits.shape[0])(bits, out) == 0
 
 
-def quantize(blocks: np.ndarray, index: np.ndarray, enc_a: np.ndarray, enc_b: np.ndarray, out: np.ndarray) -> None:
-    """``out`` (the wire array viewed as uint32): byte-swapped ``rint(x * a (* b))`` per block."""
-    _pick(_QUANTIZE, blocks.shape[0])(blocks, index, enc_a, enc_b, out)
+def quantize(blocks: np.ndarray, exponents: np.ndarray, enc_a: np.ndarray, enc_b: np.ndarray,
+             out: np.ndarray) -> None:
+    """``out`` (the wire array viewed as uint32): byte-swapped ``rint(x * a (* b))`` per block,
+    the factors looked up at index ``G + 128`` of the int8 exponents G."""
+    _pick(_QUANTIZE, blocks.shape[0])(blocks, exponents, enc_a, enc_b, out)
 
 
-def dequantize(sums: np.ndarray, index: np.ndarray, dec_a: np.ndarray, dec_b: np.ndarray, out: np.ndarray) -> None:
+def dequantize(sums: np.ndarray, exponents: np.ndarray, dec_a: np.ndarray, dec_b: np.ndarray,
+               out: np.ndarray) -> None:
     """``sums``: the wire integers viewed as uint32; writes ``float32(sum) * a (* b)``."""
-    _pick(_DEQUANTIZE, sums.shape[0])(sums, index, dec_a, dec_b, out)
+    _pick(_DEQUANTIZE, sums.shape[0])(sums, exponents, dec_a, dec_b, out)

@@ -95,7 +95,7 @@ def block_exponents(blocks: np.ndarray) -> np.ndarray:
         return np.empty(0, np.int8)
     if _fused(blocks):
         exponents = np.empty(blocks.shape[0], np.int8)
-        if _kernels.block_exponents(blocks.view(np.uint32), exponents) < 0:
+        if _kernels.block_exponents(blocks.view(np.uint32), exponents):
             return exponents
         # A NaN/Inf: the numpy path below builds the detailed error.
     magnitude = np.bitwise_and(blocks.view(np.uint32), _ABS_MASK)
@@ -120,12 +120,12 @@ def quantize(blocks: np.ndarray, exponents: np.ndarray, num_workers: int, out: n
     each block's own :func:`block_exponents` value, else the values could overflow.
     """
     enc_a, enc_b, _, _ = _tables(num_workers)
-    index = exponents.astype(np.intp) + 128
     if out is None:
         out = np.empty(blocks.shape, WIRE_DTYPE)
-    if out.dtype == WIRE_DTYPE and _fused(blocks, out):
-        _kernels.quantize(blocks, index, enc_a, enc_b, out.view(np.uint32))
+    if out.dtype == WIRE_DTYPE and exponents.dtype == np.int8 and _fused(blocks, out, exponents):
+        _kernels.quantize(blocks, exponents, enc_a, enc_b, out.view(np.uint32))
         return out
+    index = exponents.astype(np.intp) + 128
     scaled = np.multiply(blocks, enc_a[index][:, None])
     if index.size and int(index.min()) < _EXTREME_INDEX[num_workers]:  # rare: G < P - 101 (about -70)
         extreme = np.flatnonzero(enc_b[index] != 1)
@@ -144,12 +144,13 @@ def dequantize(
     A float32 result is ``inf`` only where the exact sum exceeds float32's range.
     """
     _, _, dec_a, dec_b = _tables(num_workers)
-    index = exponents.astype(np.intp) + 128
     if out is None:
         out = np.empty(sums.shape, np.float32)
-    if sums.dtype == WIRE_DTYPE and out.dtype == np.float32 and _fused(sums, out):
-        _kernels.dequantize(sums.view(np.uint32), index, dec_a, dec_b, out)
+    fusable = sums.dtype == WIRE_DTYPE and out.dtype == np.float32 and exponents.dtype == np.int8
+    if fusable and _fused(sums, out, exponents):
+        _kernels.dequantize(sums.view(np.uint32), exponents, dec_a, dec_b, out)
         return out
+    index = exponents.astype(np.intp) + 128
     with np.errstate(over="ignore"):  # inf: the exact sum is beyond float32 (documented)
         np.multiply(sums, dec_a[index][:, None], out=out, dtype=out.dtype, casting="unsafe")
     extreme = np.flatnonzero(dec_b[index] != 1)

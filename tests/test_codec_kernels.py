@@ -41,3 +41,14 @@ def test_non_finite_raises_the_same_error():
     blocks[2, 7] = np.inf
     with pytest.raises(ValueError, match="Inf"):
         qz.block_exponents(blocks)
+
+
+def test_parallel_builds_do_not_share_the_serial_cache_entry():
+    # numba's on-disk cache is keyed by the function's qualified name: a parallel build of
+    # the same function would load the serial machine code from the cache and run on one core.
+    from netagg.hoststack import codec_kernels as kernels
+
+    for serial, parallel in (kernels._EXPONENTS, kernels._QUANTIZE, kernels._DEQUANTIZE):
+        assert parallel.targetoptions.get("parallel") and not serial.targetoptions.get("parallel")
+        assert parallel.py_func.__qualname__ != serial.py_func.__qualname__
+        assert parallel.py_func.__code__ is serial.py_func.__code__  # the same kernel body
