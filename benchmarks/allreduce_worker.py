@@ -26,13 +26,14 @@ def tensor_for(rank: int, size: int) -> np.ndarray:
     return (rng.standard_normal(size) * 10.0 ** rng.uniform(-3, 1, size)).astype(np.float32)
 
 
-def _netagg(config_path: str, size: int, iterations: int) -> tuple[list[float], np.ndarray, dict]:
+def _netagg(config_path: str, size: int, iterations: int,
+            congestion_control: bool = True) -> tuple[list[float], np.ndarray, dict]:
     from netagg.hoststack.kv import KVWorker
     from netagg.jobconfig import WorkerConfig
 
     config = WorkerConfig.load(config_path)
     data = tensor_for(config.rank, size)
-    with KVWorker(config, progress_timeout=60.0) as worker:
+    with KVWorker(config, progress_timeout=60.0, congestion_control=congestion_control) as worker:
         result = worker.allreduce(data)  # warm-up (and the result we report)
         times = []
         for _ in range(iterations):
@@ -40,7 +41,8 @@ def _netagg(config_path: str, size: int, iterations: int) -> tuple[list[float], 
             worker.allreduce(data)
             times.append(time.perf_counter() - start)
         stats = worker.transport.stats
-        extra = {"packets_sent": stats.packets_sent, "retransmissions": stats.retransmissions}
+        extra = {"packets_sent": stats.packets_sent, "retransmissions": stats.retransmissions,
+                 "window_decreases": stats.window_decreases, "smallest_window": stats.smallest_window}
     return times, result, extra
 
 
@@ -76,10 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--gloo", nargs=3, metavar=("RANK", "WORLD", "MASTER"))
     parser.add_argument("--size", type=int, required=True, help="float32 values per tensor")
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--fixed-window", action="store_true",
+                        help="netagg without congestion control (the window is always the job's slots)")
     args = parser.parse_args(argv)
     cpu_start = os.times()
     if args.netagg:
-        times, result, extra = _netagg(args.netagg, args.size, args.iterations)
+        times, result, extra = _netagg(args.netagg, args.size, args.iterations,
+                                      congestion_control=not args.fixed_window)
     else:
         rank, world, master = int(args.gloo[0]), int(args.gloo[1]), args.gloo[2]
         times, result, extra = _gloo(rank, world, master, args.size, args.iterations)

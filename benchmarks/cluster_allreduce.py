@@ -35,6 +35,8 @@ GLOO_PORT = 29500
 #: TCP payload share of a 1500-byte-MTU frame: MSS 1448 (timestamps on) of 1500 + 38 bytes on the wire.
 E_TCP = 1448 / (1500 + 38)
 KINDS = ("netagg", "fallback", "gloo")
+#: The same as netagg and fallback but without the transport's congestion control (a fixed window).
+FIXED_WINDOW_KINDS = ("netagg-fixed", "fallback-fixed")
 
 
 @dataclass
@@ -64,6 +66,7 @@ def torch_available() -> bool:
 def bound_seconds(kind: str, num_workers: int, tensor_bytes: int, rate_mbit: float) -> float:
     rate = rate_mbit * 1e6 / 8
     e = wire.payload_efficiency()
+    kind = kind.removesuffix("-fixed")
     if kind == "netagg":
         return tensor_bytes / (e * rate)
     if kind == "gloo":
@@ -93,14 +96,15 @@ def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, i
         commands = [["env", f"GLOO_SOCKET_IFNAME={cluster.ifname_of(host)}", *WORKER, "--gloo", str(rank),
                      str(num_workers), master] for rank, host in enumerate(hosts)]
     else:
-        mode = "allreduce" if kind == "netagg" else "fallback"
+        mode = "allreduce" if kind.startswith("netagg") else "fallback"
         created = cluster.create_job(hosts, slots=slots, mode=mode, name=f"bench-{kind}")
         job_id = created["job"]["job_id"]
         if created["job"]["mode"] != mode:
             raise RuntimeError(f"asked for {mode}, admitted as {created['job']['mode']}: {created['reason']}")
         if mode == "fallback":
             ps = cluster.start_ps(created["config_paths"][0], cluster.ps_host)
-        commands = [[*WORKER, "--netagg", str(path)] for path in created["config_paths"]]
+        fixed = ["--fixed-window"] if kind.endswith("-fixed") else []
+        commands = [[*WORKER, "--netagg", str(path), *fixed] for path in created["config_paths"]]
     switch_cpu_before = _cpu_seconds(cluster.switch.process.pid)
     started = time.monotonic()
     procs = [subprocess.Popen(cluster.host_command(host, [*cmd, "--size", str(size), "--iterations", str(iterations)]),
@@ -134,10 +138,10 @@ def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, i
 
 
 def _table(rows: list[Measurement]) -> str:
-    lines = [f"{'kind':<9} {'N':>2} {'MB':>7} {'seconds':>9} {'bound':>8} {'x bound':>8} {'identical':>9} "
+    lines = [f"{'kind':<14} {'N':>2} {'MB':>7} {'seconds':>9} {'bound':>8} {'x bound':>8} {'identical':>9} "
              f"{'worker cpu':>10} {'switch cpu':>10} {'retx':>6}"]
     for m in rows:
-        lines.append(f"{m.kind:<9} {m.workers:>2} {m.megabytes:>7.2f} {m.seconds:>9.3f} {m.bound_seconds:>8.3f} "
+        lines.append(f"{m.kind:<14} {m.workers:>2} {m.megabytes:>7.2f} {m.seconds:>9.3f} {m.bound_seconds:>8.3f} "
                      f"{m.ratio_to_bound:>8.2f} {m.identical_on_all_workers!s:>9} {m.worker_cpu_share:>10.0%} "
                      f"{m.switch_cpu_share:>10.0%} {m.retransmissions:>6}")
     return "\n".join(lines)
@@ -150,7 +154,7 @@ def _speedups(rows: list[Measurement]) -> list[str]:
     for (kind, n, mb), m in sorted(by_key.items()):
         if kind != "netagg":
             continue
-        for other, ideal in (("gloo", 2 * (n - 1) / n * e / E_TCP), ("fallback", float(n))):
+        for other, ideal in (("gloo", 2 * (n - 1) / n * e / E_TCP), ("fallback", float(n)), ("netagg-fixed", 1.0)):
             o = by_key.get((other, n, mb))
             if o:
                 speedup = o.seconds / m.seconds
@@ -166,7 +170,7 @@ def _plot(rows: list[Measurement], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for kind in KINDS:
+    for kind in KINDS + FIXED_WINDOW_KINDS:
         for n in sorted({m.workers for m in rows}):
             pts = sorted((m.megabytes, m.seconds, m.ratio_to_bound) for m in rows if m.kind == kind and m.workers == n)
             if pts:
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[0.25, 1.0, 4.0])
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--kinds", nargs="+", choices=KINDS + FIXED_WINDOW_KINDS, default=list(KINDS),
+                        help="what to measure; the -fixed kinds run without congestion control")
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--slots", type=int, default=16,
                         help="slots per job = packets in flight per worker; a few times the links' "

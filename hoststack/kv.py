@@ -52,12 +52,14 @@ class KVWorker:
         rto_min: float = 0.002,
         rto_max: float = 1.0,
         max_backoff: int = 2,
+        congestion_control: bool = True,
     ) -> None:
         self.config = config if config is not None else config_from_env()
         self.mode = self.config.mode
         self.num_workers = self.config.num_workers
         self.transport = Transport(self.config, progress_timeout=progress_timeout, rto_initial=rto_initial,
-                                   rto_min=rto_min, rto_max=rto_max, max_backoff=max_backoff)
+                                   rto_min=rto_min, rto_max=rto_max, max_backoff=max_backoff,
+                                   congestion_control=congestion_control)
         self.ps_timeout = ps_timeout
         self._ps: PsClient | None = None
         if self.mode == "ps":

@@ -20,6 +20,17 @@ Lost packets are retransmitted (same bytes, ``FLAG_RETRANSMIT``) after a per-slo
 (RFC 6298 estimate from the result round trips, exponential backoff); results are
 accepted only if (slot, pool, seq) equal what the slot has outstanding. No accepted
 result for ``progress_timeout`` seconds raises :class:`TransportTimeout`.
+
+Congestion control (ATP-style AIMD, with retransmission timeouts as the loss signal):
+at most ``window`` slots are outstanding, ``window`` <= S. It starts at S (the plain
+SwitchML window), halves (at most once per smoothed round trip) when a timer fires,
+and grows by one per window of accepted results back to S. A packet whose slot is
+ready but does not fit waits; waiting packets leave lowest block first (a slot's probe
+before any data block), the same order on every worker. A waiting packet below every
+packet the worker has outstanding leaves even when the window is full: otherwise, after
+a decrease, a worker could hold only blocks that another worker cannot send until it
+gets the lower block this worker is holding back (a deadlock). With that rule the lowest
+unfinished block is always sent by every worker.
 """
 
 from __future__ import annotations
@@ -77,6 +88,9 @@ class TransportStats:
     #: Datagrams from an address that is not the aggregator (or the PS).
     foreign: int = 0
     socket_errors: int = 0
+    #: Times the congestion window was halved, and its smallest value so far.
+    window_decreases: int = 0
+    smallest_window: float = 0.0
 
 
 @dataclass
@@ -137,6 +151,7 @@ class Transport:
         rto_min: float = 0.002,
         rto_max: float = 1.0,
         max_backoff: int = 2,
+        congestion_control: bool = True,
     ) -> None:
         self.config = config
         self.num_workers = config.num_workers
@@ -162,6 +177,11 @@ class Transport:
         self._poller.register(self.sock.fileno(), select.POLLIN)
         self.rto = RtoEstimator(rto_initial, rto_min, rto_max, max_backoff=max_backoff)
         self.stats = TransportStats()
+        #: Congestion window (packets outstanding), kept across exchanges; fixed at S without control.
+        self.congestion_control = congestion_control
+        self.window = float(self.slot_count)
+        self.stats.smallest_window = self.window
+        self._last_decrease = -math.inf
         # One preallocated packet per slot; row s is always slot s.
         self._packets = np.zeros(self.slot_count, PACKET_DTYPE)
         hdr = self._packets["hdr"]
@@ -232,6 +252,23 @@ class Transport:
             self.stats.socket_errors += 1
             return (-1, ("", 0))
 
+    def _on_results(self, count: int) -> None:
+        """Additive increase: one packet per window of accepted results, up to S."""
+        if self.congestion_control and self.window < self.slot_count:
+            self.window = min(self.window + count / self.window, float(self.slot_count))
+
+    def _on_timeout(self, now: float) -> None:
+        """Multiplicative decrease, at most once per smoothed round trip (one loss event)."""
+        if not self.congestion_control:
+            return
+        srtt = self.rto.srtt if self.rto.srtt is not None else self.rto.rto
+        if now - self._last_decrease < srtt:
+            return
+        self._last_decrease = now
+        self.window = max(1.0, self.window / 2)
+        self.stats.window_decreases += 1
+        self.stats.smallest_window = min(self.stats.smallest_window, self.window)
+
 
 class _Round:
     """The state of one exchange: per-slot outstanding packet, timers, received sums."""
@@ -262,18 +299,58 @@ class _Round:
         self.timers: list[tuple[float, int, list[int], list[int]]] = []
         self._timer_id = 0
         self.remaining = nb
+        #: Ready packets that did not fit in the congestion window: (order key, slot); see _order_key.
+        self.waiting: list[tuple[int, int]] = []
+        #: Order key of each slot's outstanding packet.
+        self.in_flight: dict[int, int] = {}
 
     # -- sending -------------------------------------------------------------
-    def emit_probes(self) -> None:
-        """The first window: one probe per used slot (zeros, carrying the exponent of block ``slot``)."""
+    def emit_probes(self, slots: list[int]) -> None:
+        """First-window probes in ``slots`` (zeros, carrying the exponent of block ``slot``)."""
         t = self.t
-        slots = np.arange(self.used_slots)
-        packets = t._packets[:self.used_slots]
-        packets["values"] = 0
+        sl = np.array(slots, dtype=np.intp)
+        packets = t._packets
+        packets["values"][sl] = 0
+        seqs = PROBE_SEQ_BIT | ((self.probe0 + sl) & SEQ_MASK)
         hdr = packets["hdr"]
-        hdr["seq"] = PROBE_SEQ_BIT | ((self.probe0 + slots) & SEQ_MASK)
-        hdr["exponent"] = self._ahead[:self.used_slots]
-        self._send(slots.tolist(), slots, hdr["seq"])
+        hdr["seq"][sl] = seqs
+        hdr["exponent"][sl] = self._ahead[sl]
+        self._send(slots, sl, seqs)
+
+    def release(self, slots: list[int], blocks: list[int]) -> None:
+        """Send ready packets (probes as block -1) that fit in the congestion window; queue the rest.
+
+        Queued packets leave lowest block first (probes first), before newer ones.
+        """
+        t = self.t
+        in_flight = self.in_flight
+        room = max(1, int(t.window)) - len(in_flight)
+        if not self.waiting and len(slots) <= room:
+            go_slots, go_blocks = slots, blocks
+            for slot, block in zip(slots, blocks, strict=True):
+                in_flight[slot] = block if block >= 0 else slot - self.window
+        else:
+            waiting = self.waiting
+            for slot, block in zip(slots, blocks, strict=True):
+                heapq.heappush(waiting, (block if block >= 0 else slot - self.window, slot))
+            go_slots, go_blocks = [], []
+            while waiting:
+                if len(go_slots) >= room and (not in_flight or waiting[0][0] > min(in_flight.values())):
+                    break  # window full, and the lowest waiting packet is not the head of the line
+                key, slot = heapq.heappop(waiting)
+                in_flight[slot] = key
+                go_slots.append(slot)
+                go_blocks.append(key if key >= 0 else -1)
+        if not go_slots:
+            return
+        probes = [s for s, b in zip(go_slots, go_blocks, strict=True) if b < 0]
+        if probes:
+            self.emit_probes(probes)
+            if len(probes) < len(go_slots):
+                data = [(s, b) for s, b in zip(go_slots, go_blocks, strict=True) if b >= 0]
+                self.emit([s for s, _ in data], [b for _, b in data])
+        else:
+            self.emit(go_slots, go_blocks)
 
     def emit(self, slots: list[int], blocks: list[int]) -> None:
         """Quantize data ``blocks`` (their global exponents are known) and send them in ``slots``."""
@@ -329,6 +406,7 @@ class _Round:
             for slot, key in zip(slots, keys, strict=True):
                 if self.expect[slot] != key:
                     continue  # answered meanwhile
+                t._on_timeout(now)
                 retries = self.retries.get(slot, 0) + 1
                 self.retries[slot] = retries
                 t._raw[slot, 1] |= wire.FLAG_RETRANSMIT
@@ -347,7 +425,7 @@ class _Round:
         nb = self.num_blocks
         if nb == 0:
             return
-        self.emit_probes()
+        self.release(list(range(self.used_slots)), [-1] * self.used_slots)
         last_progress = time.monotonic()
         buf, view = t._recv_buf, t._recv_view
         sources, job_id, stats = t.sources, t.config.job_id, t.stats
@@ -386,6 +464,7 @@ class _Round:
                     continue
                 # Accept: the result of the slot's outstanding packet.
                 expect[slot] = -1
+                del self.in_flight[slot]
                 next_pool[slot] ^= 1
                 stats.results_accepted += 1
                 if self.retries:
@@ -408,10 +487,11 @@ class _Round:
             now = time.monotonic()
             if stats.results_accepted != accepted:
                 last_progress = now
+                t._on_results(stats.results_accepted - accepted)
             elif now - last_progress >= t.progress_timeout:
                 self._timeout(now - last_progress)
-            if ready_slots:
-                self.emit(ready_slots, ready_blocks)
+            if ready_slots or self.waiting:
+                self.release(ready_slots, ready_blocks)
             self._retransmit_due(now)
         t._seq = (seq0 + nb) & SEQ_MASK
         t._probe_seq = (self.probe0 + used) & SEQ_MASK

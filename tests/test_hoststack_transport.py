@@ -19,7 +19,7 @@ from netagg.hoststack.testing import (
     run_workers,
     through_relay,
 )
-from netagg.hoststack.transport import RtoEstimator, Transport, TransportError, TransportTimeout
+from netagg.hoststack.transport import RtoEstimator, Transport, TransportError, TransportTimeout, _Round
 from netagg.jobconfig import Endpoint
 
 
@@ -76,6 +76,7 @@ def test_loss_duplication_and_reordering_give_bit_identical_results(drop, duplic
     stats = [s for _, s in results]
     assert sum(s.retransmissions for s in stats) > 0
     assert sum(s.stale_results for s in stats) > 0  # duplicated results were ignored
+    assert sum(s.window_decreases for s in stats) > 0  # losses shrank the congestion windows (differently)
 
 
 def test_a_dead_worker_makes_the_others_time_out():
@@ -159,3 +160,64 @@ def test_rto_estimator_follows_rfc6298_with_clipping_clamping_and_capped_backoff
     assert rto.rto == 1.0  # clamped to the maximum
     assert RtoEstimator(initial=0.1, max_backoff=30).backoff(5) == 1.0
     assert RtoEstimator(initial=0.1).backoff(100) == 1.0
+
+
+@contextlib.contextmanager
+def lone_transport(slots: int = 8, **options):
+    """A transport whose aggregator is a bare UDP socket that the test reads."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sink:
+        sink.bind(("127.0.0.1", 0))
+        sink.settimeout(1.0)
+        config = job_configs(2, "allreduce", Endpoint(*sink.getsockname()), None, slot_count=slots)[0]
+        with Transport(config, **options) as transport:
+            yield transport, sink
+
+
+def test_congestion_window_halves_once_per_round_trip_and_grows_back_to_the_slots():
+    with lone_transport(8) as (t, _):
+        assert t.window == 8
+        t.rto.sample(0.010)
+        t._on_timeout(100.0)
+        t._on_timeout(100.005)  # the same loss event (within one smoothed round trip)
+        assert t.window == 4 and t.stats.window_decreases == 1
+        for step in range(1, 6):
+            t._on_timeout(100.0 + 0.011 * step)
+        assert t.window == 1 and t.stats.smallest_window == 1  # never below one packet
+        t._on_results(1)
+        assert t.window == 2
+        t._on_results(2)  # one packet more per window of results
+        assert t.window == 3
+        t._on_results(1000)
+        assert t.window == 8  # never above the job's slots
+    with lone_transport(8, congestion_control=False) as (t, _):
+        t._on_timeout(100.0)
+        assert t.window == 8 and t.stats.window_decreases == 0
+
+
+def test_a_full_window_holds_packets_back_lowest_block_first_but_never_the_head_of_the_line():
+    with lone_transport(8) as (t, sink):
+        blocks = np.ones((32, wire.K), np.float32)
+        round_ = _Round(t, blocks, qz.block_exponents(blocks))
+        round_.global_exp[:] = round_.local_exp
+        t.window = 2.0
+        round_.release(list(range(8)), [-1] * 8)  # the first window's probes
+        assert sorted(round_.in_flight) == [0, 1] and len(round_.waiting) == 6
+        seqs = [wire.HEADER_STRUCT.unpack_from(sink.recv(2048), 0)[-1] for _ in range(2)]
+        assert all(seq & (1 << 31) for seq in seqs)  # probes
+        # Slot 1's result: its next block (9) is ready but waits behind slot 2's probe (lower).
+        del round_.in_flight[1]
+        round_.release([1], [9])
+        assert round_.in_flight == {0: -8, 2: -6} and (9, 1) in round_.waiting
+        header = wire.HEADER_STRUCT.unpack_from(sink.recv(2048), 0)
+        assert header[3] == 2 and header[-1] & (1 << 31)  # slot 2's probe went out
+        # After a decrease the window (1) is full of blocks above a newly ready, lower block:
+        # the lower one is sent anyway (else every worker could wait for another), the next is not.
+        round_.waiting.clear()
+        round_.in_flight = {3: 11}
+        t.window = 1.0
+        round_.release([1], [9])
+        assert round_.in_flight == {3: 11, 1: 9}
+        seq = wire.HEADER_STRUCT.unpack_from(sink.recv(2048), 0)[-1]
+        assert seq == (round_.seq0 + 9) & 0x7FFFFFFF
+        round_.release([2], [10])
+        assert 2 not in round_.in_flight and round_.waiting == [(10, 2)]
