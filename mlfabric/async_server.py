@@ -14,10 +14,14 @@ the number of worker gradients applied so far.
   SGD: ``w -= lr * g`` per gradient.
 * ``sync`` jobs: a push waits until every worker pushed for the same version, then the
   mean is applied once (``w -= lr * mean``; the version grows by the number of workers).
-* every applied update is logged (update id, rank, version, delay) and, with replicas,
-  forwarded down the chain (:mod:`netagg.mlfabric.replication`) before the push is
-  acknowledged. A replica serves workers only once promoted (``promote``), which it
-  accepts only while no primary is connected to it.
+* every applied update is logged (update id, rank, version, delay; a ring of the last
+  ``log_size``, with exact counters and a delay histogram) and, with replicas, forwarded
+  down the chain (:mod:`netagg.mlfabric.replication`) before the push is acknowledged.
+  A replica serves workers only once promoted (``promote``), which it accepts only while
+  no primary is connected to it.
+* update ids are ``rank:step``; the outcomes of each rank's last ``outcome_window`` steps are
+  kept to answer a repeated push (``duplicate: true``); a push of an older step is refused
+  (``expired_ids``), never applied twice. Memory stays bounded however long the job runs.
 
 Malformed frames close the connection (counted); bad requests (unknown rank, wrong
 job, wrong size, NaN) get ``ok: false`` with the reason (counted); the PS never blocks
@@ -27,13 +31,14 @@ a request longer than its timeouts.
 from __future__ import annotations
 
 import argparse
+import heapq
 import logging
 import math
 import sys
 import threading
 import time
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -71,6 +76,8 @@ class ServerStats:
     aggregated_applies: int = 0
     partial_rounds: int = 0
     replication_stalls: int = 0
+    #: Pushes refused because an update id was older than its rank's outcome window.
+    expired_ids: int = 0
     applied_by_rank: Counter = field(default_factory=Counter)
     dropped_by_rank: Counter = field(default_factory=Counter)
     last_error: str = ""
@@ -87,6 +94,74 @@ class LogEntry:
     delay: int
 
 
+def update_step(update_id: str, rank: int) -> int:
+    """The step of update id ``rank:step``; ValueError if the id is not that rank's."""
+    prefix, sep, step = update_id.partition(":")
+    if not sep or prefix != str(rank) or not step.isdigit():
+        raise ValueError(f"update id {update_id!r}: expected '{rank}:<step>' (the sender's rank, a step >= 0)")
+    return int(step)
+
+
+class OutcomeWindow:
+    """The outcomes of each rank's ``size`` most recent steps, for answering a repeated push.
+
+    A rank's window is the steps ``newest - size + 1 .. newest`` (``newest``: the highest step of
+    that rank ever recorded); outcomes of older steps are forgotten, and such a step is
+    :meth:`expired`: a push of it cannot be told from a new one and must be refused.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError("the outcome window must hold at least 1 step per rank")
+        self.size = size
+        self.newest: dict[int, int] = {}
+        self._outcomes: dict[int, dict[int, dict[str, Any]]] = {}
+        self._steps: dict[int, list[int]] = {}  # a min-heap of each rank's kept steps
+
+    def __len__(self) -> int:
+        return sum(len(o) for o in self._outcomes.values())
+
+    def get(self, rank: int, step: int) -> dict[str, Any] | None:
+        return self._outcomes.get(rank, {}).get(step)
+
+    def expired(self, rank: int, step: int) -> bool:
+        return step <= self.newest.get(rank, -1) - self.size
+
+    def put(self, rank: int, step: int, outcome: dict[str, Any]) -> None:
+        """Record a step's outcome (ignored if it is already outside the window) and forget what falls out."""
+        if self.expired(rank, step):
+            return
+        outcomes = self._outcomes.setdefault(rank, {})
+        steps = self._steps.setdefault(rank, [])
+        if step not in outcomes:
+            heapq.heappush(steps, step)
+        outcomes[step] = outcome
+        self.newest[rank] = newest = max(step, self.newest.get(rank, step))
+        while steps and steps[0] <= newest - self.size:
+            del outcomes[heapq.heappop(steps)]
+
+    def to_json(self) -> dict[str, Any]:
+        """The window as JSON (for a state transfer)."""
+        return {str(rank): {"newest": self.newest[rank], "outcomes": {str(s): o for s, o in outcomes.items()}}
+                for rank, outcomes in self._outcomes.items()}
+
+    @classmethod
+    def from_json(cls, size: int, data: dict[str, Any]) -> OutcomeWindow:
+        """A window of ``size`` steps per rank filled from :meth:`to_json`'s output; ValueError if malformed."""
+        window = cls(size)
+        try:
+            for rank_text, entry in data.items():
+                rank = int(rank_text)
+                window.newest[rank] = int(entry["newest"])
+                for step_text, outcome in entry["outcomes"].items():
+                    if not isinstance(outcome, dict):
+                        raise ValueError(f"outcome of {rank}:{step_text} is not an object")
+                    window.put(rank, int(step_text), outcome)
+        except (AttributeError, KeyError, TypeError) as err:
+            raise ValueError(f"outcome window: {type(err).__name__}: {err}") from None
+        return window
+
+
 class FabricServer:
     """One node of a job's MLfabric PS chain (see the module docstring)."""
 
@@ -94,7 +169,7 @@ class FabricServer:
                  bind: tuple[str, int] | None = None, max_lag: int = 1, ack_timeout: float = 10.0,
                  sync_timeout: float = 30.0, gate_timeout: float = 30.0, pull_timeout: float = 30.0,
                  batch_window: float = 0.01, default_bandwidth: float = 1.25e6, scheduler: Scheduler | None = None,
-                 frame_timeout: float = 30.0) -> None:
+                 frame_timeout: float = 30.0, outcome_window: int = 1024, log_size: int = 100_000) -> None:
         if config.ps is None:
             raise ConfigError("ps: an MLfabric job needs the parameter server's endpoint")
         if replica is not None and not 0 <= replica < len(config.replicas):
@@ -129,11 +204,15 @@ class FabricServer:
         self.seq = 0
         self.halted = False
         self.started_at: float | None = None
-        self.log: list[LogEntry] = []
-        self.delays: list[int] = []
+        if log_size < 0:
+            raise ValueError("log_size must be >= 0")
+        #: The most recent ``log_size`` applied gradients (the counters below count all of them).
+        self.log: deque[LogEntry] = deque(maxlen=log_size)
+        self.delay_histogram: Counter[int] = Counter()
+        self.max_delay: int | None = None
         self.stats = ServerStats()
         self.workers: dict[int, dict[str, Any]] = {}
-        self._outcomes: dict[str, dict[str, Any]] = {}
+        self._outcomes = OutcomeWindow(outcome_window)
         self._round: dict[int, tuple[str, np.ndarray]] = {}
         self._round_version = 0
         self._upstream = 0
@@ -331,6 +410,7 @@ class FabricServer:
                 with self._cond:
                     self.stats.unknown_workers += 1
                 raise ValueError(f"unknown worker: rank {rank} in parts")
+            update_step(update_id, rank)
             if version < 0 or version > self.version:
                 raise ValueError(f"update {update_id}: version {version} is not one this PS had "
                                  f"(0..{self.version})")
@@ -339,20 +419,33 @@ class FabricServer:
             raise ValueError("parts: an update id appears twice")
         return parts
 
-    def _duplicate(self, ids: list[str]) -> dict[str, Any] | None:
-        """The stored outcome if every id was seen; None if none was; ValueError if some were."""
-        seen = [i for i in ids if i in self._outcomes]
+    def _outcome(self, update_id: str, rank: int) -> dict[str, Any] | None:
+        return self._outcomes.get(rank, update_step(update_id, rank))
+
+    def _remember(self, parts: Iterable[tuple[str, int, int]], outcome: dict[str, Any]) -> None:
+        for update_id, rank, _ in parts:
+            self._outcomes.put(rank, update_step(update_id, rank), outcome)
+
+    def _duplicate(self, parts: list[tuple[str, int, int]]) -> dict[str, Any] | None:
+        """The stored outcome if every part was seen; None if none was; ValueError if some were or expired."""
+        expired = [i for i, rank, _ in parts if self._outcomes.expired(rank, update_step(i, rank))]
+        if expired:
+            self.stats.expired_ids += 1
+            raise ValueError(f"updates {expired} are older than the last {self._outcomes.size} steps of their "
+                             f"rank whose outcomes this PS keeps: refused, whether or not they were applied")
+        seen = [(i, o) for i, rank, _ in parts if (o := self._outcome(i, rank)) is not None]
         if not seen:
             return None
-        if len(seen) != len(ids):
-            raise ValueError(f"updates {seen} were already pushed, {sorted(set(ids) - set(seen))} were not")
+        if len(seen) != len(parts):
+            ids = {i for i, _ in seen}
+            raise ValueError(f"updates {sorted(ids)} were already pushed, "
+                             f"{sorted(p[0] for p in parts if p[0] not in ids)} were not")
         self.stats.duplicates += 1
-        return {**self._outcomes[ids[0]], "duplicate": True}
+        return {**seen[0][1], "duplicate": True}
 
     def _push_async(self, parts: list[tuple[str, int, int]], grad: np.ndarray) -> dict[str, Any]:
-        ids = [p[0] for p in parts]
         with self._cond:
-            if (previous := self._duplicate(ids)) is not None:
+            if (previous := self._duplicate(parts)) is not None:
                 return previous
             delays = [self.version - version for _, _, version in parts]
             if self.delay_bound is not None and max(delays) > self.delay_bound:
@@ -366,7 +459,7 @@ class FabricServer:
         update_id, _, version = parts[0]
         deadline = time.monotonic() + self.sync_timeout
         with self._cond:
-            if (previous := self._duplicate([update_id])) is not None:
+            if (previous := self._duplicate(parts)) is not None:
                 return previous
             if version != self.version:
                 return self._drop(parts, [self.version - version], f"sync round {version} is over "
@@ -377,14 +470,16 @@ class FabricServer:
             self._round_version = version
             if len(self._round) == self.num_workers:
                 self._apply_round()
-            while update_id not in self._outcomes:
+            while (outcome := self._outcome(update_id, rank)) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:  # a worker is missing: apply what the round has
+                    if self._round.get(rank, ("",))[0] != update_id:
+                        raise ValueError(f"sync round {version}: {update_id} was not applied (the round failed)")
                     self.stats.partial_rounds += 1
                     self._apply_round()
-                    break
+                    continue
                 self._cond.wait(min(left, 0.5))
-            return self._outcomes[update_id]
+            return outcome
 
     def _apply_round(self) -> None:
         """Apply the buffered sync round (holding the lock): ``w -= lr * mean``."""
@@ -398,8 +493,8 @@ class FabricServer:
 
     def _drop(self, parts: list[tuple[str, int, int]], delays: list[int], reason: str) -> dict[str, Any]:
         outcome = {"outcome": DROPPED, "reason": reason, "delays": delays, "version": self.version}
-        for update_id, rank, _ in parts:
-            self._outcomes[update_id] = outcome
+        self._remember(parts, outcome)
+        for _, rank, _ in parts:
             self.stats.dropped += 1
             self.stats.dropped_by_rank[rank] += 1
         self._cond.notify_all()
@@ -415,8 +510,7 @@ class FabricServer:
             self.stats.replication_stalls += 1
             raise ValueError(f"not applied: {err}") from None
         outcome = {"outcome": APPLIED, "delays": delays, "version": self.version, "seq": seq}
-        for update_id, _, _ in parts:
-            self._outcomes[update_id] = outcome
+        self._remember(parts, outcome)
         self._cond.notify_all()
         return outcome
 
@@ -441,7 +535,8 @@ class FabricServer:
         seq = self.seq + 1
         for (update_id, rank, version), delay in zip(parts, delays):
             self.log.append(LogEntry(seq, update_id, rank, version, delay))
-            self.delays.append(delay)
+            self.delay_histogram[delay] += 1
+            self.max_delay = delay if self.max_delay is None else max(self.max_delay, delay)
             self.stats.applied_by_rank[rank] += 1
         self.version += len(parts)
         self.stats.applied += len(parts)
@@ -506,7 +601,9 @@ class FabricServer:
             result: dict[str, Any] = {
                 "ok": True, "role": self.role, "version": self.version, "seq": self.seq, "halted": self.halted,
                 "initialized": self.model is not None, "started_at": self.started_at, "stats": stats,
-                "max_delay": max(self.delays, default=None), "delays": list(self.delays),
+                "max_delay": self.max_delay,
+                "delay_histogram": {str(d): n for d, n in sorted(self.delay_histogram.items())},
+                "log_size": self.log.maxlen, "logged": len(self.log), "outcomes_kept": len(self._outcomes),
             }
             if frame.header.get("log"):
                 result["log"] = [asdict(e) for e in self.log]
@@ -560,11 +657,12 @@ class FabricServer:
                 delta = from_blob(frame.blob, self.model.size)
                 parts = [(str(p[0]), int(p[1]), int(p[2])) for p in header["parts"]]
                 delays = [int(d) for d in header["delays"]]
+                for update_id, rank, _ in parts:
+                    update_step(update_id, rank)
                 committed = self._commit({"kind": "update", "parts": [list(p) for p in parts], "delays": delays},
                                          bytes(frame.blob), lambda: self._apply_delta(parts, delays, delta))
-                outcome = {"outcome": APPLIED, "delays": delays, "version": self.version, "seq": committed}
-                for update_id, _, _ in parts:
-                    self._outcomes[update_id] = outcome
+                self._remember(parts, {"outcome": APPLIED, "delays": delays, "version": self.version,
+                                       "seq": committed})
             elif kind == "halt":
                 committed = self._commit({"kind": "halt"}, b"", self._apply_halt)
             else:

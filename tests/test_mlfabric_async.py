@@ -41,6 +41,8 @@ def test_a_slow_workers_stale_updates_are_dropped_and_no_applied_update_exceeds_
     assert stats["max_delay"] <= BOUND
     assert all(0 <= entry["delay"] <= BOUND for entry in stats["log"])
     assert len(stats["log"]) == counters["applied"] == stats["version"]
+    histogram = {int(d): n for d, n in stats["delay_histogram"].items()}
+    assert max(histogram) == stats["max_delay"] and sum(histogram.values()) == counters["applied"]
     # The slow worker's updates were dropped (and counted for it) ...
     assert counters["dropped_by_rank"].get("3", 0) > 0
     assert reports[3]["dropped"] == counters["dropped_by_rank"]["3"]
@@ -96,23 +98,64 @@ def test_async_updates_apply_sgd_exactly_drop_stale_ones_and_deduplicate():
         version, model, _ = b.pull()
         assert version == 0 and np.array_equal(model, np.ones(4, np.float32))
         g = np.array([1, 2, 3, 4], np.float32)
-        assert a.push("a0", 0, g)["outcome"] == "applied"
-        assert b.push("b0", 0, g)["delays"] == [1]  # one update applied since b's pull: delay 1 <= 1
-        dropped = a.push("a1", 0, g)  # computed on version 0, the PS is at 2: delay 2 > 1
+        assert a.push("0:0", 0, g)["outcome"] == "applied"
+        assert b.push("1:0", 0, g)["delays"] == [1]  # one update applied since b's pull: delay 1 <= 1
+        dropped = a.push("0:1", 0, g)  # computed on version 0, the PS is at 2: delay 2 > 1
         assert dropped["outcome"] == "dropped" and "delay 2 > bound 1" in dropped["reason"]
-        again = a.push("a0", 0, g)  # a retried push is not applied twice
+        again = a.push("0:0", 0, g)  # a retried push is not applied twice
         assert again["outcome"] == "applied" and again["duplicate"]
         version, model, _ = a.pull()
         assert version == 2
         np.testing.assert_array_equal(model, np.ones(4, np.float32) - 0.5 * g - 0.5 * g)
         assert server.stats.dropped_by_rank[0] == 1 and server.stats.duplicates == 1
-        assert [(e.update_id, e.delay) for e in server.log] == [("a0", 0), ("b0", 1)]
+        assert [(e.update_id, e.delay) for e in server.log] == [("0:0", 0), ("1:0", 1)]
         # An aggregate of two gradients counts two versions and is applied (or dropped) as a whole.
-        agg = a.push("agg1", 2, 2 * g, parts=[["a2", 0, 2], ["b2", 1, 1]])
+        agg = a.push("agg1", 2, 2 * g, parts=[["0:2", 0, 2], ["1:1", 1, 1]])
         assert agg["outcome"] == "applied" and agg["delays"] == [0, 1] and a.pull()[0] == 4
         assert server.stats.aggregated_applies == 1
-        stale = a.push("agg2", 2, g, parts=[["a3", 0, 4], ["b3", 1, 2]])
+        stale = a.push("agg2", 2, g, parts=[["0:3", 0, 4], ["1:2", 1, 2]])
         assert stale["outcome"] == "dropped" and server.stats.dropped == 3
+        a.close()
+        b.close()
+    finally:
+        server.stop()
+
+
+def test_memory_stays_bounded_an_old_id_is_refused_and_a_recent_one_is_still_a_duplicate():
+    server, configs = _server(2, update_mode="async", delay_bound=100, lr=1.0, gate_timeout=0, outcome_window=4,
+                              log_size=8)
+    try:
+        a, b = (FabricClient.from_config(c) for c in configs)
+        a.hello()
+        a.init(np.zeros(3, np.float32))
+        g = np.ones(3, np.float32)
+        for step in range(20):  # 5 times the outcome window, 2.5 times the log
+            assert a.push(f"0:{step}", a.pull()[0], g)["outcome"] == "applied"
+        assert b.push("1:0", 0, g)["delays"] == [20]
+        stats, _ = a.stats(log=True)
+        # The log is a ring of the last 8 and rank 0 keeps 4 outcomes; the counters still count everything.
+        assert [e["update_id"] for e in stats["log"]] == [f"0:{s}" for s in range(13, 20)] + ["1:0"]
+        assert stats["logged"] == stats["log_size"] == 8 and len(server.log) == 8
+        assert stats["outcomes_kept"] == 4 + 1 and sorted(server._outcomes.get(0, s) is not None
+                                                          for s in range(20)) == [False] * 16 + [True] * 4
+        assert stats["stats"]["applied"] == stats["version"] == 21
+        assert stats["stats"]["applied_by_rank"] == {"0": 20, "1": 1}
+        assert stats["delay_histogram"] == {"0": 20, "20": 1} and stats["max_delay"] == 20
+        # A step older than the window is refused (it cannot be told from a new one), not applied again.
+        with pytest.raises(Refused, match=r"\['0:3'\] are older than the last 4 steps"):
+            a.push("0:3", 3, g)
+        assert server.version == 21 and server.stats.expired_ids == 1
+        # A recent step is still answered with its first outcome.
+        again = a.push("0:17", 17, g)
+        assert again["outcome"] == "applied" and again["duplicate"] and again["version"] == 18
+        # A step inside the window that was never pushed is new; the window follows the newest step.
+        assert a.push("0:25", 21, g)["outcome"] == "applied"
+        assert a.push("0:23", 22, g)["outcome"] == "applied"
+        with pytest.raises(Refused, match="older than the last 4 steps"):
+            a.push("0:21", 23, g)
+        # Kept: 0:23 and 0:25 (steps 22 and 24 were never pushed), and 1:0.
+        assert server.version == 23 and len(server.log) == 8 and len(server._outcomes) == 2 + 1
+        np.testing.assert_array_equal(server.model, np.full(3, -23.0, np.float32))
         a.close()
         b.close()
     finally:
@@ -142,7 +185,7 @@ def test_sync_rounds_apply_the_mean_once_every_worker_pushed():
         _, model, _ = clients[1].pull()
         np.testing.assert_allclose(model, np.full(5, -0.3 * 2.0, np.float32), rtol=1e-6)
         # A push for a round that is over is dropped, not mixed into the next one.
-        late = clients[2].push("2:late", 0, grads[2])
+        late = clients[2].push("2:1", 0, grads[2])
         assert late["outcome"] == "dropped" and "round 0 is over" in late["reason"]
         for c in clients:
             c.close()
@@ -216,21 +259,25 @@ def test_bad_input_gets_a_clear_error_or_a_counted_drop_and_the_ps_keeps_serving
         assert "this PS serves job 1" in refused({"op": "hello", "job_id": 2, "rank": 0})
         assert "unknown op 'frobnicate'" in refused({"op": "frobnicate", "job_id": 1, "rank": 0})
         assert "before the model was initialized" in refused(
-            {"op": "push", "job_id": 1, "rank": 0, "update_id": "u", "version": 0}, b"\0" * 16)
+            {"op": "push", "job_id": 1, "rank": 0, "update_id": "0:0", "version": 0}, b"\0" * 16)
         conn.call({"op": "init", "job_id": 1, "rank": 0}, np.zeros(4, np.float32).tobytes())
         assert "expected 4 float32 values, got 3" in refused(
-            {"op": "push", "job_id": 1, "rank": 0, "update_id": "u", "version": 0}, b"\0" * 12)
-        assert "NaN or Inf" in refused({"op": "push", "job_id": 1, "rank": 0, "update_id": "u", "version": 0},
+            {"op": "push", "job_id": 1, "rank": 0, "update_id": "0:0", "version": 0}, b"\0" * 12)
+        assert "NaN or Inf" in refused({"op": "push", "job_id": 1, "rank": 0, "update_id": "0:0", "version": 0},
                                        np.array([0, np.nan, 0, 0], np.float32).tobytes())
         assert "version 9 is not one this PS had" in refused(
-            {"op": "push", "job_id": 1, "rank": 0, "update_id": "u", "version": 9}, b"\0" * 16)
+            {"op": "push", "job_id": 1, "rank": 0, "update_id": "0:0", "version": 9}, b"\0" * 16)
+        assert "update id 'u': expected '0:<step>'" in refused(
+            {"op": "push", "job_id": 1, "rank": 0, "update_id": "u", "version": 0}, b"\0" * 16)
+        assert "update id '1:0': expected '0:<step>'" in refused(
+            {"op": "push", "job_id": 1, "rank": 0, "update_id": "1:0", "version": 0}, b"\0" * 16)
         assert "unknown worker: rank 5 in parts" in refused(
-            {"op": "push", "job_id": 1, "rank": 0, "update_id": "u", "version": 0, "parts": [["p", 5, 0]]},
+            {"op": "push", "job_id": 1, "rank": 0, "update_id": "0:0", "version": 0, "parts": [["5:0", 5, 0]]},
             b"\0" * 16)
-        assert "push without asking" in refused({"op": "request", "job_id": 1, "rank": 0, "update_id": "u",
+        assert "push without asking" in refused({"op": "request", "job_id": 1, "rank": 0, "update_id": "0:0",
                                                  "version": 0, "size": 16})
         assert "replicate without chain_hello" in refused({"op": "replicate", "job_id": 1, "seq": 1})
-        assert server.stats.unknown_workers == 3 and server.stats.bad_requests >= 10
+        assert server.stats.unknown_workers == 3 and server.stats.bad_requests >= 12
         # Garbage that is not a frame: that connection is closed and counted, nobody else is affected.
         with socket.create_connection(address, timeout=5) as raw:
             raw.sendall(struct.pack("!II", 5, 0) + b"{nope")
