@@ -18,7 +18,10 @@ the number of worker gradients applied so far.
   ``log_size``, with exact counters and a delay histogram) and, with replicas, forwarded
   down the chain (:mod:`netagg.mlfabric.replication`) before the push is acknowledged.
   A replica serves workers only once promoted (``promote``), which it accepts only while
-  no primary is connected to it.
+  no primary is connected to it and it has caught up with the chain.
+* a node that restarted empty, or joins the chain as its new tail (``--join HOST:PORT``,
+  the ``join`` op), is brought up to date by a state transfer (``snapshot``) from its
+  predecessor, then follows the record stream.
 * update ids are ``rank:step``; the outcomes of each rank's last ``outcome_window`` steps are
   kept to answer a repeated push (``duplicate: true``); a push of an older step is refused
   (``expired_ids``), never applied twice. Memory stays bounded however long the job runs.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import logging
 import math
 import sys
@@ -47,8 +51,8 @@ import numpy as np
 from netagg.hoststack.packets import resolve
 from netagg.jobconfig import ConfigError, WorkerConfig
 from netagg.mlfabric.grants import GrantService
-from netagg.mlfabric.protocol import Frame, accept_loop, from_blob, listen
-from netagg.mlfabric.replication import ChainForwarder, ReplicationStalled
+from netagg.mlfabric.protocol import Connection, FabricError, Frame, accept_loop, from_blob, listen
+from netagg.mlfabric.replication import PRIMARY_REFUSAL, ChainForwarder, ReplicationStalled
 from netagg.mlfabric.scheduler import AGGREGATE, Scheduler, TransferRequest
 from netagg.shutdown import stop_event
 
@@ -78,6 +82,8 @@ class ServerStats:
     replication_stalls: int = 0
     #: Pushes refused because an update id was older than its rank's outcome window.
     expired_ids: int = 0
+    #: State transfers this node installed (it restarted empty or joined the chain).
+    snapshots_installed: int = 0
     applied_by_rank: Counter = field(default_factory=Counter)
     dropped_by_rank: Counter = field(default_factory=Counter)
     last_error: str = ""
@@ -169,7 +175,8 @@ class FabricServer:
                  bind: tuple[str, int] | None = None, max_lag: int = 1, ack_timeout: float = 10.0,
                  sync_timeout: float = 30.0, gate_timeout: float = 30.0, pull_timeout: float = 30.0,
                  batch_window: float = 0.01, default_bandwidth: float = 1.25e6, scheduler: Scheduler | None = None,
-                 frame_timeout: float = 30.0, outcome_window: int = 1024, log_size: int = 100_000) -> None:
+                 frame_timeout: float = 30.0, outcome_window: int = 1024, log_size: int = 100_000,
+                 joining: bool = False) -> None:
         if config.ps is None:
             raise ConfigError("ps: an MLfabric job needs the parameter server's endpoint")
         if replica is not None and not 0 <= replica < len(config.replicas):
@@ -180,12 +187,14 @@ class FabricServer:
         self.update_mode = config.update_mode
         self.delay_bound = config.delay_bound
         self.lr = np.float32(lr)
-        self.role = "primary" if replica is None else "replica"
+        #: A joining node starts as a replica without successor and waits for a state transfer.
+        self.role = "primary" if replica is None and not joining else "replica"
         self.replica_index = replica
         chain = [config.ps, *config.replicas]
         position = 0 if replica is None else replica + 1
         self.endpoint = chain[position]
-        successor = chain[position + 1] if position + 1 < len(chain) else None
+        successor = chain[position + 1] if position + 1 < len(chain) and not joining else None
+        self.max_lag = max_lag
         self.ack_timeout = ack_timeout
         self.sync_timeout = sync_timeout
         self.gate_timeout = gate_timeout
@@ -193,8 +202,7 @@ class FabricServer:
         self.frame_timeout = frame_timeout
         self.sock = listen(bind or resolve(self.endpoint))
         self.address: tuple[str, int] = self.sock.getsockname()
-        self.forwarder = (ChainForwarder(resolve(successor), self.job_id, max_lag=max_lag, timeout=ack_timeout)
-                          if successor is not None else None)
+        self.forwarder = self._forwarder(resolve(successor), 0) if successor is not None else None
         self.grants: GrantService | None = None
         if config.schedule == "mlfabric":
             self.grants = GrantService(scheduler or Scheduler(self.delay_bound, default_bandwidth=default_bandwidth),
@@ -216,10 +224,18 @@ class FabricServer:
         self._round: dict[int, tuple[str, np.ndarray]] = {}
         self._round_version = 0
         self._upstream = 0
+        #: Whether this node has all the state its upstream had when they met: a primary has; a replica once an
+        #: upstream found it level (``chain_hello``), sent it a record in sequence, or a snapshot. Only a node that
+        #: caught up may be promoted (a replica that restarted empty must not take over before its state transfer).
+        self._caught_up = self.role == "primary"
         self._created = time.monotonic()
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+
+    def _forwarder(self, successor: tuple[str, int], head: int) -> ChainForwarder:
+        return ChainForwarder(successor, self.job_id, head=head, max_lag=self.max_lag, timeout=self.ack_timeout,
+                              snapshot_source=self._snapshot)
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> FabricServer:
@@ -234,8 +250,8 @@ class FabricServer:
         return self
 
     def stop(self) -> None:
-        self._stop.set()
         with self._cond:
+            self._stop.set()
             self._cond.notify_all()
         for thread in self._threads:
             thread.join(timeout=5)
@@ -284,19 +300,22 @@ class FabricServer:
             raise ValueError(f"request for job {header.get('job_id')!r}; this PS serves job {self.job_id}")
         handlers = {"hello": self._op_hello, "init": self._op_init, "pull": self._op_pull, "push": self._op_push,
                     "request": self._op_request, "agg_grant": self._op_agg_grant, "halt": self._op_halt,
-                    "stats": self._op_stats, "promote": self._op_promote}
+                    "stats": self._op_stats, "promote": self._op_promote, "join": self._op_join}
         if op == "chain_hello":
-            return self._op_chain_hello(state)
-        if op == "replicate":
+            return self._op_chain_hello(frame, state)
+        if op in ("replicate", "snapshot"):
             if not state["upstream"]:
-                raise ValueError("replicate without chain_hello on this connection")
-            return self._op_replicate(frame)
+                raise ValueError(f"{op} without chain_hello on this connection")
+            return self._op_replicate(frame) if op == "replicate" else self._op_snapshot(frame)
         handler = handlers.get(str(op))
         if handler is None:
             raise ValueError(f"unknown op {op!r}")
         if op in _WORKER_OPS:
             if self.role != "primary":
                 raise ValueError("this node is a replica, not the primary (promote it after the primary failed)")
+            if self.forwarder is not None and self.forwarder.superseded:
+                raise ValueError("this node is not the primary: its successor took over as primary (this node was "
+                                 "restarted in its old role; restart it with --join instead)")
             if op != "halt":
                 self._rank(header)
         return handler(frame)
@@ -600,6 +619,7 @@ class FabricServer:
             stats["dropped_by_rank"] = {str(k): v for k, v in self.stats.dropped_by_rank.items()}
             result: dict[str, Any] = {
                 "ok": True, "role": self.role, "version": self.version, "seq": self.seq, "halted": self.halted,
+                "caught_up": self._caught_up,
                 "initialized": self.model is not None, "started_at": self.started_at, "stats": stats,
                 "max_delay": self.max_delay,
                 "delay_histogram": {str(d): n for d, n in sorted(self.delay_histogram.items())},
@@ -608,9 +628,12 @@ class FabricServer:
             if frame.header.get("log"):
                 result["log"] = [asdict(e) for e in self.log]
             if self.forwarder is not None:
-                result["replication"] = {"acked_seq": self.forwarder.acked_seq, "lag": self.forwarder.lag,
-                                         "records_sent": self.forwarder.records_sent,
-                                         "last_error": self.forwarder.last_error}
+                forwarder = self.forwarder
+                result["replication"] = {"successor": list(forwarder.successor), "acked_seq": forwarder.acked_seq,
+                                         "head": forwarder.head, "lag": forwarder.lag,
+                                         "records_sent": forwarder.records_sent,
+                                         "snapshots_sent": forwarder.snapshots_sent,
+                                         "last_error": forwarder.last_error}
             model = self.model.tobytes() if frame.header.get("model") and self.model is not None else b""
         if self.grants is not None:
             result["scheduler"] = self.grants.snapshot()
@@ -623,19 +646,25 @@ class FabricServer:
                 return {"ok": True, "role": self.role, "promoted": False}, b""
             if self._upstream > 0:
                 raise ValueError("not promoted: the primary is still connected to this replica")
+            if not self._caught_up:
+                raise ValueError("not promoted: this replica has not caught up with the chain (it restarted empty or "
+                                 "joined and its state transfer has not arrived)")
             self.role = "primary"
             self.started_at = self.started_at or time.monotonic()
             log.warning("promoted to primary at version %d (record %d)", self.version, self.seq)
             self._cond.notify_all()
         return {"ok": True, "role": self.role, "promoted": True}, b""
 
-    def _op_chain_hello(self, state: dict[str, bool]) -> tuple[dict[str, Any], bytes]:
+    def _op_chain_hello(self, frame: Frame, state: dict[str, bool]) -> tuple[dict[str, Any], bytes]:
+        head = frame.header.get("head")
         with self._cond:
             if self.role == "primary":
-                raise ValueError("this node is a primary; it takes no replication stream")
+                raise ValueError(PRIMARY_REFUSAL)
             if not state["upstream"]:
                 state["upstream"] = True
                 self._upstream += 1
+            if head == self.seq:  # level with the upstream: nothing it had is missing here
+                self._caught_up = True
             return {"ok": True, "seq": self.seq}, b""
 
     def _op_replicate(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
@@ -667,8 +696,113 @@ class FabricServer:
                 committed = self._commit({"kind": "halt"}, b"", self._apply_halt)
             else:
                 raise ValueError(f"unknown record kind {kind!r}")
+            self._caught_up = True  # the record follows on what this node had: it is in sequence
         self._await_safe(committed)
         return {"ok": True, "seq": committed}, b""
+
+    # -- state transfer and joining the chain ----------------------------------------
+    def _snapshot(self, wait: float) -> tuple[dict[str, Any], bytes] | None:
+        """This node's state after record ``seq`` (the forwarder's ``snapshot_source``): None if the lock is busy."""
+        if not (self._cond.acquire(timeout=wait) if wait > 0 else self._cond.acquire(blocking=False)):
+            return None
+        try:
+            model = self.model.tobytes() if self.model is not None else b""
+            header = {"seq": self.seq, "version": self.version, "halted": self.halted,
+                      "initialized": self.model is not None, "started": self.started_at is not None,
+                      "model_bytes": len(model)}
+            state = {"outcomes": self._outcomes.to_json(),
+                     "log": [[e.seq, e.update_id, e.rank, e.version, e.delay] for e in self.log],
+                     "counters": {"applied": self.stats.applied, "applies": self.stats.applies,
+                                  "aggregated_applies": self.stats.aggregated_applies,
+                                  "applied_by_rank": {str(k): v for k, v in self.stats.applied_by_rank.items()},
+                                  "delay_histogram": {str(k): v for k, v in self.delay_histogram.items()},
+                                  "max_delay": self.max_delay}}
+        finally:
+            self._cond.release()
+        return header, model + json.dumps(state, separators=(",", ":")).encode()
+
+    def _op_snapshot(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        """Install a state transfer from upstream atomically; acknowledged once down the chain too."""
+        header, blob = frame.header, frame.blob
+        seq, version, model_bytes = int(header["seq"]), int(header["version"]), int(header["model_bytes"])
+        if seq < 0 or version < 0 or not 0 <= model_bytes <= len(blob):
+            raise ValueError(f"snapshot: bad seq {seq}, version {version} or model size {model_bytes}")
+        model = None
+        if header.get("initialized"):
+            model = from_blob(blob[:model_bytes])
+            if model.size == 0 or not np.isfinite(model).all():
+                raise ValueError("snapshot: the model must be non-empty and finite")
+        state = json.loads(bytes(blob[model_bytes:]))
+        if not isinstance(state, dict):
+            raise ValueError("snapshot: the state is not a JSON object")
+        outcomes = OutcomeWindow.from_json(self._outcomes.size, state["outcomes"])
+        entries = deque((LogEntry(int(s), str(u), int(r), int(v), int(d)) for s, u, r, v, d in state["log"]),
+                        maxlen=self.log.maxlen)
+        counters = state["counters"]
+        max_delay = None if counters["max_delay"] is None else int(counters["max_delay"])
+        histogram = Counter({int(k): int(n) for k, n in counters["delay_histogram"].items()})
+        by_rank = Counter({int(k): int(n) for k, n in counters["applied_by_rank"].items()})
+        with self._cond:
+            if self.role == "primary":
+                raise ValueError("this node was promoted; it takes no state transfer")
+            if seq < self.seq:
+                raise ValueError(f"snapshot at record {seq} is older than this node's record {self.seq}")
+            self.model, self.version, self.seq, self.halted = model, version, seq, bool(header.get("halted"))
+            if header.get("started") and self.started_at is None:
+                self.started_at = time.monotonic()
+            self._outcomes, self.log = outcomes, entries
+            self.delay_histogram, self.max_delay = histogram, max_delay
+            self.stats.applied, self.stats.applied_by_rank = int(counters["applied"]), by_rank
+            self.stats.applies = int(counters["applies"])
+            self.stats.aggregated_applies = int(counters["aggregated_applies"])
+            self.stats.snapshots_installed += 1
+            self._caught_up = True
+            if self.forwarder is not None:  # this node's successor must now reach the same state
+                self.forwarder.reset(seq)
+            self._cond.notify_all()
+        log.warning("installed a state transfer: record %d, version %d", seq, version)
+        self._await_safe(seq)
+        return {"ok": True, "seq": seq}, b""
+
+    def _op_join(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        """A (restarted, empty) node asks to become this node's successor: the chain's new tail."""
+        endpoint = frame.header.get("endpoint")
+        if not (isinstance(endpoint, list) and len(endpoint) == 2 and isinstance(endpoint[0], str)
+                and isinstance(endpoint[1], int) and not isinstance(endpoint[1], bool) and 0 < endpoint[1] < 65536):
+            raise ValueError(f"join: endpoint: expected [host, port], got {endpoint!r}")
+        successor = (endpoint[0], endpoint[1])
+        with self._cond:
+            if self._stop.is_set():
+                raise ValueError("join: this node is stopping")
+            if successor in (tuple(self.address), resolve(self.endpoint)):
+                raise ValueError(f"join: {successor[0]}:{successor[1]} is this node's own endpoint")
+            if self.forwarder is not None:
+                if self.forwarder.successor == successor:  # the successor restarted: its forwarder catches it up
+                    return {"ok": True, "role": self.role, "seq": self.seq, "rejoined": True}, b""
+                raise ValueError(f"join refused: this node is not the tail of the chain (it forwards to "
+                                 f"{self.forwarder.successor[0]}:{self.forwarder.successor[1]}); join the tail")
+            if not self._caught_up:
+                raise ValueError("join refused: this node has not caught up with the chain itself yet (its state "
+                                 "transfer has not arrived); join it once it has")
+            self.forwarder = self._forwarder(successor, self.seq).start()
+            seq = self.seq
+        log.warning("%s:%d joined the chain as this node's successor at record %d", *successor, seq)
+        return {"ok": True, "role": self.role, "seq": seq, "rejoined": False}, b""
+
+    def join(self, target: tuple[str, int], timeout: float = 10.0) -> dict[str, Any]:
+        """Ask ``target`` (the chain's tail) to take this node as its successor; raises Refused or Unreachable.
+
+        This node joins under its endpoint in the config (``ps``, or ``replicas[i]`` with ``replica=i``),
+        the address workers fail over to; ``target`` then brings it up to date by a state transfer.
+        """
+        if self.role == "primary":
+            raise ValueError("a primary does not join a chain (start the node with joining=True)")
+        conn = Connection(target, timeout=timeout)
+        try:
+            response, _ = conn.call({"op": "join", "job_id": self.job_id, "endpoint": list(resolve(self.endpoint))})
+        finally:
+            conn.close()
+        return response
 
 
 def _endpoint_arg(text: str) -> tuple[str, int]:
@@ -687,6 +821,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     parser.add_argument("--bind", type=_endpoint_arg, help="HOST:PORT to listen on instead of the config's")
     parser.add_argument("--max-lag", type=int, default=1, help="records a replica may lag behind (default 1)")
+    parser.add_argument("--join", type=_endpoint_arg, metavar="HOST:PORT",
+                        help="start empty and join the chain as the successor of the node at HOST:PORT (its tail; "
+                             "e.g. a replica promoted after a failover); it brings this node up to date")
+    parser.add_argument("--outcome-window", type=int, default=1024,
+                        help="steps per rank whose outcomes are kept to answer repeated pushes (default 1024)")
+    parser.add_argument("--log-size", type=int, default=100_000,
+                        help="applied updates kept in the log returned by stats (default 100000)")
     parser.add_argument("--default-bandwidth", type=float, default=1.25e6,
                         help="scheduler: bytes/s assumed for a sender not measured yet")
     args = parser.parse_args(argv)
@@ -694,12 +835,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = WorkerConfig.load(args.config)
         server = FabricServer(config, lr=args.lr, replica=args.replica, bind=args.bind, max_lag=args.max_lag,
-                              default_bandwidth=args.default_bandwidth)
+                              default_bandwidth=args.default_bandwidth, outcome_window=args.outcome_window,
+                              log_size=args.log_size, joining=args.join is not None)
     except (ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     stop = stop_event()
     with server:
+        if args.join is not None:
+            try:
+                joined = server.join(args.join)
+            except FabricError as err:
+                print(f"error: join {args.join[0]}:{args.join[1]}: {err}", file=sys.stderr)
+                return 2
+            print(f"joined the chain after {args.join[0]}:{args.join[1]} (its record {joined['seq']})", flush=True)
         print(f"mlfabric PS: job {config.job_id} {server.role} ({config.update_mode}, schedule {config.schedule}, "
               f"delay bound {config.delay_bound}, {len(config.replicas)} replica(s)) on "
               f"{server.address[0]}:{server.address[1]}", flush=True)

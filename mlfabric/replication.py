@@ -15,16 +15,25 @@ Two guarantees the PS builds on:
 * **safe acknowledgement**: the PS answers a worker's push only after
   :meth:`ChainForwarder.wait_acked` says the push's record was acknowledged.
 
-After a reconnect the forwarder asks the successor for its last applied sequence
-number (``chain_hello``) and resends every record after it that it still holds (it
-holds every unacknowledged record).
+On every (re)connection the forwarder asks the successor for its last applied sequence
+number (``chain_hello``, which also tells it this node's ``head``) and resends every
+record after it that it still holds (it holds every unacknowledged record). A
+successor that is further behind than that — it restarted empty, or joined the chain
+— gets a **state transfer**: a snapshot of the node (``snapshot``: model, version,
+sequence number, outcome window, log, counters) taken under the node's apply lock by
+``snapshot_source``, so it is exactly the state after record ``S``; then the records
+after ``S`` follow as usual. While the snapshot is in flight, new records queue up to
+``max_lag`` and applies wait, as with any slow successor. When idle, the forwarder
+pings (``chain_hello``) so a successor that restarted is noticed and brought back.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from netagg.mlfabric.protocol import Connection, FabricError, Refused, Unreachable
@@ -32,6 +41,15 @@ from netagg.mlfabric.protocol import Connection, FabricError, Refused, Unreachab
 log = logging.getLogger(__name__)
 
 _RETRY_SECONDS = 0.2
+_PING_SECONDS = 1.0
+_SNAPSHOT_POLL = 0.05
+#: A primary's answer to ``chain_hello``: a node whose successor says this was replaced (``superseded``).
+PRIMARY_REFUSAL = "this node is a primary; it takes no replication stream"
+
+#: ``snapshot_source(wait)``: ``(header, blob)`` of the node's state — the header has its ``seq`` —
+#: taken under the node's apply lock if that lock can be had within ``wait`` seconds (0: only if free
+#: or already held by the caller), else None.
+SnapshotSource = Callable[[float], "tuple[dict[str, Any], bytes] | None"]
 
 
 class ReplicationStalled(FabricError):
@@ -39,19 +57,29 @@ class ReplicationStalled(FabricError):
 
 
 class ChainForwarder:
-    """Sends a node's applied records to its successor in order (see the module docstring)."""
+    """Sends a node's applied records to its successor in order (see the module docstring).
 
-    def __init__(self, successor: tuple[str, int], job_id: int, *, first_seq: int = 1, max_lag: int = 1,
-                 timeout: float = 5.0) -> None:
+    ``head`` is the node's sequence number when the forwarder starts (records up to it are
+    only in the node's state: a successor behind it gets a snapshot from ``snapshot_source``).
+    """
+
+    def __init__(self, successor: tuple[str, int], job_id: int, *, head: int = 0, max_lag: int = 1,
+                 timeout: float = 5.0, snapshot_source: SnapshotSource | None = None) -> None:
         if max_lag < 1:
             raise ValueError("max_lag must be >= 1")
         self.successor = successor
         self.job_id = job_id
         self.max_lag = max_lag
         self.timeout = timeout
+        self.snapshot_source = snapshot_source
         #: Highest sequence number the successor acknowledged.
-        self.acked_seq = first_seq - 1
+        self.acked_seq = 0
+        #: Highest sequence number handed over (or the node's state when the forwarder started).
+        self.head = head
         self.records_sent = 0
+        self.snapshots_sent = 0
+        #: The successor answered that it is a primary: the chain was re-formed without this node.
+        self.superseded = False
         self.reconnects = 0
         self.last_error = ""
         self._queue: deque[tuple[int, dict[str, Any], bytes]] = deque()
@@ -59,6 +87,11 @@ class ChainForwarder:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlfabric-chain", daemon=True)
         self._conn: Connection | None = None
+        self._resync = False
+        self._last_contact = 0.0
+        #: A state transfer under way wants a snapshot; reserve() takes it if the forwarder cannot get the lock.
+        self._snapshot_wanted = False
+        self._snapshot: tuple[dict[str, Any], bytes] | None = None
 
     def start(self) -> ChainForwarder:
         self._thread.start()
@@ -68,7 +101,8 @@ class ChainForwarder:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         if self._conn is not None:
             self._conn.close()
 
@@ -79,9 +113,17 @@ class ChainForwarder:
             return len(self._queue)
 
     def reserve(self, timeout: float) -> None:
-        """Wait until one more record keeps the lag within ``max_lag``; raises ReplicationStalled."""
+        """Wait until one more record keeps the lag within ``max_lag``; raises ReplicationStalled.
+
+        Called holding the node's apply lock; a state transfer waiting for that lock gets its
+        snapshot from here.
+        """
+        def room() -> bool:
+            self._serve_snapshot()
+            return len(self._queue) < self.max_lag or self._stop.is_set()
+
         with self._cond:
-            if not self._cond.wait_for(lambda: len(self._queue) < self.max_lag or self._stop.is_set(), timeout):
+            if not self._cond.wait_for(room, timeout):
                 raise ReplicationStalled(f"replica {self.successor[0]}:{self.successor[1]} is {len(self._queue)} "
                                          f"records behind (bound {self.max_lag}) for {timeout:.1f} s"
                                          + (f": {self.last_error}" if self.last_error else ""))
@@ -90,6 +132,16 @@ class ChainForwarder:
         """Queue the record applied as ``seq`` (call in apply order, after :meth:`reserve`)."""
         with self._cond:
             self._queue.append((seq, header, blob))
+            self.head = seq
+            self._cond.notify_all()
+
+    def reset(self, head: int) -> None:
+        """The node's state was replaced by a snapshot at ``head``: drop the queue, bring the successor there."""
+        with self._cond:
+            self._queue.clear()
+            self.head = head
+            self.acked_seq = min(self.acked_seq, head)
+            self._resync = True
             self._cond.notify_all()
 
     def wait_acked(self, seq: int, timeout: float) -> bool:
@@ -99,29 +151,49 @@ class ChainForwarder:
 
     # -- the forwarding thread -------------------------------------------------
     def _run(self) -> None:
+        failing = ""
         while not self._stop.is_set():
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._stop.is_set(), 0.5)
+                self._cond.wait_for(lambda: self._queue or self.acked_seq < self.head or self._resync
+                                    or self._stop.is_set() or self._conn is None, _PING_SECONDS / 2)
                 if self._stop.is_set():
                     return
-                if not self._queue:
-                    continue
-                seq, header, blob = self._queue[0]
+                resync, self._resync = self._resync, False
             try:
+                if resync:
+                    self._close()
                 conn = self._connection()
+                with self._cond:
+                    record = self._queue[0] if self._queue else None
+                    behind = self.acked_seq < self.head
+                if record is None:
+                    if behind:  # cannot happen after a successful connection; resynchronise rather than spin
+                        self._close()
+                    elif time.monotonic() - self._last_contact >= _PING_SECONDS:
+                        self._acknowledge(self._hello(conn))
+                    continue
+                seq, header, blob = record
                 response, _ = conn.call({**header, "op": "replicate", "job_id": self.job_id, "seq": seq}, blob,
                                         timeout=self.timeout)
                 acked = int(response["seq"])
             except (Unreachable, Refused, KeyError, ValueError) as err:
                 self.last_error = str(err)
-                log.warning("replication to %s:%d: %s", *self.successor, err)
-                if self._conn is not None:
-                    self._conn.close()
-                    self._conn = None
+                self.superseded = self.superseded or PRIMARY_REFUSAL in self.last_error
+                if self.last_error != failing:  # one warning per distinct failure, not one per retry
+                    log.warning("replication to %s:%d: %s", *self.successor, err)
+                failing = self.last_error
+                self._close()
                 self._stop.wait(_RETRY_SECONDS)
                 continue
+            failing = ""
+            self._last_contact = time.monotonic()
             self.records_sent += 1
             self._acknowledge(acked)
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     def _acknowledge(self, acked: int) -> None:
         with self._cond:
@@ -130,25 +202,72 @@ class ChainForwarder:
                 self._queue.popleft()
             self._cond.notify_all()
 
+    def _hello(self, conn: Connection) -> int:
+        with self._cond:
+            head = self.head
+        response, _ = conn.call({"op": "chain_hello", "job_id": self.job_id, "head": head})
+        self._last_contact = time.monotonic()
+        return int(response["seq"])
+
     def _connection(self) -> Connection:
         if self._conn is not None:
             return self._conn
         conn = Connection(self.successor, timeout=self.timeout)
         try:
-            response, _ = conn.call({"op": "chain_hello", "job_id": self.job_id})
-            their_seq = int(response["seq"])
+            their_seq = self._hello(conn)
+            with self._cond:
+                oldest = self._queue[0][0] if self._queue else self.head + 1
+                head = self.head
+            if their_seq > head:
+                raise Refused(f"successor has applied up to record {their_seq}, this node only up to {head}: it "
+                              f"is not behind this node (restart it empty to let it join)")
+            if their_seq < oldest - 1:
+                their_seq = self._transfer(conn, their_seq)
         except BaseException:
             conn.close()
             raise
-        with self._cond:
-            oldest = self._queue[0][0] if self._queue else self.acked_seq + 1
-        if their_seq < oldest - 1:
-            conn.close()
-            raise Refused(f"successor has applied up to record {their_seq} but the oldest record still held is "
-                          f"{oldest}: it missed records (a replica restarted empty needs a state transfer, "
-                          f"which is not implemented)")
         self.reconnects += 1
         self._conn = conn
         self._acknowledge(their_seq)
         return conn
 
+    # -- state transfer ----------------------------------------------------------
+    def _transfer(self, conn: Connection, their_seq: int) -> int:
+        """Send the successor a snapshot of this node; returns the sequence number it acknowledged."""
+        if self.snapshot_source is None:
+            raise Refused(f"successor has applied up to record {their_seq} but the oldest record still held is "
+                          f"later: it needs a state transfer and this node has no snapshot source")
+        header, blob = self._take_snapshot()
+        log.warning("state transfer to %s:%d: snapshot at record %d (successor was at %d, %d bytes)",
+                    *self.successor, header["seq"], their_seq, len(blob))
+        response, _ = conn.call({**header, "op": "snapshot", "job_id": self.job_id}, blob, timeout=self.timeout)
+        self.snapshots_sent += 1
+        return int(response["seq"])
+
+    def _take_snapshot(self) -> tuple[dict[str, Any], bytes]:
+        """A snapshot taken under the node's apply lock: by this thread, or by an apply waiting in reserve()."""
+        assert self.snapshot_source is not None
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            self._snapshot, self._snapshot_wanted = None, True
+            self._cond.notify_all()
+        try:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                snapshot = self.snapshot_source(_SNAPSHOT_POLL)
+                with self._cond:
+                    if snapshot is None:
+                        self._cond.wait_for(lambda: self._snapshot is not None, _SNAPSHOT_POLL)
+                        snapshot = self._snapshot
+                    if snapshot is not None:
+                        self._snapshot_wanted = False
+                        return snapshot
+            raise Refused(f"no snapshot of this node within {self.timeout:.1f} s")
+        finally:
+            with self._cond:
+                self._snapshot, self._snapshot_wanted = None, False
+
+    def _serve_snapshot(self) -> None:
+        """In reserve() (holding the node's apply lock and this forwarder's): take a snapshot that is wanted."""
+        if self._snapshot_wanted and self._snapshot is None and self.snapshot_source is not None:
+            self._snapshot = self.snapshot_source(0)
+            self._cond.notify_all()

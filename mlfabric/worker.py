@@ -1,12 +1,13 @@
 """A worker's client of the MLfabric PS chain, with failover from the primary to its replicas.
 
 The worker knows every endpoint of the chain (the config's ``ps``, then ``replicas``).
-When the node it talks to breaks or stops answering, the client moves to the next one,
-asks it to take over (``promote``: a replica accepts only once its primary is gone)
-and repeats the request there. Pushes carry update ids, so a push repeated after a
-failover is applied at most once (the replica already has every update the primary
-acknowledged). Every request has a timeout; after ``failover_timeout`` seconds without
-any reachable primary, :class:`Unavailable` is raised.
+When the node it talks to breaks or stops answering, the client moves to the next one
+(wrapping around: a node that rejoined the chain on an earlier endpoint is reached too),
+asks it to take over (``promote``: a replica accepts only once its primary is gone and
+it has caught up; a primary just says so) and repeats the request there. Pushes carry
+update ids, so a push repeated after a failover is applied at most once (the replica
+already has every update the primary acknowledged). Every request has a timeout; after
+``failover_timeout`` seconds without any reachable primary, :class:`Unavailable` is raised.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from netagg.hoststack.packets import resolve
 from netagg.jobconfig import WorkerConfig
 from netagg.mlfabric.protocol import Connection, FabricError, Refused, Unreachable, from_blob, to_blob
 
-_NOT_PRIMARY = "not the primary"
+#: Refusals that mean "this node does not act as primary (yet)": try the next one.
+_NOT_PRIMARY = ("not the primary", "not promoted")
 _ROTATION_PAUSE = 0.2
 
 
@@ -69,7 +71,7 @@ class FabricClient:
             except Unreachable as err:
                 self._rotate(str(err), deadline)
             except Refused as err:
-                if _NOT_PRIMARY not in str(err) and "still connected" not in str(err):
+                if not any(reason in str(err) for reason in _NOT_PRIMARY):
                     raise
                 self._rotate(str(err), deadline)
 
@@ -122,9 +124,8 @@ class FabricClient:
         conn = Connection(self.endpoints[self.current], timeout=self.timeout)
         try:
             base = {"job_id": self.job_id, "rank": self.rank}
-            if not self.observer:
-                if self.current != 0:
-                    conn.call({"op": "promote", **base})
+            if not self.observer:  # any endpoint may be a replica by now (a node that rejoined the chain)
+                conn.call({"op": "promote", **base})
                 fields = {"agg": list(self.agg)} if self.agg else {}
                 conn.call({"op": "hello", **base, **fields})
         except BaseException:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
+import threading
 import time
 
 import numpy as np
@@ -145,6 +147,120 @@ def test_a_dead_replica_bounds_the_lag_and_no_push_is_acknowledged_unsafely():
     finally:
         primary.stop()
         replica.stop()
+
+
+def _wait_for(condition, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _same_state(a: FabricServer, b: FabricServer) -> None:
+    """Bit-identical model, same version, sequence number, log and counters."""
+    assert a.model is not None and b.model is not None and a.model.tobytes() == b.model.tobytes()
+    assert (a.version, a.seq, a.halted) == (b.version, b.seq, b.halted)
+    assert list(a.log) == list(b.log) and a.delay_histogram == b.delay_histogram and a.max_delay == b.max_delay
+    assert a.stats.applied_by_rank == b.stats.applied_by_rank and a.stats.applied == b.stats.applied
+
+
+def test_a_replica_that_restarts_empty_gets_a_state_transfer_and_a_retried_push_is_a_duplicate_there():
+    primary, replica, configs = _chain(ack_timeout=5)
+    fresh = None
+    try:
+        client = FabricClient.from_config(configs[0], failover_timeout=10)
+        client.hello()
+        client.init(np.linspace(0, 1, 5).astype(np.float32))
+        rng = np.random.default_rng(0)
+        grads = [rng.standard_normal(5).astype(np.float32) for _ in range(6)]
+        for step in range(3):
+            assert client.push(f"0:{step}", step, grads[step])["outcome"] == "applied"
+        replica.stop()  # it crashes and comes back empty, on the same endpoint
+        pushed: dict = {}
+        pusher = threading.Thread(target=lambda: pushed.update(client.push("0:3", 3, grads[3])))
+        pusher.start()  # applied at the primary; acknowledged only once the new replica has it
+        _wait_for(lambda: primary.version == 4, what="the primary to apply 0:3")
+        assert not pushed and primary.forwarder is not None and primary.forwarder.lag == 1
+        fresh = FabricServer(configs[0], replica=0, gate_timeout=0, ack_timeout=5).start()
+        pusher.join(10)
+        assert pushed["outcome"] == "applied"
+        # The snapshot (taken after record 5: init and four updates) is the primary's state, bit for bit.
+        assert primary.forwarder.snapshots_sent == 1 and fresh.stats.snapshots_installed == 1
+        _same_state(primary, fresh)
+        assert [e.update_id for e in fresh.log] == [f"0:{s}" for s in range(4)] and fresh.seq == 5
+        # Records after the snapshot follow, each applied once.
+        assert client.push("0:4", 4, grads[4])["outcome"] == "applied"
+        _same_state(primary, fresh)
+        assert [e.update_id for e in fresh.log] == [f"0:{s}" for s in range(5)] and fresh.seq == 6
+        # The primary dies; pushes the worker retries are recognised by the new replica, from the snapshot (0:3)
+        # and from the records after it (0:4), and not applied again.
+        primary.stop()
+        for step in (3, 4):
+            again = client.push(f"0:{step}", step, grads[step])
+            assert again["outcome"] == "applied" and again["duplicate"]
+        assert fresh.role == "primary" and fresh.version == 5 and fresh.stats.duplicates == 2
+        assert client.push("0:5", 5, grads[5])["outcome"] == "applied"
+        expected = np.linspace(0, 1, 5).astype(np.float32)
+        for g in grads:
+            expected = expected + (-np.float32(0.1) * g).astype(np.float32)
+        assert fresh.model is not None and fresh.model.tobytes() == expected.tobytes()
+        client.close()
+    finally:
+        for node in (primary, replica, fresh):
+            if node is not None:
+                node.stop()
+
+
+def test_while_a_snapshot_is_in_flight_the_lag_stays_bounded_and_nothing_is_acknowledged_early():
+    configs = loopback_configs(2, update_mode="async", delay_bound=5, replicas=1)
+    # An unreplicated primary (a replica promoted after a failover, say) and a node that joins it.
+    head = FabricServer(dataclasses.replace(configs[0], replicas=()), gate_timeout=0, ack_timeout=5).start()
+    joiner = FabricServer(configs[0], replica=0, joining=True, gate_timeout=0, ack_timeout=5)
+    install, gate = joiner._op_snapshot, threading.Event()
+    joiner._op_snapshot = lambda frame: (gate.wait(10), install(frame))[1]  # the snapshot arrives late
+    joiner.start()
+    try:
+        client = FabricClient([configs[0].ps.as_tuple()], 1, 0, failover_timeout=5)
+        client.hello()
+        client.init(np.zeros(4, np.float32))
+        g = np.ones(4, np.float32)
+        assert client.push("0:0", 0, g)["outcome"] == "applied"
+        # Before its state transfer the joiner refuses to take over: it has nothing.
+        conn = Connection(configs[0].replicas[0].as_tuple())
+        with pytest.raises(Refused, match="has not caught up"):
+            conn.call({"op": "promote", "job_id": 1})
+        assert joiner.join(configs[0].ps.as_tuple())["seq"] == 2
+        _wait_for(lambda: joiner._upstream == 1, what="the head to connect")
+        clients = [client, FabricClient([configs[0].ps.as_tuple()], 1, 1, failover_timeout=5)]
+        clients[1].hello()
+        outcomes: dict = {}
+
+        def push(rank: int) -> None:
+            outcomes[rank] = clients[rank].push(f"{rank}:1", 1, g)
+
+        pushers = [threading.Thread(target=push, args=(rank,)) for rank in (0, 1)]
+        pushers[0].start()
+        _wait_for(lambda: head.version == 2, what="the first push to be applied")
+        pushers[1].start()
+        time.sleep(0.5)
+        # One record is queued behind the snapshot (max_lag 1); the second push waits before being applied,
+        # and neither is acknowledged while the joiner lacks the state.
+        assert head.forwarder is not None and head.forwarder.lag == 1 and head.version == 2 and not outcomes
+        gate.set()
+        for t in pushers:
+            t.join(10)
+        assert outcomes[0]["outcome"] == outcomes[1]["outcome"] == "applied"
+        assert head.version == joiner.version == 3 and joiner.stats.snapshots_installed == 1
+        _same_state(head, joiner)
+        with pytest.raises(Refused, match="primary is still connected"):
+            conn.call({"op": "promote", "job_id": 1})
+        conn.close()
+        for c in clients:
+            c.close()
+    finally:
+        gate.set()
+        head.stop()
+        joiner.stop()
 
 
 def test_the_workers_fast_digits_loader_gives_the_examples_data():
