@@ -154,12 +154,17 @@ def _speedups(rows: list[Measurement]) -> list[str]:
     for (kind, n, mb), m in sorted(by_key.items()):
         if kind != "netagg":
             continue
-        for other, ideal in (("gloo", 2 * (n - 1) / n * e / E_TCP), ("fallback", float(n)), ("netagg-fixed", 1.0)):
+        for other, ideal in (("gloo", 2 * (n - 1) / n * e / E_TCP), ("fallback", float(n))):
             o = by_key.get((other, n, mb))
             if o:
                 speedup = o.seconds / m.seconds
                 out.append(f"N={n} {mb:.2f} MB: speedup over {other} {speedup:.2f}x, "
                            f"{speedup / ideal:.2f} of its maximum {ideal:.2f}x")
+        for kind_name in FIXED_WINDOW_KINDS:
+            fixed, controlled = by_key.get((kind_name, n, mb)), by_key.get((kind_name.removesuffix("-fixed"), n, mb))
+            if fixed and controlled:
+                out.append(f"N={n} {mb:.2f} MB: congestion control speeds {controlled.kind} up "
+                           f"{fixed.seconds / controlled.seconds:.2f}x over its fixed window")
     return out
 
 
