@@ -629,10 +629,10 @@ class FabricServer:
                 result["log"] = [asdict(e) for e in self.log]
             if self.forwarder is not None:
                 forwarder = self.forwarder
-                result["replication"] = {"successor": list(forwarder.successor), "acked_seq": forwarder.acked_seq,
-                                         "head": forwarder.head, "lag": forwarder.lag,
-                                         "records_sent": forwarder.records_sent,
-                                         "snapshots_sent": forwarder.snapshots_sent,
+                snapshots_sent = forwarder.snapshots_sent  # read first: it counts acknowledged transfers
+                result["replication"] = {"successor": list(forwarder.successor), "snapshots_sent": snapshots_sent,
+                                         "acked_seq": forwarder.acked_seq, "head": forwarder.head,
+                                         "lag": forwarder.lag, "records_sent": forwarder.records_sent,
                                          "last_error": forwarder.last_error}
             model = self.model.tobytes() if frame.header.get("model") and self.model is not None else b""
         if self.grants is not None:

@@ -241,8 +241,10 @@ class ChainForwarder:
         log.warning("state transfer to %s:%d: snapshot at record %d (successor was at %d, %d bytes)",
                     *self.successor, header["seq"], their_seq, len(blob))
         response, _ = conn.call({**header, "op": "snapshot", "job_id": self.job_id}, blob, timeout=self.timeout)
-        self.snapshots_sent += 1
-        return int(response["seq"])
+        acked = int(response["seq"])
+        self._acknowledge(acked)
+        self.snapshots_sent += 1  # after the acknowledgement: who sees it counted sees the acknowledged seq
+        return acked
 
     def _take_snapshot(self) -> tuple[dict[str, Any], bytes]:
         """A snapshot taken under the node's apply lock: by this thread, or by an apply waiting in reserve()."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 import threading
 import time
@@ -61,8 +62,17 @@ def _train(tmp_path, replicas: int, kill_at: int | None):
     return reports, stats, model, killed_at, lag_samples
 
 
-def test_kill_minus_nine_of_the_primary_loses_no_acknowledged_update(tmp_path):
-    baseline_reports, baseline, baseline_model, _, _ = _train(tmp_path / "plain", replicas=0, kill_at=None)
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The unreplicated run the failover runs are compared with: (worker reports, PS stats, final model)."""
+    reports, stats, model, _, _ = _train(tmp_path_factory.mktemp("plain") / "run", replicas=0, kill_at=None)
+    assert all(r["errors"] == 0 for r in reports)
+    assert stats["version"] > 0.8 * WORKERS * STEPS
+    return reports, stats, model
+
+
+def test_kill_minus_nine_of_the_primary_loses_no_acknowledged_update(tmp_path, plain_run):
+    _, _, baseline_model = plain_run
     reports, stats, model, killed_at, lag_samples = _train(tmp_path / "replicated", replicas=1,
                                                            kill_at=WORKERS * STEPS // 5)
     # Killed a fifth into the training (no worker can have finished yet); every worker failed over to the
@@ -81,11 +91,85 @@ def test_kill_minus_nine_of_the_primary_loses_no_acknowledged_update(tmp_path):
     # While the primary lived, the replica acknowledged all but at most max_lag = 1 of its records.
     assert lag_samples and all(seq - acked_seq <= 1 and lag <= 1 for seq, acked_seq, lag in lag_samples)
     # Training continued to the same accuracy as the unreplicated run, within the stated tolerance.
-    assert all(r["errors"] == 0 for r in baseline_reports)
     plain_accuracy, replicated_accuracy = _accuracy(baseline_model), _accuracy(model)
     assert plain_accuracy > 0.9
     assert abs(replicated_accuracy - plain_accuracy) <= ACCURACY_TOLERANCE, (plain_accuracy, replicated_accuracy)
-    assert baseline["version"] > 0.8 * WORKERS * STEPS
+
+
+def _poll(endpoint, until, timeout: float = 30.0, what: str = "the PS") -> dict:
+    """``stats`` of the node at ``endpoint`` (an observer: it never promotes) until ``until(stats)`` holds."""
+    observer = FabricClient([endpoint.as_tuple()], 1, 0, observer=True, failover_timeout=5)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            stats, _ = observer.stats()
+            if until(stats):
+                return stats
+            assert time.monotonic() < deadline, f"timed out waiting for {what}; last stats: {stats}"
+            time.sleep(0.02)
+    finally:
+        observer.close()
+
+
+def test_a_node_joins_the_promoted_replica_catches_up_and_takes_over_after_a_second_kill(tmp_path, plain_run):
+    _, _, baseline_model = plain_run
+    configs = loopback_configs(WORKERS, update_mode="async", delay_bound=BOUND, replicas=1)
+    paths = write_configs(configs, tmp_path)
+    ps, replica_endpoint = configs[0].ps, configs[0].replicas[0]
+    replica = start_ps(paths[0], tmp_path / "replica.log", replica=0)
+    primary = start_ps(paths[0], tmp_path / "primary.log")
+    joiner = None
+    total = WORKERS * STEPS
+    try:
+        # A little compute time per step, so the training outlasts the two failovers and the join.
+        workers = start_workers(paths, [["--steps", str(STEPS), "--compute-delay", "0.03"]] * WORKERS)
+        first_kill = _poll(ps, lambda st: st["version"] >= total // 5, what="a fifth of the training")["version"]
+        primary.send_signal(signal.SIGKILL)
+        primary.wait(timeout=10)
+        # The workers fail over: the replica is promoted and runs unreplicated ...
+        promoted = _poll(replica_endpoint, lambda st: st["role"] == "primary", what="the replica's promotion")
+        assert "replication" not in promoted
+        # ... until a fresh node on the dead primary's endpoint joins it as its successor and is brought up to date.
+        joiner = start_ps(paths[0], tmp_path / "joiner.log", extra=["--join", f"{replica_endpoint.host}:"
+                                                                               f"{replica_endpoint.port}"])
+        joined = _poll(ps, lambda st: st["caught_up"], what="the joiner's state transfer")
+        assert joined["role"] == "replica" and joined["stats"]["snapshots_installed"] == 1
+        lag_samples = []
+
+        def replicated(st: dict) -> bool:
+            rep = st["replication"]
+            if rep["snapshots_sent"] == 1:  # the state transfer was acknowledged: now the joiner keeps up
+                lag_samples.append((st["seq"], rep["acked_seq"], rep["lag"]))
+            return rep["snapshots_sent"] == 1 and st["version"] >= first_kill + total // 5
+
+        second_kill = _poll(replica_endpoint, replicated, what="training replicated to the joiner")["version"]
+        replica.send_signal(signal.SIGKILL)  # the promoted replica dies too: the joiner is all that is left
+        replica.wait(timeout=10)
+        reports = collect(workers, timeout=120)
+        observer = FabricClient([ps.as_tuple()], 1, 0, observer=True)
+        stats, model = observer.stats(log=True, model=True)
+        observer.close()
+    finally:
+        for node in (primary, replica, joiner):
+            if node is not None:
+                stop(node)
+    # Both kills happened mid-training; every worker failed over twice (wrapping around the endpoint list to the
+    # joiner on the first one) and finished its steps without errors.
+    assert first_kill < second_kill < total
+    for report in reports:
+        assert report["failovers"] >= 2 and report["errors"] == 0 and report["steps"] == STEPS
+    assert stats["role"] == "primary" and stats["version"] > second_kill and stats["stats"]["snapshots_installed"] == 1
+    # Every update a worker saw acknowledged — by the first primary, the promoted replica or the joiner — is in
+    # the joiner's log (from the snapshot or the records after it), each exactly once.
+    logged = [entry["update_id"] for entry in stats["log"]]
+    acked = [update_id for report in reports for update_id in report["acked"]]
+    assert set(acked) <= set(logged)
+    assert len(logged) == len(set(logged)) == stats["version"] == stats["stats"]["applied"] < stats["log_size"]
+    assert stats["max_delay"] <= BOUND and all(entry["delay"] <= BOUND for entry in stats["log"])
+    # While the promoted replica forwarded to the joiner, the joiner lagged by at most max_lag = 1 record.
+    assert lag_samples and all(seq - acked_seq <= 1 and lag <= 1 for seq, acked_seq, lag in lag_samples)
+    plain_accuracy, accuracy = _accuracy(baseline_model), _accuracy(model)
+    assert abs(accuracy - plain_accuracy) <= ACCURACY_TOLERANCE, (plain_accuracy, accuracy)
 
 
 def _chain(**options) -> tuple[FabricServer, FabricServer, list]:
@@ -261,6 +345,82 @@ def test_while_a_snapshot_is_in_flight_the_lag_stays_bounded_and_nothing_is_ackn
         gate.set()
         head.stop()
         joiner.stop()
+
+
+def test_a_join_is_refused_unless_the_target_is_a_caught_up_tail():
+    configs = loopback_configs(1, update_mode="async", delay_bound=5, replicas=2)
+    ps, first, second = configs[0].ps.as_tuple(), *(r.as_tuple() for r in configs[0].replicas)
+    head = FabricServer(dataclasses.replace(configs[0], replicas=()), gate_timeout=0).start()
+    a = FabricServer(configs[0], replica=0, joining=True, gate_timeout=0).start()
+    b = FabricServer(configs[0], replica=1, joining=True, gate_timeout=0).start()
+    try:
+        with pytest.raises(ValueError, match="a primary does not join"):
+            head.join(first)
+        conn = Connection(ps)
+        with pytest.raises(Refused, match="endpoint: expected"):
+            conn.call({"op": "join", "job_id": 1, "endpoint": ["127.0.0.1", "x"]})
+        with pytest.raises(Refused, match="this node's own endpoint"):
+            conn.call({"op": "join", "job_id": 1, "endpoint": list(ps)})
+        conn.close()
+        with pytest.raises(Refused, match="has not caught up with the chain itself"):
+            b.join(first)  # a has not joined anything yet: it has no state to pass on
+        # A broken state transfer is refused and changes nothing.
+        upstream = Connection(second)
+        with pytest.raises(Refused, match="snapshot without chain_hello"):
+            upstream.call({"op": "snapshot", "job_id": 1, "seq": 3, "version": 2, "model_bytes": 0}, b"{}")
+        assert upstream.call({"op": "chain_hello", "job_id": 1, "head": 3})[0]["seq"] == 0
+        for header, blob, reason in [
+            ({"model_bytes": 8}, b"\0" * 4, "bad seq 3, version 2 or model size 8"),
+            ({"model_bytes": 0}, b"not json", "JSONDecodeError"),
+            ({"model_bytes": 0}, b'{"outcomes": {}}', "KeyError: 'log'"),
+            ({"model_bytes": 4, "initialized": True}, np.array([np.inf], np.float32).tobytes() + b"{}",
+             "the model must be non-empty and finite"),
+        ]:
+            with pytest.raises(Refused, match=re.escape(reason)):
+                upstream.call({"op": "snapshot", "job_id": 1, "seq": 3, "version": 2, **header}, blob)
+        upstream.close()
+        assert b.seq == 0 and b.model is None and not b._caught_up and b.stats.snapshots_installed == 0
+        assert a.join(ps) == {"ok": True, "role": "primary", "seq": 0, "rejoined": False}
+        _wait_for(lambda: a._caught_up, what="a to catch up")
+        with pytest.raises(Refused, match=r"not the tail of the chain \(it forwards to 127.0.0.1:\d+\); join the tail"):
+            b.join(ps)
+        assert a.join(ps)["rejoined"]  # the same successor again (say it restarted): its forwarder catches it up
+        assert b.join(first)["rejoined"] is False  # the tail: ps -> a -> b
+        client = FabricClient([ps], 1, 0, failover_timeout=5)
+        client.hello()
+        client.init(np.ones(3, np.float32))
+        assert client.push("0:0", 0, np.ones(3, np.float32))["outcome"] == "applied"
+        _same_state(head, a)
+        _same_state(head, b)
+        client.close()
+    finally:
+        for node in (head, a, b):
+            node.stop()
+
+
+def test_a_node_restarted_in_its_old_role_sends_workers_on_to_the_promoted_replica():
+    primary, replica, configs = _chain()
+    stale = None
+    try:
+        client = FabricClient.from_config(configs[0], failover_timeout=10)
+        client.hello()
+        client.init(np.zeros(2, np.float32))
+        assert client.push("0:0", 0, np.ones(2, np.float32))["outcome"] == "applied"
+        primary.stop()
+        assert client.push("0:1", 1, np.ones(2, np.float32))["outcome"] == "applied" and client.current == 1
+        # The old primary comes back empty as a primary (not with --join): its successor is a primary now.
+        stale = FabricServer(configs[0], gate_timeout=0).start()
+        assert stale.forwarder is not None
+        _wait_for(lambda: stale.forwarder.superseded, what="the stale primary to learn it was replaced")
+        fresh = FabricClient.from_config(configs[1], failover_timeout=10)
+        assert fresh.push("1:0", 2, np.ones(2, np.float32))["outcome"] == "applied"
+        assert fresh.current == 1 and replica.version == 3 and stale.model is None
+        client.close()
+        fresh.close()
+    finally:
+        for node in (primary, replica, stale):
+            if node is not None:
+                node.stop()
 
 
 def test_the_workers_fast_digits_loader_gives_the_examples_data():
