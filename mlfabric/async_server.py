@@ -103,7 +103,7 @@ class LogEntry:
 def update_step(update_id: str, rank: int) -> int:
     """The step of update id ``rank:step``; ValueError if the id is not that rank's."""
     prefix, sep, step = update_id.partition(":")
-    if not sep or prefix != str(rank) or not step.isdigit():
+    if not sep or prefix != str(rank) or not (step.isascii() and step.isdigit()):
         raise ValueError(f"update id {update_id!r}: expected '{rank}:<step>' (the sender's rank, a step >= 0)")
     return int(step)
 
@@ -148,8 +148,8 @@ class OutcomeWindow:
 
     def to_json(self) -> dict[str, Any]:
         """The window as JSON (for a state transfer)."""
-        return {str(rank): {"newest": self.newest[rank], "outcomes": {str(s): o for s, o in outcomes.items()}}
-                for rank, outcomes in self._outcomes.items()}
+        return {str(rank): {"newest": newest, "outcomes": {str(s): o for s, o in self._outcomes.get(rank, {}).items()}}
+                for rank, newest in self.newest.items()}
 
     @classmethod
     def from_json(cls, size: int, data: dict[str, Any]) -> OutcomeWindow:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 import threading
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from netagg.mlfabric.aggregation import AggregationService
-from netagg.mlfabric.async_server import FabricServer
+from netagg.mlfabric.async_server import FabricServer, OutcomeWindow
 from netagg.mlfabric.protocol import Connection, Refused
 from netagg.mlfabric.testing import collect, loopback_configs, start_ps, start_workers, stop, write_configs
 from netagg.mlfabric.training import WorkerReport, _send
@@ -156,6 +157,10 @@ def test_memory_stays_bounded_an_old_id_is_refused_and_a_recent_one_is_still_a_d
         # Kept: 0:23 and 0:25 (steps 22 and 24 were never pushed), and 1:0.
         assert server.version == 23 and len(server.log) == 8 and len(server._outcomes) == 2 + 1
         np.testing.assert_array_equal(server.model, np.full(3, -23.0, np.float32))
+        # The window survives a state transfer, into a node that keeps fewer steps: the newest ones.
+        smaller = OutcomeWindow.from_json(1, json.loads(json.dumps(server._outcomes.to_json())))
+        assert smaller.get(0, 25) == server._outcomes.get(0, 25) and smaller.get(0, 23) is None
+        assert smaller.expired(0, 24) and not smaller.expired(0, 26) and smaller.get(1, 0) is not None
         a.close()
         b.close()
     finally:
