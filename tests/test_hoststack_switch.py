@@ -90,3 +90,36 @@ def test_ps_mode_sgd_handle_updates_the_weights():
         want -= np.float32(lr / N) * aggregate
     for updated in results:
         np.testing.assert_array_equal(updated, want)
+
+
+def test_two_tenant_jobs_running_at_once_under_loss_each_get_exactly_their_own_sums():
+    import threading
+
+    shapes = {"a": (4, 6_000, 11), "b": (3, 2_500, 12)}  # workers, values, seed
+    inputs = {name: make_inputs(n, size, seed) for name, (n, size, seed) in shapes.items()}
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+    with testing.LoopbackSwitch(drop=0.05, duplicate=0.02, reorder=0.02, seed=21) as switch:
+        configs = {name: switch.add_job(n, slot_count=SLOTS) for name, (n, _, _) in shapes.items()}
+
+        def tenant(name: str) -> None:
+            try:
+                results[name] = run_workers(configs[name], lambda w, rank: [w.allreduce(inputs[name][rank])
+                                                                           for _ in range(2)], rto_initial=0.01)
+            except BaseException as err:  # reported below, in the test's thread
+                errors.append(err)
+
+        threads = [threading.Thread(target=tenant, args=(name,)) for name in shapes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not errors, errors
+        counters = {name: switch.counters(cfg[0].job_id) for name, cfg in configs.items()}
+    for name, (_, size, _) in shapes.items():
+        expected, _ = expected_allreduce(inputs[name])
+        for per_rank in results[name]:
+            for result in per_rank:
+                np.testing.assert_array_equal(result, expected)
+        # Each job's rounds completed exactly once, counted for that job alone.
+        assert counters[name]["results"] == 2 * (-(-size // wire.K) + SLOTS)
