@@ -506,6 +506,10 @@ class ForwardingState:
             raise IndexError(f"counter {counter!r} has {packets.shape[0]} cells, no index {index}")
         return int(packets[index]), int(byte_counts[index])
 
+    def counter_total(self, counter: str | int) -> int:
+        """Packets counted over all cells of ``counter``."""
+        return int(self._counter_arrays(counter)[0].sum())
+
     def _counter_arrays(self, counter: str | int) -> tuple[np.ndarray, np.ndarray]:
         return self._counters[self.index.counter(counter).name]
 
