@@ -7,7 +7,7 @@ DEMO_STAMP := $(VENV)/.demo-stamp
 TARGET ?= soft
 PYTEST_ARGS ?=
 
-.PHONY: setup build p4info test ptf demo bench bench-switch lint clean
+.PHONY: setup build p4info test ptf demo bench bench-switch bench-tenants lint clean
 
 $(VENV)/.created:
 	@scripts/setup-system.sh
@@ -53,6 +53,10 @@ bench-switch: build
 ## bench: allreduce on the emulated cluster: netagg vs PS fallback vs Gloo ring (root; torch optional)
 bench: setup
 	$(BIN)/python -m benchmarks.cluster_allreduce
+
+## bench-tenants: two tenant jobs sharing the emulated cluster's links, with and without congestion control (root)
+bench-tenants: setup
+	$(BIN)/python -m benchmarks.cluster_tenants --rate-mbit 2
 
 ## lint: ruff
 lint: setup

@@ -78,9 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--gloo", nargs=3, metavar=("RANK", "WORLD", "MASTER"))
     parser.add_argument("--size", type=int, required=True, help="float32 values per tensor")
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--start-at", type=float, metavar="UNIX_TIME",
+                        help="wait until this time before the first allreduce (jobs measured together start together)")
     parser.add_argument("--fixed-window", action="store_true",
                         help="netagg without congestion control (the window is always the job's slots)")
     args = parser.parse_args(argv)
+    if args.start_at is not None:
+        time.sleep(max(0.0, args.start_at - time.time()))
     cpu_start = os.times()
     if args.netagg:
         times, result, extra = _netagg(args.netagg, args.size, args.iterations,

@@ -84,9 +84,26 @@ def _cpu_seconds(pid: int) -> float:
     return sum(int(x) for x in fields[11:15]) / ticks
 
 
-def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, iterations: int,
-             slots: int = 16) -> Measurement:
-    """One allreduce measurement of ``kind`` on the first ``num_workers`` hosts."""
+@dataclass
+class RunningKind:
+    """The worker processes of one measurement, started and not yet collected."""
+
+    kind: str
+    num_workers: int
+    size: int
+    procs: list[subprocess.Popen]
+    job_id: int | None
+    ps: subprocess.Popen | None
+    started: float
+    switch_cpu_before: float
+
+
+def start_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, iterations: int,
+               slots: int = 16, port_offset: int = 0, start_at: float | None = None) -> RunningKind:
+    """Create the job (netagg/fallback kinds) and start one worker process per host; see finish_kind.
+
+    ``start_at`` (a ``time.time()`` value): the workers wait until then before their first allreduce.
+    """
     hosts = cluster.worker_hosts[:num_workers]
     job_id = None
     ps = None
@@ -97,9 +114,11 @@ def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, i
                      str(num_workers), master] for rank, host in enumerate(hosts)]
     else:
         mode = "allreduce" if kind.startswith("netagg") else "fallback"
-        created = cluster.create_job(hosts, slots=slots, mode=mode, name=f"bench-{kind}")
+        created = cluster.create_job(hosts, slots=slots, mode=mode, name=f"bench-{kind}-{port_offset}",
+                                     port_offset=port_offset)
         job_id = created["job"]["job_id"]
         if created["job"]["mode"] != mode:
+            cluster.cli("job", "delete", str(job_id))
             raise RuntimeError(f"asked for {mode}, admitted as {created['job']['mode']}: {created['reason']}")
         if mode == "fallback":
             ps = cluster.start_ps(created["config_paths"][0], cluster.ps_host)
@@ -107,34 +126,46 @@ def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, i
         commands = [[*WORKER, "--netagg", str(path), *fixed] for path in created["config_paths"]]
     switch_cpu_before = _cpu_seconds(cluster.switch.process.pid)
     started = time.monotonic()
-    procs = [subprocess.Popen(cluster.host_command(host, [*cmd, "--size", str(size), "--iterations", str(iterations)]),
+    timing = ["--iterations", str(iterations)] + ([] if start_at is None else ["--start-at", repr(start_at)])
+    procs = [subprocess.Popen(cluster.host_command(host, [*cmd, "--size", str(size), *timing]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=dp.REPO_ROOT)
              for host, cmd in zip(hosts, commands)]
+    return RunningKind(kind, num_workers, size, procs, job_id, ps, started, switch_cpu_before)
+
+
+def finish_kind(cluster: EmulatedCluster, run: RunningKind) -> Measurement:
+    """Wait for ``run``'s workers, stop its PS, delete its job; the measurement."""
     results = []
     try:
-        for rank, proc in enumerate(procs):
-            results.append(json_result(proc, f"{kind} worker {rank}", timeout=1800))
+        for rank, proc in enumerate(run.procs):
+            results.append(json_result(proc, f"{run.kind} worker {rank}", timeout=1800))
     finally:
-        for proc in procs:
+        for proc in run.procs:
             if proc.poll() is None:
                 proc.kill()
-        if ps is not None:
-            ps.terminate()
-            ps.wait(timeout=10)
-            cluster.processes.remove(ps)
-        if job_id is not None:
-            cluster.cli("job", "delete", str(job_id))
-    wall = time.monotonic() - started
+        if run.ps is not None:
+            run.ps.terminate()
+            run.ps.wait(timeout=10)
+            cluster.processes.remove(run.ps)
+        if run.job_id is not None:
+            cluster.cli("job", "delete", str(run.job_id))
+    wall = time.monotonic() - run.started
     seconds = max(r["seconds"] for r in results)
-    bound = bound_seconds(kind, num_workers, size * 4, cluster.spec.rate_mbit)
+    bound = bound_seconds(run.kind, run.num_workers, run.size * 4, cluster.spec.rate_mbit)
     return Measurement(
-        kind=kind, workers=num_workers, megabytes=size * 4 / 1e6, seconds=seconds, bound_seconds=bound,
+        kind=run.kind, workers=run.num_workers, megabytes=run.size * 4 / 1e6, seconds=seconds, bound_seconds=bound,
         ratio_to_bound=seconds / bound, identical_on_all_workers=len({r["digest"] for r in results}) == 1,
         digest=results[0]["digest"], head=results[0]["head"],
         worker_cpu_share=max(r["cpu_seconds"] for r in results) / wall,
-        switch_cpu_share=(_cpu_seconds(cluster.switch.process.pid) - switch_cpu_before) / wall,
+        switch_cpu_share=(_cpu_seconds(cluster.switch.process.pid) - run.switch_cpu_before) / wall,
         retransmissions=sum(r.get("retransmissions", 0) for r in results),
     )
+
+
+def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, iterations: int,
+             slots: int = 16) -> Measurement:
+    """One allreduce measurement of ``kind`` on the first ``num_workers`` hosts."""
+    return finish_kind(cluster, start_kind(cluster, kind, num_workers, size, iterations, slots))
 
 
 def _table(rows: list[Measurement]) -> str:

@@ -105,5 +105,5 @@ class EmulatedCluster(Deployment):
     def host_command(self, host: str, cmd: Sequence[str]) -> list[str]:
         return ns_exec(self.namespace_of(host), cmd)
 
-    def worker_ports(self, hosts: Sequence[str]) -> list[int]:
-        return [WORKER_PORT_BASE + i for i in range(len(hosts))]
+    def worker_ports(self, hosts: Sequence[str], offset: int = 0) -> list[int]:
+        return [WORKER_PORT_BASE + offset + i for i in range(len(hosts))]

@@ -112,8 +112,8 @@ class Deployment:
         """How to run ``cmd`` on ``host`` (a configured host name)."""
         return list(cmd)
 
-    def worker_ports(self, hosts: Sequence[str]) -> list[int]:
-        """UDP ports for workers on ``hosts``."""
+    def worker_ports(self, hosts: Sequence[str], offset: int = 0) -> list[int]:
+        """UDP ports for workers on ``hosts`` (``offset``: a second job on the same hosts uses other ports)."""
         return free_ports(len(hosts))
 
     def stop(self) -> None:
@@ -154,11 +154,12 @@ class Deployment:
             raise DeploymentError(f"netagg {' '.join(args)} exited {result.returncode}: {result.stderr.strip()}")
         return result.stdout
 
-    def create_job(self, hosts: Sequence[str], slots: int, mode: str = "allreduce", name: str = "demo") -> dict:
+    def create_job(self, hosts: Sequence[str], slots: int, mode: str = "allreduce", name: str = "demo",
+                   port_offset: int = 0) -> dict:
         """``netagg job create`` for one worker per entry of ``hosts`` (configured host names), with the
-        deployment's PS; writes every rank's YAML."""
+        deployment's PS; writes every rank's YAML. Jobs sharing hosts need different ``port_offset``s."""
         num_workers = len(hosts)
-        ports = self.worker_ports(hosts)
+        ports = self.worker_ports(hosts, port_offset)
         created = json.loads(self.cli("--json", "job", "create", "--name", name, "--slots", str(slots),
                                       "--mode", mode, "--ps", "ps0",
                                       "--workers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports))))

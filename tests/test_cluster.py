@@ -1,4 +1,4 @@
-"""The emulated cluster: set up, one allreduce of each kind, identical results, nothing left behind."""
+"""The emulated cluster: one allreduce of each kind, two tenants at once, identical results, nothing left."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks.allreduce_worker import tensor_for
 from benchmarks.cluster_allreduce import run_kind, torch_available
+from benchmarks.cluster_tenants import together
 from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
 from netagg.bmv2.netns import can_create_namespaces, list_namespaces
 
@@ -27,12 +28,17 @@ def test_each_kind_of_allreduce_on_the_emulated_cluster(tmp_path):
         netagg = run_kind(cluster, "netagg", 2, size, iterations=1)
         fallback = run_kind(cluster, "fallback", 2, size, iterations=1)
         gloo = run_kind(cluster, "gloo", 2, size, iterations=1) if torch_available() else None
+        # Two tenant jobs on the same hosts at once (other ports, the same links and switch).
+        tenant_a, tenant_b = together(cluster, "netagg", 2, size, iterations=1, slots=16, start_delay=4.0)
         pids = [p.pid for p in cluster.processes] + [cluster.switch.process.pid]
         namespaces = [ns for ns in list_namespaces() if ns.startswith(prefix + "-")]
         assert len(namespaces) == 4  # switch + 2 workers + PS host
     assert netagg.identical_on_all_workers and fallback.identical_on_all_workers
     # The PS aggregates exactly as the switch does: bit-identical sums.
     assert netagg.digest == fallback.digest
+    # Sharing hosts, links and switch changed nobody's sums.
+    assert tenant_a.identical_on_all_workers and tenant_b.identical_on_all_workers
+    assert tenant_a.digest == tenant_b.digest == netagg.digest
     assert netagg.seconds > 0 and netagg.bound_seconds > 0
     if gloo is not None:
         assert gloo.identical_on_all_workers
