@@ -176,7 +176,7 @@ class FabricServer:
                  sync_timeout: float = 30.0, gate_timeout: float = 30.0, pull_timeout: float = 30.0,
                  batch_window: float = 0.01, default_bandwidth: float = 1.25e6, scheduler: Scheduler | None = None,
                  frame_timeout: float = 30.0, outcome_window: int = 1024, log_size: int = 100_000,
-                 joining: bool = False) -> None:
+                 joining: bool = False, chain_members: Sequence[tuple[str, int]] | None = None) -> None:
         if config.ps is None:
             raise ConfigError("ps: an MLfabric job needs the parameter server's endpoint")
         if replica is not None and not 0 <= replica < len(config.replicas):
@@ -191,6 +191,9 @@ class FabricServer:
         self.role = "primary" if replica is None and not joining else "replica"
         self.replica_index = replica
         chain = [config.ps, *config.replicas]
+        #: Endpoints that may join this node as its successor: by default the job config's PS chain.
+        self.chain_members = frozenset(resolve(e) for e in chain) if chain_members is None else frozenset(
+            chain_members)
         position = 0 if replica is None else replica + 1
         self.endpoint = chain[position]
         successor = chain[position + 1] if position + 1 < len(chain) and not joining else None
@@ -771,6 +774,13 @@ class FabricServer:
                 and isinstance(endpoint[1], int) and not isinstance(endpoint[1], bool) and 0 < endpoint[1] < 65536):
             raise ValueError(f"join: endpoint: expected [host, port], got {endpoint!r}")
         successor = (endpoint[0], endpoint[1])
+        if successor not in self.chain_members:
+            # Anyone who can reach the PS could otherwise have the model streamed to an address of its
+            # choosing, or stall the job behind a successor that never acknowledges.
+            with self._cond:
+                self.stats.bad_requests += 1
+            raise ValueError(f"join refused: {successor[0]}:{successor[1]} is not an endpoint of this job's PS "
+                             f"chain (ps and replicas in the job's config)")
         with self._cond:
             if self._stop.is_set():
                 raise ValueError("join: this node is stopping")

@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.mlfabric_worker import load_digits_fast, model_loss
 from examples.mlp_digits import init_params
+from netagg.localports import free_ports
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.protocol import Connection, Refused
 from netagg.mlfabric.testing import collect, loopback_configs, start_ps, start_workers, stop, write_configs
@@ -298,7 +299,8 @@ def test_a_replica_that_restarts_empty_gets_a_state_transfer_and_a_retried_push_
 def test_while_a_snapshot_is_in_flight_the_lag_stays_bounded_and_nothing_is_acknowledged_early():
     configs = loopback_configs(2, update_mode="async", delay_bound=5, replicas=1)
     # An unreplicated primary (a replica promoted after a failover, say) and a node that joins it.
-    head = FabricServer(dataclasses.replace(configs[0], replicas=()), gate_timeout=0, ack_timeout=5).start()
+    head = FabricServer(dataclasses.replace(configs[0], replicas=()), gate_timeout=0, ack_timeout=5,
+                        chain_members=[configs[0].ps.as_tuple(), *(r.as_tuple() for r in configs[0].replicas)]).start()
     joiner = FabricServer(configs[0], replica=0, joining=True, gate_timeout=0, ack_timeout=5)
     install, gate = joiner._op_snapshot, threading.Event()
     joiner._op_snapshot = lambda frame: (gate.wait(10), install(frame))[1]  # the snapshot arrives late
@@ -350,7 +352,8 @@ def test_while_a_snapshot_is_in_flight_the_lag_stays_bounded_and_nothing_is_ackn
 def test_a_join_is_refused_unless_the_target_is_a_caught_up_tail():
     configs = loopback_configs(1, update_mode="async", delay_bound=5, replicas=2)
     ps, first, second = configs[0].ps.as_tuple(), *(r.as_tuple() for r in configs[0].replicas)
-    head = FabricServer(dataclasses.replace(configs[0], replicas=()), gate_timeout=0).start()
+    head = FabricServer(dataclasses.replace(configs[0], replicas=()), gate_timeout=0,
+                        chain_members=[ps, first, second]).start()
     a = FabricServer(configs[0], replica=0, joining=True, gate_timeout=0).start()
     b = FabricServer(configs[0], replica=1, joining=True, gate_timeout=0).start()
     try:
@@ -361,6 +364,10 @@ def test_a_join_is_refused_unless_the_target_is_a_caught_up_tail():
             conn.call({"op": "join", "job_id": 1, "endpoint": ["127.0.0.1", "x"]})
         with pytest.raises(Refused, match="this node's own endpoint"):
             conn.call({"op": "join", "job_id": 1, "endpoint": list(ps)})
+        stranger = ["127.0.0.1", free_ports(1)[0]]  # not in the job's config: never gets the model
+        with pytest.raises(Refused, match="not an endpoint of this job's PS chain"):
+            conn.call({"op": "join", "job_id": 1, "endpoint": stranger})
+        assert head.forwarder is None
         conn.close()
         with pytest.raises(Refused, match="has not caught up with the chain itself"):
             b.join(first)  # a has not joined anything yet: it has no state to pass on
