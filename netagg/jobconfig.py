@@ -60,6 +60,9 @@ class WorkerConfig:
     schedule: str = "fifo"
     #: The PS's replicas in chain order (the primary forwards every applied update to the first).
     replicas: tuple[Endpoint, ...] = ()
+    #: The job's shared secret (written by the controller; "" = none): every request to the job's
+    #: parameter servers and aggregators carries it, and a request without it is refused.
+    secret: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -90,8 +93,15 @@ class WorkerConfig:
             raise ConfigError(f"schedule: {self.schedule} needs update_mode async")
         if not isinstance(self.replicas, tuple) or not all(isinstance(r, Endpoint) for r in self.replicas):
             raise ConfigError(f"replicas: expected a tuple of endpoints, got {self.replicas!r}")
+        if not isinstance(self.secret, str) or any(c.isspace() for c in self.secret) or len(self.secret) > 256:
+            raise ConfigError("secret: expected a string of at most 256 characters without whitespace")
         if (self.update_mode == "async" or self.replicas) and self.ps is None:
             raise ConfigError("ps: an async or replicated job needs the parameter server's endpoint")
+
+    def __repr__(self) -> str:  # never print the secret into a log or a traceback
+        fields = ", ".join(f"{name}={'<hidden>' if name == 'secret' and self.secret else repr(getattr(self, name))}"
+                           for name in self.__dataclass_fields__)
+        return f"WorkerConfig({fields})"
 
     def to_yaml(self) -> str:
         data = asdict(self)
