@@ -85,7 +85,7 @@ def train(args: argparse.Namespace) -> int:
     agg_address = None
     if config.schedule == "mlfabric":
         aggregation = AggregationService(lambda: FabricClient.from_config(config), config.job_id,
-                                         (config.bind.host, 0)).start()
+                                         (config.bind.host, 0), secret=config.secret).start()
         agg_address = (config.bind.host, aggregation.address[1])
     client = FabricClient.from_config(config, agg=agg_address, failover_timeout=args.failover_timeout)
     try:

@@ -6,7 +6,9 @@ here (``agg_push`` with the group id and size from the scheduler's decision). Wh
 all members of the group arrived (or ``group_timeout`` after the first one), the service
 waits for the aggregate's slot on the PS's link (``agg_grant``), pushes the sum with the
 members as ``parts``, and answers every member with the PS's outcome — so a member's
-update is acknowledged only once the PS (and its replicas) applied it.
+update is acknowledged only once the PS (and its replicas) applied it. An ``agg_push``
+without the job's shared secret is refused before it is looked at (``bad_secret``); the
+service's own requests to the PS carry the secret through its :class:`FabricClient`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from netagg.mlfabric.protocol import FabricError, Frame, accept_loop, from_blob, listen
+from netagg.mlfabric.protocol import FabricError, Frame, accept_loop, from_blob, listen, refuse_without_secret
 from netagg.mlfabric.worker import FabricClient
 
 
@@ -42,15 +44,24 @@ class AggregationStats:
     groups: int = 0
     partial_groups: int = 0
     errors: int = 0
+    #: Requests answered ``ok: false`` (wrong job or op, bad values, wrong secret, ...).
+    bad_requests: int = 0
+    #: Requests refused for a wrong or missing job secret (also counted in ``bad_requests``).
+    bad_secret: int = 0
 
 
 class AggregationService:
-    """A worker's aggregation endpoint (see the module docstring)."""
+    """A worker's aggregation endpoint (see the module docstring).
+
+    ``secret`` is the job's shared secret ("" = the job has none): an ``agg_push`` must carry it.
+    ``client_factory`` makes the client for the PS (``FabricClient.from_config``, which carries it too).
+    """
 
     def __init__(self, client_factory: Callable[[], FabricClient], job_id: int, bind: tuple[str, int],
-                 group_timeout: float = 5.0, keep_groups: int = 1024) -> None:
+                 group_timeout: float = 5.0, keep_groups: int = 1024, *, secret: str) -> None:
         self.client_factory = client_factory
         self.job_id = job_id
+        self._secret = secret
         self.group_timeout = group_timeout
         self.keep_groups = keep_groups
         self.sock = listen(bind)
@@ -66,6 +77,7 @@ class AggregationService:
     def start(self) -> AggregationService:
         self._thread = threading.Thread(target=accept_loop, args=(self.sock, lambda: (self._handle, None),
                                                                   self._stop, "mlfabric-agg"),
+                                        kwargs={"on_error": self._on_error},
                                         name="mlfabric-agg-accept", daemon=True)
         self._thread.start()
         return self
@@ -86,12 +98,21 @@ class AggregationService:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _on_error(self, message: str) -> None:
+        with self._cond:
+            self.stats.bad_requests += 1
+
+    def _count_bad_secret(self) -> None:
+        with self._cond:
+            self.stats.bad_secret += 1
+
     def _handle(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         header = frame.header
+        if header.get("job_id") != self.job_id:
+            raise ValueError(f"request for job {header.get('job_id')!r}; this aggregator serves job {self.job_id}")
+        refuse_without_secret(self._secret, header, self._count_bad_secret)
         if header.get("op") != "agg_push":
             raise ValueError(f"an aggregator takes agg_push, not {header.get('op')!r}")
-        if header.get("job_id") != self.job_id:
-            raise ValueError(f"agg_push for job {header.get('job_id')!r}; this aggregator serves job {self.job_id}")
         group_id, size = int(header["group"]), int(header["group_size"])
         part = [str(header["update_id"]), int(header["rank"]), int(header["version"])]
         values = from_blob(frame.blob)

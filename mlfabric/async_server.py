@@ -26,9 +26,11 @@ the number of worker gradients applied so far.
   kept to answer a repeated push (``duplicate: true``); a push of an older step is refused
   (``expired_ids``), never applied twice. Memory stays bounded however long the job runs.
 
+Every request must carry the job's shared secret (``WorkerConfig.secret``, when the job has
+one): a request without it is refused before anything else is looked at (``bad_secret``).
 Malformed frames close the connection (counted); bad requests (unknown rank, wrong
-job, wrong size, NaN) get ``ok: false`` with the reason (counted); the PS never blocks
-a request longer than its timeouts.
+job, wrong secret, wrong size, NaN) get ``ok: false`` with the reason (counted); the PS never
+blocks a request longer than its timeouts.
 """
 
 from __future__ import annotations
@@ -51,7 +53,15 @@ import numpy as np
 from netagg.hoststack.packets import resolve
 from netagg.jobconfig import ConfigError, WorkerConfig
 from netagg.mlfabric.grants import GrantService
-from netagg.mlfabric.protocol import Connection, FabricError, Frame, accept_loop, from_blob, listen
+from netagg.mlfabric.protocol import (
+    Connection,
+    FabricError,
+    Frame,
+    accept_loop,
+    from_blob,
+    listen,
+    refuse_without_secret,
+)
 from netagg.mlfabric.replication import PRIMARY_REFUSAL, ChainForwarder, ReplicationStalled
 from netagg.mlfabric.scheduler import AGGREGATE, Scheduler, TransferRequest
 from netagg.shutdown import stop_event
@@ -70,6 +80,8 @@ class ServerStats:
     bad_requests: int = 0
     malformed_frames: int = 0
     unknown_workers: int = 0
+    #: Requests refused for a wrong or missing job secret (also counted in ``bad_requests``).
+    bad_secret: int = 0
     pushes: int = 0
     duplicates: int = 0
     #: Gradients applied / dropped (an aggregate of k counts k).
@@ -238,7 +250,7 @@ class FabricServer:
 
     def _forwarder(self, successor: tuple[str, int], head: int) -> ChainForwarder:
         return ChainForwarder(successor, self.job_id, head=head, max_lag=self.max_lag, timeout=self.ack_timeout,
-                              snapshot_source=self._snapshot)
+                              snapshot_source=self._snapshot, secret=self.config.secret)
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> FabricServer:
@@ -294,6 +306,10 @@ class FabricServer:
             self.stats.bad_requests += 1
             self.stats.last_error = message
 
+    def _count_bad_secret(self) -> None:
+        with self._cond:
+            self.stats.bad_secret += 1
+
     def _dispatch(self, frame: Frame, state: dict[str, bool]) -> tuple[dict[str, Any], bytes]:
         header = frame.header
         op = header.get("op")
@@ -301,6 +317,7 @@ class FabricServer:
             self.stats.requests += 1
         if header.get("job_id") != self.job_id:
             raise ValueError(f"request for job {header.get('job_id')!r}; this PS serves job {self.job_id}")
+        refuse_without_secret(self.config.secret, header, self._count_bad_secret)
         handlers = {"hello": self._op_hello, "init": self._op_init, "pull": self._op_pull, "push": self._op_push,
                     "request": self._op_request, "agg_grant": self._op_agg_grant, "halt": self._op_halt,
                     "stats": self._op_stats, "promote": self._op_promote, "join": self._op_join}
@@ -807,7 +824,7 @@ class FabricServer:
         """
         if self.role == "primary":
             raise ValueError("a primary does not join a chain (start the node with joining=True)")
-        conn = Connection(target, timeout=timeout)
+        conn = Connection(target, timeout=timeout, secret=self.config.secret)
         try:
             response, _ = conn.call({"op": "join", "job_id": self.job_id, "endpoint": list(resolve(self.endpoint))})
         finally:

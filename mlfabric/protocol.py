@@ -3,10 +3,12 @@
 A frame is ``!II`` (JSON length, blob length), a JSON object, then the blob (float32
 values). :class:`Connection` is the client side: it tells a broken or silent peer
 (:class:`Unreachable`, worth failing over) from a refusal (:class:`Refused`, the
-peer answered ``{"ok": false, ...}``). :func:`serve` is the server side of one
-connection: one handler call per frame, a clear error response for bad requests,
-and the connection dropped (counted) on a malformed frame. The operations are
-listed in docs/mlfabric.md.
+peer answered ``{"ok": false, ...}``); it adds the job's shared secret
+(:mod:`netagg.jobsecret`) to every request it sends, so no sender builds it into a
+header itself. :func:`serve` is the server side of one connection: one handler call per
+frame, a clear error response for bad requests, and the connection dropped (counted) on
+a malformed frame. The servers check the secret with :func:`refuse_without_secret`. The
+operations are listed in docs/mlfabric.md.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from netagg import jobsecret
 from netagg.hoststack.psproto import (
     ConnectionClosed,
     ProtocolError,
@@ -33,10 +36,12 @@ from netagg.hoststack.psproto import (
     send_frame,
 )
 
-__all__ = ["Connection", "FabricError", "Frame", "Refused", "Unreachable", "accept_loop", "from_blob", "listen",
-           "serve", "to_blob"]
+__all__ = ["SECRET_REFUSAL", "Connection", "FabricError", "Frame", "Refused", "Unreachable", "accept_loop",
+           "from_blob", "listen", "refuse_without_secret", "serve", "to_blob"]
 
 _POLL_SECONDS = 0.1
+#: The reason a request without the job's secret gets (it never repeats what the request carried).
+SECRET_REFUSAL = "wrong or missing job secret"
 
 
 #: An MLfabric request failed (the host stack's client errors, under MLfabric's names).
@@ -73,15 +78,34 @@ def from_blob(blob: bytes | bytearray, size: int | None = None) -> np.ndarray:
 
 
 class Connection(PsClient):
-    """A client connection to one MLfabric endpoint (PS, replica or aggregator)."""
+    """A client connection to one MLfabric endpoint (PS, replica or aggregator).
 
-    def __init__(self, address: tuple[str, int], timeout: float = 10.0) -> None:
+    Every request it sends carries ``secret``, the job's shared secret ("" = the job has none).
+    """
+
+    def __init__(self, address: tuple[str, int], timeout: float = 10.0, *, secret: str = "") -> None:
         super().__init__(address, timeout)
+        self._job_secret = secret
+
+    def request(self, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
+                timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
+        """Send one request with the job's secret added (``header`` itself is not changed); see :meth:`call`."""
+        return super().request(jobsecret.with_secret(header, self._job_secret), blob, timeout)
 
     def call(self, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
              timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
         """Send one request, return the successful response; raises Unreachable or Refused."""
         return self.request(header, blob, timeout)
+
+
+def refuse_without_secret(secret: str, header: dict[str, Any], count: Callable[[], None]) -> None:
+    """Raise ValueError (:data:`SECRET_REFUSAL`) unless ``header`` carries the job's ``secret``; ``count`` first.
+
+    A job without a secret ("") accepts every request (configs written before secrets existed).
+    """
+    if not jobsecret.matches(secret, header):
+        count()
+        raise ValueError(SECRET_REFUSAL)
 
 
 Handler = Callable[[Frame], tuple[dict[str, Any], bytes | bytearray]]

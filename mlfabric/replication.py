@@ -61,10 +61,11 @@ class ChainForwarder:
 
     ``head`` is the node's sequence number when the forwarder starts (records up to it are
     only in the node's state: a successor behind it gets a snapshot from ``snapshot_source``).
+    ``secret`` is the job's shared secret, carried by every request to the successor.
     """
 
     def __init__(self, successor: tuple[str, int], job_id: int, *, head: int = 0, max_lag: int = 1,
-                 timeout: float = 5.0, snapshot_source: SnapshotSource | None = None) -> None:
+                 timeout: float = 5.0, snapshot_source: SnapshotSource | None = None, secret: str = "") -> None:
         if max_lag < 1:
             raise ValueError("max_lag must be >= 1")
         self.successor = successor
@@ -72,6 +73,7 @@ class ChainForwarder:
         self.max_lag = max_lag
         self.timeout = timeout
         self.snapshot_source = snapshot_source
+        self._secret = secret
         #: Highest sequence number the successor acknowledged.
         self.acked_seq = 0
         #: Highest sequence number handed over (or the node's state when the forwarder started).
@@ -212,7 +214,7 @@ class ChainForwarder:
     def _connection(self) -> Connection:
         if self._conn is not None:
             return self._conn
-        conn = Connection(self.successor, timeout=self.timeout)
+        conn = Connection(self.successor, timeout=self.timeout, secret=self._secret)
         try:
             their_seq = self._hello(conn)
             with self._cond:

@@ -1,7 +1,8 @@
 """Helpers for tests and benchmarks: MLfabric jobs on loopback, PS and worker processes.
 
 ``configs = loopback_configs(4, update_mode="async", delay_bound=4)`` gives one config
-per rank (PS and replicas on free loopback TCP ports); :func:`start_ps` runs a PS node
+per rank (PS and replicas on free loopback TCP ports, a fresh job secret unless
+``secret=""``); :func:`write_configs` saves them as YAML; :func:`start_ps` runs a PS node
 as a process and waits until it listens; :func:`start_workers` runs the MLP workers of
 ``benchmarks/mlfabric_worker.py``; :func:`collect` gathers their JSON reports.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from netagg import dataplane as dp
+from netagg import jobsecret
 from netagg.jobconfig import Endpoint, WorkerConfig
 from netagg.localports import free_ports
 
@@ -28,18 +30,24 @@ PS_COMMAND = (sys.executable, "-m", "netagg.mlfabric.async_server")
 
 
 def loopback_configs(num_workers: int, *, update_mode: str = "async", delay_bound: int | None = None,
-                     schedule: str = "fifo", replicas: int = 0, job_id: int = 1) -> list[WorkerConfig]:
-    """One config per rank of a ps-mode job whose PS chain listens on loopback."""
+                     schedule: str = "fifo", replicas: int = 0, job_id: int = 1,
+                     secret: str | None = None) -> list[WorkerConfig]:
+    """One config per rank of a ps-mode job whose PS chain listens on loopback.
+
+    The job gets ``secret``, by default a fresh one (as the controller gives every job); "" for none.
+    """
+    secret = jobsecret.new_secret() if secret is None else secret
     ports = free_ports(1 + replicas + num_workers, "tcp")
     ps, chain, binds = Endpoint(LOCALHOST, ports[0]), ports[1:1 + replicas], ports[1 + replicas:]
     return [WorkerConfig(job_id=job_id, rank=rank, num_workers=num_workers, slot_count=1, mode="ps",
                          aggregator=Endpoint(LOCALHOST, 9), bind=Endpoint(LOCALHOST, binds[rank]), ps=ps,
                          update_mode=update_mode, delay_bound=delay_bound, schedule=schedule,
-                         replicas=tuple(Endpoint(LOCALHOST, p) for p in chain))
+                         replicas=tuple(Endpoint(LOCALHOST, p) for p in chain), secret=secret)
             for rank in range(num_workers)]
 
 
 def write_configs(configs: Sequence[WorkerConfig], directory: Path) -> list[Path]:
+    """Save each config as ``job<J>-rank<R>.yaml`` in ``directory`` (secret included); returns the paths."""
     paths = []
     for config in configs:
         path = directory / f"job{config.job_id}-rank{config.rank}.yaml"

@@ -107,7 +107,7 @@ def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: 
         return client.push(update_id, version, grad)
     report.aggregated += 1
     host, port = decision["agg"]
-    conn = Connection((host, int(port)), timeout=client.timeout)
+    conn = Connection((host, int(port)), timeout=client.timeout, secret=client.secret)
     try:
         header = {"op": "agg_push", "job_id": client.job_id, "group": decision["group"],
                   "group_size": decision["group_size"], "update_id": update_id, "rank": client.rank,

@@ -8,6 +8,8 @@ it has caught up; a primary just says so) and repeats the request there. Pushes 
 update ids, so a push repeated after a failover is applied at most once (the replica
 already has every update the primary acknowledged). Every request has a timeout; after
 ``failover_timeout`` seconds without any reachable primary, :class:`Unavailable` is raised.
+Every request carries the job's shared secret (``secret``; :meth:`FabricClient.from_config`
+takes it from the config). A refusal for a wrong secret is raised at once, not failed over.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class FabricClient:
     """One worker's (or a monitor's) connection to the job's PS chain."""
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], job_id: int, rank: int, *, timeout: float = 10.0,
-                 failover_timeout: float = 30.0, agg: tuple[str, int] | None = None, observer: bool = False) -> None:
+                 failover_timeout: float = 30.0, agg: tuple[str, int] | None = None, observer: bool = False,
+                 secret: str = "") -> None:
         if not endpoints:
             raise ValueError("no PS endpoint")
         self.endpoints = list(endpoints)
@@ -46,6 +49,8 @@ class FabricClient:
         self.agg = agg
         #: An observer (a monitor, a test) only reads ``stats``: it never says hello nor promotes a replica.
         self.observer = observer
+        #: The job's shared secret ("" = none), sent with every request; also for the worker's ``agg_push``.
+        self.secret = secret
         self.current = 0
         self.failovers = 0
         self.last_failure = ""
@@ -53,10 +58,10 @@ class FabricClient:
 
     @classmethod
     def from_config(cls, config: WorkerConfig, **options: Any) -> FabricClient:
-        """A client for ``config``'s job and rank; endpoints: ``ps`` then ``replicas``."""
+        """A client for ``config``'s job and rank (and secret); endpoints: ``ps`` then ``replicas``."""
         assert config.ps is not None
         endpoints = [resolve(config.ps), *(resolve(r) for r in config.replicas)]
-        return cls(endpoints, config.job_id, config.rank, **options)
+        return cls(endpoints, config.job_id, config.rank, secret=config.secret, **options)
 
     # -- requests --------------------------------------------------------------
     def call(self, op: str, fields: dict[str, Any] | None = None, blob: bytes = b"",
@@ -121,7 +126,7 @@ class FabricClient:
     def _connection(self) -> Connection:
         if self._conn is not None:
             return self._conn
-        conn = Connection(self.endpoints[self.current], timeout=self.timeout)
+        conn = Connection(self.endpoints[self.current], timeout=self.timeout, secret=self.secret)
         try:
             base = {"job_id": self.job_id, "rank": self.rank}
             if not self.observer:  # any endpoint may be a replica by now (a node that rejoined the chain)

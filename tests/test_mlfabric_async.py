@@ -56,6 +56,9 @@ def test_a_slow_workers_stale_updates_are_dropped_and_no_applied_update_exceeds_
         assert report["errors"] == 0 and all(d <= BOUND for d in report["delays"])
     # Training went somewhere: the fast workers' last minibatch loss is well below the initial ~2.3.
     assert max(r["last_loss"] for r in reports[:3]) < 1.5
+    # The job had a secret (every request carried it) and it is in no log line, report or stats answer.
+    assert configs[0].secret and counters["bad_secret"] == 0
+    assert configs[0].secret not in (tmp_path / "ps.log").read_text() + json.dumps(reports) + json.dumps(stats)
 
 
 def test_the_scheduled_job_grants_non_overlapping_slots_and_keeps_the_bound(tmp_path):
@@ -208,7 +211,8 @@ def test_updates_queued_behind_the_link_are_aggregated_at_an_idle_worker():
     initial = np.zeros(size, np.float32)
     grads = [np.full(size, 10.0 ** r, np.float32) for r in range(3)]
     try:
-        with AggregationService(lambda: FabricClient.from_config(configs[3]), 1, ("127.0.0.1", 0)) as agg:
+        with AggregationService(lambda: FabricClient.from_config(configs[3]), 1, ("127.0.0.1", 0),
+                                secret=configs[3].secret) as agg:
             idle = FabricClient.from_config(configs[3], agg=agg.address)
             idle.hello()
             idle.init(initial)
@@ -252,7 +256,7 @@ def test_bad_input_gets_a_clear_error_or_a_counted_drop_and_the_ps_keeps_serving
     server, configs = _server(2, update_mode="async", delay_bound=2, frame_timeout=0.5, gate_timeout=0)
     address = configs[0].ps.as_tuple()
     try:
-        conn = Connection(address, timeout=5)
+        conn = Connection(address, timeout=5, secret=configs[0].secret)
 
         def refused(header: dict, blob: bytes = b"") -> str:
             with pytest.raises(Refused) as info:

@@ -41,7 +41,7 @@ def _train(tmp_path, replicas: int, kill_at: int | None):
         workers = start_workers(paths, [["--steps", str(STEPS)]] * WORKERS)
         killed_at = None
         if kill_at is not None:
-            observer = FabricClient([configs[0].ps.as_tuple()], 1, 0, observer=True)
+            observer = FabricClient([configs[0].ps.as_tuple()], 1, 0, observer=True, secret=configs[0].secret)
             while killed_at is None:
                 stats, _ = observer.stats()
                 lag_samples.append((stats["seq"], stats["replication"]["acked_seq"], stats["replication"]["lag"]))
@@ -53,7 +53,7 @@ def _train(tmp_path, replicas: int, kill_at: int | None):
             observer.close()
         reports = collect(workers, timeout=120)
         survivor = configs[0].replicas[-1] if kill_at is not None else configs[0].ps
-        observer = FabricClient([survivor.as_tuple()], 1, 0, observer=True)
+        observer = FabricClient([survivor.as_tuple()], 1, 0, observer=True, secret=configs[0].secret)
         stats, model = observer.stats(log=True, model=True)
         observer.close()
     finally:
@@ -97,9 +97,9 @@ def test_kill_minus_nine_of_the_primary_loses_no_acknowledged_update(tmp_path, p
     assert abs(replicated_accuracy - plain_accuracy) <= ACCURACY_TOLERANCE, (plain_accuracy, replicated_accuracy)
 
 
-def _poll(endpoint, until, timeout: float = 30.0, what: str = "the PS") -> dict:
+def _poll(endpoint, secret: str, until, timeout: float = 30.0, what: str = "the PS") -> dict:
     """``stats`` of the node at ``endpoint`` (an observer: it never promotes) until ``until(stats)`` holds."""
-    observer = FabricClient([endpoint.as_tuple()], 1, 0, observer=True, failover_timeout=5)
+    observer = FabricClient([endpoint.as_tuple()], 1, 0, observer=True, failover_timeout=5, secret=secret)
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -116,7 +116,7 @@ def test_a_node_joins_the_promoted_replica_catches_up_and_takes_over_after_a_sec
     _, _, baseline_model = plain_run
     configs = loopback_configs(WORKERS, update_mode="async", delay_bound=BOUND, replicas=1)
     paths = write_configs(configs, tmp_path)
-    ps, replica_endpoint = configs[0].ps, configs[0].replicas[0]
+    ps, replica_endpoint, secret = configs[0].ps, configs[0].replicas[0], configs[0].secret
     replica = start_ps(paths[0], tmp_path / "replica.log", replica=0)
     primary = start_ps(paths[0], tmp_path / "primary.log")
     joiner = None
@@ -124,16 +124,17 @@ def test_a_node_joins_the_promoted_replica_catches_up_and_takes_over_after_a_sec
     try:
         # A little compute time per step, so the training outlasts the two failovers and the join.
         workers = start_workers(paths, [["--steps", str(STEPS), "--compute-delay", "0.03"]] * WORKERS)
-        first_kill = _poll(ps, lambda st: st["version"] >= total // 5, what="a fifth of the training")["version"]
+        first_kill = _poll(ps, secret, lambda st: st["version"] >= total // 5,
+                           what="a fifth of the training")["version"]
         primary.send_signal(signal.SIGKILL)
         primary.wait(timeout=10)
         # The workers fail over: the replica is promoted and runs unreplicated ...
-        promoted = _poll(replica_endpoint, lambda st: st["role"] == "primary", what="the replica's promotion")
+        promoted = _poll(replica_endpoint, secret, lambda st: st["role"] == "primary", what="the replica's promotion")
         assert "replication" not in promoted
         # ... until a fresh node on the dead primary's endpoint joins it as its successor and is brought up to date.
         joiner = start_ps(paths[0], tmp_path / "joiner.log", extra=["--join", f"{replica_endpoint.host}:"
                                                                                f"{replica_endpoint.port}"])
-        joined = _poll(ps, lambda st: st["caught_up"], what="the joiner's state transfer")
+        joined = _poll(ps, secret, lambda st: st["caught_up"], what="the joiner's state transfer")
         assert joined["role"] == "replica" and joined["stats"]["snapshots_installed"] == 1
         lag_samples = []
 
@@ -143,11 +144,11 @@ def test_a_node_joins_the_promoted_replica_catches_up_and_takes_over_after_a_sec
                 lag_samples.append((st["seq"], rep["acked_seq"], rep["lag"]))
             return rep["snapshots_sent"] == 1 and st["version"] >= first_kill + total // 5
 
-        second_kill = _poll(replica_endpoint, replicated, what="training replicated to the joiner")["version"]
+        second_kill = _poll(replica_endpoint, secret, replicated, what="training replicated to the joiner")["version"]
         replica.send_signal(signal.SIGKILL)  # the promoted replica dies too: the joiner is all that is left
         replica.wait(timeout=10)
         reports = collect(workers, timeout=120)
-        observer = FabricClient([ps.as_tuple()], 1, 0, observer=True)
+        observer = FabricClient([ps.as_tuple()], 1, 0, observer=True, secret=secret)
         stats, model = observer.stats(log=True, model=True)
         observer.close()
     finally:
@@ -193,7 +194,7 @@ def test_the_replica_mirrors_the_primary_and_a_retried_push_is_applied_once_afte
         assert np.array_equal(replica.model, primary.model) and replica.version == primary.version == 2
         assert [e.update_id for e in replica.log] == ["0:0", "0:1"]
         # Before the primary is gone the replica serves no worker and refuses to take over.
-        conn = Connection(configs[0].replicas[0].as_tuple())
+        conn = Connection(configs[0].replicas[0].as_tuple(), secret=configs[0].secret)
         with pytest.raises(Refused, match="replica, not the primary"):
             conn.call({"op": "pull", "job_id": 1, "rank": 0})
         with pytest.raises(Refused, match="primary is still connected"):
@@ -215,7 +216,7 @@ def test_the_replica_mirrors_the_primary_and_a_retried_push_is_applied_once_afte
 def test_a_dead_replica_bounds_the_lag_and_no_push_is_acknowledged_unsafely():
     primary, replica, configs = _chain(ack_timeout=0.5, max_lag=1)
     try:
-        client = FabricClient([configs[0].ps.as_tuple()], 1, 0, failover_timeout=1)
+        client = FabricClient([configs[0].ps.as_tuple()], 1, 0, failover_timeout=1, secret=configs[0].secret)
         client.hello()
         client.init(np.zeros(3, np.float32))
         assert client.push("0:0", 0, np.ones(3, np.float32))["outcome"] == "applied"
@@ -306,18 +307,19 @@ def test_while_a_snapshot_is_in_flight_the_lag_stays_bounded_and_nothing_is_ackn
     joiner._op_snapshot = lambda frame: (gate.wait(10), install(frame))[1]  # the snapshot arrives late
     joiner.start()
     try:
-        client = FabricClient([configs[0].ps.as_tuple()], 1, 0, failover_timeout=5)
+        client = FabricClient([configs[0].ps.as_tuple()], 1, 0, failover_timeout=5, secret=configs[0].secret)
         client.hello()
         client.init(np.zeros(4, np.float32))
         g = np.ones(4, np.float32)
         assert client.push("0:0", 0, g)["outcome"] == "applied"
         # Before its state transfer the joiner refuses to take over: it has nothing.
-        conn = Connection(configs[0].replicas[0].as_tuple())
+        conn = Connection(configs[0].replicas[0].as_tuple(), secret=configs[0].secret)
         with pytest.raises(Refused, match="has not caught up"):
             conn.call({"op": "promote", "job_id": 1})
         assert joiner.join(configs[0].ps.as_tuple())["seq"] == 2
         _wait_for(lambda: joiner._upstream == 1, what="the head to connect")
-        clients = [client, FabricClient([configs[0].ps.as_tuple()], 1, 1, failover_timeout=5)]
+        clients = [client, FabricClient([configs[0].ps.as_tuple()], 1, 1, failover_timeout=5,
+                                         secret=configs[0].secret)]
         clients[1].hello()
         outcomes: dict = {}
 
@@ -359,7 +361,7 @@ def test_a_join_is_refused_unless_the_target_is_a_caught_up_tail():
     try:
         with pytest.raises(ValueError, match="a primary does not join"):
             head.join(first)
-        conn = Connection(ps)
+        conn = Connection(ps, secret=configs[0].secret)
         with pytest.raises(Refused, match="endpoint: expected"):
             conn.call({"op": "join", "job_id": 1, "endpoint": ["127.0.0.1", "x"]})
         with pytest.raises(Refused, match="this node's own endpoint"):
@@ -372,7 +374,7 @@ def test_a_join_is_refused_unless_the_target_is_a_caught_up_tail():
         with pytest.raises(Refused, match="has not caught up with the chain itself"):
             b.join(first)  # a has not joined anything yet: it has no state to pass on
         # A broken state transfer is refused and changes nothing.
-        upstream = Connection(second)
+        upstream = Connection(second, secret=configs[0].secret)
         with pytest.raises(Refused, match="snapshot without chain_hello"):
             upstream.call({"op": "snapshot", "job_id": 1, "seq": 3, "version": 2, "model_bytes": 0}, b"{}")
         assert upstream.call({"op": "chain_hello", "job_id": 1, "head": 3})[0]["seq"] == 0
@@ -393,7 +395,7 @@ def test_a_join_is_refused_unless_the_target_is_a_caught_up_tail():
             b.join(ps)
         assert a.join(ps)["rejoined"]  # the same successor again (say it restarted): its forwarder catches it up
         assert b.join(first)["rejoined"] is False  # the tail: ps -> a -> b
-        client = FabricClient([ps], 1, 0, failover_timeout=5)
+        client = FabricClient([ps], 1, 0, failover_timeout=5, secret=configs[0].secret)
         client.hello()
         client.init(np.ones(3, np.float32))
         assert client.push("0:0", 0, np.ones(3, np.float32))["outcome"] == "applied"
