@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from netagg import wire
+from netagg import jobsecret, wire
 from netagg.controller.allocator import SlotAllocator, SlotRange
 from netagg.controller.config import ControllerConfig
 from netagg.controller.p4runtime_client import P4RuntimeClient, P4RuntimeError
@@ -154,7 +154,7 @@ class JobService:
                         slots_wanted=slots, generation=self.store.next_generation(conn), workers=endpoints,
                         ps=ps_endpoint, lease_seconds=lease, lease_expires=now + lease, created=now,
                         note=f"{admission}: {reason}", update_mode=update_mode, delay_bound=delay_bound,
-                        schedule=schedule, replicas=replica_endpoints,
+                        schedule=schedule, replicas=replica_endpoints, secret=jobsecret.new_secret(),
                     )
                     self.store.insert(conn, job)
             except BaseException:
@@ -208,7 +208,7 @@ class JobService:
                             slot_count=job.slot_count, mode=job.mode, aggregator=aggregator,
                             bind=Endpoint(worker.ip, worker.udp_port), ps=ps, tenant=job.tenant,
                             update_mode=job.update_mode, delay_bound=job.delay_bound, schedule=job.schedule,
-                            replicas=tuple(Endpoint(r.ip, r.udp_port) for r in job.replicas))
+                            replicas=tuple(Endpoint(r.ip, r.udp_port) for r in job.replicas), secret=job.secret)
 
     def reap_expired(self, now: float | None = None) -> list[int]:
         """Delete every job whose lease ran out; returns their ids."""

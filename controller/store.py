@@ -46,6 +46,7 @@ MIGRATIONS = (
     ("delay_bound", "INTEGER"),
     ("schedule", "TEXT NOT NULL DEFAULT 'fifo'"),
     ("replicas", "TEXT NOT NULL DEFAULT '[]'"),
+    ("secret", "TEXT NOT NULL DEFAULT ''"),
 )
 
 
@@ -93,13 +94,18 @@ class JobRecord:
     delay_bound: int | None = None
     schedule: str = "fifo"
     replicas: list[PsEndpoint] = field(default_factory=list)
+    #: The job's shared secret for its servers (netagg/jobsecret.py); "" for jobs made before secrets.
+    secret: str = field(default="", repr=False)
 
     @property
     def uses_switch(self) -> bool:
         return self.mode != "fallback"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The job as plain data, without its secret (views, logs, the API)."""
+        data = asdict(self)
+        data.pop("secret")
+        return data
 
 
 def _row_to_job(row: sqlite3.Row) -> JobRecord:
@@ -113,7 +119,7 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
         lease_seconds=row["lease_seconds"], lease_expires=row["lease_expires"], created=row["created"],
         counter_base=json.loads(row["counter_base"]), note=row["note"],
         update_mode=row["update_mode"], delay_bound=row["delay_bound"], schedule=row["schedule"],
-        replicas=[PsEndpoint(**r) for r in json.loads(row["replicas"])],
+        replicas=[PsEndpoint(**r) for r in json.loads(row["replicas"])], secret=row["secret"],
     )
 
 
@@ -161,13 +167,13 @@ class JobStore:
         conn.execute(
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
             " workers, ps, lease_seconds, lease_expires, created, counter_base, note,"
-            " update_mode, delay_bound, schedule, replicas)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " update_mode, delay_bound, schedule, replicas, secret)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
              job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
              json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
              job.created, json.dumps(job.counter_base), job.note, job.update_mode, job.delay_bound, job.schedule,
-             json.dumps([asdict(r) for r in job.replicas])),
+             json.dumps([asdict(r) for r in job.replicas]), job.secret),
         )
 
     def set_state(self, job_id: int, state: str) -> None:

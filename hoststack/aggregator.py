@@ -75,6 +75,19 @@ class SoftAggregator:
         self.registers = SlotRegisters(slot_count)
         self.stats = AggregatorStats()
 
+    def register(self, rank: int, address: Address) -> None:
+        """Admit ``rank`` from ``address`` (a HELLO with the job's secret); replaces the rank's old address."""
+        if not 0 <= rank < self.num_workers:
+            raise ValueError(f"rank {rank} not in 0..{self.num_workers - 1}")
+        holder = self.rank_of.get(address)
+        if holder is not None and holder != rank:
+            raise ValueError(f"{address[0]}:{address[1]} is already registered as rank {holder}")
+        old = self.address_of.get(rank)
+        if old is not None:
+            self.rank_of.pop(old, None)
+        self.rank_of[address] = rank
+        self.address_of[rank] = address
+
     def group(self) -> list[Address]:
         """Where a completed round's result goes: every known worker."""
         return list(self.address_of.values())

@@ -12,6 +12,8 @@
 ``NETAGG_BIND``        ``host:port`` this worker sends from, as registered in the switch
                        (a server defaults to the PS endpoint)
 ``NETAGG_MODE``        ``allreduce`` (default), ``ps`` or ``fallback``
+``NETAGG_JOB_SECRET``  the job's secret from ``netagg job config`` (optional; the PS refuses
+                       requests without it when it has one)
 =====================  ==========================================================
 """
 
@@ -81,9 +83,11 @@ def config_from_env(environ: Mapping[str, str] | None = None, role: str | None =
         "slot_count": _int(env, "NETAGG_SLOTS", 0 if mode == "fallback" else None),
     }
     try:
-        return WorkerConfig(mode=mode, aggregator=aggregator, bind=bind, ps=ps, **values)
+        return WorkerConfig(mode=mode, aggregator=aggregator, bind=bind, ps=ps,
+                            secret=env.get("NETAGG_JOB_SECRET", "").strip(), **values)
     except ConfigError as err:
         names = {"job_id": "NETAGG_JOB_ID", "num_workers": "DMLC_NUM_WORKER", "rank": "NETAGG_RANK",
-                 "slot_count": "NETAGG_SLOTS", "mode": "NETAGG_MODE", "ps": "DMLC_PS_ROOT_URI"}
+                 "slot_count": "NETAGG_SLOTS", "mode": "NETAGG_MODE", "ps": "DMLC_PS_ROOT_URI",
+                 "secret": "NETAGG_JOB_SECRET"}
         field_name = str(err).split(":", 1)[0]
         raise ConfigError(f"{names.get(field_name, field_name)}: {str(err).split(':', 1)[-1].strip()}") from None

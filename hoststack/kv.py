@@ -62,10 +62,14 @@ class KVWorker:
                                    congestion_control=congestion_control)
         self.ps_timeout = ps_timeout
         self._ps: PsClient | None = None
-        if self.mode == "ps":
+        #: ps mode: the PS keeps the values (pull asks it); otherwise this worker keeps the aggregates.
+        self._ps_store = self.mode == "ps"
+        # Register this worker's UDP address with the job's PS: in ps mode for its results; in fallback
+        # mode when the job has a secret, as the only address the PS accepts this rank's packets from.
+        if self.mode == "ps" or (self.mode == "fallback" and self.config.secret):
             assert self.config.ps is not None
             try:
-                self._ps = PsClient(resolve(self.config.ps), timeout=ps_timeout)
+                self._ps = PsClient(resolve(self.config.ps), timeout=ps_timeout, secret=self.config.secret)
                 host, port = self.transport.address
                 self._ps.request({"op": "hello", "job_id": self.config.job_id, "rank": self.config.rank,
                                   "host": host, "port": port})
@@ -161,7 +165,7 @@ class KVWorker:
         for segment in layout.segments:
             start = segment.first_block * wire.K
             self._store[segment.key] = (aggregate[start:start + segment.size], segment.shape)
-        if self._ps is not None:
+        if self._ps_store:
             self._commit(layout, seq_start, sums, global_exp)
         return blk.unpack(layout, aggregate) if keep else None
 
@@ -182,7 +186,8 @@ class KVWorker:
             missing = response["missing"]
 
     def _pull(self, keys: list[int], out: Sequence[np.ndarray] | None) -> list[np.ndarray]:
-        if self._ps is not None:
+        if self._ps_store:
+            assert self._ps is not None
             response, data = self._ps.request({"op": "pull", "job_id": self.config.job_id, "keys": keys,
                                                "after_round": self._rounds - 1, "timeout": self.ps_timeout},
                                               timeout=self.ps_timeout + 5)
@@ -206,7 +211,7 @@ class KVWorker:
 
     def _pushpull(self, layout: blk.Layout, blocks: np.ndarray, exponents: np.ndarray,
                   out: Sequence[np.ndarray] | None) -> list:
-        if self._ps is None:
+        if not self._ps_store:
             values = self._push(layout, blocks, exponents, keep=True)
             assert values is not None
             if out is None:
@@ -218,7 +223,8 @@ class KVWorker:
         return self._pull(layout.keys, out)
 
     def _init(self, keys: list[int], arrays: list[np.ndarray], shapes: list[tuple[int, ...]]) -> None:
-        if self._ps is not None:
+        if self._ps_store:
+            assert self._ps is not None
             self._ps.request({"op": "init", "job_id": self.config.job_id, "keys": keys,
                               "sizes": [a.size for a in arrays]}, b"".join(a.tobytes() for a in arrays))
         for key, array, shape in zip(keys, arrays, shapes, strict=True):

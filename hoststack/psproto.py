@@ -15,6 +15,8 @@ import struct
 import threading
 from typing import Any
 
+from netagg.jobsecret import with_secret
+
 _FRAME = struct.Struct("!II")
 MAX_JSON_BYTES = 1 << 24
 MAX_BLOB_BYTES = 1 << 31
@@ -82,9 +84,11 @@ class PsClient:
     closed: the caller reconnects, or fails over, by making a new client.
     """
 
-    def __init__(self, address: tuple[str, int], timeout: float = 30.0) -> None:
+    def __init__(self, address: tuple[str, int], timeout: float = 30.0, secret: str = "") -> None:
         self.address = address
         self.timeout = timeout
+        #: The job's secret (netagg/jobsecret.py), added to every request; "" for none.
+        self._secret = secret
         try:
             self.sock = socket.create_connection(address, timeout=timeout)
         except OSError as err:
@@ -99,7 +103,7 @@ class PsClient:
         with self._lock:
             self.sock.settimeout(self.timeout if timeout is None else timeout)
             try:
-                send_frame(self.sock, header, blob)
+                send_frame(self.sock, with_secret(header, self._secret), blob)
                 response, data = recv_frame(self.sock)
             except (OSError, ProtocolError, ConnectionClosed) as err:
                 self.close()

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from netagg import wire
+from netagg import jobsecret, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.aggregator import SoftAggregator
 from netagg.hoststack.blocks import blocks_for
@@ -81,6 +81,8 @@ class ServerStats:
     repaired_blocks: int = 0
     requests: int = 0
     bad_requests: int = 0
+    #: Requests without the job's secret (refused before anything else; also in bad_requests).
+    bad_secret: int = 0
 
 
 @dataclass
@@ -144,8 +146,12 @@ class KVServer:
         assert endpoint is not None  # WorkerConfig guarantees it in ps/fallback mode
         self.udp, self.tcp = _bind_pair(resolve(endpoint))
         self.address: tuple[str, int] = self.udp.getsockname()
+        # Fallback mode: with a job secret, only addresses registered by a HELLO carrying it may
+        # contribute (like the switch's worker table); without one, the first address to use a
+        # rank is learnt as that rank's.
         self.aggregator = (
-            SoftAggregator(config.job_id, config.num_workers, slot_count_of(config))
+            SoftAggregator(config.job_id, config.num_workers, slot_count_of(config),
+                           workers={} if config.secret else None)
             if self.mode == "fallback" else None
         )
         self.switch = resolve(config.aggregator) if self.mode == "ps" else None
@@ -338,6 +344,9 @@ class KVServer:
         op = header.get("op")
         if int(header.get("job_id", -1)) != self.config.job_id:
             raise ValueError(f"request for job {header.get('job_id')}, this PS serves job {self.config.job_id}")
+        if not jobsecret.matches(self.config.secret, header):
+            self.stats.bad_secret += 1
+            raise ValueError(jobsecret.REFUSAL)
         handler = {"hello": self._op_hello, "commit": self._op_commit, "repair": self._op_repair,
                    "pull": self._op_pull, "init": self._op_init}.get(op)
         if handler is None:
@@ -350,6 +359,8 @@ class KVServer:
             raise ValueError(f"rank {rank} not in 0..{self.num_workers - 1}")
         address = resolve(Endpoint(str(header["host"]), int(header["port"])))
         with self._cond:
+            if self.aggregator is not None:
+                self.aggregator.register(rank, address)
             self.workers[rank] = address
         return {"ok": True, "mode": self.mode, "num_workers": self.num_workers,
                 "slot_count": slot_count_of(self.config)}, b""

@@ -54,12 +54,12 @@ def job_configs(num_workers: int, mode: str, aggregator: Endpoint, ps: Endpoint 
 
 
 @contextlib.contextmanager
-def fallback_job(num_workers: int, slot_count: int = 32, job_id: int = 1,
-                 handle: Handle | None = None) -> Iterator[tuple[KVServer, list[WorkerConfig]]]:
-    """A running fallback-mode PS on loopback and the configs of its workers."""
+def fallback_job(num_workers: int, slot_count: int = 32, job_id: int = 1, handle: Handle | None = None,
+                 secret: str = "") -> Iterator[tuple[KVServer, list[WorkerConfig]]]:
+    """A running fallback-mode PS on loopback and the configs of its workers (with the job's ``secret``)."""
     placeholder = WorkerConfig(job_id=job_id, rank=0, num_workers=num_workers, slot_count=slot_count,
                                mode="fallback", aggregator=Endpoint(LOCALHOST, 9), bind=Endpoint(LOCALHOST, 0),
-                               ps=Endpoint(LOCALHOST, 0))
+                               ps=Endpoint(LOCALHOST, 0), secret=secret)
     with KVServer(placeholder, handle) as server:
         ps = Endpoint(*server.address)
         # Port 0: each worker binds a free port itself (the PS learns the addresses), so no race

@@ -41,7 +41,7 @@ __all__ = ["SECRET_REFUSAL", "Connection", "FabricError", "Frame", "Refused", "U
 
 _POLL_SECONDS = 0.1
 #: The reason a request without the job's secret gets (it never repeats what the request carried).
-SECRET_REFUSAL = "wrong or missing job secret"
+SECRET_REFUSAL = jobsecret.REFUSAL
 
 
 #: An MLfabric request failed (the host stack's client errors, under MLfabric's names).
@@ -84,13 +84,7 @@ class Connection(PsClient):
     """
 
     def __init__(self, address: tuple[str, int], timeout: float = 10.0, *, secret: str = "") -> None:
-        super().__init__(address, timeout)
-        self._job_secret = secret
-
-    def request(self, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
-                timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
-        """Send one request with the job's secret added (``header`` itself is not changed); see :meth:`call`."""
-        return super().request(jobsecret.with_secret(header, self._job_secret), blob, timeout)
+        super().__init__(address, timeout, secret=secret)  # PsClient adds it to every request
 
     def call(self, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
              timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:

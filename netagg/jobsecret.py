@@ -16,6 +16,8 @@ import secrets
 
 #: The request field that carries the secret.
 FIELD = "secret"
+#: The reason every server gives for a request without the right secret (never the secret itself).
+REFUSAL = "wrong or missing job secret"
 
 
 def new_secret() -> str:

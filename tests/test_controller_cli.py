@@ -159,6 +159,22 @@ def test_tenant_isolation(capsys, controller):
     assert run_cli(capsys, controller, TOKENS["alice"], "job", "show", str(alice_job))[0] == 0
 
 
+def test_each_job_gets_its_own_secret_in_its_worker_configs_and_nowhere_else(capsys, controller):
+    created = [create(capsys, controller, TOKENS["alice"], [free_udp_port(), free_udp_port()], 2)
+               for _ in range(2)]
+    secrets = []
+    for response in created:
+        job_id = response["job"]["job_id"]
+        configs = worker_configs(capsys, controller, TOKENS["alice"], job_id, 2)
+        assert configs[0].secret and configs[0].secret == configs[1].secret  # one per job, every rank has it
+        secrets.append(configs[0].secret)
+        shown = run_cli(capsys, controller, TOKENS["alice"], "job", "show", str(job_id))[1]
+        listed = run_cli(capsys, controller, TOKENS["alice"], "job", "list")[1]
+        for text in (json.dumps(response), shown, listed, repr(configs[0])):
+            assert configs[0].secret not in text
+    assert secrets[0] != secrets[1]
+
+
 def test_bad_requests_give_clear_errors(capsys, controller):
     port = free_udp_port()
     cases = [

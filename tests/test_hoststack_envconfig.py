@@ -23,6 +23,10 @@ def test_allreduce_worker():
     assert (config.job_id, config.rank, config.num_workers, config.slot_count) == (12, 2, 4, 64)
     assert config.mode == "allreduce" and config.ps is None
     assert config.aggregator == Endpoint("10.0.0.1", 28900) and config.bind == Endpoint("10.0.0.7", 40002)
+    assert config.secret == ""  # no secret given: the PS check is off
+    assert config_from_env({**WORKER, "NETAGG_JOB_SECRET": "s3cr3t"}).secret == "s3cr3t"
+    with pytest.raises(ConfigError, match="NETAGG_JOB_SECRET"):
+        config_from_env({**WORKER, "NETAGG_JOB_SECRET": "two words"})
 
 
 def test_fallback_worker_defaults_the_aggregator_to_the_ps_and_needs_no_slots():

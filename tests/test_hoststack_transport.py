@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -141,6 +142,37 @@ def test_the_ps_ignores_malformed_datagrams_and_garbage_connections():
         assert server.aggregator.stats.drops == {"MALFORMED": 1, "BAD_VERSION": 1, "RESULT_FROM_HOST": 1,
                                                   "UNKNOWN_JOB": 1}
         assert server.stats.bad_requests == 1
+
+
+def test_the_ps_refuses_requests_without_the_job_secret_and_changes_nothing():
+    from netagg.hoststack.psproto import PsClient, PsRefused
+    from netagg.jobsecret import new_secret
+
+    secret = new_secret()
+    with fallback_job(2, secret=secret) as (server, configs):
+        hello = {"op": "hello", "job_id": 1, "rank": 0, "host": "127.0.0.1", "port": 9}
+        for given in ("", "wrong-" + secret):
+            client = PsClient(server.address, timeout=5, secret=given)
+            with pytest.raises(PsRefused, match="wrong or missing job secret") as refused:
+                client.request(hello)
+            assert secret not in str(refused.value)
+            client.close()
+        assert server.stats.bad_secret == 2 and server.workers == {}  # nobody registered
+        right = PsClient(server.address, timeout=5, secret=secret)
+        assert right.request(hello)[0]["ok"] and server.workers[0] == ("127.0.0.1", 9)
+        right.close()
+        # With a secret, UDP contributions are admitted only from registered addresses (like the
+        # switch's worker table): a stranger claiming rank 1 is dropped, not learnt as rank 1.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+            packet = wire.pack(wire.Header(job_id=1, slot=0, pool=0, rank=1, seq=0, round=1),
+                               np.full(wire.K, 7, np.int32))
+            stranger.sendto(packet, server.address)
+            deadline = time.monotonic() + 5
+            while not server.aggregator.stats.drops.get("UNKNOWN_WORKER") and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert server.aggregator.stats.drops.get("UNKNOWN_WORKER") == 1 and 1 not in server.aggregator.address_of
+        inputs = make_inputs(2, 300)  # the workers register themselves (HELLO with the secret) and aggregate
+        check(run_workers(configs, lambda w, rank: w.allreduce(inputs[rank])), inputs)
 
 
 def test_rto_estimator_follows_rfc6298_with_clipping_clamping_and_capped_backoff():
