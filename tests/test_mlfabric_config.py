@@ -75,6 +75,7 @@ def test_an_old_database_gains_the_new_columns_and_keeps_its_jobs(tmp_path):
     old = store.get(1)
     assert old is not None and old.name == "old"
     assert (old.update_mode, old.delay_bound, old.schedule, old.replicas) == ("sync", None, "fifo", [])
+    assert old.secret == ""  # made before secrets: its servers keep accepting requests without one
     with store.transaction() as conn:
         store.insert(conn, JobRecord(
             job_id=2, tenant="alice", name="new", mode="ps", state="active", slot_base=8, slot_count=8,
