@@ -19,7 +19,7 @@ from netagg.controller.api import ApiClient, ApiError
 from netagg.controller.config import load_config
 from netagg.controller.p4runtime_client import P4RuntimeError
 from netagg.controller.service import ServiceError
-from netagg.jobconfig import ConfigError
+from netagg.jobconfig import ConfigError, write_private
 
 EXIT_CODES = {
     "ok": 0, "internal": 1, "invalid_argument": 2, "not_found": 3, "permission_denied": 4,
@@ -146,7 +146,7 @@ def _job_command(args: argparse.Namespace) -> int:
     elif args.action == "config":
         text = client.call("config", job_id=args.job_id, rank=args.rank)
         if args.output:
-            args.output.write_text(text)
+            write_private(args.output, text)  # owner-only: it holds the job's secret
             print(f"wrote {args.output}")
         else:
             print(text, end="")

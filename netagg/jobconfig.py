@@ -6,6 +6,7 @@ builds it from ``DMLC_*``/``NETAGG_*`` environment variables).
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -109,7 +110,8 @@ class WorkerConfig:
         return yaml.safe_dump(data, sort_keys=False)
 
     def save(self, path: Path) -> None:
-        Path(path).write_text(self.to_yaml())
+        """Write the YAML, readable by the owner only (it holds the job's secret)."""
+        write_private(path, self.to_yaml())
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<dict>") -> WorkerConfig:
@@ -142,6 +144,14 @@ class WorkerConfig:
     @classmethod
     def load(cls, path: Path | str) -> WorkerConfig:
         return cls.from_dict(read_yaml(path), str(path))
+
+
+def write_private(path: Path | str, text: str) -> None:
+    """Write ``text`` to ``path`` with mode 0600 (a worker config holds the job's secret)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its old mode through O_CREAT
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
 
 
 def read_yaml(path: Path | str) -> object:

@@ -159,7 +159,7 @@ def test_tenant_isolation(capsys, controller):
     assert run_cli(capsys, controller, TOKENS["alice"], "job", "show", str(alice_job))[0] == 0
 
 
-def test_each_job_gets_its_own_secret_in_its_worker_configs_and_nowhere_else(capsys, controller):
+def test_each_job_gets_its_own_secret_in_its_worker_configs_and_nowhere_else(capsys, controller, tmp_path):
     created = [create(capsys, controller, TOKENS["alice"], [free_udp_port(), free_udp_port()], 2)
                for _ in range(2)]
     secrets = []
@@ -173,6 +173,15 @@ def test_each_job_gets_its_own_secret_in_its_worker_configs_and_nowhere_else(cap
         for text in (json.dumps(response), shown, listed, repr(configs[0])):
             assert configs[0].secret not in text
     assert secrets[0] != secrets[1]
+    # Written to a file, the config is readable by its owner only.
+    path = tmp_path / "rank0.yaml"
+    path.write_text("old contents")
+    path.chmod(0o644)
+    job_id = created[0]["job"]["job_id"]
+    assert run_cli(capsys, controller, TOKENS["alice"], "job", "config", str(job_id), "--rank", "0", "-o",
+                   str(path))[0] == 0
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert WorkerConfig.load(path).secret == secrets[0]
 
 
 def test_bad_requests_give_clear_errors(capsys, controller):
