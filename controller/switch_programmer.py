@@ -67,9 +67,10 @@ def job_state(config: ControllerConfig, job: JobRecord) -> DesiredState:
         "num_workers": len(job.workers), "slot_base": job.slot_base, "slot_count": job.slot_count,
         "mgid": job.job_id, "generation": job.generation,
     }))
-    for w in job.workers:
+    for w in job.workers:  # keyed by the host's switch port too: no contributing under another host's address
         state.add(Entry.make(dp.TABLE_WORKERS,
-                             {"job_id": job.job_id, "ipv4_src": ip_to_int(w.ip), "udp_src": w.udp_port},
+                             {"job_id": job.job_id, "ipv4_src": ip_to_int(w.ip), "udp_src": w.udp_port,
+                              "ingress_port": config.hosts[w.host].port},
                              dp.ACTION_SET_WORKER, {"rank": w.rank, "worker_mask": 1 << w.rank}))
     if job.mode == "allreduce":
         receivers = [(w.rank + 1, w.host, w.ip, w.udp_port) for w in job.workers]

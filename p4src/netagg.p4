@@ -65,7 +65,7 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
         } else if ((hdr.netagg.flags & FLAG_RESULT) != 0) {
             meta.drop_reason = DROP_RESULT_FROM_HOST;
         } else {
-            worker_lookup.apply(hdr, meta);
+            worker_lookup.apply(hdr, standard_metadata.ingress_port, meta);
             if (meta.drop_reason == DROP_NONE) {
                 slot_owner.apply(meta);
                 round_check.apply(hdr, meta);

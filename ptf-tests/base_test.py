@@ -130,7 +130,8 @@ class NetaggTest(BaseTest):
             "mgid": job.mgid, "generation": job.generation,
         }, undo)
         for w in workers:
-            self.insert(dp.TABLE_WORKERS, {"job_id": job.job_id, "ipv4_src": _ip(w.ip), "udp_src": w.udp_port},
+            self.insert(dp.TABLE_WORKERS, {"job_id": job.job_id, "ipv4_src": _ip(w.ip), "udp_src": w.udp_port,
+                                           "ingress_port": w.port},
                         dp.ACTION_SET_WORKER, {"rank": w.rank, "worker_mask": w.mask}, undo)
             self.insert(dp.TABLE_REPLICAS, {"mgid": job.mgid, "rid": w.rank + 1}, dp.ACTION_SET_DESTINATION,
                         {"dst_mac": _mac(w.mac), "dst_addr": _ip(w.ip), "dst_port": w.udp_port}, undo)

@@ -46,6 +46,18 @@ class UnknownSource(_Rejected):
         self.assert_slot_clean(job, workers)
 
 
+class ForgedAddressFromAnotherPort(_Rejected):
+    """A host that forges a worker's IPv4 address and UDP port, sending from its own switch port, is dropped."""
+
+    def runTest(self) -> None:
+        workers = make_workers(2)
+        job = self.add_job(workers)
+        other_port = next(p for p in range(1, 9) if p not in {w.port for w in workers})
+        forged = contribution(job, workers[0], [666] * wire.K)  # worker 0's addresses, rank and slot
+        self.assert_rejected(job, other_port, forged, DropReason.UNKNOWN_WORKER)
+        self.assert_slot_clean(job, workers)
+
+
 class WrongJob(_Rejected):
     """A worker of job A naming job B (or a job that does not exist) is dropped."""
 

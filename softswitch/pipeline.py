@@ -204,8 +204,8 @@ class NetaggPipeline:
             ip[5] -= 1
         return port
 
-    def _worker_lookup(self, pkt: ParsedPacket, meta: _Meta) -> None:
-        """WorkerLookup: jobs, workers, then the slot/pool/rank checks."""
+    def _worker_lookup(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int) -> None:
+        """WorkerLookup: jobs, workers (keyed by the ingress port too), then the slot/pool/rank checks."""
         hdr = pkt.netagg
         action, params = self._jobs.lookup((hdr[_JOB],))
         if action != dp.ACTION_SET_JOB:
@@ -213,7 +213,7 @@ class NetaggPipeline:
             return
         meta.num_workers, meta.slot_base, meta.slot_count, meta.mgid, meta.generation = params
         src_addr = int.from_bytes(pkt.ipv4[8], "big")
-        action, params = self._workers.lookup((hdr[_JOB], src_addr, pkt.udp[0]))
+        action, params = self._workers.lookup((hdr[_JOB], src_addr, pkt.udp[0], ingress_port))
         if action != dp.ACTION_SET_WORKER:
             meta.drop_reason = DropReason.UNKNOWN_WORKER
             return
@@ -231,7 +231,7 @@ class NetaggPipeline:
     def _aggregate(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int, length: int) -> int | None:
         hdr = pkt.netagg
         job = hdr[_JOB]
-        self._worker_lookup(pkt, meta)
+        self._worker_lookup(pkt, meta, ingress_port)
         if meta.drop_reason != DropReason.NONE:
             if meta.drop_reason != DropReason.UNKNOWN_JOB:
                 self.state.count(dp.COUNTER_JOB_REJECTS, job, length)

@@ -105,7 +105,7 @@ def test_restart_reinstalls_lost_switch_state_and_removes_strays(tmp_path, any_s
         intruder.insert_entry(dp.TABLE_JOBS, {"job_id": 900}, dp.ACTION_SET_JOB, {
             "num_workers": 1, "slot_base": 0, "slot_count": 64, "mgid": 900, "generation": 77})
         intruder.insert_entry(dp.TABLE_WORKERS, {"job_id": 900, "ipv4_src": ip_to_int("127.0.0.1"),
-                                                 "udp_src": 5555}, dp.ACTION_SET_WORKER,
+                                                 "udp_src": 5555, "ingress_port": 1}, dp.ACTION_SET_WORKER,
                               {"rank": 0, "worker_mask": 1})
         intruder.set_multicast_group(900, [(1, 1)])
     ctl = start_controller(config, tmp_path / "controller.log")

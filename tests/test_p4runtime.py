@@ -333,14 +333,16 @@ def test_batched_write_reports_each_failed_update(client: P4RuntimeClient, switc
     assert {v.match["job_id"] for v in client.read_entries(JOBS)} == {1, 2, 3}
 
 
-def test_exact_lookup_on_three_fields(client: P4RuntimeClient, switch: Switch) -> None:
-    client.insert_entry(WORKERS, {"job_id": 1, "ipv4_src": 0x0A000001, "udp_src": 5000}, SET_WORKER,
-                        {"rank": 0, "worker_mask": 1})
-    client.insert_entry(WORKERS, {"job_id": 1, "ipv4_src": 0x0A000002, "udp_src": 5000}, SET_WORKER,
-                        {"rank": 1, "worker_mask": 2})
+def test_exact_lookup_on_four_fields(client: P4RuntimeClient, switch: Switch) -> None:
+    client.insert_entry(WORKERS, {"job_id": 1, "ipv4_src": 0x0A000001, "udp_src": 5000, "ingress_port": 3},
+                        SET_WORKER, {"rank": 0, "worker_mask": 1})
+    client.insert_entry(WORKERS, {"job_id": 1, "ipv4_src": 0x0A000002, "udp_src": 5000, "ingress_port": 4},
+                        SET_WORKER, {"rank": 1, "worker_mask": 2})
     workers = switch.state.table(WORKERS)
-    assert workers.lookup((1, 0x0A000002, 5000)) == (SET_WORKER, (1, 2))
-    assert workers.lookup((1, 0x0A000002, 5001))[0] == "NetaggIngress.worker_lookup.unknown_worker"
+    assert workers.lookup((1, 0x0A000002, 5000, 4)) == (SET_WORKER, (1, 2))
+    assert workers.lookup((1, 0x0A000002, 5001, 4))[0] == "NetaggIngress.worker_lookup.unknown_worker"
+    # The same address and port from another switch port (another host forging it): no match.
+    assert workers.lookup((1, 0x0A000002, 5000, 3))[0] == "NetaggIngress.worker_lookup.unknown_worker"
 
 
 def test_lpm_longest_prefix_wins(client: P4RuntimeClient, switch: Switch) -> None:

@@ -1,12 +1,13 @@
 /* netagg: which job and worker sent this packet, and may it touch the slot it names?
  * jobs:    job id                          -> worker count, slot range, group, generation
- * workers: (job id, IPv4 source, UDP port) -> rank and bitmap bit
+ * workers: (job id, IPv4 source, UDP port, ingress port) -> rank and bitmap bit
+ *          (the ingress port: a host cannot contribute under another host's address)
  * A miss, a slot outside the job's range, a pool other than 0/1 or a rank that
  * differs from the sender's registered rank sets meta.drop_reason. */
 #ifndef _NETAGG_WORKER_LOOKUP_P4_
 #define _NETAGG_WORKER_LOOKUP_P4_
 
-control WorkerLookup(in headers_t hdr, inout metadata_t meta) {
+control WorkerLookup(in headers_t hdr, in bit<9> ingress_port, inout metadata_t meta) {
     @id(0x01000001)
     action set_job(bit<8> num_workers, slot_index_t slot_base, bit<16> slot_count,
                    bit<16> mgid, bit<32> generation) {
@@ -52,6 +53,7 @@ control WorkerLookup(in headers_t hdr, inout metadata_t meta) {
             hdr.netagg.job_id: exact @name("job_id");
             hdr.ipv4.src_addr: exact @name("ipv4_src");
             hdr.udp.src_port: exact @name("udp_src");
+            ingress_port: exact @name("ingress_port");
         }
         actions = {
             set_worker;
