@@ -76,17 +76,23 @@ class SoftAggregator:
         self.stats = AggregatorStats()
 
     def register(self, rank: int, address: Address) -> None:
-        """Admit ``rank`` from ``address`` (a HELLO with the job's secret); replaces the rank's old address."""
+        """Admit ``rank`` from ``address`` (a HELLO with the job's secret); replaces the rank's old address.
+
+        Called from the PS's TCP threads while its UDP thread reads the maps: they are replaced
+        whole (copy, change, swap), never changed in place under a reader.
+        """
         if not 0 <= rank < self.num_workers:
             raise ValueError(f"rank {rank} not in 0..{self.num_workers - 1}")
         holder = self.rank_of.get(address)
         if holder is not None and holder != rank:
             raise ValueError(f"{address[0]}:{address[1]} is already registered as rank {holder}")
-        old = self.address_of.get(rank)
+        rank_of, address_of = dict(self.rank_of), dict(self.address_of)
+        old = address_of.get(rank)
         if old is not None:
-            self.rank_of.pop(old, None)
-        self.rank_of[address] = rank
-        self.address_of[rank] = address
+            rank_of.pop(old, None)
+        rank_of[address] = rank
+        address_of[rank] = address
+        self.rank_of, self.address_of = rank_of, address_of
 
     def group(self) -> list[Address]:
         """Where a completed round's result goes: every known worker."""

@@ -114,3 +114,21 @@ def test_a_fixed_worker_table_rejects_unknown_addresses():
     assert agg.stats.drops == {"UNKNOWN_WORKER": 1}
     contribute(agg, 0)
     assert contribute(agg, 1).to_group
+
+
+def test_registered_workers_only_when_registration_is_required():
+    agg = SoftAggregator(JOB, 2, slot_count=4, workers={})  # a job with a secret: no learning
+    assert agg.handle(packet(0), ADDR[0]) is None and agg.stats.drops["UNKNOWN_WORKER"] == 1
+    agg.register(0, ADDR[0])
+    agg.register(1, ADDR[2])
+    agg.register(1, ADDR[1])  # a restarted worker registers its new address: the old one is forgotten
+    assert agg.group() == [ADDR[0], ADDR[1]] and ADDR[2] not in agg.rank_of
+    with pytest.raises(ValueError, match="already registered as rank 0"):
+        agg.register(1, ADDR[0])
+    with pytest.raises(ValueError, match=r"not in 0\.\.1"):
+        agg.register(2, ADDR[3])
+    assert contribute(agg, 0) is None
+    outcome = contribute(agg, 1)
+    assert outcome is not None and outcome.to_group
+    assert agg.handle(packet(1, seq=2, pool=1), ADDR[2]) is None  # the forgotten address is a stranger
+    assert agg.stats.drops["UNKNOWN_WORKER"] == 2
