@@ -92,6 +92,8 @@ class ServerStats:
     aggregated_applies: int = 0
     partial_rounds: int = 0
     replication_stalls: int = 0
+    #: Successors an operator removed from the chain (``unlink``).
+    unlinks: int = 0
     #: Pushes refused because an update id was older than its rank's outcome window.
     expired_ids: int = 0
     #: State transfers this node installed (it restarted empty or joined the chain).
@@ -320,7 +322,8 @@ class FabricServer:
         refuse_without_secret(self.config.secret, header, self._count_bad_secret)
         handlers = {"hello": self._op_hello, "init": self._op_init, "pull": self._op_pull, "push": self._op_push,
                     "request": self._op_request, "agg_grant": self._op_agg_grant, "halt": self._op_halt,
-                    "stats": self._op_stats, "promote": self._op_promote, "join": self._op_join}
+                    "stats": self._op_stats, "promote": self._op_promote, "join": self._op_join,
+                    "unlink": self._op_unlink}
         if op == "chain_hello":
             return self._op_chain_hello(frame, state)
         if op in ("replicate", "snapshot"):
@@ -783,6 +786,36 @@ class FabricServer:
         log.warning("installed a state transfer: record %d, version %d", seq, version)
         self._await_safe(seq)
         return {"ok": True, "seq": seq}, b""
+
+    def _op_unlink(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        """An operator removes this node's (dead) successor from the chain: the chain gets shorter.
+
+        Replication to that node stops; updates applied from now on are acknowledged without it
+        (a weaker guarantee, chosen by the operator, instead of a job that stands still). Records
+        applied before and not yet acknowledged stay unacknowledged: their pushes fail as not
+        safe and are recognised by id when the workers push them again. A fresh node can later
+        ``join`` this node, now the tail.
+        """
+        endpoint = frame.header.get("successor")
+        if not (isinstance(endpoint, list) and len(endpoint) == 2 and isinstance(endpoint[0], str)
+                and isinstance(endpoint[1], int) and not isinstance(endpoint[1], bool)):
+            raise ValueError(f"unlink: successor: expected [host, port], got {endpoint!r}")
+        successor = (endpoint[0], endpoint[1])
+        with self._cond:
+            forwarder = self.forwarder
+            if forwarder is None:
+                raise ValueError("unlink: this node has no successor (it is the tail of the chain)")
+            if forwarder.successor != successor:
+                raise ValueError(f"unlink: this node's successor is {forwarder.successor[0]}:"
+                                 f"{forwarder.successor[1]}, not {successor[0]}:{successor[1]}")
+        forwarder.stop()  # outside the lock: it wakes pushes waiting (holding it) for room or acknowledgements
+        with self._cond:
+            if self.forwarder is forwarder:
+                self.forwarder = None
+                self.stats.unlinks += 1
+            self._cond.notify_all()
+        log.warning("unlinked successor %s:%d at record %d: the chain continues without it", *successor, self.seq)
+        return {"ok": True, "role": self.role, "seq": self.seq, "unlinked": list(successor)}, b""
 
     def _op_join(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         """A (restarted, empty) node asks to become this node's successor: the chain's new tail."""

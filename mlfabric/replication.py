@@ -147,9 +147,11 @@ class ChainForwarder:
             self._cond.notify_all()
 
     def wait_acked(self, seq: int, timeout: float) -> bool:
-        """Whether record ``seq`` is acknowledged by the successor within ``timeout`` seconds."""
+        """Whether record ``seq`` is acknowledged by the successor within ``timeout`` seconds
+        (False at once when the forwarder stops: no acknowledgement will come)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self.acked_seq >= seq, timeout)
+            self._cond.wait_for(lambda: self.acked_seq >= seq or self._stop.is_set(), timeout)
+            return self.acked_seq >= seq
 
     # -- the forwarding thread -------------------------------------------------
     def _run(self) -> None:

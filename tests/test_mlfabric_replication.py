@@ -439,3 +439,56 @@ def test_the_workers_fast_digits_loader_gives_the_examples_data():
     for name in ("x_train", "y_train", "x_test", "y_test"):
         a, b = getattr(fast, name), getattr(reference, name)
         assert a.dtype == b.dtype and np.array_equal(a, b), name
+
+
+def test_an_operator_unlinks_a_dead_replica_and_the_job_goes_on_then_a_fresh_node_rejoins(tmp_path, capsys):
+    from netagg.mlfabric import chainctl
+
+    configs = loopback_configs(2, update_mode="async", delay_bound=5, replicas=1)
+    ps, replica_at = configs[0].ps.as_tuple(), configs[0].replicas[0].as_tuple()
+    path = tmp_path / "rank0.yaml"
+    configs[0].save(path)
+    replica = FabricServer(configs[0], replica=0, gate_timeout=0, ack_timeout=1).start()
+    primary = FabricServer(configs[0], gate_timeout=0, ack_timeout=1).start()
+    rejoined = None
+    try:
+        client = FabricClient([ps], 1, 0, failover_timeout=5, secret=configs[0].secret)
+        client.hello()
+        client.init(np.zeros(4, np.float32))
+        g = np.ones(4, np.float32)
+        assert client.push("0:0", 0, g)["outcome"] == "applied"
+        assert chainctl.main(["--config", str(path), "status"]) == 0
+        assert "-> 127.0.0.1" in capsys.readouterr().out
+        replica.stop()  # the replica dies: with a lag bound the job cannot go on ...
+        with pytest.raises(Refused, match=r"not (applied|acknowledged|safe)"):
+            client.push("0:1", 1, g)
+        assert chainctl.main(["--config", str(path), "status"]) == 1  # ... and status shows why
+        out = capsys.readouterr().out
+        assert "unreachable" in out and "primary" in out
+        # Refused: the wrong successor, and (no secret) a stranger.
+        bad = dataclasses.replace(configs[0], secret="")
+        with pytest.raises(Refused, match="successor is"):
+            chainctl.unlink(configs[0], ps, ("127.0.0.1", 9))
+        with pytest.raises(Refused, match="wrong or missing job secret"):
+            chainctl.unlink(bad, ps, replica_at)
+        assert primary.forwarder is not None
+        # The operator drops the dead replica: pushes are applied again (the retried one once).
+        assert chainctl.main(["--config", str(path), "unlink", "--node", f"{ps[0]}:{ps[1]}",
+                              "--successor", f"{replica_at[0]}:{replica_at[1]}"]) == 0
+        assert primary.forwarder is None and primary.stats.unlinks == 1
+        retried = client.push("0:1", 1, g)
+        assert retried["outcome"] == "applied"
+        assert client.push("0:2", primary.version, g)["outcome"] == "applied"
+        assert [e.update_id for e in primary.log].count("0:1") == 1
+        # A fresh node on the replica's endpoint joins the primary (now the tail) and catches up.
+        rejoined = FabricServer(configs[0], replica=0, joining=True, gate_timeout=0, ack_timeout=5).start()
+        rejoined.join(ps)
+        _wait_for(lambda: rejoined._caught_up and rejoined.seq == primary.seq, what="the new replica to catch up")
+        assert client.push("0:3", primary.version, g)["outcome"] == "applied"
+        _wait_for(lambda: rejoined.seq == primary.seq, what="replication to resume")
+        _same_state(primary, rejoined)
+        client.close()
+    finally:
+        for node in (rejoined, primary, replica):
+            if node is not None:
+                node.stop()
