@@ -82,12 +82,14 @@ def test_an_old_database_gains_the_new_columns_and_keeps_its_jobs(tmp_path):
             slots_wanted=8, generation=store.next_generation(conn),
             workers=[WorkerEndpoint(0, "local", "127.0.0.1", 40001)], ps=PsEndpoint("local", "127.0.0.1", 29001),
             lease_seconds=60, lease_expires=1e12, created=2, update_mode="async", delay_bound=4,
-            schedule="mlfabric", replicas=[PsEndpoint("local", "127.0.0.1", 29002)]))
+            schedule="mlfabric", replicas=[PsEndpoint("local", "127.0.0.1", 29002)], secret="s3cret-of-job-2"))
     store.close()
     reopened = JobStore(path)  # the migration runs again and finds nothing to do
     new = reopened.get(2)
     assert (new.update_mode, new.delay_bound, new.schedule) == ("async", 4, "mlfabric")
     assert new.replicas == [PsEndpoint("local", "127.0.0.1", 29002)]
+    assert new.secret == "s3cret-of-job-2"  # survives a restart: configs written before stay valid
+    assert "secret" not in new.to_dict() and "s3cret" not in repr(new)
     assert reopened.get(1).update_mode == "sync"
     reopened.close()
 
