@@ -43,10 +43,10 @@ def _endpoint(env: Mapping[str, str], name: str) -> Endpoint | None:
     text = env.get(name, "").strip()
     if not text:
         return None
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{name}: expected host:port with a port in 1..65535, got {text!r}")
-    return Endpoint(host, int(port))
+    try:
+        return Endpoint.parse(text)
+    except ValueError as err:
+        raise ConfigError(f"{name}: {err}") from None
 
 
 def config_from_env(environ: Mapping[str, str] | None = None, role: str | None = None) -> WorkerConfig:

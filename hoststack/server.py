@@ -38,7 +38,7 @@ from netagg.hoststack.blocks import blocks_for
 from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, resolve, slot_count_of, udp_socket
 from netagg.hoststack.psproto import ConnectionClosed, ProtocolError, recv_frame, send_frame
-from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
+from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig, endpoint_arg
 from netagg.shutdown import stop_event
 
 log = logging.getLogger(__name__)
@@ -455,18 +455,11 @@ def _bind_pair(address: tuple[str, int], attempts: int = 20) -> tuple[socket.soc
     raise AssertionError("unreachable")
 
 
-def _endpoint_arg(text: str) -> Endpoint:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return Endpoint(host, int(port))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: run the PS of one job until SIGINT/SIGTERM."""
     parser = argparse.ArgumentParser(prog="python -m netagg.hoststack.server", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="the job's YAML config (any rank's); default: DMLC_*/NETAGG_* env")
-    parser.add_argument("--bind", type=_endpoint_arg, help="HOST:PORT to listen on instead of the config's ps")
+    parser.add_argument("--bind", type=endpoint_arg, help="HOST:PORT to listen on instead of the config's ps")
     parser.add_argument("--handle", choices=("sum", "sgd"), default="sum", help="what a push does (default sum)")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of --handle sgd")
     args = parser.parse_args(argv)

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from netagg.hoststack.packets import resolve
-from netagg.jobconfig import ConfigError, WorkerConfig
+from netagg.jobconfig import ConfigError, WorkerConfig, endpoint_arg
 from netagg.mlfabric.grants import GrantService
 from netagg.mlfabric.protocol import (
     Connection,
@@ -865,13 +865,6 @@ class FabricServer:
         return response
 
 
-def _endpoint_arg(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host, int(port)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one node of a job's MLfabric PS until SIGINT/SIGTERM."""
     parser = argparse.ArgumentParser(prog="python -m netagg.mlfabric.async_server",
@@ -879,9 +872,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the job's worker YAML (any rank's)")
     parser.add_argument("--replica", type=int, help="run replica N of the chain (default: the primary)")
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
-    parser.add_argument("--bind", type=_endpoint_arg, help="HOST:PORT to listen on instead of the config's")
+    parser.add_argument("--bind", type=endpoint_arg, help="HOST:PORT to listen on instead of the config's")
     parser.add_argument("--max-lag", type=int, default=1, help="records a replica may lag behind (default 1)")
-    parser.add_argument("--join", type=_endpoint_arg, metavar="HOST:PORT",
+    parser.add_argument("--join", type=endpoint_arg, metavar="HOST:PORT",
                         help="start empty and join the chain as the successor of the node at HOST:PORT (its tail; "
                              "e.g. a replica promoted after a failover); it brings this node up to date")
     parser.add_argument("--outcome-window", type=int, default=1024,
@@ -894,7 +887,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = WorkerConfig.load(args.config)
-        server = FabricServer(config, lr=args.lr, replica=args.replica, bind=args.bind, max_lag=args.max_lag,
+        join_target = resolve(args.join) if args.join is not None else None
+        server = FabricServer(config, lr=args.lr, replica=args.replica,
+                              bind=resolve(args.bind) if args.bind is not None else None, max_lag=args.max_lag,
                               default_bandwidth=args.default_bandwidth, outcome_window=args.outcome_window,
                               log_size=args.log_size, joining=args.join is not None)
     except (ConfigError, OSError, ValueError) as err:
@@ -902,13 +897,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     stop = stop_event()
     with server:
-        if args.join is not None:
+        if join_target is not None:
             try:
-                joined = server.join(args.join)
+                joined = server.join(join_target)
             except FabricError as err:
-                print(f"error: join {args.join[0]}:{args.join[1]}: {err}", file=sys.stderr)
+                print(f"error: join {args.join.host}:{args.join.port}: {err}", file=sys.stderr)
                 return 2
-            print(f"joined the chain after {args.join[0]}:{args.join[1]} (its record {joined['seq']})", flush=True)
+            print(f"joined the chain after {args.join.host}:{args.join.port} (its record {joined['seq']})", flush=True)
         print(f"mlfabric PS: job {config.job_id} {server.role} ({config.update_mode}, schedule {config.schedule}, "
               f"delay bound {config.delay_bound}, {len(config.replicas)} replica(s)) on "
               f"{server.address[0]}:{server.address[1]}", flush=True)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from netagg.hoststack.packets import resolve
-from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
+from netagg.jobconfig import ConfigError, WorkerConfig, endpoint_arg
 from netagg.mlfabric.protocol import Connection, Refused, Unreachable
 
 
@@ -62,13 +62,6 @@ def unlink(config: WorkerConfig, node: tuple[str, int], successor: tuple[str, in
         conn.close()
 
 
-def _endpoint(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return resolve(Endpoint(host, int(port)))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="a worker config of the job (any rank)")
@@ -76,8 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = sub.add_parser("status", help="every chain node's role, version and replication state")
     status.add_argument("--json", action="store_true")
     drop = sub.add_parser("unlink", help="drop a dead successor from the chain")
-    drop.add_argument("--node", type=_endpoint, required=True, help="HOST:PORT of the node that forwards to it")
-    drop.add_argument("--successor", type=_endpoint, required=True, help="HOST:PORT of the node to drop")
+    drop.add_argument("--node", type=endpoint_arg, required=True, help="HOST:PORT of the node that forwards to it")
+    drop.add_argument("--successor", type=endpoint_arg, required=True, help="HOST:PORT of the node to drop")
     args = parser.parse_args(argv)
     try:
         config = WorkerConfig.load(args.config)
@@ -95,8 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{where:<22} {n['role']:<8} version {n['version']} record {n['seq']} "
                       f"{'caught up' if n['caught_up'] else 'NOT caught up'}{chain}{error}")
             return 0 if all(n["reachable"] for n in nodes) else 1
-        result = unlink(config, args.node, args.successor)
-        print(f"{args.node[0]}:{args.node[1]} no longer forwards to {args.successor[0]}:{args.successor[1]} "
+        result = unlink(config, resolve(args.node), resolve(args.successor))
+        print(f"{args.node.host}:{args.node.port} no longer forwards to {args.successor.host}:{args.successor.port} "
               f"(at record {result['seq']})")
         return 0
     except ConfigError as err:

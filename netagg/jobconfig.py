@@ -6,6 +6,7 @@ builds it from ``DMLC_*``/``NETAGG_*`` environment variables).
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +35,22 @@ class Endpoint:
 
     def as_tuple(self) -> tuple[str, int]:
         return (self.host, self.port)
+
+    @classmethod
+    def parse(cls, text: str) -> Endpoint:
+        """``HOST:PORT`` with a port in 1..65535; ValueError otherwise."""
+        host, sep, port = text.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"expected host:port with a port in 1..65535, got {text!r}")
+        return cls(host, int(port))
+
+
+def endpoint_arg(text: str) -> Endpoint:
+    """:meth:`Endpoint.parse` as an argparse ``type`` (its error becomes a usage error)."""
+    try:
+        return Endpoint.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import logging
 import sys
 
 from netagg import wire
+from netagg.jobconfig import endpoint_arg
 from netagg.shutdown import stop_event
 from netagg.softswitch.target import Faults, SoftwareTarget
 
@@ -20,13 +21,6 @@ def _interface(text: str) -> tuple[int, str]:
     if not sep or not number.isdigit() or not ifname:
         raise argparse.ArgumentTypeError(f"expected PORT@IFNAME like 1@veth1, got {text!r}")
     return int(number), ifname
-
-
-def _endpoint(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT like 127.0.0.1:{wire.NETAGG_UDP_PORT}, got {text!r}")
-    return host, int(port)
 
 
 def _fraction(text: str) -> float:
@@ -42,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device-id", type=int, default=1)
     parser.add_argument("-i", "--interface", type=_interface, action="append", default=[],
                         help="PORT@IFNAME: attach a Linux interface as a switch port (raw socket)")
-    parser.add_argument("--loopback", type=_endpoint,
+    parser.add_argument("--loopback", type=endpoint_arg,
                         help=f"HOST:PORT of the loopback UDP port (e.g. 127.0.0.1:{wire.NETAGG_UDP_PORT})")
     parser.add_argument("--drop", type=_fraction, default=0.0, help="fraction of packets dropped (in and out)")
     parser.add_argument("--duplicate", type=_fraction, default=0.0, help="fraction of packets duplicated")
@@ -56,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(interfaces) != len(args.interface):
         parser.error("two interfaces share a port number")
     try:
-        target = SoftwareTarget(args.grpc_addr, interfaces, args.loopback,
+        target = SoftwareTarget(args.grpc_addr, interfaces, args.loopback.as_tuple() if args.loopback else None,
                                 Faults(args.drop, args.duplicate, args.reorder, args.seed), args.device_id)
         target.start()
     except (OSError, ValueError) as err:
