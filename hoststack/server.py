@@ -340,13 +340,14 @@ class KVServer:
                 except OSError:
                     return
 
+    def _count_bad_secret(self) -> None:
+        self.stats.bad_secret += 1
+
     def _dispatch(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes | bytearray]:
         op = header.get("op")
         if int(header.get("job_id", -1)) != self.config.job_id:
             raise ValueError(f"request for job {header.get('job_id')}, this PS serves job {self.config.job_id}")
-        if not jobsecret.matches(self.config.secret, header):
-            self.stats.bad_secret += 1
-            raise ValueError(jobsecret.REFUSAL)
+        jobsecret.require(self.config.secret, header, self._count_bad_secret)
         handler = {"hello": self._op_hello, "commit": self._op_commit, "repair": self._op_repair,
                    "pull": self._op_pull, "init": self._op_init}.get(op)
         if handler is None:

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from netagg.mlfabric.protocol import FabricError, Frame, accept_loop, from_blob, listen, refuse_without_secret
+from netagg import jobsecret
+from netagg.mlfabric.protocol import FabricError, Frame, accept_loop, from_blob, listen
 from netagg.mlfabric.worker import FabricClient
 
 
@@ -110,7 +111,7 @@ class AggregationService:
         header = frame.header
         if header.get("job_id") != self.job_id:
             raise ValueError(f"request for job {header.get('job_id')!r}; this aggregator serves job {self.job_id}")
-        refuse_without_secret(self._secret, header, self._count_bad_secret)
+        jobsecret.require(self._secret, header, self._count_bad_secret)
         if header.get("op") != "agg_push":
             raise ValueError(f"an aggregator takes agg_push, not {header.get('op')!r}")
         group_id, size = int(header["group"]), int(header["group_size"])

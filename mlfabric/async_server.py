@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from netagg import jobsecret
 from netagg.hoststack.packets import resolve
 from netagg.jobconfig import ConfigError, WorkerConfig, endpoint_arg
 from netagg.mlfabric.grants import GrantService
@@ -60,7 +61,6 @@ from netagg.mlfabric.protocol import (
     accept_loop,
     from_blob,
     listen,
-    refuse_without_secret,
 )
 from netagg.mlfabric.replication import PRIMARY_REFUSAL, ChainForwarder, ReplicationStalled
 from netagg.mlfabric.scheduler import AGGREGATE, Scheduler, TransferRequest
@@ -319,7 +319,7 @@ class FabricServer:
             self.stats.requests += 1
         if header.get("job_id") != self.job_id:
             raise ValueError(f"request for job {header.get('job_id')!r}; this PS serves job {self.job_id}")
-        refuse_without_secret(self.config.secret, header, self._count_bad_secret)
+        jobsecret.require(self.config.secret, header, self._count_bad_secret)
         handlers = {"hello": self._op_hello, "init": self._op_init, "pull": self._op_pull, "push": self._op_push,
                     "request": self._op_request, "agg_grant": self._op_agg_grant, "halt": self._op_halt,
                     "stats": self._op_stats, "promote": self._op_promote, "join": self._op_join,

@@ -7,7 +7,7 @@ peer answered ``{"ok": false, ...}``); it adds the job's shared secret
 (:mod:`netagg.jobsecret`) to every request it sends, so no sender builds it into a
 header itself. :func:`serve` is the server side of one connection: one handler call per
 frame, a clear error response for bad requests, and the connection dropped (counted) on
-a malformed frame. The servers check the secret with :func:`refuse_without_secret`. The
+a malformed frame. The servers check the secret with :func:`netagg.jobsecret.require`. The
 operations are listed in docs/mlfabric.md.
 """
 
@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from netagg import jobsecret
 from netagg.hoststack.psproto import (
     ConnectionClosed,
     ProtocolError,
@@ -36,12 +35,11 @@ from netagg.hoststack.psproto import (
     send_frame,
 )
 
-__all__ = ["SECRET_REFUSAL", "Connection", "FabricError", "Frame", "Refused", "Unreachable", "accept_loop",
-           "from_blob", "listen", "refuse_without_secret", "serve", "to_blob"]
+__all__ = ["Connection", "FabricError", "Frame", "Refused", "Unreachable", "accept_loop",
+           "from_blob", "listen", "serve", "to_blob"]
 
 _POLL_SECONDS = 0.1
 #: The reason a request without the job's secret gets (it never repeats what the request carried).
-SECRET_REFUSAL = jobsecret.REFUSAL
 
 
 #: An MLfabric request failed (the host stack's client errors, under MLfabric's names).
@@ -90,16 +88,6 @@ class Connection(PsClient):
              timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
         """Send one request, return the successful response; raises Unreachable or Refused."""
         return self.request(header, blob, timeout)
-
-
-def refuse_without_secret(secret: str, header: dict[str, Any], count: Callable[[], None]) -> None:
-    """Raise ValueError (:data:`SECRET_REFUSAL`) unless ``header`` carries the job's ``secret``; ``count`` first.
-
-    A job without a secret ("") accepts every request (configs written before secrets existed).
-    """
-    if not jobsecret.matches(secret, header):
-        count()
-        raise ValueError(SECRET_REFUSAL)
 
 
 Handler = Callable[[Frame], tuple[dict[str, Any], bytes | bytearray]]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
+from collections.abc import Callable
 
 #: The request field that carries the secret.
 FIELD = "secret"
@@ -31,6 +32,16 @@ def matches(expected: str, header: dict) -> bool:
         return True
     given = header.get(FIELD)
     return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def require(expected: str, header: dict, count: Callable[[], None]) -> None:
+    """Raise ValueError (:data:`REFUSAL`) unless ``header`` carries the job's secret; ``count`` the refusal first.
+
+    Every server of a job calls this before looking at anything else in a request.
+    """
+    if not matches(expected, header):
+        count()
+        raise ValueError(REFUSAL)
 
 
 def with_secret(header: dict, secret: str) -> dict:

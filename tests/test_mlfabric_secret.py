@@ -11,9 +11,10 @@ import pytest
 import yaml
 
 from netagg.jobconfig import WorkerConfig
+from netagg.jobsecret import REFUSAL as SECRET_REFUSAL
 from netagg.mlfabric.aggregation import AggregationService
 from netagg.mlfabric.async_server import FabricServer
-from netagg.mlfabric.protocol import SECRET_REFUSAL, Connection, Refused
+from netagg.mlfabric.protocol import Connection, Refused
 from netagg.mlfabric.testing import loopback_configs, write_configs
 from netagg.mlfabric.worker import FabricClient
 
