@@ -317,6 +317,10 @@ class _Round:
         hdr["exponent"][sl] = self._ahead[sl]
         self._send(slots, sl, seqs)
 
+    def _order_key(self, slot: int, block: int) -> int:
+        """The release order of a packet: its block, or for a probe (block -1) ``slot - window`` (below every block)."""
+        return block if block >= 0 else slot - self.window
+
     def release(self, slots: list[int], blocks: list[int]) -> None:
         """Send ready packets (probes as block -1) that fit in the congestion window; queue the rest.
 
@@ -328,11 +332,11 @@ class _Round:
         if not self.waiting and len(slots) <= room:
             go_slots, go_blocks = slots, blocks
             for slot, block in zip(slots, blocks, strict=True):
-                in_flight[slot] = block if block >= 0 else slot - self.window
+                in_flight[slot] = self._order_key(slot, block)
         else:
             waiting = self.waiting
             for slot, block in zip(slots, blocks, strict=True):
-                heapq.heappush(waiting, (block if block >= 0 else slot - self.window, slot))
+                heapq.heappush(waiting, (self._order_key(slot, block), slot))
             go_slots, go_blocks = [], []
             while waiting:
                 if len(go_slots) >= room and (not in_flight or waiting[0][0] > min(in_flight.values())):

@@ -796,11 +796,7 @@ class FabricServer:
         safe and are recognised by id when the workers push them again. A fresh node can later
         ``join`` this node, now the tail.
         """
-        endpoint = frame.header.get("successor")
-        if not (isinstance(endpoint, list) and len(endpoint) == 2 and isinstance(endpoint[0], str)
-                and isinstance(endpoint[1], int) and not isinstance(endpoint[1], bool)):
-            raise ValueError(f"unlink: successor: expected [host, port], got {endpoint!r}")
-        successor = (endpoint[0], endpoint[1])
+        successor = _endpoint_field(frame.header, "successor", "unlink")
         with self._cond:
             forwarder = self.forwarder
             if forwarder is None:
@@ -819,11 +815,7 @@ class FabricServer:
 
     def _op_join(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         """A (restarted, empty) node asks to become this node's successor: the chain's new tail."""
-        endpoint = frame.header.get("endpoint")
-        if not (isinstance(endpoint, list) and len(endpoint) == 2 and isinstance(endpoint[0], str)
-                and isinstance(endpoint[1], int) and not isinstance(endpoint[1], bool) and 0 < endpoint[1] < 65536):
-            raise ValueError(f"join: endpoint: expected [host, port], got {endpoint!r}")
-        successor = (endpoint[0], endpoint[1])
+        successor = _endpoint_field(frame.header, "endpoint", "join")
         if successor not in self.chain_members:
             # Anyone who can reach the PS could otherwise have the model streamed to an address of its
             # choosing, or stall the job behind a successor that never acknowledges.
@@ -863,6 +855,15 @@ class FabricServer:
         finally:
             conn.close()
         return response
+
+
+def _endpoint_field(header: dict[str, Any], key: str, op: str) -> tuple[str, int]:
+    """``header[key]`` as ``(host, port)``: a JSON ``[host, port]`` with a port in 1..65535; ValueError otherwise."""
+    endpoint = header.get(key)
+    if not (isinstance(endpoint, list) and len(endpoint) == 2 and isinstance(endpoint[0], str)
+            and isinstance(endpoint[1], int) and not isinstance(endpoint[1], bool) and 0 < endpoint[1] < 65536):
+        raise ValueError(f"{op}: {key}: expected [host, port], got {endpoint!r}")
+    return endpoint[0], endpoint[1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
