@@ -33,6 +33,7 @@ from examples.mlp_digits import (
     init_params,
     load_digits_dataset,
     loss_and_grads,
+    prepare_digits,
     unflatten,
 )
 from netagg.jobconfig import WorkerConfig
@@ -54,14 +55,7 @@ def load_digits_fast(seed: int = 0) -> Dataset:
         return load_digits_dataset(seed)
     with gzip.open(path, "rt") as f:
         raw = np.loadtxt(f, delimiter=",")
-    x = raw[:, :-1].astype(np.float32) / 16.0
-    y = raw[:, -1].astype(np.int64)
-    order = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[order], y[order]
-    split = int(0.8 * len(x))
-    mean, std = x[:split].mean(0), x[:split].std(0) + 1e-3
-    x = (x - mean) / std
-    return Dataset(x[:split], y[:split], x[split:], y[split:])
+    return prepare_digits(raw[:, :-1], raw[:, -1], seed)
 
 
 def model_loss(flat: np.ndarray, data, like: list[np.ndarray]) -> tuple[float, float]:

@@ -41,8 +41,13 @@ def load_digits_dataset(seed: int = 0) -> Dataset:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    x = digits.data.astype(np.float32) / 16.0
-    y = digits.target.astype(np.int64)
+    return prepare_digits(digits.data, digits.target, seed)
+
+
+def prepare_digits(pixels: np.ndarray, labels: np.ndarray, seed: int = 0) -> Dataset:
+    """Scale the 0..16 pixels, shuffle with ``seed``, split 80/20 and standardize by the training part."""
+    x = pixels.astype(np.float32) / 16.0
+    y = labels.astype(np.int64)
     order = np.random.default_rng(seed).permutation(len(x))
     x, y = x[order], y[order]
     split = int(0.8 * len(x))
