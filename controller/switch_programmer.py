@@ -18,7 +18,7 @@ from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord
 
 #: Tables the controller owns completely (anything else found there is removed).
-MANAGED_TABLES = (dp.TABLE_JOBS, dp.TABLE_WORKERS, dp.TABLE_REPLICAS, dp.TABLE_ROUTES)
+MANAGED_TABLES = (dp.TABLE_JOBS, dp.TABLE_WORKERS, dp.TABLE_REPLICAS, dp.TABLE_ROUTES, dp.TABLE_SOURCES)
 
 
 @dataclass(frozen=True)
@@ -87,12 +87,35 @@ def job_state(config: ControllerConfig, job: JobRecord) -> DesiredState:
     return state
 
 
+def source_entries(config: ControllerConfig) -> list[Entry]:
+    """SourceGuard's entries: the aggregator address is the switch's alone; every host's address is bound
+    to its switch port (so nobody poses as a PS, whose results workers accept in ps and fallback modes).
+
+    An address shared by hosts on different ports, or the aggregator address when a host has it too (the
+    loopback deployment, where every process is 127.0.0.1 behind one port), cannot be bound and is skipped.
+    """
+    ports_of: dict[str, set[int]] = {}
+    for host in config.hosts.values():
+        ports_of.setdefault(host.ip, set()).add(host.port)
+    entries = []
+    if config.aggregator_ip not in ports_of:
+        entries.append(Entry.make(dp.TABLE_SOURCES, {"ipv4_src": ip_to_int(config.aggregator_ip)},
+                                  dp.ACTION_SWITCH_ONLY, {}))
+    for ip, ports in sorted(ports_of.items()):
+        if len(ports) == 1 and ip != config.aggregator_ip:
+            entries.append(Entry.make(dp.TABLE_SOURCES, {"ipv4_src": ip_to_int(ip)}, dp.ACTION_BIND_TO_PORT,
+                                      {"port": next(iter(ports))}))
+    return entries
+
+
 def desired_state(config: ControllerConfig, jobs: Iterable[JobRecord]) -> DesiredState:
-    """Routes for every configured host plus the entries of every job not being deleted."""
+    """Routes and source bindings for every configured host plus the entries of every job not being deleted."""
     state = DesiredState()
     for host in config.hosts.values():
         state.add(Entry.make(dp.TABLE_ROUTES, {"ipv4_dst": (ip_to_int(host.ip), 32)}, dp.ACTION_FORWARD,
                              {"port": host.port, "dst_mac": mac_to_int(host.mac)}))
+    for entry in source_entries(config):
+        state.add(entry)
     for job in jobs:
         if job.state == "deleting":
             continue

@@ -17,8 +17,10 @@ packet of a slot (probe or data) carries the slot's next ``round`` number, so th
 drops a delayed copy of an earlier round instead of starting a round with it.
 
 Lost packets are retransmitted (same bytes, ``FLAG_RETRANSMIT``) after a per-slot timeout
-(RFC 6298 estimate from the result round trips, exponential backoff); results are
-accepted only if (slot, pool, seq) equal what the slot has outstanding. No accepted
+(RFC 6298 estimate from the result round trips, exponential backoff); a result is
+accepted only if its (slot, pool, round, seq) equal what the slot has outstanding, so
+neither a late copy nor a forged result naming another round or block can complete a
+block (it is counted in ``stale_results``). No accepted
 result for ``progress_timeout`` seconds raises :class:`TransportTimeout`.
 
 Congestion control (ATP-style AIMD, with retransmission timeouts as the loss signal):
@@ -81,7 +83,7 @@ class TransportStats:
     packets_sent: int = 0
     retransmissions: int = 0
     results_accepted: int = 0
-    #: Results that did not match the slot's outstanding (pool, seq): duplicates, late copies.
+    #: Results that did not match the slot's outstanding (pool, round, seq): duplicates, late copies, forgeries.
     stale_results: int = 0
     #: Datagrams of the wrong size or version, or not a result of this job.
     malformed: int = 0
@@ -270,6 +272,11 @@ class Transport:
         self.stats.smallest_window = min(self.stats.smallest_window, self.window)
 
 
+def _result_keys(rounds: np.ndarray, pools: np.ndarray, seqs: np.ndarray) -> list[int]:
+    """What a slot's result must echo, as one int per packet: ``round << 33 | pool << 32 | seq``."""
+    return ((rounds.astype(np.int64) << 33) | (pools.astype(np.int64) << 32) | seqs).tolist()
+
+
 class _Round:
     """The state of one exchange: per-slot outstanding packet, timers, received sums."""
 
@@ -292,7 +299,7 @@ class _Round:
         self._sums_view = memoryview(self.sums.view(np.uint8).reshape(-1))
         self.seq0 = transport._seq
         self.probe0 = transport._probe_seq
-        # Per used slot: expected (pool << 32 | seq) of the outstanding packet, or -1.
+        # Per used slot: expected (round << 33 | pool << 32 | seq) of the outstanding packet, or -1.
         self.expect = [-1] * self.used_slots
         self.sent_at = [0.0] * self.used_slots
         self.retries: dict[int, int] = {}
@@ -384,7 +391,7 @@ class _Round:
         if t._flagged:  # clear FLAG_RETRANSMIT left by earlier retransmissions from these rows
             hdr["flags"][list(t._flagged)] = 0
             t._flagged.clear()
-        keys = ((pools.astype(np.int64) << 32) | seqs).tolist()
+        keys = _result_keys(rounds, pools, seqs)
         now = time.monotonic()
         rows, expect, sent_at, send = t._rows, self.expect, self.sent_at, t._send
         errors = 0
@@ -459,11 +466,11 @@ class _Round:
                 if size != _NETAGG_BYTES:
                     stats.malformed += 1
                     continue
-                version, flags, job, slot, pool, _, exponent, _, _, seq = _unpack_header(buf, 0)
+                version, flags, job, slot, pool, _, exponent, _, round_, seq = _unpack_header(buf, 0)
                 if version != wire.VERSION or not flags & wire.FLAG_RESULT or job != job_id:
                     stats.malformed += 1
                     continue
-                if slot >= used or expect[slot] != (pool << 32 | seq):
+                if slot >= used or expect[slot] != (round_ << 33 | pool << 32 | seq):
                     stats.stale_results += 1
                     continue
                 # Accept: the result of the slot's outstanding packet.

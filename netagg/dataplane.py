@@ -25,6 +25,7 @@ TABLE_JOBS = "NetaggIngress.worker_lookup.jobs"
 TABLE_WORKERS = "NetaggIngress.worker_lookup.workers"
 TABLE_ROUTES = "NetaggIngress.ipv4_forward.routes"
 TABLE_REPLICAS = "NetaggEgress.result_rewrite.replicas"
+TABLE_SOURCES = "NetaggIngress.source_guard.sources"
 
 # Actions.
 ACTION_SET_JOB = "NetaggIngress.worker_lookup.set_job"
@@ -35,6 +36,8 @@ ACTION_FORWARD = "NetaggIngress.ipv4_forward.forward"
 ACTION_NO_ROUTE = "NetaggIngress.ipv4_forward.no_route"
 ACTION_SET_DESTINATION = "NetaggEgress.result_rewrite.set_destination"
 ACTION_NO_REPLICA = "NetaggEgress.result_rewrite.no_replica"
+ACTION_SWITCH_ONLY = "NetaggIngress.source_guard.switch_only"
+ACTION_BIND_TO_PORT = "NetaggIngress.source_guard.bind_to_port"
 
 # Counters.
 COUNTER_DROP_REASONS = "NetaggIngress.drop_reasons"
@@ -77,6 +80,7 @@ class DropReason(IntEnum):
     BAD_POOL = 10
     RANK_MISMATCH = 11
     NO_REPLICA = 12
+    SPOOFED_SOURCE = 13
 
 
 class ValueOp(IntEnum):

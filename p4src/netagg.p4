@@ -11,6 +11,7 @@
 #include "include/defines.p4"
 #include "include/headers.p4"
 #include "include/parser.p4"
+#include "include/control/source_guard.p4"
 #include "include/control/worker_lookup.p4"
 #include "include/control/slot_owner.p4"
 #include "include/control/round_check.p4"
@@ -36,6 +37,7 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
     @id(0x12000005) counter(MAX_JOBS, CounterType.packets) job_retransmit_results;
     @id(0x12000006) counter(MAX_JOBS, CounterType.packets) job_rejects;
 
+    SourceGuard() source_guard;
     WorkerLookup() worker_lookup;
     SlotOwner() slot_owner;
     RoundCheck() round_check;
@@ -54,6 +56,11 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
             meta.drop_reason = DROP_MALFORMED;
         } else if (!hdr.ipv4.isValid()) {
             meta.drop_reason = DROP_NOT_IPV4;
+        } else {
+            source_guard.apply(hdr, standard_metadata.ingress_port, meta);
+        }
+        if (meta.drop_reason != DROP_NONE) {
+            /* Counted and dropped below. */
         } else if (!hdr.netagg.isValid()) {
             ipv4_forward.apply(hdr, meta, standard_metadata);
         } else if (hdr.netagg.version != NETAGG_VERSION) {

@@ -138,6 +138,7 @@ class NetaggPipeline:
         self._workers = state.table(dp.TABLE_WORKERS)
         self._routes = state.table(dp.TABLE_ROUTES)
         self._replicas = state.table(dp.TABLE_REPLICAS)
+        self._sources = state.table(dp.TABLE_SOURCES)
 
     # -- top level ---------------------------------------------------------
     def process(self, frame: bytes, ingress_port: int) -> list[tuple[int, bytes]]:
@@ -168,6 +169,10 @@ class NetaggPipeline:
             meta.drop_reason = DropReason.MALFORMED
         elif pkt.ipv4 is None:
             meta.drop_reason = DropReason.NOT_IPV4
+        else:
+            self._source_guard(pkt, meta, ingress_port)
+        if meta.drop_reason != DropReason.NONE:
+            pass  # counted below
         elif pkt.netagg is None:
             egress_spec = self._ipv4_forward(pkt, meta)
         elif pkt.netagg[_VERSION] != wire.VERSION:
@@ -186,6 +191,15 @@ class NetaggPipeline:
             self.state.count(dp.COUNTER_DROP_REASONS, meta.drop_reason, length)
             return None
         return egress_spec
+
+    def _source_guard(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int) -> None:
+        """SourceGuard: no host sends from the netagg port, the aggregator address or another host's address."""
+        if pkt.udp is not None and pkt.udp[0] == wire.NETAGG_UDP_PORT:
+            meta.drop_reason = DropReason.SPOOFED_SOURCE
+            return
+        action, params = self._sources.lookup((int.from_bytes(pkt.ipv4[8], "big"),))
+        if action == dp.ACTION_SWITCH_ONLY or (action == dp.ACTION_BIND_TO_PORT and params[0] != ingress_port):
+            meta.drop_reason = DropReason.SPOOFED_SOURCE
 
     def _ipv4_forward(self, pkt: ParsedPacket, meta: _Meta) -> int:
         """Ipv4Forward: LPM on the destination, TTL decrement without options."""

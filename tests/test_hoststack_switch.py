@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import numpy as np
 import pytest
 
@@ -123,3 +126,51 @@ def test_two_tenant_jobs_running_at_once_under_loss_each_get_exactly_their_own_s
                 np.testing.assert_array_equal(result, expected)
         # Each job's rounds completed exactly once, counted for that job alone.
         assert counters[name]["results"] == 2 * (-(-size // wire.K) + SLOTS)
+
+
+def test_forged_results_injected_during_an_allreduce_under_loss_leave_the_sums_exact():
+    """Forgeries that slipped past the switch (sent from the aggregator's own address and port) name the
+    right job, slot, pool and block id of every outstanding packet, but not its round: none completes a block."""
+    import threading
+
+    from netagg.hoststack.packets import PACKET_DTYPE
+
+    inputs = make_inputs(n=3, size=6_000, seed=13)
+    expected, _ = expected_allreduce(inputs)
+    blocks = -(-6_000 // wire.K)
+    with testing.LoopbackSwitch(drop=0.05, duplicate=0.02, reorder=0.02, seed=17) as switch:
+        configs = switch.add_job(3, slot_count=SLOTS)
+        # Every block id of the call in its slot, both pools, rounds the job never reaches, values 12345.
+        forged = np.zeros(2 * blocks, PACKET_DTYPE)
+        hdr = forged["hdr"]
+        hdr["version"], hdr["flags"], hdr["job_id"] = wire.VERSION, wire.FLAG_RESULT, configs[0].job_id
+        ids = np.arange(2 * blocks) // 2
+        hdr["seq"], hdr["slot"], hdr["pool"] = ids, ids % SLOTS, np.arange(2 * blocks) % 2
+        hdr["round"] = 40_000 + ids // SLOTS
+        forged["values"] = 12345
+        datagrams = [bytes(row) for row in forged.view(np.uint8).reshape(len(forged), -1)]
+        sock = switch.target.loopback.sock  # the aggregator's address and port, as a spoofer would forge them
+        done = threading.Event()
+        sent = [0]
+
+        def forger() -> None:
+            while not done.is_set():
+                for config in configs:
+                    for datagram in datagrams:
+                        with contextlib.suppress(OSError):
+                            sock.sendto(datagram, (config.bind.host, config.bind.port))
+                            sent[0] += 1
+                time.sleep(0.001)
+
+        thread = threading.Thread(target=forger, daemon=True)
+        thread.start()
+        try:
+            results = run_workers(configs, lambda w, rank: (w.allreduce(inputs[rank]), w.transport.stats),
+                                  rto_initial=0.01)
+        finally:
+            done.set()
+            thread.join(5)
+    assert sent[0] > 0
+    for result, _ in results:
+        np.testing.assert_array_equal(result, expected)
+    assert all(stats.stale_results > 0 for _, stats in results)  # forgeries counted as they were dropped

@@ -73,6 +73,7 @@ def test_p4info_sizes_match_defines():
     assert tables[dp.TABLE_WORKERS] == defines["WORKER_TABLE_SIZE"]
     assert tables[dp.TABLE_REPLICAS] == defines["REPLICA_TABLE_SIZE"]
     assert tables[dp.TABLE_ROUTES] == defines["IPV4_TABLE_SIZE"]
+    assert tables[dp.TABLE_SOURCES] == defines["SOURCE_TABLE_SIZE"]
 
 
 def test_every_contract_name_is_in_p4info():

@@ -19,6 +19,7 @@
 #define WORKER_TABLE_SIZE 8192
 #define REPLICA_TABLE_SIZE 8192
 #define IPV4_TABLE_SIZE 1024
+#define SOURCE_TABLE_SIZE 1024
 #define DROP_REASONS 16
 
 /* Expected lengths of a netagg packet (no IPv4 options). */
@@ -47,6 +48,8 @@
 #define DROP_BAD_POOL 10
 #define DROP_RANK_MISMATCH 11
 #define DROP_NO_REPLICA 12
+/* A host's packet posing as the switch (netagg source port, aggregator or bound address). */
+#define DROP_SPOOFED_SOURCE 13
 
 /* How a packet's round number compares with its (slot, pool)'s current round. */
 #define ROUND_SAME 0

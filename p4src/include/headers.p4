@@ -62,6 +62,9 @@ struct headers_t {
 
 struct metadata_t {
     bit<8> drop_reason;
+    /* From the sources table (SourceGuard). */
+    bit<1> source_bound;
+    port_t bound_port;
     /* From the job table. */
     bit<8> num_workers;
     slot_index_t slot_base;
