@@ -1,12 +1,17 @@
-"""Aggregated packets per second of each switch target on one workload, measured in one run.
+"""Aggregated contributions per second of each switch target, against the kernel's ceilings, in one run.
 
-``make bench-switch`` (root): for each target (the software target, and BMv2 when
-``simple_switch_grpc`` is installed) it builds 4 veth pairs in a private namespace,
-starts the target on them, installs one 4-worker job over P4Runtime, and drives it
-from the other ends with raw frames: rounds of (slots x workers) contributions,
-waiting for every multicast result before the next round. It prints contributions
-aggregated per second per target and their ratio. The software target's loopback UDP
-mode (the embedded default) is measured too, with the same rounds over UDP sockets.
+``make bench-switch`` (root): one 4-worker job with 32 slots, driven by the native
+``netagg-drive`` (``benchmarks/native/limit_probe.c``): every worker keeps one contribution
+per slot in flight and sends the slot's next one when its result comes back (SwitchML
+rounds, retransmission after 20 ms). Targets: the software target in its loopback UDP mode
+(the embedded default), and on 4 veth pairs in a private namespace with raw frames the
+software target and BMv2 (when ``simple_switch_grpc`` is installed).
+
+The same run measures the ceilings: the probe's round trips/s through a native reflector
+with the same number of packets in flight (UDP loopback for the loopback figure, AF_PACKET
+on veth for the veth figures), and netagg-drive against a zero-cost aggregator (the
+``--netagg`` reflector) to show the driver is not the bottleneck; each row also prints the
+driver's CPU share.
 """
 
 from __future__ import annotations
@@ -14,14 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
+from benchmarks.limit_probe import (
+    build_probe,
+    drive_switch_raw,
+    drive_switch_udp,
+    netagg_reflector,
+    raw_round_trips,
+    udp_round_trips,
+)
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.netns import VethRig, can_create_namespaces, ns_exec
@@ -35,6 +45,8 @@ from netagg.localports import free_ports
 
 WORKERS = 4
 SLOTS = 32
+#: Contributions in flight in the workload; the probes run with the same window.
+WINDOW = WORKERS * SLOTS
 GRPC = "127.0.0.1:9559"
 SWITCH_MAC = "02:00:00:00:00:fe"
 AGGREGATOR_IP = "10.88.0.254"
@@ -65,48 +77,7 @@ def _install_job(grpc_address: str, device_config: bytes, hosts: list[dict], wor
     return client, job.job_id
 
 
-def _frame(rank: int, slot: int, pool: int) -> bytes:
-    """A worker's contribution as raw Ethernet/IPv4/UDP bytes."""
-    payload = wire.pack(wire.Header(job_id=1, slot=slot, pool=pool, rank=rank, seq=slot),
-                        np.full(wire.K, rank + 1, np.int32))
-    udp_len = wire.UDP_HEADER_BYTES + len(payload)
-    ip = bytearray(b"\x45\x00" + (20 + udp_len).to_bytes(2, "big") + b"\x00\x00\x00\x00\x40\x11\x00\x00"
-                   + socket.inet_aton(_worker_ip(rank)) + socket.inet_aton(AGGREGATOR_IP))
-    ip[10:12] = wire.ipv4_checksum(bytes(ip)).to_bytes(2, "big")
-    udp = (40000 + rank).to_bytes(2, "big") + wire.NETAGG_UDP_PORT.to_bytes(2, "big") + udp_len.to_bytes(2, "big")
-    eth = bytes.fromhex(SWITCH_MAC.replace(":", "")) + bytes.fromhex(_worker_mac(rank).replace(":", "")) + b"\x08\x00"
-    return eth + bytes(ip) + udp + b"\x00\x00" + payload
-
-
-def _drive_raw(interfaces: dict[int, str], rounds: int) -> dict:
-    """Send rounds of contributions on the test ends; wait for all results of a round."""
-    socks = {}
-    for port, ifname in interfaces.items():
-        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
-        s.bind((ifname, 0))
-        s.settimeout(2.0)
-        socks[port] = s
-    frames = {pool: [[_frame(r, slot, pool) for r in range(WORKERS)] for slot in range(SLOTS)] for pool in (0, 1)}
-    sent = received = 0
-    start = time.perf_counter()
-    for round_ in range(rounds):
-        for per_worker in frames[round_ % 2]:
-            for rank, frame in enumerate(per_worker):
-                socks[rank + 1].send(frame)
-                sent += 1
-        for rank in range(WORKERS):
-            got = 0
-            while got < SLOTS:
-                _, address = socks[rank + 1].recvfrom(4096)
-                if address[2] == 4:  # our own outgoing frame
-                    continue
-                got += 1
-            received += got
-    elapsed = time.perf_counter() - start
-    return {"contributions": sent, "results": received, "seconds": elapsed}
-
-
-def measure_loopback(rounds: int, log_dir: Path) -> dict:
+def measure_loopback(seconds: float, rounds: int | None, log_dir: Path) -> dict:
     """The embedded default: the software target process in loopback UDP mode, workers on UDP sockets."""
     ports = free_ports(WORKERS + 1)
     switch = start_target("soft", {}, log_dir / "bench-loopback.log", loopback=f"127.0.0.1:{ports[-1]}")
@@ -115,40 +86,21 @@ def measure_loopback(rounds: int, log_dir: Path) -> dict:
         workers = [WorkerEndpoint(r, "local", "127.0.0.1", ports[r]) for r in range(WORKERS)]
         client, job_id = _install_job(switch.grpc_address, b"", hosts, workers, ports[-1])
         try:
-            return _drive_udp(job_id, ports[:WORKERS], ("127.0.0.1", ports[-1]), rounds)
+            return drive_switch_udp(("127.0.0.1", ports[-1]), ports[:WORKERS], job_id=job_id, slots=SLOTS,
+                                    seconds=seconds, rounds=rounds)
         finally:
             client.close()
     finally:
         switch.stop()
 
 
-def _drive_udp(job_id: int, bind_ports: list[int], target: tuple[str, int], rounds: int) -> dict:
-    socks = []
-    for port in bind_ports:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.bind(("127.0.0.1", port))
-        s.settimeout(2.0)
-        socks.append(s)
-    payloads = {pool: [[wire.pack(wire.Header(job_id=job_id, slot=slot, pool=pool, rank=rank, seq=slot),
-                                  np.full(wire.K, rank + 1, np.int32)) for rank in range(len(socks))]
-                       for slot in range(SLOTS)]
-                for pool in (0, 1)}
-    sent = received = 0
-    start = time.perf_counter()
-    for round_ in range(rounds):
-        for per_worker in payloads[round_ % 2]:
-            for s, payload in zip(socks, per_worker):
-                s.sendto(payload, target)
-                sent += 1
-        for s in socks:
-            for _ in range(SLOTS):
-                s.recv(4096)
-                received += 1
-    elapsed = time.perf_counter() - start
-    return {"contributions": sent, "results": received, "seconds": elapsed}
+def measure_driver_ceiling(seconds: float) -> dict:
+    """netagg-drive against the zero-cost aggregator: same workers, slots and per-contribution work."""
+    with netagg_reflector() as address:
+        return drive_switch_udp(address, free_ports(WORKERS), slots=SLOTS, seconds=seconds)
 
 
-def inner(target: str, rounds: int, prefix: str) -> None:
+def inner(target: str, seconds: float, rounds: int | None, prefix: str) -> None:
     """Runs inside the rig's namespace: program the switch, drive it, print JSON."""
     rig = VethRig(prefix, WORKERS)
     device_config = b""
@@ -156,15 +108,18 @@ def inner(target: str, rounds: int, prefix: str) -> None:
         device_config = (dp.BUILD_DIR / "bench" / "netagg.json").read_bytes()
     hosts = [{"name": f"w{r}", "ip": _worker_ip(r), "mac": _worker_mac(r), "port": r + 1} for r in range(WORKERS)]
     workers = [WorkerEndpoint(r, f"w{r}", _worker_ip(r), 40000 + r) for r in range(WORKERS)]
-    client, _ = _install_job(GRPC, device_config, hosts, workers, wire.NETAGG_UDP_PORT)
+    client, job_id = _install_job(GRPC, device_config, hosts, workers, wire.NETAGG_UDP_PORT)
     try:
-        result = _drive_raw(rig.test_interfaces(), rounds)
+        interfaces = rig.test_interfaces()
+        result = drive_switch_raw([interfaces[r + 1] for r in range(WORKERS)], [_worker_ip(r) for r in range(WORKERS)],
+                                  [_worker_mac(r) for r in range(WORKERS)], AGGREGATOR_IP, SWITCH_MAC,
+                                  job_id=job_id, slots=SLOTS, seconds=seconds, rounds=rounds, udp_src_base=40000)
     finally:
         client.close()
     print(json.dumps(result))
 
 
-def measure_on_veth(target: str, rounds: int, log_dir: Path) -> dict:
+def measure_on_veth(target: str, seconds: float, rounds: int | None, log_dir: Path) -> dict:
     prefix = f"nb{os.getpid() % 10000}"
     if target == "bmv2":
         compile_program(dp.BUILD_DIR / "bench")
@@ -173,7 +128,8 @@ def measure_on_veth(target: str, rounds: int, log_dir: Path) -> dict:
                               grpc_address=GRPC, namespace=rig.namespace)
         try:
             cmd = ns_exec(rig.namespace, [sys.executable, "-m", "benchmarks.switch_throughput", "--inner", target,
-                                          "--rounds", str(rounds), "--prefix", prefix])
+                                          "--seconds", str(seconds), "--prefix", prefix]
+                          + (["--rounds", str(rounds)] if rounds else []))
             out = subprocess.run(cmd, cwd=dp.REPO_ROOT, capture_output=True, text=True, timeout=900)
             if out.returncode != 0:
                 raise RuntimeError(f"{target} run failed:\n{out.stderr[-3000:]}")
@@ -182,21 +138,31 @@ def measure_on_veth(target: str, rounds: int, log_dir: Path) -> dict:
             switch.stop()
 
 
+def _ratio(value: float, base: dict | str | None, key: str) -> str:
+    return f"{value / base[key]:.3f}x" if isinstance(base, dict) and base.get(key) else "-"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=60, help="rounds of slots x workers contributions")
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds per measurement")
+    parser.add_argument("--rounds", type=int, help="instead of --seconds: uses of every slot per target")
     parser.add_argument("--inner", choices=("soft", "bmv2"), help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inner:
-        inner(args.inner, args.rounds, args.prefix)
+        inner(args.inner, args.seconds, args.rounds, args.prefix)
         return 0
+    build_probe()
     log_dir = dp.BUILD_DIR / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
-    rows: dict[str, dict | str] = {}
-    print(f"workload: 1 job, {WORKERS} workers, {SLOTS} slots, {args.rounds} rounds, "
-          f"K={wire.K} values/packet ({wire.FRAME_BYTES}-byte frames)")
-    rows["soft, loopback UDP"] = measure_loopback(args.rounds, log_dir)
+    length = f"{args.rounds} rounds per slot" if args.rounds else f"{args.seconds:g} s per measurement"
+    print(f"workload: 1 job, {WORKERS} workers, {SLOTS} slots ({WINDOW} contributions in flight), {length}, "
+          f"K={wire.K} values/packet ({wire.NETAGG_BYTES}-byte datagrams, {wire.FRAME_BYTES}-byte frames); "
+          "driver: native netagg-drive")
+    udp_probe = udp_round_trips(wire.NETAGG_BYTES, WINDOW, args.seconds)
+    raw_probe = raw_round_trips(wire.FRAME_BYTES, WINDOW, args.seconds)
+    driver = measure_driver_ceiling(args.seconds)
+    rows: dict[str, dict | str] = {"soft, loopback UDP": measure_loopback(args.seconds, args.rounds, log_dir)}
     ok, why = can_create_namespaces()
     for target in ("soft", "bmv2"):
         name = f"{target}, veth raw frames"
@@ -205,16 +171,27 @@ def main(argv: list[str] | None = None) -> int:
         elif target == "bmv2" and (reason := bmv2_missing()):
             rows[name] = f"skipped: {reason}"
         else:
-            rows[name] = measure_on_veth(target, args.rounds, log_dir)
+            rows[name] = measure_on_veth(target, args.seconds, args.rounds, log_dir)
+
+    print(f"\nceilings, same run ({WINDOW} packets in flight, native client and reflector):")
+    print(f"  udp probe  (loopback UDP reflector)        {udp_probe['round_trips_per_s']:>10,.0f} round trips/s")
+    raw_text = raw_probe if isinstance(raw_probe, str) else f"{raw_probe['round_trips_per_s']:>10,.0f} round trips/s"
+    print(f"  raw probe  (AF_PACKET reflector, veth)     {raw_text}")
+    print(f"  netagg-drive vs zero-cost aggregator (UDP) {driver['contributions_per_s']:>10,.0f} contributions/s "
+          f"= {_ratio(driver['contributions_per_s'], udp_probe, 'round_trips_per_s')} udp probe, "
+          f"driver CPU {driver['cpu_share']:.0%}")
     base = rows.get("soft, veth raw frames")
-    print(f"{'target':<24} {'contributions/s':>16} {'results/s':>10} {'vs soft (veth)':>15}")
+    print(f"\n{'target':<24} {'contributions/s':>16} {'vs probe':>15} {'vs soft (veth)':>15} "
+          f"{'retransmissions':>16} {'driver CPU':>11}")
     for name, row in rows.items():
         if isinstance(row, str):
             print(f"{name:<24} {row}")
             continue
-        rate = row["contributions"] / row["seconds"]
-        ratio = rate / (base["contributions"] / base["seconds"]) if isinstance(base, dict) else float("nan")
-        print(f"{name:<24} {rate:>16,.0f} {row['results'] / row['seconds']:>10,.0f} {ratio:>14.2f}x")
+        rate = row["contributions_per_s"]
+        probe, probe_name = (udp_probe, "udp") if "loopback" in name else (raw_probe, "raw")
+        vs_probe = f"{_ratio(rate, probe, 'round_trips_per_s')} {probe_name}"
+        print(f"{name:<24} {rate:>16,.0f} {vs_probe:>15} {_ratio(rate, base, 'contributions_per_s'):>15} "
+              f"{row['retransmissions']:>16,} {row['cpu_share']:>11.0%}")
     return 0
 
 
