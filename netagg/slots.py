@@ -63,6 +63,12 @@ class SlotRegisters:
         """Power-on state."""
         self.__init__(self.num_slots)
 
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """Every register as an array (for comparing engines; see softswitch.fastpath.FastRegisters)."""
+        return {"owner": np.array(self.owner, np.int64), "rounds": np.array(self.rounds, np.int64),
+                "bitmaps": np.array(self.bitmaps, np.int64), "counts": np.array(self.counts, np.int64),
+                "exponents": np.array(self.exponents, np.int64), "values": self.values.copy()}
+
     @staticmethod
     def pool_index(slot: int, pool: int) -> int:
         return slot * wire.NUM_POOLS + pool

@@ -469,6 +469,8 @@ class ForwardingState:
         self._replica_forms: dict[int, list[int | None]] = {}
         self._seq = itertools.count()
         self._reset_hooks: list[Callable[[], None]] = []
+        #: Bumped by every write and reset: compiled copies of the tables (the fast path) rebuild on change.
+        self.version = 0
 
     # ---- packet-pipeline API (hot path)
 
@@ -513,6 +515,10 @@ class ForwardingState:
     def _counter_arrays(self, counter: str | int) -> tuple[np.ndarray, np.ndarray]:
         return self._counters[self.index.counter(counter).name]
 
+    def counter_arrays(self, counter: str | int) -> tuple[np.ndarray, np.ndarray]:
+        """The (packets, bytes) arrays of ``counter`` themselves (compiled pipelines count into them)."""
+        return self._counter_arrays(counter)
+
     # ---- lifecycle
 
     def add_reset_hook(self, hook: Callable[[], None]) -> None:
@@ -534,6 +540,7 @@ class ForwardingState:
         self.multicast_groups.clear()
         self._replica_forms.clear()
         self.configured = False
+        self.version += 1
 
     # ---- P4Runtime writes
 
@@ -541,6 +548,7 @@ class ForwardingState:
         """Apply one Write update; raises StateError with P4Runtime's code on failure."""
         if update.type not in (_INSERT, _MODIFY, _DELETE):
             raise _invalid(f"update type {update.type} is not INSERT, MODIFY or DELETE")
+        self.version += 1
         entity = update.entity
         kind = entity.WhichOneof("entity")
         if kind == "table_entry":

@@ -1,0 +1,277 @@
+"""Differential test: the compiled engine (softswitch/fastpath) against the readable model (softswitch/pipeline).
+
+Both get the same tables (the same P4Runtime updates) and the same frames; the fast engine takes
+them in batches of random sizes. Emitted frames (in order, with their ports), every counter and
+every register must be identical, over random and adversarial sequences: loss, duplicates,
+reordering across rounds and slot reuse, malformed frames, spoofed sources, two tenants, and a job
+re-created on freed slots.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import numpy as np
+import pytest
+from p4.v1 import p4runtime_pb2 as p4rt
+
+from netagg import dataplane as dp
+from netagg import wire
+from netagg.controller.p4runtime_client import P4RuntimeClient
+from netagg.p4info import P4InfoIndex
+from netagg.softswitch.fastpath import COUNTERS, unavailable
+from netagg.softswitch.forwarding_state import ForwardingState
+from netagg.softswitch.pipeline import NetaggPipeline
+
+if unavailable():
+    pytest.skip(f"compiled engine unavailable: {unavailable()}", allow_module_level=True)
+
+from netagg.softswitch.fastpath import FastPipeline
+
+AGGREGATOR = "10.0.0.254"
+PS = ("10.0.7.7", 7, 29000)
+SWITCH_MAC = bytes.fromhex("0200000000fe")
+
+
+def _ip(text: str) -> int:
+    return int.from_bytes(socket.inet_aton(text), "big")
+
+
+class Twins:
+    """A reference and a fast pipeline over two ForwardingStates that receive the same writes."""
+
+    def __init__(self) -> None:
+        index = P4InfoIndex.from_file(dp.P4INFO_PATH)
+        self.ref_state, self.fast_state = ForwardingState(index), ForwardingState(index)
+        self.ref = NetaggPipeline(self.ref_state, index.p4info)
+        self.fast = FastPipeline(self.fast_state, index.p4info)
+        for state in (self.ref_state, self.fast_state):
+            state.configured = True
+        self.builder = P4RuntimeClient("unused:1")
+        self.builder.index = index
+
+    def _apply(self, update: p4rt.Update) -> None:
+        for state in (self.ref_state, self.fast_state):
+            with state.lock:
+                state.apply_update(update)
+
+    def entry(self, kind: int, table: str, match: dict, action: str | None = None, params: dict | None = None) -> None:
+        self._apply(p4rt.Update(type=kind, entity=p4rt.Entity(
+            table_entry=self.builder.table_entry(table, match, action, params))))
+
+    def group(self, kind: int, gid: int, replicas: list[tuple[int, int]]) -> None:
+        self._apply(p4rt.Update(type=kind, entity=P4RuntimeClient._group_entity(gid, replicas)))
+
+    def add_job(self, job: int, workers: list[tuple[int, str, int, int]], base: int, count: int, gen: int,
+                ps_mode: bool = False) -> None:
+        """workers: (rank, ip, udp port, switch port)."""
+        ins = p4rt.Update.INSERT
+        self.entry(ins, dp.TABLE_JOBS, {"job_id": job}, dp.ACTION_SET_JOB, {
+            "num_workers": len(workers), "slot_base": base, "slot_count": count, "mgid": job, "generation": gen})
+        for rank, ip, udp, port in workers:
+            self.entry(ins, dp.TABLE_WORKERS, {"job_id": job, "ipv4_src": _ip(ip), "udp_src": udp,
+                                               "ingress_port": port}, dp.ACTION_SET_WORKER,
+                       {"rank": rank, "worker_mask": 1 << rank})
+        receivers = [(1, PS[0], PS[2], PS[1])] if ps_mode else [(r + 1, ip, udp, port) for r, ip, udp, port in workers]
+        for rid, ip, udp, _ in receivers:
+            self.entry(ins, dp.TABLE_REPLICAS, {"mgid": job, "rid": rid}, dp.ACTION_SET_DESTINATION,
+                       {"dst_mac": 0x020000000100 + rid, "dst_addr": _ip(ip), "dst_port": udp})
+        self.group(ins, job, [(port, rid) for rid, _, _, port in receivers])
+
+    def remove_job(self, job: int, workers: list[tuple[int, str, int, int]], ps_mode: bool = False) -> None:
+        dele = p4rt.Update.DELETE
+        self.entry(dele, dp.TABLE_JOBS, {"job_id": job})
+        for _, ip, udp, port in workers:
+            self.entry(dele, dp.TABLE_WORKERS, {"job_id": job, "ipv4_src": _ip(ip), "udp_src": udp,
+                                                "ingress_port": port})
+        for rid in [1] if ps_mode else [r + 1 for r, *_ in workers]:
+            self.entry(dele, dp.TABLE_REPLICAS, {"mgid": job, "rid": rid})
+        self.group(dele, job, [])
+
+    def run(self, frames: list[tuple[bytes, int]], rng: np.random.Generator) -> None:
+        """Both engines, the same frames; the fast one in random batches. Asserts identical outputs."""
+        want = [out for frame, port in frames for out in self.ref.process(frame, port)]
+        got: list[tuple[int, bytes]] = []
+        stride = max([len(f) for f, _ in frames] + [1])
+        out_buf = np.zeros((128, stride), np.uint8)
+        out_len = np.zeros(128, np.int64)
+        out_port = np.zeros(128, np.int64)
+        i = 0
+        while i < len(frames):
+            chunk = frames[i:i + int(rng.integers(1, 65))]
+            in_buf = np.zeros((len(chunk), stride), np.uint8)
+            for row, (frame, _) in enumerate(chunk):
+                in_buf[row, :len(frame)] = np.frombuffer(frame, np.uint8)
+            in_len = np.array([len(f) for f, _ in chunk], np.int64)
+            in_port = np.array([p for _, p in chunk], np.int64)
+            start = 0
+            while start < len(chunk):
+                start, emitted = self.fast.run(in_buf, in_len, in_port, len(chunk), out_buf, out_len, out_port, start)
+                got.extend((int(out_port[k]), out_buf[k, :out_len[k]].tobytes()) for k in range(emitted))
+            i += len(chunk)
+        assert len(got) == len(want)
+        for k, (g, w) in enumerate(zip(got, want)):
+            assert g == w, f"output {k} differs"
+        self.assert_same_state()
+
+    def assert_same_state(self) -> None:
+        for name in COUNTERS:
+            for ref_array, fast_array in zip(self.ref_state.counter_arrays(name), self.fast_state.counter_arrays(name)):
+                np.testing.assert_array_equal(fast_array, ref_array, err_msg=name)
+        ref, fast = self.ref.registers.snapshot(), self.fast.registers.snapshot()
+        for name in ref:
+            np.testing.assert_array_equal(fast[name], ref[name], err_msg=name)
+
+
+def frame(src_ip: str, dst_ip: str, sport: int, dport: int, payload: bytes, *, src_mac: bytes = b"\x02" * 6,
+          ttl: int = 64, flags_frag: int = 0x4000, ihl: int = 5, proto: int = 17) -> bytes:
+    options = bytes(4 * (ihl - 5))
+    udp = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload if proto == 17 else payload
+    total = 4 * ihl + len(udp)
+    ip = bytearray(struct.pack("!BBHHHBBH4s4s", 0x40 | ihl, 0, total & 0xFFFF, 0x1234, flags_frag, ttl, proto, 0,
+                               socket.inet_aton(src_ip), socket.inet_aton(dst_ip)))
+    ip[10:12] = wire.ipv4_checksum(bytes(ip)).to_bytes(2, "big")
+    return SWITCH_MAC + src_mac + b"\x08\x00" + bytes(ip) + options + udp
+
+
+def contribution(job: int, rank: int, ip: str, udp: int, slot: int, pool: int, round_: int, seq: int,
+                 values: np.ndarray, exponent: int = 0, flags: int = 0) -> bytes:
+    header = wire.Header(job_id=job, slot=slot, pool=pool, rank=rank, seq=seq, exponent=exponent, flags=flags,
+                         round=round_ & 0xFFFF)
+    return frame(ip, AGGREGATOR, udp, wire.NETAGG_UDP_PORT, wire.pack(header, values))
+
+
+def _mutate(data: bytes, rng: np.random.Generator) -> bytes:
+    kind = rng.integers(4)
+    if kind == 0:
+        return data[:int(rng.integers(0, len(data)))]
+    if kind == 1:
+        return data + rng.bytes(int(rng.integers(1, 40)))
+    if kind == 2:
+        return rng.bytes(int(rng.integers(0, 400)))
+    out = bytearray(data)
+    for _ in range(int(rng.integers(1, 6))):
+        out[int(rng.integers(0, len(out)))] = int(rng.integers(0, 256))
+    return bytes(out)
+
+
+def _setup(twins: Twins) -> None:
+    ins = p4rt.Update.INSERT
+    twins.entry(ins, dp.TABLE_SOURCES, {"ipv4_src": _ip(AGGREGATOR)}, dp.ACTION_SWITCH_ONLY, {})
+    twins.entry(ins, dp.TABLE_SOURCES, {"ipv4_src": _ip(PS[0])}, dp.ACTION_BIND_TO_PORT, {"port": PS[1]})
+    twins.entry(ins, dp.TABLE_ROUTES, {"ipv4_dst": (_ip("10.0.0.0"), 16)}, dp.ACTION_FORWARD,
+                {"port": 6, "dst_mac": 0x020000000606})
+    twins.entry(ins, dp.TABLE_ROUTES, {"ipv4_dst": (_ip("10.0.1.0"), 24)}, dp.ACTION_FORWARD,
+                {"port": 5, "dst_mac": 0x020000000505})
+    twins.entry(ins, dp.TABLE_ROUTES, {"ipv4_dst": (_ip("10.0.7.7"), 32)}, dp.ACTION_FORWARD,
+                {"port": 511, "dst_mac": 0x020000000707})
+
+
+TENANT_A = [(r, f"10.0.0.{r + 1}", 40000 + r, 1 + r) for r in range(3)]
+TENANT_B = [(r, f"10.0.1.{r + 1}", 41000 + r, 4 + r) for r in range(2)]
+
+
+def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int, hostile: float) -> list:
+    """Rounds of contributions per (job, slot), with loss, duplicates, resends of old rounds, reordering,
+    plus hostile and malformed frames and plain IPv4 traffic."""
+    rounds: dict[tuple[int, int], int] = {}
+    frames: list[tuple[bytes, int]] = []
+    while len(frames) < n:
+        if rng.random() < hostile:
+            kind = rng.integers(8)
+            job = int(rng.choice(list(jobs)))
+            rank, ip, udp, port = jobs[job][0][int(rng.integers(len(jobs[job][0])))]
+            values = rng.integers(-2**31, 2**31, wire.K).astype(np.int32)
+            good = contribution(job, rank, ip, udp, 0, 0, 1, 0, values)
+            if kind == 0:
+                frames.append((_mutate(good, rng), port))
+            elif kind == 1:  # from another port, from the aggregator address, from the netagg port
+                frames.append((good, 8))
+                frames.append((frame(AGGREGATOR, ip, wire.NETAGG_UDP_PORT, udp, good[42:]), 8))
+                frames.append((frame("10.0.9.9", ip, wire.NETAGG_UDP_PORT, udp, good[42:]), 8))
+            elif kind == 2:  # posing as the PS, from its port and from another
+                frames.append((frame(PS[0], ip, PS[2], udp, good[42:]), int(rng.choice([PS[1], 8]))))
+            elif kind == 3:  # wrong slot/pool/rank/version/flags/job
+                h = dict(job=job, rank=rank, ip=ip, udp=udp, slot=0, pool=0, round_=1, seq=0, values=values)
+                h.update(rng.choice([{"slot": 5000}, {"pool": 2}, {"rank": (rank + 1) % 32}, {"flags": 1},
+                                     {"job": 999}]))
+                frames.append((contribution(**h), port))
+            elif kind == 4:  # plain traffic: routed, no route, TTL, options, not UDP
+                frames.append((frame(ip, "10.0.1.7", 1000, 2000, rng.bytes(30)), port))
+                frames.append((frame(ip, "192.168.0.1", 1000, 2000, b"x"), port))
+                frames.append((frame(ip, "10.0.0.9", 1000, 2000, b"x", ttl=1), port))
+                frames.append((frame(ip, "10.0.0.9", 1000, 2000, b"opts", ihl=6), port))
+                frames.append((frame(ip, "10.0.7.7", 1000, 2000, b"to port 511", proto=6), port))
+            elif kind == 5:  # fragment and wrong lengths
+                frames.append((frame(ip, AGGREGATOR, udp, wire.NETAGG_UDP_PORT, good[42:], flags_frag=0x2000), port))
+                frames.append((good[:-4] + b"", port))
+            elif kind == 6:  # not IPv4
+                frames.append((SWITCH_MAC + b"\x02" * 6 + b"\x86\xdd" + rng.bytes(60), port))
+            else:  # a copy of a much older round
+                frames.append((contribution(job, rank, ip, udp, 0, 0, 0xFFF0, 0, values), port))
+            continue
+        job = int(rng.choice(list(jobs)))
+        workers, slots = jobs[job]
+        slot = int(rng.integers(slots))
+        key = (job, slot)
+        round_ = rounds.get(key, 0) + 1
+        rounds[key] = round_
+        pool = round_ % 2
+        batch = []
+        for rank, ip, udp, port in workers:
+            values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
+            exponent = int(rng.integers(-128, 128))
+            pkt = (contribution(job, rank, ip, udp, slot, pool, round_, round_ * 100 + slot, values, exponent), port)
+            if rng.random() > 0.1:  # 10 % lost
+                batch.append(pkt)
+            if rng.random() < 0.2:  # duplicate
+                batch.append(pkt)
+            if rng.random() < 0.1:  # resend of the previous round (round 0: the other pool just after a takeover)
+                batch.append((contribution(job, rank, ip, udp, slot, 1 - pool, round_ - 1, 0, values), port))
+        rng.shuffle(batch)
+        frames.extend(batch)
+        if rng.random() < 0.3 and batch:  # a resend after completion
+            frames.append(batch[0])
+    return frames
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_random_and_adversarial_sequences_give_identical_frames_counters_and_registers(seed):
+    rng = np.random.default_rng(seed)
+    twins = Twins()
+    _setup(twins)
+    twins.add_job(1, TENANT_A, base=0, count=4, gen=100)
+    twins.add_job(2, TENANT_B, base=4, count=3, gen=101, ps_mode=seed % 2 == 0)
+    jobs = {1: (TENANT_A, 4), 2: (TENANT_B, 3)}
+    twins.run(_traffic(rng, jobs, 1500, hostile=0.15), rng)
+    twins.assert_same_state()
+    # Tenant B leaves mid-round; a new job (new generation) gets its slots and more.
+    twins.remove_job(2, TENANT_B, ps_mode=seed % 2 == 0)
+    twins.run(_traffic(rng, {1: (TENANT_A, 4)}, 200, hostile=0.1), rng)
+    twins.add_job(3, TENANT_B, base=3, count=4, gen=102)
+    twins.run(_traffic(rng, {1: (TENANT_A, 3), 3: (TENANT_B, 4)}, 1500, hostile=0.15), rng)
+    twins.assert_same_state()
+    contributions = twins.ref_state.counter_total(dp.COUNTER_JOB_CONTRIBUTIONS)
+    results = twins.ref_state.counter_total(dp.COUNTER_JOB_RESULTS)
+    assert contributions > 500 and results > 100  # the sequences really aggregate
+
+
+def test_a_group_larger_than_the_output_batch_is_refused_not_truncated():
+    twins = Twins()
+    workers = [(r, f"10.0.0.{r + 1}", 40000 + r, 1 + r % 8) for r in range(32)]
+    twins.add_job(1, workers, base=0, count=2, gen=7)
+    out = np.zeros((16, 400), np.uint8)
+    with pytest.raises(ValueError, match="cannot hold a group of 32"):
+        twins.fast.run(out, np.zeros(16, np.int64), np.zeros(16, np.int64), 1, out, np.zeros(16, np.int64),
+                       np.zeros(16, np.int64))
+
+
+def test_single_frame_interface_matches_the_model():
+    rng = np.random.default_rng(9)
+    twins = Twins()
+    _setup(twins)
+    twins.add_job(1, TENANT_A, base=0, count=4, gen=100)
+    for frame_, port in _traffic(rng, {1: (TENANT_A, 4)}, 400, hostile=0.2):
+        assert twins.fast.process(frame_, port) == twins.ref.process(frame_, port)
+    twins.assert_same_state()
