@@ -14,13 +14,16 @@ $(VENV)/.created:
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@touch $@
 
-# The demo needs only netagg and scikit-learn; the tests and benchmarks add their tools.
+# The demo needs netagg, scikit-learn and numba (the software target's fast path); the tests and
+# benchmarks add their tools. The fast path's kernels are compiled once here, into numba's cache.
 $(DEMO_STAMP): pyproject.toml $(VENV)/.created
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[demo]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[demo,fast]'
+	$(BIN)/python -m netagg.softswitch.fastpath
 	@touch $@
 
 $(STAMP): pyproject.toml $(VENV)/.created
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,demo,bench,fast]'
+	$(BIN)/python -m netagg.softswitch.fastpath
 	@touch $(STAMP) $(DEMO_STAMP)
 
 ## setup: create .venv and install netagg with its test and benchmark tools

@@ -20,7 +20,9 @@ from pathlib import Path
 from netagg.bmv2.netns import ns_exec
 from netagg.localports import free_ports
 
-TARGETS = ("soft", "bmv2")
+#: soft: the software target with its default engine (the compiled fast path where it can run);
+#: soft-ref: the software target on its readable reference model; bmv2: simple_switch_grpc.
+TARGETS = ("soft", "soft-ref", "bmv2")
 
 
 class TargetError(RuntimeError):
@@ -98,8 +100,10 @@ def target_command(kind: str, interfaces: Mapping[int, str], grpc_address: str, 
         for number, ifname in sorted(interfaces.items()):
             cmd += ["-i", f"{number}@{ifname}"]
         return [*cmd, "--", "--grpc-server-addr", grpc_address]
-    if kind == "soft":
+    if kind in ("soft", "soft-ref"):
         cmd = [sys.executable, "-m", "netagg.softswitch", "--grpc-addr", grpc_address, "--device-id", str(device_id)]
+        if kind == "soft-ref":
+            cmd += ["--engine", "reference"]
         for number, ifname in sorted(interfaces.items()):
             cmd += ["-i", f"{number}@{ifname}"]
         if loopback:

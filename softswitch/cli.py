@@ -13,7 +13,7 @@ import sys
 from netagg import wire
 from netagg.jobconfig import endpoint_arg
 from netagg.shutdown import stop_event
-from netagg.softswitch.target import Faults, SoftwareTarget
+from netagg.softswitch.target import ENGINES, Faults, SoftwareTarget
 
 
 def _interface(text: str) -> tuple[int, str]:
@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duplicate", type=_fraction, default=0.0, help="fraction of packets duplicated")
     parser.add_argument("--reorder", type=_fraction, default=0.0, help="fraction of packets reordered")
     parser.add_argument("--seed", type=int, default=1, help="fault injection seed")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="fast: compiled batch pipeline (numba); reference: the readable per-packet model; "
+                             "auto: fast where it can run (default)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -51,15 +54,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("two interfaces share a port number")
     try:
         target = SoftwareTarget(args.grpc_addr, interfaces, args.loopback.as_tuple() if args.loopback else None,
-                                Faults(args.drop, args.duplicate, args.reorder, args.seed), args.device_id)
+                                Faults(args.drop, args.duplicate, args.reorder, args.seed), args.device_id,
+                                engine=args.engine)
         target.start()
     except (OSError, ValueError) as err:
         print(f"netagg-softswitch: {err}", file=sys.stderr)
         return 1
     stop = stop_event()
     where = f", loopback {target.loopback.address[0]}:{target.loopback.address[1]}" if target.loopback else ""
-    logging.info("ready: P4Runtime on %s, ports %s%s", target.grpc_address,
-                 sorted(target.switch.ports), where)
+    logging.info("ready: P4Runtime on %s, ports %s%s, %s engine (%s loop)", target.grpc_address,
+                 sorted(target.switch.ports), where, target.engine, type(target.switch).__name__)
     stop.wait()
     target.stop()
     s = target.switch.stats

@@ -167,6 +167,17 @@ class FastPipeline:
         self._tables: CompiledTables | None = None
         self._work = np.zeros(65536 + 64, np.uint8)
         self._one_out = np.zeros((0, 0), np.uint8)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile (or load from numba's cache) the batch kernel now, not on the first packet."""
+        t = CompiledTables(self.state)
+        frames = np.zeros((1, 64), np.uint8)
+        lengths = np.zeros(1, np.int64)
+        regs = FastRegisters(1)
+        self._kernels.run_batch(frames, lengths, lengths.copy(), 0, self._work, frames.copy(), lengths.copy(),
+                                lengths.copy(), 1, *t.arrays(), self._counters, regs.owner, regs.rounds,
+                                regs.bitmaps, regs.counts, regs.exponents, regs.values)
 
     def reset_registers(self) -> None:
         """Power-on state (registers are not writable over P4Runtime)."""
@@ -217,3 +228,20 @@ class FastPipeline:
         _, emitted = self.run(in_buf, np.array([length], np.int64), np.array([ingress_port], np.int64), 1,
                               self._one_out, out_len, out_port)
         return [(int(out_port[i]), self._one_out[i, :out_len[i]].tobytes()) for i in range(emitted)]
+
+
+def warm_up() -> None:
+    """Compile every kernel of the fast path into numba's cache (``make`` runs this once after installing)."""
+    from netagg.p4info import P4InfoIndex
+    from netagg.softswitch import batch_switch
+
+    index = P4InfoIndex.from_file(dp.P4INFO_PATH)
+    FastPipeline(ForwardingState(index), index.p4info)
+    batch_switch.warm_up()
+
+
+if __name__ == "__main__":
+    if (reason := unavailable()) is not None:
+        print(f"netagg: software target fast path unavailable here ({reason}); the reference model will run")
+    else:
+        warm_up()

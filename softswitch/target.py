@@ -1,4 +1,11 @@
-"""The software target assembled: P4Runtime server + pipeline model + ports + fault injection."""
+"""The software target assembled: P4Runtime server + pipeline + ports + fault injection.
+
+Two engines run the same program: ``fast`` (the compiled batch pipeline and the batched
+packet loop, :mod:`~netagg.softswitch.fastpath`) and ``reference`` (the readable
+per-packet model, :mod:`~netagg.softswitch.pipeline`). ``auto`` takes the fast one when
+it can run here and otherwise says why and uses the reference. With fault injection the
+per-packet loop runs (its faults are per packet), driving whichever engine was chosen.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +13,20 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from netagg import dataplane as dp
 from netagg.p4info import P4InfoIndex
+from netagg.softswitch import fastpath
 from netagg.softswitch.faults import FaultInjector
 from netagg.softswitch.forwarding_state import ForwardingState
 from netagg.softswitch.p4runtime_server import P4RuntimeDevice, ServerHandle, serve
 from netagg.softswitch.pipeline import NetaggPipeline
 from netagg.softswitch.ports import LoopbackUdpPort, Port, RawSocketPort
 from netagg.softswitch.switch import SoftSwitch
+
+if TYPE_CHECKING:
+    from netagg.softswitch.batch_switch import BatchSwitch
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +49,29 @@ class Faults:
         return rx, tx
 
 
+ENGINES = ("auto", "fast", "reference")
+
+
 class SoftwareTarget:
     """A running software switch: ``start()``, then reach it over P4Runtime at ``grpc_address``."""
 
     def __init__(self, grpc_address: str = "127.0.0.1:9559", interfaces: Mapping[int, str] | None = None,
                  loopback: tuple[str, int] | None = None, faults: Faults | None = None, device_id: int = 1,
-                 p4info_path: Path = dp.P4INFO_PATH) -> None:
+                 p4info_path: Path = dp.P4INFO_PATH, engine: str = "auto") -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
         index = P4InfoIndex.from_file(p4info_path)
         self.state = ForwardingState(index)
-        self.pipeline = NetaggPipeline(self.state, index.p4info)
+        reason = fastpath.unavailable() if engine != "reference" else "asked for the reference model"
+        if reason and engine == "fast":
+            raise ValueError(f"the fast engine cannot run here: {reason}")
+        #: Which engine runs the program, and why not the fast one (None when it runs).
+        self.engine = "reference" if reason else "fast"
+        self.fast_unavailable = reason
+        if reason and engine == "auto":
+            log.warning("software target: fast path unavailable (%s); using the reference model", reason)
+        self.pipeline: NetaggPipeline | fastpath.FastPipeline = (
+            NetaggPipeline(self.state, index.p4info) if reason else fastpath.FastPipeline(self.state, index.p4info))
         self.state.add_reset_hook(self.pipeline.reset_registers)
         self.device = P4RuntimeDevice(self.state, device_id=device_id)
         self._grpc_request = grpc_address
@@ -59,7 +85,18 @@ class SoftwareTarget:
         if not ports:
             raise ValueError("the software target needs at least one port (-i N@IFNAME or --loopback)")
         rx, tx = (faults or Faults()).injectors()
-        self.switch = SoftSwitch(self.pipeline.process, ports, rx, tx)
+        self.switch: SoftSwitch | BatchSwitch
+        if isinstance(self.pipeline, fastpath.FastPipeline) and not (rx.active or tx.active):
+            from netagg.softswitch.batch_switch import BatchSwitch, batch_unavailable, warm_up  # needs numba
+
+            if (why := batch_unavailable(ports)) is None:
+                warm_up()
+                self.switch = BatchSwitch(self.pipeline, ports)
+            else:
+                log.warning("software target: per-packet loop (%s)", why)
+                self.switch = SoftSwitch(self.pipeline.process, ports, rx, tx)
+        else:
+            self.switch = SoftSwitch(self.pipeline.process, ports, rx, tx)
         self.server: ServerHandle | None = None
 
     @property
