@@ -33,21 +33,33 @@ packet the worker has outstanding leaves even when the window is full: otherwise
 a decrease, a worker could hold only blocks that another worker cannot send until it
 gets the lower block this worker is holding back (a deadlock). With that rule the lowest
 unfinished block is always sent by every worker.
+
+I/O is batched. Every group of packets sent at once (a window refill, the retransmissions due
+at one moment) is built in the preallocated rows by one pass (``fill_packets``) and leaves with
+one ``sendmmsg`` whose iovecs point at those rows. Results are read with ``recvmmsg``, up to 64
+per call, and checked and applied by one pass over the batch (``accept_results``): compiled
+with numba (:mod:`~netagg.hoststack.transport_kernels`) or its numpy reference here, with the
+same effects. Without ``recvmmsg``/``sendmmsg`` (``mmsg.AVAILABLE`` false) one ``send`` or
+``recvfrom_into`` per packet feeds the same batches.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import heapq
 import math
 import select
+import socket
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from netagg import wire
+from netagg import mmsg, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.packets import (
+    HEADER_DTYPE,
     PACKET_DTYPE,
     PROBE_SEQ_BIT,
     SEQ_MASK,
@@ -57,13 +69,20 @@ from netagg.hoststack.packets import (
 )
 from netagg.jobconfig import WorkerConfig
 
+try:  # compiled batch kernels when numba is installed (extra "fast"); same effects, faster
+    from netagg.hoststack import transport_kernels as _kernels
+except ImportError:
+    _kernels = None
+
 K = wire.K
 _NETAGG_BYTES = wire.NETAGG_BYTES
 _HEADER_BYTES = wire.HEADER_BYTES
 _PAYLOAD_BYTES = wire.PAYLOAD_BYTES
-_unpack_header = wire.HEADER_STRUCT.unpack_from
-#: Datagrams read per wake-up before the ready slots are refilled.
-_DRAIN_BATCH = 128
+#: Datagrams read per system call (recvmmsg), and read calls per wake-up before the ready slots are refilled.
+_RECV_BATCH = mmsg.BATCH
+_RECV_CALLS = 2
+#: Receive buffer row: longer datagrams are cut to this (and so still counted as malformed).
+_RECV_STRIDE = 512
 
 
 class TransportError(RuntimeError):
@@ -131,6 +150,17 @@ class RtoEstimator:
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
         self.rto = min(max(self.srtt + max(self.granularity, 4 * self.rttvar), self.minimum), self.maximum)
 
+    def sample_all(self, rtts: np.ndarray) -> None:
+        """:meth:`sample` for each round trip of ``rtts`` (float64), in order."""
+        if _kernels is None:
+            for rtt in rtts.tolist():
+                self.sample(rtt)
+            return
+        srtt, self.rttvar, rto = _kernels.rto_samples(np.nan if self.srtt is None else self.srtt, self.rttvar,
+                                                      self.granularity, self.minimum, self.maximum, rtts)
+        if not math.isnan(rto):
+            self.srtt, self.rto = srtt, rto
+
     def backoff(self, retries: int) -> float:
         """Timeout after ``retries`` retransmissions of the same packet.
 
@@ -167,7 +197,9 @@ class Transport:
         self.sources = frozenset(sources)
         self.sock = udp_socket(resolve(config.bind))
         self.address: tuple[str, int] = self.sock.getsockname()
-        if len(self.sources) == 1:
+        self._fd = self.sock.fileno()
+        connected = len(self.sources) == 1
+        if connected:
             # One peer: a connected socket sends faster and the kernel drops strangers' datagrams.
             self.sock.connect(self.destination)
             self._send = self.sock.send
@@ -176,7 +208,7 @@ class Transport:
             sendto = self.sock.sendto
             self._send = lambda data: sendto(data, destination)
         self._poller = select.poll()
-        self._poller.register(self.sock.fileno(), select.POLLIN)
+        self._poller.register(self._fd, select.POLLIN)
         self.rto = RtoEstimator(rto_initial, rto_min, rto_max, max_backoff=max_backoff)
         self.stats = TransportStats()
         #: Congestion window (packets outstanding), kept across exchanges; fixed at S without control.
@@ -192,18 +224,44 @@ class Transport:
         hdr["rank"] = config.rank
         hdr["slot"] = np.arange(self.slot_count)
         self._raw = self._packets.view(np.uint8).reshape(self.slot_count, _NETAGG_BYTES)
+        self._words = self._raw.view(np.uint32)
         self._rows = [memoryview(self._raw[s]) for s in range(self.slot_count)]
         self._next_pool = np.zeros(self.slot_count, np.uint8)
         # Per slot: the round number of its latest use (+1 per new packet, mod 2**16), which
         # lets the switch tell a delayed copy of an earlier round from a new one. Every worker
         # of the job uses each slot the same number of times, so their numbers agree.
         self._rounds = np.zeros(self.slot_count, np.uint16)
-        self._flagged: set[int] = set()  # rows whose flags carry FLAG_RETRANSMIT
         self._seq = 0
         self._probe_seq = 0
-        self._recv_buf = bytearray(2048)
-        self._recv_view = memoryview(self._recv_buf)
+        self._encode = qz._tables(self.num_workers)[:2]
+        # Batched I/O: one sendmmsg per group of packets (iovecs point at the rows above) and one
+        # recvmmsg per _RECV_BATCH datagrams; else one send/recvfrom_into per packet.
+        self._batched = mmsg.AVAILABLE
+        self._tx: mmsg.MsgBatch | None = None
+        if self._batched:
+            self._rx = mmsg.MsgBatch(_RECV_BATCH, _RECV_STRIDE)
+            self._rx_buf, self._rx_names, self._rx_lengths = self._rx.buf, self._rx.names, self._rx.lengths
+            self._tx = mmsg.MsgBatch(self.slot_count, 8)
+            self._tx.tx_iov_words[:, 1] = _NETAGG_BYTES
+            if not connected:
+                self._dest_name = mmsg.sockaddr_in(*self.destination)  # kept alive: the headers point at it
+                self._tx.tx_words[:, 0] = self._dest_name.ctypes.data
+                self._tx.tx_words[:, 1] = self._dest_name.size
+            self._row_addr = np.uint64(self._raw.ctypes.data) + np.arange(self.slot_count, dtype=np.uint64) \
+                * np.uint64(_NETAGG_BYTES)
+        else:
+            self._rx_buf = np.zeros((_RECV_BATCH, _RECV_STRIDE), np.uint8)
+            self._rx_names = np.zeros((_RECV_BATCH, mmsg.NAME_BYTES), np.uint8)
+            self._rx_lengths = np.zeros(_RECV_BATCH, np.uint32)
+            self._rx_rows = [memoryview(row) for row in self._rx_buf]
+            self._rx_name_view = memoryview(self._rx_names.reshape(-1))
+            # What recvmmsg would write for a peer (sockaddr_in up to the address); others get zeros.
+            self._source_names = {source: bytes(mmsg.sockaddr_in(*source)[:8]) for source in self.sources}
+        #: The peers as the batch processors compare them: IPv4 << 16 | port.
+        self._allowed = np.array([int.from_bytes(socket.inet_aton(host), "big") << 16 | port
+                                  for host, port in sorted(self.sources)], np.int64)
         self._failed: str | None = None
+        self._warm_up()
 
     # -- public ------------------------------------------------------------
     def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -244,15 +302,66 @@ class Transport:
         self.close()
 
     # -- used by _Round ------------------------------------------------------
-    def _receive_into(self) -> tuple[int, tuple[str, int]] | None:
-        """One datagram into the receive buffer; None when there is none."""
-        try:
-            return self.sock.recvfrom_into(self._recv_buf)
-        except BlockingIOError:
-            return None
-        except OSError:  # e.g. ICMP port unreachable from an earlier send on loopback
-            self.stats.socket_errors += 1
-            return (-1, ("", 0))
+    def _warm_up(self) -> None:
+        """Compile the kernels for this transport's argument types (or load them from numba's cache)
+        now, with empty batches, rather than inside the first exchange's progress timeout."""
+        if _kernels is None:
+            return
+        r = _Round(self, np.zeros((0, K), np.float32), np.zeros(0, np.int8))
+        none = np.zeros(0, np.int64)
+        r._fill(none, none, r.blocks, r.local_exp, r.global_exp, r._ahead, 0, 0, r.window, *self._encode,
+                self._raw, self._words, self._next_pool, self._rounds, r.expect, r.sent_at, 0.0, none.copy())
+        outputs = np.zeros(_RECV_BATCH, np.int64), np.zeros(_RECV_BATCH, np.int64), np.zeros(_RECV_BATCH)
+        r._accept(self._rx_buf, self._rx_lengths, self._rx_names, 0, self._allowed, self.config.job_id, 0,
+                  r.window, 0, r.expect, r.retries, r.sent_at, self._next_pool, 0.0, r._sums_flat, r.global_exp,
+                  *outputs)
+        RtoEstimator().sample_all(outputs[2][:0])
+
+    def _transmit(self, slots: np.ndarray) -> int:
+        """Send the rows of ``slots`` as they are (one sendmmsg per batch); returns how many failed."""
+        tx = self._tx
+        if tx is None:
+            errors, rows, send = 0, self._rows, self._send
+            for slot in slots.tolist():
+                try:
+                    send(rows[slot])
+                except OSError:  # full buffer or ICMP: the timer resends
+                    errors += 1
+            return errors
+        errors = 0
+        for first in range(0, slots.shape[0], tx.capacity):
+            chunk = slots[first:first + tx.capacity]
+            tx.tx_iov_words[:chunk.shape[0], 0] = self._row_addr[chunk]
+            errors += tx.send_prepared(self._fd, chunk.shape[0])[1]
+        return errors
+
+    def _receive(self) -> int:
+        """Read up to _RECV_BATCH waiting datagrams into the receive rows; returns how many, or -1
+        after a socket error (counted; e.g. ICMP port unreachable from an earlier send on loopback)."""
+        if self._batched:
+            try:
+                count = self._rx.recv(self._fd)
+            except OSError:
+                self.stats.socket_errors += 1
+                return -1
+            if count == 0 and ctypes.get_errno() == errno.ECONNREFUSED:  # MsgBatch.recv reports it as 0
+                self.stats.socket_errors += 1
+                return -1
+            return count
+        count, rows, names, lengths = 0, self._rx_rows, self._rx_name_view, self._rx_lengths
+        known, unknown, recv = self._source_names, bytes(8), self.sock.recvfrom_into
+        for _ in range(_RECV_BATCH):
+            try:
+                size, source = recv(rows[count])
+            except BlockingIOError:
+                break
+            except OSError:
+                self.stats.socket_errors += 1
+                continue
+            lengths[count] = size
+            names[count * mmsg.NAME_BYTES:count * mmsg.NAME_BYTES + 8] = known.get(source, unknown)
+            count += 1
+        return count
 
     def _on_results(self, count: int) -> None:
         """Additive increase: one packet per window of accepted results, up to S."""
@@ -272,9 +381,111 @@ class Transport:
         self.stats.smallest_window = min(self.stats.smallest_window, self.window)
 
 
-def _result_keys(rounds: np.ndarray, pools: np.ndarray, seqs: np.ndarray) -> list[int]:
-    """What a slot's result must echo, as one int per packet: ``round << 33 | pool << 32 | seq``."""
-    return ((rounds.astype(np.int64) << 33) | (pools.astype(np.int64) << 32) | seqs).tolist()
+def _accept_results_numpy(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, count: int, allowed: np.ndarray,
+                          job_id: int, seq0: int, window: int, num_blocks: int, expect: np.ndarray,
+                          retries: np.ndarray, sent_at: np.ndarray, next_pool: np.ndarray, now: float,
+                          sums: np.ndarray, global_exp: np.ndarray, acc_slots: np.ndarray, following: np.ndarray,
+                          rtts: np.ndarray) -> tuple[int, int, int, int, int, int]:
+    """Check and apply ``count`` received datagrams (``buf[i, :lengths[i]]`` from sockaddr ``names[i]``).
+
+    Per datagram, in order: a sender not in ``allowed`` (IPv4 << 16 | port) is foreign; a size
+    other than NETAGG_BYTES, another version, no RESULT flag or another job is malformed; a
+    slot >= ``len(expect)`` or a (round << 33 | pool << 32 | seq) other than ``expect[slot]`` is
+    stale (so is a second copy of a result in the batch). An accepted result clears
+    ``expect[slot]``, flips ``next_pool[slot]``, yields a round trip ``now - sent_at[slot]``
+    unless the slot was retransmitted (Karn; ``retries[slot]`` is reset), copies a data
+    block's values into ``sums`` (flat bytes) and writes the exponent into ``global_exp`` of
+    the slot's next block, if any (for a probe: block ``slot``). Writes the accepted slots and
+    their next blocks into ``acc_slots``/``following`` and the round trips into ``rtts``; returns
+    (accepted, round trips, foreign, malformed, stale, data blocks done). The compiled
+    ``transport_kernels.accept_results`` does the same in one pass.
+    """
+    name = names[:count].astype(np.int64)
+    source = (name[:, 4] << 40) | (name[:, 5] << 32) | (name[:, 6] << 24) | (name[:, 7] << 16) \
+        | (name[:, 2] << 8) | name[:, 3]
+    known = np.isin(source, allowed)
+    rows = buf[:count]
+    hdr = np.ascontiguousarray(rows[:, :_HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
+    valid = known & (lengths[:count] == _NETAGG_BYTES) & (hdr["version"] == wire.VERSION) \
+        & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == job_id)
+    slot = hdr["slot"].astype(np.int64)
+    seq = hdr["seq"].astype(np.int64)
+    key = (hdr["round"].astype(np.int64) << 33) | (hdr["pool"].astype(np.int64) << 32) | seq
+    candidate = valid & (slot < expect.shape[0])
+    candidate[candidate] = expect[slot[candidate]] == key[candidate]
+    matching = np.flatnonzero(candidate)
+    accepted = np.sort(matching[np.unique(slot[matching], return_index=True)[1]])  # first copy per slot
+    slots = slot[accepted]
+    expect[slots] = -1
+    next_pool[slots] ^= 1
+    fresh = retries[slots] == 0
+    n_rtt = int(fresh.sum())
+    rtts[:n_rtt] = now - sent_at[slots[fresh]]
+    retries[slots] = 0
+    seq = seq[accepted]
+    probe = (seq & PROBE_SEQ_BIT) != 0
+    block = (seq - seq0) & SEQ_MASK
+    data = ~probe
+    sums.reshape(-1, _PAYLOAD_BYTES)[block[data]] = rows[accepted[data], _HEADER_BYTES:_NETAGG_BYTES]
+    nxt = np.where(probe, slots, block + window)
+    ready = nxt < num_blocks
+    global_exp[nxt[ready]] = hdr["exponent"][accepted][ready]
+    n_acc = accepted.shape[0]
+    acc_slots[:n_acc] = slots
+    following[:n_acc] = nxt
+    n_valid = int(valid.sum())
+    return n_acc, n_rtt, count - int(known.sum()), int(known.sum()) - n_valid, n_valid - n_acc, int(data.sum())
+
+
+def _fill_packets_numpy(slots: np.ndarray, block_ids: np.ndarray, blocks: np.ndarray, local_exp: np.ndarray,
+                        global_exp: np.ndarray, ahead: np.ndarray, seq0: int, probe0: int, window: int,
+                        enc_a: np.ndarray, enc_b: np.ndarray, raw: np.ndarray, words: np.ndarray,
+                        next_pool: np.ndarray, rounds: np.ndarray, expect: np.ndarray, sent_at: np.ndarray,
+                        now: float, keys: np.ndarray) -> int:
+    """Build the packets of ``slots`` in their rows of ``raw`` (PACKET_DTYPE bytes; ``words`` is its uint32 view).
+
+    ``block_ids[i]`` is the data block slot ``slots[i]`` carries, or -1 for the slot's probe
+    (zeros, ``seq = PROBE_SEQ_BIT | probe0 + slot``); a data block is quantized with its global
+    exponent and gets ``seq = seq0 + block``; the exponent field is ``ahead`` of the block one
+    window on (a probe: of block ``slot``). Each row gets the slot's pool, its next round
+    (``rounds`` += 1) and flags 0; ``keys``, ``expect`` and ``sent_at`` (``now``) get what its
+    result must echo. Returns -1, with nothing written, if a global exponent is below this
+    worker's (a protocol violation), else 0. ``transport_kernels.fill_packets`` is the compiled twin.
+    """
+    probe = block_ids < 0
+    data = np.flatnonzero(~probe)
+    data_blocks = block_ids[data]
+    g = global_exp[data_blocks]
+    if (g < local_exp[data_blocks]).any():
+        return -1
+    packets = raw.view(PACKET_DTYPE)[:, 0]
+    packets["values"][slots[probe]] = 0
+    if data.size:
+        packets["values"][slots[data]] = _quantize(blocks[data_blocks], g, enc_a, enc_b)
+    seqs = np.where(probe, PROBE_SEQ_BIT | ((probe0 + slots) & SEQ_MASK), (block_ids + seq0) & SEQ_MASK)
+    hdr = packets["hdr"]
+    hdr["seq"][slots] = seqs
+    hdr["exponent"][slots] = np.where(probe, ahead[slots], ahead[block_ids + window])
+    hdr["flags"][slots] = 0
+    pools = next_pool[slots]
+    hdr["pool"][slots] = pools
+    next_rounds = rounds[slots] + np.uint16(1)
+    rounds[slots] = next_rounds
+    hdr["round"][slots] = next_rounds
+    keys[:] = (next_rounds.astype(np.int64) << 33) | (pools.astype(np.int64) << 32) | seqs
+    expect[slots] = keys
+    sent_at[slots] = now
+    return 0
+
+
+def _quantize(blocks: np.ndarray, exponents: np.ndarray, enc_a: np.ndarray, enc_b: np.ndarray) -> np.ndarray:
+    """``quantization.quantize`` with the factor tables given (numpy operations only)."""
+    index = exponents.astype(np.intp) + 128
+    scaled = np.multiply(blocks, enc_a[index][:, None])
+    extreme = np.flatnonzero(enc_b[index] != 1)
+    if extreme.size:
+        scaled[extreme] *= enc_b[index[extreme]][:, None]
+    return np.rint(scaled).astype(qz.WIRE_DTYPE)
 
 
 class _Round:
@@ -284,10 +495,10 @@ class _Round:
         if blocks.ndim != 2 or blocks.shape[1] != K or blocks.dtype != np.float32:
             raise TypeError(f"expected float32 blocks of shape (n, {K}), got {blocks.dtype} {blocks.shape}")
         self.t = transport
-        self.blocks = blocks
+        self.blocks = np.ascontiguousarray(blocks)
         self.num_blocks = nb = blocks.shape[0]
         self.window = transport.slot_count
-        self.used_slots = min(self.window, nb)
+        self.used_slots = used = min(self.window, nb)
         self.local_exp = np.asarray(exponents, dtype=np.int8)
         if self.local_exp.shape != (nb,):
             raise ValueError(f"{self.local_exp.shape[0]} exponents for {nb} blocks")
@@ -296,33 +507,34 @@ class _Round:
         self._ahead[:nb] = self.local_exp
         self.global_exp = np.full(nb, qz.EXP_NONE, np.int8)
         self.sums = np.empty((nb, K), qz.WIRE_DTYPE)
-        self._sums_view = memoryview(self.sums.view(np.uint8).reshape(-1))
+        self._sums_flat = self.sums.view(np.uint8).reshape(-1)
         self.seq0 = transport._seq
         self.probe0 = transport._probe_seq
-        # Per used slot: expected (round << 33 | pool << 32 | seq) of the outstanding packet, or -1.
-        self.expect = [-1] * self.used_slots
-        self.sent_at = [0.0] * self.used_slots
-        self.retries: dict[int, int] = {}
-        self.timers: list[tuple[float, int, list[int], list[int]]] = []
+        # Per used slot: expected (round << 33 | pool << 32 | seq) of the outstanding packet or -1,
+        # when it was sent, and how often it was resent (Karn: no round trip sample then).
+        self.expect = np.full(used, -1, np.int64)
+        self.sent_at = np.zeros(used)
+        self.retries = np.zeros(used, np.int32)
+        #: Retransmission timers: (deadline, id, slots, their expected keys when armed).
+        self.timers: list[tuple[float, int, np.ndarray, np.ndarray]] = []
         self._timer_id = 0
         self.remaining = nb
         #: Ready packets that did not fit in the congestion window: (order key, slot); see _order_key.
         self.waiting: list[tuple[int, int]] = []
         #: Order key of each slot's outstanding packet.
         self.in_flight: dict[int, int] = {}
+        compiled = _kernels is not None
+        self._fill = _kernels.fill_packets if compiled else _fill_packets_numpy
+        self._accept = _kernels.accept_results if compiled else _accept_results_numpy
 
     # -- sending -------------------------------------------------------------
     def emit_probes(self, slots: list[int]) -> None:
         """First-window probes in ``slots`` (zeros, carrying the exponent of block ``slot``)."""
-        t = self.t
-        sl = np.array(slots, dtype=np.intp)
-        packets = t._packets
-        packets["values"][sl] = 0
-        seqs = PROBE_SEQ_BIT | ((self.probe0 + sl) & SEQ_MASK)
-        hdr = packets["hdr"]
-        hdr["seq"][sl] = seqs
-        hdr["exponent"][sl] = self._ahead[sl]
-        self._send(slots, sl, seqs)
+        self._launch(np.array(slots, np.int64), np.full(len(slots), -1, np.int64))
+
+    def emit(self, slots: list[int], blocks: list[int]) -> None:
+        """Quantize data ``blocks`` (their global exponents are known) and send them in ``slots``."""
+        self._launch(np.array(slots, np.int64), np.array(blocks, np.int64))
 
     def _order_key(self, slot: int, block: int) -> int:
         """The release order of a packet: its block, or for a probe (block -1) ``slot - window`` (below every block)."""
@@ -338,8 +550,11 @@ class _Round:
         room = max(1, int(t.window)) - len(in_flight)
         if not self.waiting and len(slots) <= room:
             go_slots, go_blocks = slots, blocks
-            for slot, block in zip(slots, blocks, strict=True):
-                in_flight[slot] = self._order_key(slot, block)
+            if blocks and min(blocks) >= 0:
+                in_flight.update(zip(slots, blocks))  # data blocks: the key is the block
+            else:
+                for slot, block in zip(slots, blocks, strict=True):
+                    in_flight[slot] = self._order_key(slot, block)
         else:
             waiting = self.waiting
             for slot, block in zip(slots, blocks, strict=True):
@@ -352,83 +567,58 @@ class _Round:
                 in_flight[slot] = key
                 go_slots.append(slot)
                 go_blocks.append(key if key >= 0 else -1)
-        if not go_slots:
-            return
-        probes = [s for s, b in zip(go_slots, go_blocks, strict=True) if b < 0]
-        if probes:
-            self.emit_probes(probes)
-            if len(probes) < len(go_slots):
-                data = [(s, b) for s, b in zip(go_slots, go_blocks, strict=True) if b >= 0]
-                self.emit([s for s, _ in data], [b for _, b in data])
-        else:
-            self.emit(go_slots, go_blocks)
+        if go_slots:
+            # In release order: probes (lowest keys) before data blocks.
+            self._launch(np.array(go_slots, np.int64), np.array(go_blocks, np.int64))
 
-    def emit(self, slots: list[int], blocks: list[int]) -> None:
-        """Quantize data ``blocks`` (their global exponents are known) and send them in ``slots``."""
+    def _launch(self, slots: np.ndarray, block_ids: np.ndarray) -> None:
+        """Build the packets (:func:`_fill_packets_numpy`), send them in one batch, arm one timer."""
         t = self.t
-        sl = np.array(slots, dtype=np.intp)
-        bl = np.array(blocks, dtype=np.intp)
-        g = self.global_exp[bl]
-        if (g < self.local_exp[bl]).any():
-            raise TransportError("aggregator returned an exponent below this worker's: protocol violation")
-        packets = t._packets
-        packets["values"][sl] = qz.quantize(self.blocks[bl], g, t.num_workers)
-        seqs = (bl + self.seq0) & SEQ_MASK
-        hdr = packets["hdr"]
-        hdr["seq"][sl] = seqs
-        hdr["exponent"][sl] = self._ahead[bl + self.window]
-        self._send(slots, sl, seqs)
-
-    def _send(self, slots: list[int], sl: np.ndarray, seqs: np.ndarray) -> None:
-        """Set pool and flags of the filled packets, send them, expect their results, arm one timer."""
-        t = self.t
-        pools = t._next_pool[sl]
-        hdr = t._packets["hdr"]
-        hdr["pool"][sl] = pools
-        rounds = t._rounds[sl] + np.uint16(1)
-        t._rounds[sl] = rounds
-        hdr["round"][sl] = rounds
-        if t._flagged:  # clear FLAG_RETRANSMIT left by earlier retransmissions from these rows
-            hdr["flags"][list(t._flagged)] = 0
-            t._flagged.clear()
-        keys = _result_keys(rounds, pools, seqs)
+        keys = np.empty(slots.shape[0], np.int64)
         now = time.monotonic()
-        rows, expect, sent_at, send = t._rows, self.expect, self.sent_at, t._send
-        errors = 0
-        for slot, key in zip(slots, keys, strict=True):
-            try:
-                send(rows[slot])
-            except OSError:  # full buffer or ICMP: the timer resends
-                errors += 1
-            expect[slot] = key
-            sent_at[slot] = now
-        t.stats.packets_sent += len(keys) - errors
+        enc_a, enc_b = t._encode
+        if self._fill(slots, block_ids, self.blocks, self.local_exp, self.global_exp, self._ahead, self.seq0,
+                      self.probe0, self.window, enc_a, enc_b, t._raw, t._words, t._next_pool, t._rounds,
+                      self.expect, self.sent_at, now, keys) < 0:
+            raise TransportError("aggregator returned an exponent below this worker's: protocol violation")
+        errors = t._transmit(slots)
+        t.stats.packets_sent += slots.shape[0] - errors
         t.stats.socket_errors += errors
         self._arm(now + t.rto.rto, slots, keys)
 
-    def _arm(self, deadline: float, slots: list[int], keys: list[int]) -> None:
+    def _arm(self, deadline: float, slots: np.ndarray, keys: np.ndarray) -> None:
         self._timer_id += 1
         heapq.heappush(self.timers, (deadline, self._timer_id, slots, keys))
 
     def _retransmit_due(self, now: float) -> None:
-        t = self.t
-        while self.timers and self.timers[0][0] <= now:
-            _, _, slots, keys = heapq.heappop(self.timers)
-            for slot, key in zip(slots, keys, strict=True):
-                if self.expect[slot] != key:
-                    continue  # answered meanwhile
-                t._on_timeout(now)
-                retries = self.retries.get(slot, 0) + 1
-                self.retries[slot] = retries
-                t._raw[slot, 1] |= wire.FLAG_RETRANSMIT
-                t._flagged.add(slot)
-                try:
-                    t._send(t._rows[slot])
-                    t.stats.packets_sent += 1
-                except OSError:
-                    t.stats.socket_errors += 1
-                t.stats.retransmissions += 1
-                self._arm(now + t.rto.backoff(retries), [slot], [key])
+        """Resend every packet whose timer expired unanswered, all in one batch; each gets its backoff timer."""
+        t, expect, timers = self.t, self.expect, self.timers
+        due: list[np.ndarray] = []
+        due_keys: list[np.ndarray] = []
+        while timers and timers[0][0] <= now:
+            _, _, slots, keys = heapq.heappop(timers)
+            unanswered = expect[slots] == keys
+            if unanswered.any():
+                due.append(slots[unanswered])
+                due_keys.append(keys[unanswered])
+        if not due:
+            return
+        slots = np.concatenate(due) if len(due) > 1 else due[0]
+        keys = np.concatenate(due_keys) if len(due_keys) > 1 else due_keys[0]
+        by_retries: dict[int, list[int]] = {}
+        retries = self.retries
+        for i, slot in enumerate(slots.tolist()):
+            t._on_timeout(now)
+            count = int(retries[slot]) + 1
+            retries[slot] = count
+            by_retries.setdefault(count, []).append(i)
+        t._raw[slots, 1] |= wire.FLAG_RETRANSMIT  # cleared when the row is next filled
+        errors = t._transmit(slots)
+        t.stats.packets_sent += slots.shape[0] - errors
+        t.stats.socket_errors += errors
+        t.stats.retransmissions += slots.shape[0]
+        for count, members in by_retries.items():
+            self._arm(now + t.rto.backoff(count), slots[members], keys[members])
 
     # -- receiving -----------------------------------------------------------
     def run(self) -> None:
@@ -438,11 +628,13 @@ class _Round:
             return
         self.release(list(range(self.used_slots)), [-1] * self.used_slots)
         last_progress = time.monotonic()
-        buf, view = t._recv_buf, t._recv_view
-        sources, job_id, stats = t.sources, t.config.job_id, t.stats
-        expect, window, used = self.expect, self.window, self.used_slots
-        seq0, sums_view, global_exp = self.seq0, self._sums_view, self.global_exp
-        next_pool = t._next_pool
+        stats, accept, job_id = t.stats, self._accept, t.config.job_id
+        buf, names, lengths, allowed = t._rx_buf, t._rx_names, t._rx_lengths, t._allowed
+        expect, retries, sent_at, next_pool = self.expect, self.retries, self.sent_at, t._next_pool
+        window, seq0, sums, global_exp = self.window, self.seq0, self._sums_flat, self.global_exp
+        acc_slots = np.empty(_RECV_BATCH, np.int64)
+        following = np.empty(_RECV_BATCH, np.int64)
+        rtts = np.empty(_RECV_BATCH)
         while self.remaining:
             now = time.monotonic()
             wake = last_progress + t.progress_timeout
@@ -452,67 +644,53 @@ class _Round:
                 t._poller.poll(math.ceil((wake - now) * 1000))
             ready_slots: list[int] = []
             ready_blocks: list[int] = []
-            accepted = stats.results_accepted
-            for _ in range(_DRAIN_BATCH):
-                got = t._receive_into()
-                if got is None:
+            accepted = 0
+            for _ in range(_RECV_CALLS):
+                count = t._receive()
+                if count <= 0:
+                    if count < 0:
+                        continue  # a socket error (counted): read on
                     break
-                size, source = got
-                if size < 0:
-                    continue
-                if source not in sources:
-                    stats.foreign += 1
-                    continue
-                if size != _NETAGG_BYTES:
-                    stats.malformed += 1
-                    continue
-                version, flags, job, slot, pool, _, exponent, _, round_, seq = _unpack_header(buf, 0)
-                if version != wire.VERSION or not flags & wire.FLAG_RESULT or job != job_id:
-                    stats.malformed += 1
-                    continue
-                if slot >= used or expect[slot] != (round_ << 33 | pool << 32 | seq):
-                    stats.stale_results += 1
-                    continue
-                # Accept: the result of the slot's outstanding packet.
-                expect[slot] = -1
-                del self.in_flight[slot]
-                next_pool[slot] ^= 1
-                stats.results_accepted += 1
-                if self.retries:
-                    if self.retries.pop(slot, 0) == 0:
-                        t.rto.sample(time.monotonic() - self.sent_at[slot])
-                else:
-                    t.rto.sample(time.monotonic() - self.sent_at[slot])
-                if seq & PROBE_SEQ_BIT:
-                    following = slot
-                else:
-                    block = (seq - seq0) & SEQ_MASK
-                    start = block * _PAYLOAD_BYTES
-                    sums_view[start:start + _PAYLOAD_BYTES] = view[_HEADER_BYTES:_NETAGG_BYTES]
-                    self.remaining -= 1
-                    following = block + window
-                if following < nb:
-                    global_exp[following] = exponent
-                    ready_slots.append(slot)
-                    ready_blocks.append(following)
+                n_acc, n_rtt, foreign, malformed, stale, done = accept(
+                    buf, lengths, names, count, allowed, job_id, seq0, window, nb, expect, retries, sent_at,
+                    next_pool, time.monotonic(), sums, global_exp, acc_slots, following, rtts)
+                if foreign or malformed or stale:
+                    stats.foreign += foreign
+                    stats.malformed += malformed
+                    stats.stale_results += stale
+                if n_acc:
+                    accepted += n_acc
+                    self.remaining -= done
+                    in_flight = self.in_flight
+                    for slot in acc_slots[:n_acc].tolist():
+                        del in_flight[slot]
+                    if n_rtt:
+                        t.rto.sample_all(rtts[:n_rtt])
+                    nxt = following[:n_acc]
+                    ready = nxt < nb
+                    ready_slots += acc_slots[:n_acc][ready].tolist()
+                    ready_blocks += nxt[ready].tolist()
+                if count < _RECV_BATCH:
+                    break
             now = time.monotonic()
-            if stats.results_accepted != accepted:
+            if accepted:
+                stats.results_accepted += accepted
                 last_progress = now
-                t._on_results(stats.results_accepted - accepted)
+                t._on_results(accepted)
             elif now - last_progress >= t.progress_timeout:
                 self._timeout(now - last_progress)
             if ready_slots or self.waiting:
                 self.release(ready_slots, ready_blocks)
             self._retransmit_due(now)
         t._seq = (seq0 + nb) & SEQ_MASK
-        t._probe_seq = (self.probe0 + used) & SEQ_MASK
+        t._probe_seq = (self.probe0 + self.used_slots) & SEQ_MASK
         stats.blocks += nb
 
     def _timeout(self, waited: float) -> None:
-        waiting = [s for s in range(self.used_slots) if self.expect[s] != -1]
+        waiting = int((self.expect != -1).sum())
         raise TransportTimeout(
             f"job {self.t.config.job_id} rank {self.t.config.rank}: no result for {waited:.1f} s "
-            f"({self.remaining} of {self.num_blocks} blocks outstanding in {len(waiting)} slot(s), "
+            f"({self.remaining} of {self.num_blocks} blocks outstanding in {waiting} slot(s), "
             f"{self.t.stats.retransmissions} retransmissions so far); is every worker of the job "
             f"running and is {self.t.destination[0]}:{self.t.destination[1]} reachable?"
         )
