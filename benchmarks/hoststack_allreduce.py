@@ -1,52 +1,220 @@
-"""Allreduce goodput of 4 workers through the software target on loopback, in one run.
+"""Allreduce goodput of the host stack, in one run.
 
-Starts the software target (loopback UDP) as a process, installs one job over
-P4Runtime, runs 4 worker processes (``benchmarks.allreduce_worker``) that each
-allreduce the same-size tensor, and prints per-worker goodput (tensor MB/s) next to
-what the switch's measured packet rate allows (contributions/s x 256 B / workers).
+``python -m benchmarks.hoststack_allreduce one-worker`` (issue 10, item 4's host-stack
+figure): one worker of a 1-worker job allreduces a float32 tensor (``KVWorker.allreduce``)
+through (a) the native ``--netagg`` reflector of ``benchmarks/limit_probe.py``, a zero-cost
+1-worker aggregator, and (b) the software switch (``LoopbackSwitch``, in this process; the
+worker then runs as its own process, ``benchmarks.allreduce_worker``). It prints goodput
+(tensor MB/s), data packets/s and their ratio to the probe's client round trips/s with
+the same datagrams (``udp_round_trips``, measured before and after in the same run; goal
+>= 0.5), then where one allreduce's time goes per packet (a cProfile of the exchange, which
+inflates the Python share, and the codec steps around it timed alone).
+
+``python -m benchmarks.hoststack_allreduce [switch]``: 4 worker processes through the
+software target as a separate process, goodput per worker next to what the switch's
+measured packet rate allows (contributions/s x 256 B / workers).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import hashlib
 import json
+import pstats
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.switch_throughput import _install_job, measure_loopback
+import numpy as np
+
+from benchmarks.allreduce_worker import tensor_for
 from netagg import dataplane as dp
 from netagg import wire
-from netagg.bmv2.targets import start_target
-from netagg.controller.store import WorkerEndpoint
+from netagg.hoststack import blocks as blk
+from netagg.hoststack import quantization as qz
+from netagg.hoststack.kv import KVWorker
+from netagg.hoststack.testing import expected_allreduce
 from netagg.jobconfig import Endpoint, WorkerConfig
 from netagg.localports import free_ports
 
 WORKERS = 4
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--megabytes", type=float, default=4.0)
-    parser.add_argument("--slots", type=int, default=32)
-    parser.add_argument("--iterations", type=int, default=3)
-    args = parser.parse_args(argv)
+def _digest(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array, np.float32).tobytes()).hexdigest()
+
+
+def _probe(windows: list[int], seconds: float) -> dict[int, float]:
+    from benchmarks.limit_probe import udp_round_trips
+
+    return {w: udp_round_trips(wire.NETAGG_BYTES, w, seconds)["round_trips_per_s"] for w in windows}
+
+
+def _time_in_process(config: WorkerConfig, data: np.ndarray, iterations: int) -> tuple[list[float], str, dict]:
+    with KVWorker(config, progress_timeout=60.0) as worker:
+        digest = _digest(worker.allreduce(data))  # warm-up, and the result checked
+        times = []
+        for _ in range(iterations):
+            start = time.perf_counter()
+            worker.allreduce(data)
+            times.append(time.perf_counter() - start)
+        stats = worker.transport.stats
+    return times, digest, {"retransmissions": stats.retransmissions, "smallest_window": stats.smallest_window}
+
+
+def _time_in_worker_process(config: WorkerConfig, size: int, iterations: int, workdir: Path) -> tuple[list[float],
+                                                                                                  str, dict]:
+    path = workdir / f"worker-{config.job_id}.yaml"
+    config.save(path)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.allreduce_worker", "--netagg", str(path), "--size",
+                          str(size), "--iterations", str(iterations)], capture_output=True, text=True,
+                         cwd=dp.REPO_ROOT, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["all_seconds"], result["digest"], {"retransmissions": result["retransmissions"],
+                                                     "smallest_window": result["smallest_window"]}
+
+
+_SEND = {"send_prepared", "<method 'send' of '_socket.socket' objects>",
+         "<method 'sendto' of '_socket.socket' objects>"}
+_RECV = {"recv", "<method 'recvfrom_into' of '_socket.socket' objects>"}
+_POLL = {"<method 'poll' of 'select.poll' objects>"}
+_KERNELS = {"accept_results", "fill_packets", "sample_all", "_accept_results_numpy", "_fill_packets_numpy"}
+
+
+def time_split(config: WorkerConfig, data: np.ndarray) -> dict[str, float]:
+    """Seconds of one allreduce's steps: the codec around the exchange timed alone, the exchange profiled."""
+    from netagg.hoststack.transport import Transport
+
+    with Transport(config, progress_timeout=60.0) as transport:
+        split: dict[str, float] = {}
+        start = time.perf_counter()
+        layout, blocks = blk.pack([0], [data])
+        exponents = qz.block_exponents(blocks)
+        split["codec: pack + block exponents"] = time.perf_counter() - start
+        transport.exchange(blocks, exponents)  # warm-up
+        start = time.perf_counter()
+        transport.exchange(blocks, exponents)
+        split["(exchange without the profiler)"] = time.perf_counter() - start
+        profile = cProfile.Profile()
+        start = time.perf_counter()
+        profile.enable()
+        sums, global_exp = transport.exchange(blocks, exponents)
+        profile.disable()
+        exchange = time.perf_counter() - start
+        start = time.perf_counter()
+        blk.unpack(layout, qz.dequantize(sums, global_exp, 1))
+        decode = time.perf_counter() - start
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+
+    def total(names: set[str], column: int) -> float:
+        return sum(row[column] for (_, _, name), row in stats.items() if name in names)
+
+    send, recv, poll = total(_SEND, 2), total(_RECV, 2), total(_POLL, 2)
+    kernels = total(_KERNELS, 3)
+    split["exchange: sendmmsg (send)"] = send
+    split["exchange: recvmmsg (receive)"] = recv
+    split["exchange: waiting in poll"] = poll
+    split["exchange: batch kernels (build+quantize, check+copy, RTO)"] = kernels
+    split["exchange: transport Python"] = exchange - send - recv - poll - kernels
+    split["codec: dequantize + unpack"] = decode
+    return split
+
+
+def one_worker(args: argparse.Namespace) -> int:
+    from benchmarks.limit_probe import netagg_reflector
+
     size = int(args.megabytes * 1e6 / 4)
+    packets = -(-size // wire.K)
+    data = tensor_for(0, size)
+    want = _digest(expected_allreduce([data])[0])
+    windows = sorted({64, *args.slots})
+    before = _probe(windows, args.probe_seconds)
+    rows: list[tuple[str, int, list[float], bool, dict]] = []
+    with tempfile.TemporaryDirectory(prefix="netagg-goodput-") as tmp:
+        with netagg_reflector() as (host, port):
+            for slots in args.slots:
+                config = WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=slots, mode="allreduce",
+                                      aggregator=Endpoint(host, port), bind=Endpoint("127.0.0.1", 0))
+                times, digest, extra = _time_in_process(config, data, args.iterations)
+                rows.append(("native reflector", slots, times, digest == want, extra))
+            split_config = WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=args.slots[0],
+                                        mode="allreduce", aggregator=Endpoint(host, port),
+                                        bind=Endpoint("127.0.0.1", 0))
+            split = time_split(split_config, data)
+        if not args.no_switch:
+            rows += _through_software_switch(args.slots, size, args.iterations, want, Path(tmp))
+    after = _probe(windows, args.probe_seconds)
+    probe = {w: (before[w] + after[w]) / 2 for w in windows}
+    print(f"1 worker, {args.megabytes} MB float32 tensor ({packets} data packets of {wire.NETAGG_BYTES} bytes), "
+          f"median of {args.iterations} allreduces after a warm-up")
+    for window in windows:
+        print(f"  probe (native UDP client, {wire.NETAGG_BYTES}-byte datagrams, window {window}): "
+              f"{probe[window]:,.0f} round trips/s (before {before[window]:,.0f}, after {after[window]:,.0f})")
+    print(f"  {'aggregator':<32}{'slots':>6}{'MB/s':>8}{'packets/s':>11}{'/probe64':>10}{'/probe(slots)':>15}"
+          f"{'exact':>7}{'resent':>8}")
+    for name, slots, times, exact, extra in rows:
+        if not times:
+            print(f"  {name:<32}{slots:>6}  unavailable: {extra.get('error', '?')}")
+            continue
+        seconds = statistics.median(times)
+        pps = packets / seconds
+        print(f"  {name:<32}{slots:>6}{args.megabytes / seconds:>8.1f}{pps:>11,.0f}{pps / probe[64]:>10.2f}"
+              f"{pps / probe[slots]:>15.2f}{exact!s:>7}{extra['retransmissions']:>8}")
+    print(f"  where one allreduce's time goes (native reflector, {args.slots[0]} slots; µs per data packet; "
+          "the exchange under cProfile):")
+    unprofiled = split.pop("(exchange without the profiler)")
+    for step, seconds in split.items():
+        print(f"    {step:<58}{seconds / packets * 1e6:>7.2f}")
+    print(f"    {'total':<58}{sum(split.values()) / packets * 1e6:>7.2f}")
+    print(f"    {'(the exchange alone without the profiler)':<58}{unprofiled / packets * 1e6:>7.2f}")
+    return 0
+
+
+def _through_software_switch(slot_list: list[int], size: int, iterations: int, want: str,
+                             workdir: Path) -> list[tuple[str, int, list[float], bool, dict]]:
+    rows = []
+    try:
+        from netagg.softswitch.testing import LoopbackSwitch
+
+        with LoopbackSwitch() as switch:
+            engine = type(switch.target.switch).__name__
+            for slots in slot_list:
+                config = switch.add_job(1, slot_count=slots)[0]
+                times, digest, extra = _time_in_worker_process(config, size, iterations, workdir)
+                rows.append((f"software switch ({engine})", slots, times, digest == want, extra))
+    except Exception as err:  # the software switch is optional here; report why it did not run
+        rows.append(("software switch", slot_list[0], [], False, {"error": f"{type(err).__name__}: {err}"}))
+    return rows
+
+
+def four_workers(args: argparse.Namespace) -> int:
+    from benchmarks.switch_throughput import _install_job, measure_loopback
+    from netagg.bmv2.targets import start_target
+    from netagg.controller.store import WorkerEndpoint
+
+    size = int(args.megabytes * 1e6 / 4)
+    slots = args.slots[0]
     with tempfile.TemporaryDirectory(prefix="netagg-goodput-") as tmp:
         workdir = Path(tmp)
-        switch_rate = measure_loopback(20, workdir)
+        switch_pps = measure_loopback(5.0, None, workdir)["contributions_per_s"]
         ports = free_ports(WORKERS + 1)
         switch = start_target("soft", {}, workdir / "switch.log", loopback=f"127.0.0.1:{ports[-1]}")
         try:
             hosts = [{"name": "local", "ip": "127.0.0.1", "mac": "02:00:00:00:bb:01", "port": 1}]
             workers = [WorkerEndpoint(r, "local", "127.0.0.1", ports[r]) for r in range(WORKERS)]
-            client, job_id = _install_job(switch.grpc_address, b"", hosts, workers, ports[-1], slots=args.slots)
+            client, job_id = _install_job(switch.grpc_address, b"", hosts, workers, ports[-1], slots=slots)
             try:
                 paths = []
                 for r in range(WORKERS):
                     path = workdir / f"rank{r}.yaml"
-                    WorkerConfig(job_id=job_id, rank=r, num_workers=WORKERS, slot_count=args.slots, mode="allreduce",
+                    WorkerConfig(job_id=job_id, rank=r, num_workers=WORKERS, slot_count=slots, mode="allreduce",
                                  aggregator=Endpoint("127.0.0.1", ports[-1]),
                                  bind=Endpoint("127.0.0.1", ports[r])).save(path)
                     paths.append(path)
@@ -60,14 +228,31 @@ def main(argv: list[str] | None = None) -> int:
             switch.stop()
     seconds = max(r["seconds"] for r in results)
     goodput = args.megabytes / seconds
-    switch_pps = switch_rate["contributions"] / switch_rate["seconds"]
     ceiling = switch_pps * wire.PAYLOAD_BYTES / WORKERS / 1e6
-    print(f"{WORKERS} workers, {args.megabytes} MB tensors, {args.slots} slots, software target on loopback")
+    print(f"{WORKERS} workers, {args.megabytes} MB tensors, {slots} slots, software target on loopback")
     print(f"  allreduce: {seconds:.3f} s  ->  goodput {goodput:.2f} MB/s per worker "
           f"(identical results: {len({r['digest'] for r in results}) == 1})")
     print(f"  switch alone: {switch_pps:,.0f} contributions/s  ->  ceiling {ceiling:.2f} MB/s per worker")
     print(f"  goodput / ceiling: {goodput / ceiling:.2f}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", nargs="?", choices=["switch", "one-worker"], default="switch")
+    parser.add_argument("--megabytes", type=float, default=4.0)
+    parser.add_argument("--slots", type=int, nargs="+", default=None,
+                        help="the job's slots (window); one-worker: several sizes (default 64 256), switch: 32")
+    parser.add_argument("--iterations", type=int, default=None, help="default: one-worker 5, switch 3")
+    parser.add_argument("--probe-seconds", type=float, default=2.0)
+    parser.add_argument("--no-switch", action="store_true", help="one-worker: skip the software switch")
+    args = parser.parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = one_worker if args.which == "one-worker" else four_workers
+    if args.slots is None:
+        args.slots = [64, 256] if args.which == "one-worker" else [32]
+    if args.iterations is None:
+        args.iterations = 5 if args.which == "one-worker" else 3
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""Packets/s of the host stack's send path vs a bare ``sendto`` loop of the same packet size.
+"""Packets/s of the host stack's send path vs bare send loops of the same packet size.
 
-Both send to a local UDP sink that nobody reads (the kernel drops what overflows its
-buffer, so neither side is clocked by a receiver). The send path is the transport's own
-code for a window refill: quantize a batch of blocks, fill the headers of their slots'
-preallocated packets with numpy, then ``sendto`` each row, set its expectation and arm
-the batch's retransmission timer. Prints ``ratio = send path pps / bare sendto pps`` (goal
->= 0.8), and for reference the ratio to a bare ``send`` loop on a connected socket, which is
-what the transport uses when it has a single peer (allreduce and fallback modes).
+All send to a local UDP sink that nobody reads (the kernel drops what overflows its
+buffer, so no side is clocked by a receiver). The send path is the transport's own code
+for a window refill (``_Round.emit``): quantize a batch of blocks into their slots'
+preallocated packets and fill the headers in one pass, send the batch with one
+``sendmmsg`` (one ``send`` per packet without it), set the expectations and arm the batch's
+retransmission timer. Prints ``ratio = send path pps / bare sendto pps`` (goal >= 0.8), and
+for reference the ratios to a bare ``send`` loop on a connected socket and to bare
+``sendmmsg`` calls of prebuilt packets in batches of the same window (the syscalls alone:
+what remains is the cost of building the packets).
 Run: ``python -m benchmarks.hoststack_send``.
 """
 
@@ -18,7 +20,7 @@ import time
 
 import numpy as np
 
-from netagg import wire
+from netagg import mmsg, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.transport import Transport, _Round
 from netagg.jobconfig import Endpoint, WorkerConfig
@@ -42,6 +44,20 @@ def bare_send_connected(sock: socket.socket, count: int) -> float:
     for _ in range(count):
         send(packet)
     return count / (time.perf_counter() - start)
+
+
+def bare_sendmmsg(sock: socket.socket, count: int, window: int) -> float:
+    """Packets/s of sendmmsg of ``window`` prebuilt packets per call on a connected socket."""
+    batch = mmsg.MsgBatch(window, wire.NETAGG_BYTES)
+    packet = wire.pack(wire.Header(job_id=1, slot=0, pool=0, rank=0, seq=0), np.zeros(wire.K, np.int32))
+    batch.buf[:] = np.frombuffer(packet, np.uint8)
+    batch.tx_iov_words[:, 0] = batch.row_addr
+    batch.tx_iov_words[:, 1] = wire.NETAGG_BYTES
+    fd, send = sock.fileno(), batch.send_prepared
+    start = time.perf_counter()
+    for _ in range(count // window):
+        send(fd, window)
+    return count // window * window / (time.perf_counter() - start)
 
 
 def send_path(transport: Transport, count: int) -> float:
@@ -76,10 +92,12 @@ def main() -> None:
         bare_sock.bind(("127.0.0.1", 0))
         connected = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         connected.connect(dest)
-        bare, bare_connected, ours = 0.0, 0.0, 0.0
+        bare, bare_connected, bare_mmsg, ours = 0.0, 0.0, 0.0, 0.0
         for _ in range(args.rounds):
             bare = max(bare, bare_sendto(bare_sock, dest, count))
             bare_connected = max(bare_connected, bare_send_connected(connected, count))
+            if mmsg.AVAILABLE:
+                bare_mmsg = max(bare_mmsg, bare_sendmmsg(connected, count, args.slots))
             ours = max(ours, send_path(transport, count))
         bare_sock.close()
         connected.close()
@@ -87,9 +105,14 @@ def main() -> None:
     print(f"packet {wire.NETAGG_BYTES} bytes, {count} packets, window {args.slots}")
     print(f"bare sendto loop          : {bare:>10.0f} packets/s")
     print(f"bare send loop, connected : {bare_connected:>10.0f} packets/s  (the transport connects its socket)")
-    print(f"send path                 : {ours:>10.0f} packets/s")
+    if bare_mmsg:
+        print(f"bare sendmmsg, connected  : {bare_mmsg:>10.0f} packets/s  (prebuilt packets, {args.slots} per call)")
+    print(f"send path                 : {ours:>10.0f} packets/s  "
+          f"({'sendmmsg' if transport._tx is not None else 'one send per packet'})")
     print(f"ratio to sendto           : {ours / bare:.3f}  (goal >= 0.8)")
     print(f"ratio to connected send   : {ours / bare_connected:.3f}")
+    if bare_mmsg:
+        print(f"ratio to bare sendmmsg    : {ours / bare_mmsg:.3f}")
 
 
 if __name__ == "__main__":
