@@ -18,12 +18,12 @@ $(VENV)/.created:
 # benchmarks add their tools. The fast path's kernels are compiled once here, into numba's cache.
 $(DEMO_STAMP): pyproject.toml $(VENV)/.created
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[demo,fast]'
-	$(BIN)/python -m netagg.softswitch.fastpath
+	$(BIN)/python -m netagg.warmup
 	@touch $@
 
 $(STAMP): pyproject.toml $(VENV)/.created
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,demo,bench,fast]'
-	$(BIN)/python -m netagg.softswitch.fastpath
+	$(BIN)/python -m netagg.warmup
 	@touch $(STAMP) $(DEMO_STAMP)
 
 ## setup: create .venv and install netagg with its test and benchmark tools

@@ -66,6 +66,10 @@ class _PortIo:
 class BatchSwitch:
     """Serves all ports from one thread, a batch at a time (interface of ``SoftSwitch``)."""
 
+    #: No fault injection here (the target uses SoftSwitch's per-packet loop for that).
+    rx_faults = None
+    tx_faults = None
+
     def __init__(self, pipeline: FastPipeline, ports: Sequence[Port]) -> None:
         reason = batch_unavailable(ports)
         if reason:
@@ -161,6 +165,3 @@ def warm_up() -> None:
                            out.tx_iov_words)
     kernels.raw_sends(out_len, out_port, 0, 1, out.row_addr, out.tx_words, out.tx_iov_words)
 
-
-if __name__ == "__main__":
-    warm_up()

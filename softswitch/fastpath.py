@@ -239,9 +239,3 @@ def warm_up() -> None:
     FastPipeline(ForwardingState(index), index.p4info)
     batch_switch.warm_up()
 
-
-if __name__ == "__main__":
-    if (reason := unavailable()) is not None:
-        print(f"netagg: software target fast path unavailable here ({reason}); the reference model will run")
-    else:
-        warm_up()
