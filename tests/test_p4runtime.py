@@ -168,8 +168,8 @@ def test_p4info_differences() -> None:
     expected = P4INFO
     assert p4info_differences(expected, copy.deepcopy(expected)) == []
     changed = copy.deepcopy(expected)
-    changed.tables[0].size = 2
-    changed.actions[0].params[1].bitwidth = 16
+    next(t for t in changed.tables if t.preamble.name == JOBS).size = 2
+    next(a for a in changed.actions if a.preamble.name.endswith(".set_job")).params[1].bitwidth = 16
     del changed.counters[0]
     diffs = p4info_differences(expected, changed)
     assert len(diffs) == 3
@@ -259,8 +259,8 @@ def test_pipeline_set_get_and_write_before_pipeline(switch: Switch) -> None:
 
 def test_mismatching_p4info_is_rejected(switch: Switch) -> None:
     other = copy.deepcopy(P4INFO)
-    other.tables[0].size = 2
-    other.actions[2].params[0].bitwidth = 9
+    next(t for t in other.tables if t.preamble.name == JOBS).size = 2
+    next(a for a in other.actions if a.preamble.name.endswith(".set_worker")).params[0].bitwidth = 9
     with connect(switch) as c:
         with pytest.raises(P4RuntimeError) as info:
             c.set_pipeline(other)
@@ -451,7 +451,7 @@ def test_single_entry_and_all_tables_reads(client: P4RuntimeClient) -> None:
 
 def test_full_table_is_resource_exhausted() -> None:
     small = copy.deepcopy(P4INFO)
-    small.tables[0].size = 2
+    next(t for t in small.tables if t.preamble.name == JOBS).size = 2
     sw, server = start_switch(small)
     try:
         with P4RuntimeClient(sw.address, timeout=3.0) as c:
