@@ -61,8 +61,8 @@ def _progress(line: str, steps: int, started: float) -> None:
 
 def _deployment(workdir: Path, target: str, num_workers: int) -> Deployment:
     """The embedded default (software target, loopback UDP), or BMv2 in the namespace topology."""
-    if target == "soft":
-        return LocalDeployment(workdir)
+    if target in ("soft", "soft-ref"):
+        return LocalDeployment(workdir, switch=target)
     from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
 
     return EmulatedCluster(workdir, ClusterSpec.load(num_workers=num_workers, target=target, rate_mbit=None))
@@ -122,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.02,
                         help="largest allowed drop in test accuracy vs the float32 reference (default 0.02)")
     parser.add_argument("--workdir", type=Path, help="keep logs and configs here (default: a temporary folder)")
-    parser.add_argument("--target", choices=("soft", "bmv2"), default="soft",
-                        help="soft: the embedded default (loopback UDP); bmv2: simple_switch_grpc in the "
-                             "namespace topology of configs/cluster.yaml (root, p4c and BMv2 installed)")
+    parser.add_argument("--target", choices=("soft", "soft-ref", "bmv2"), default="soft",
+                        help="soft: the embedded default (loopback UDP); soft-ref: the same on the software "
+                             "target's reference model; bmv2: simple_switch_grpc in the namespace topology of "
+                             "configs/cluster.yaml (root, p4c and BMv2 installed)")
     args = parser.parse_args(argv)
     print(f"netagg demo: {args.workers} workers train an MLP on scikit-learn's digits for {args.steps} steps; "
           "every gradient is summed in the switch")

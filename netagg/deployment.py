@@ -190,10 +190,12 @@ class LocalDeployment(Deployment):
 
     HOST = "local"
 
-    def __init__(self, workdir: Path, capacity: int = 1024, max_workers: int = 32) -> None:
+    def __init__(self, workdir: Path, capacity: int = 1024, max_workers: int = 32, switch: str = "soft") -> None:
         super().__init__(workdir)
         self.capacity = capacity
         self.max_workers = max_workers
+        #: ``soft`` (the software target's default engine) or ``soft-ref`` (its reference model).
+        self.switch_kind = switch
 
     @property
     def worker_hosts(self) -> list[str]:
@@ -208,7 +210,8 @@ class LocalDeployment(Deployment):
 
     def _start(self) -> None:
         udp_port, ps_port = free_ports(2)
-        self.switch = start_target("soft", {}, self.workdir / "softswitch.log", loopback=f"127.0.0.1:{udp_port}")
+        self.switch = start_target(self.switch_kind, {}, self.workdir / "softswitch.log",
+                                   loopback=f"127.0.0.1:{udp_port}")
         hosts = [{"name": self.HOST, "ip": "127.0.0.1", "mac": "02:00:00:00:bb:01", "port": 1}]
         self.start_controller(self.controller_config(self.switch.grpc_address, "127.0.0.1", udp_port, hosts,
                                                      self.HOST, ps_port, self.capacity))
