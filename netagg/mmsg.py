@@ -94,23 +94,27 @@ class MsgBatch:
         self.tx_iov_words = self.tx_iov.view("<u8").reshape(capacity, 2)
         self._rx_addr = self.rx_hdrs.ctypes.data
         self._tx_addr = self.tx_hdrs.ctypes.data
-        self._last = capacity
 
     # -- receive ---------------------------------------------------------------
-    def recv(self, fd: int) -> int:
-        """Read up to ``capacity`` waiting datagrams without blocking; returns how many (0: none).
+    def recv(self, fd: int, first: int = 0, limit: int | None = None) -> int:
+        """Read waiting datagrams without blocking into rows ``first``, ``first + 1``, ... (at most
+        ``limit``, or up to the end); returns how many (0: none).
 
         Message ``i``'s data is ``buf[i, headroom:headroom + lengths[i]]`` and its sender is in
         ``names[i]``. Raises OSError on a real error; an ICMP error queued on the socket
         (ECONNREFUSED after a send to a closed port) is consumed and reported as 0 datagrams.
         """
-        if self._last:
-            self._rx_words[:self._last, 2] = NAME_BYTES  # the kernel shortened them to the real length
-        count = _recvmmsg(fd, self._rx_addr, self.capacity, MSG_DONTWAIT, None)
-        if count >= 0:
-            self._last = count
+        room = self.capacity - first
+        if limit is not None:
+            room = min(room, limit)
+        if room <= 0:
+            return 0
+        count = _recvmmsg(fd, self._rx_addr + first * MMSGHDR_DTYPE.itemsize, room, MSG_DONTWAIT, None)
+        if count > 0:
+            self._rx_words[first:first + count, 2] = NAME_BYTES  # the kernel shortened them to the real length
             return count
-        self._last = 0
+        if count == 0:
+            return 0
         err = ctypes.get_errno()
         if err in _RETRY or err in (errno.ECONNREFUSED, errno.EINTR):
             return 0
@@ -124,15 +128,16 @@ class MsgBatch:
         return addrs, ports
 
     # -- send ------------------------------------------------------------------
-    def send_prepared(self, fd: int, count: int) -> tuple[int, int]:
-        """Send messages ``0..count-1`` whose ``tx_iov`` and ``tx_hdrs`` name fields are filled.
+    def send_prepared(self, fd: int, count: int, first: int = 0) -> tuple[int, int]:
+        """Send messages ``first .. first+count-1`` whose ``tx_iov`` and ``tx_hdrs`` name fields are filled.
 
         Returns (sent, failed): a message the kernel refuses (full socket buffer, an error on
         one destination) is skipped and counted; the protocol's retransmission recovers it.
         """
         done_total = failed = 0
+        base = self._tx_addr + first * MMSGHDR_DTYPE.itemsize
         while done_total < count:
-            done = _sendmmsg(fd, self._tx_addr + done_total * MMSGHDR_DTYPE.itemsize, count - done_total, 0)
+            done = _sendmmsg(fd, base + done_total * MMSGHDR_DTYPE.itemsize, count - done_total, 0)
             if done > 0:
                 done_total += done
             elif done < 0 and ctypes.get_errno() == errno.EINTR:

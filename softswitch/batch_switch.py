@@ -50,21 +50,15 @@ def batch_unavailable(ports: Sequence[Port]) -> str | None:
     return None
 
 
-class _PortIo:
-    """One port's receive batch and its constant arrays."""
-
-    def __init__(self, port: Port) -> None:
-        self.port = port
-        self.fd = port.fileno()
-        self.loopback = isinstance(port, LoopbackUdpPort)
-        self.rx = mmsg.MsgBatch(mmsg.BATCH, STRIDE, LOOPBACK_HEADROOM if self.loopback else 0)
-        self.in_len = np.zeros(mmsg.BATCH, np.int64)
-        self.in_port = np.full(mmsg.BATCH, port.number, np.int64)
-        self.switch_ip = int.from_bytes(socket.inet_aton(port.address[0]), "big") if self.loopback else 0
-
-
 class BatchSwitch:
-    """Serves all ports from one thread, a batch at a time (interface of ``SoftSwitch``)."""
+    """Serves all ports from one thread, a batch at a time (interface of ``SoftSwitch``).
+
+    Raw ports share one receive batch: every port that is ready when the loop wakes up adds
+    its waiting frames (at most :data:`~netagg.mmsg.BATCH` each), the pipeline runs once over
+    all of them, and what they emit leaves with one ``sendmmsg`` per egress port. The loopback
+    port (the embedded default, alone on its switch) has a batch of its own, whose headroom
+    takes the frame headers synthesized in front of each datagram.
+    """
 
     #: No fault injection here (the target uses SoftSwitch's per-packet loop for that).
     rx_faults = None
@@ -79,8 +73,24 @@ class BatchSwitch:
         if len(self.ports) != len(ports):
             raise ValueError("two ports share a number")
         self.stats = PortStats()
-        self._io = {port.fileno(): _PortIo(port) for port in ports}
-        self._out = mmsg.MsgBatch(4 * mmsg.BATCH, STRIDE)
+        self._raw = [port for port in ports if isinstance(port, RawSocketPort)]
+        self._loopback = [port for port in ports if isinstance(port, LoopbackUdpPort)]
+        raw_rows = mmsg.BATCH * max(1, min(len(self._raw), 4))
+        self._raw_rx = mmsg.MsgBatch(raw_rows, STRIDE)
+        self._raw_len = np.zeros(raw_rows, np.int64)
+        self._raw_port = np.zeros(raw_rows, np.int64)
+        self._loop_rx = {port.number: mmsg.MsgBatch(mmsg.BATCH, STRIDE, LOOPBACK_HEADROOM) for port in self._loopback}
+        self._loop_len = np.zeros(mmsg.BATCH, np.int64)
+        self._loop_ip = {port.number: int.from_bytes(socket.inet_aton(port.address[0]), "big")
+                         for port in self._loopback}
+        # Egress: raw ports by group (port_slot[number]), the loopback port sent to elsewhere (-2).
+        self._port_slot = np.full(max(self.ports) + 1, -1, np.int64)
+        for group, port in enumerate(self._raw):
+            self._port_slot[port.number] = group
+        for port in self._loopback:
+            self._port_slot[port.number] = -2
+        self._group_counts = np.zeros(max(1, len(self._raw)), np.int64)
+        self._out = mmsg.MsgBatch(2 * raw_rows + 4 * mmsg.BATCH, STRIDE)
         self._out_len = np.zeros(self._out.capacity, np.int64)
         self._out_port = np.zeros(self._out.capacity, np.int64)
         self._stop = threading.Event()
@@ -100,57 +110,80 @@ class BatchSwitch:
     def run(self) -> None:
         """Serve until stop()."""
         poller = select.poll()
-        for fd in self._io:
+        by_fd = {port.fileno(): port for port in self.ports.values()}
+        for fd in by_fd:
             poller.register(fd, select.POLLIN)
         while not self._stop.is_set():
-            for fd, _ in poller.poll(100):
-                try:
-                    self._serve(self._io[fd])
-                except Exception:  # a bug must not stop the switch
-                    log.exception("batch from port %d failed", self._io[fd].port.number)
+            ready = [by_fd[fd] for fd, _ in poller.poll(100)]
+            try:
+                raw = [port for port in ready if isinstance(port, RawSocketPort)]
+                if raw:
+                    self._serve_raw(raw)
+                for port in ready:
+                    if isinstance(port, LoopbackUdpPort):
+                        self._serve_loopback(port)
+            except Exception:  # a bug must not stop the switch
+                log.exception("a batch from ports %s failed", [port.number for port in ready])
 
-    def _serve(self, io: _PortIo) -> None:
-        rx = io.rx
+    def _serve_raw(self, ports: list[RawSocketPort]) -> None:
+        rx, in_len, in_port = self._raw_rx, self._raw_len, self._raw_port
         for _ in range(BATCHES_PER_TURN):
-            count = rx.recv(io.fd)
+            fill = 0
+            for port in ports:
+                count = rx.recv(port.fileno(), fill, mmsg.BATCH)
+                in_port[fill:fill + count] = port.number
+                fill += count
+            if fill == 0:
+                return
+            self.stats.received += fill
+            in_len[:fill] = rx.lengths[:fill]
+            self._process(rx.buf, in_len, in_port, fill)
+
+    def _serve_loopback(self, port: LoopbackUdpPort) -> None:
+        rx, in_len = self._loop_rx[port.number], self._loop_len
+        in_port = np.full(mmsg.BATCH, port.number, np.int64)
+        for _ in range(BATCHES_PER_TURN):
+            count = rx.recv(port.fileno())
             if count == 0:
                 return
             self.stats.received += count
-            if io.loopback:
-                kernels.loopback_frames(rx.buf, rx.lengths, rx.names, count, LOOPBACK_HEADROOM, io.switch_ip,
-                                        io.in_len)
-            else:
-                io.in_len[:count] = rx.lengths[:count]
-            start = 0
-            while start < count:
-                start, emitted = self.pipeline.run(rx.buf, io.in_len, io.in_port, count, self._out.buf,
-                                                   self._out_len, self._out_port, start)
-                if emitted:
-                    self._transmit(emitted)
+            kernels.loopback_frames(rx.buf, rx.lengths, rx.names, count, LOOPBACK_HEADROOM,
+                                    self._loop_ip[port.number], in_len)
+            self._process(rx.buf, in_len, in_port, count)
+
+    def _process(self, buf: np.ndarray, in_len: np.ndarray, in_port: np.ndarray, count: int) -> None:
+        start = 0
+        while start < count:
+            start, emitted = self.pipeline.run(buf, in_len, in_port, count, self._out.buf, self._out_len,
+                                               self._out_port, start)
+            if emitted:
+                self._transmit(emitted)
 
     def _transmit(self, emitted: int) -> None:
-        out, out_port = self._out, self._out_port
-        first = out_port[0]
-        numbers = [int(first)] if (out_port[:emitted] == first).all() else np.unique(out_port[:emitted]).tolist()
-        for number in numbers:
-            port = self.ports.get(number)
-            if port is None:
-                self.stats.unknown_port += int((out_port[:emitted] == number).sum())
-                continue
-            if isinstance(port, LoopbackUdpPort):
-                prepared, bad = kernels.loopback_sends(out.buf, self._out_len, out_port, emitted, number,
-                                                       out.row_addr, out.names, out.name_addr, out.tx_words,
-                                                       out.tx_iov_words)
-                port.undeliverable += bad
-                self.stats.transmit_failed += bad
-            else:
-                prepared = kernels.raw_sends(self._out_len, out_port, emitted, number, out.row_addr, out.tx_words,
-                                             out.tx_iov_words)
-            sent, failed = out.send_prepared(port.fileno(), prepared)
-            self.stats.transmitted += sent
-            self.stats.transmit_failed += failed
-            if isinstance(port, LoopbackUdpPort):
-                port.undeliverable += failed
+        out, out_len, out_port = self._out, self._out_len, self._out_port
+        handled = 0
+        for port in self._loopback:
+            prepared, bad = kernels.loopback_sends(out.buf, out_len, out_port, emitted, port.number, out.row_addr,
+                                                   out.names, out.name_addr, out.tx_words, out.tx_iov_words)
+            handled += prepared + bad
+            if prepared or bad:
+                sent, failed = out.send_prepared(port.fileno(), prepared)
+                port.undeliverable += bad + failed
+                self.stats.transmitted += sent
+                self.stats.transmit_failed += bad + failed
+        if not self._raw:
+            self.stats.unknown_port += emitted - handled
+            return
+        counts = self._group_counts
+        self.stats.unknown_port += kernels.group_sends(out_len, out_port, emitted, self._port_slot, out.row_addr,
+                                                       out.tx_words, out.tx_iov_words, counts)
+        first = 0
+        for group, count in enumerate(counts.tolist()):
+            if count:
+                sent, failed = out.send_prepared(self._raw[group].fileno(), count, first)
+                self.stats.transmitted += sent
+                self.stats.transmit_failed += failed
+                first += count
 
 
 def warm_up() -> None:
@@ -163,5 +196,6 @@ def warm_up() -> None:
     out_len, out_port = np.zeros(1, np.int64), np.zeros(1, np.int64)
     kernels.loopback_sends(out.buf, out_len, out_port, 0, 1, out.row_addr, out.names, out.name_addr, out.tx_words,
                            out.tx_iov_words)
-    kernels.raw_sends(out_len, out_port, 0, 1, out.row_addr, out.tx_words, out.tx_iov_words)
+    kernels.group_sends(out_len, out_port, 0, np.full(2, -1, np.int64), out.row_addr, out.tx_words,
+                        out.tx_iov_words, np.zeros(1, np.int64))
 

@@ -446,15 +446,37 @@ def loopback_sends(out_buf, out_len, out_port, count, port_number, row_addr, nam
 
 
 @njit(cache=True)
-def raw_sends(out_len, out_port, count, port_number, row_addr, tx_words, tx_iov_words):
-    """Fill sendmmsg headers for the whole frames emitted to ``port_number``; returns how many."""
-    m = 0
+def group_sends(out_len, out_port, count, port_slot, row_addr, tx_words, tx_iov_words, group_counts):
+    """Fill sendmmsg headers for the emitted frames grouped by egress port (a counting sort).
+
+    ``port_slot[port]`` is the group of a raw port, -2 for a port sent to elsewhere (the loopback
+    port), or -1 (no such port: the frame is left out and counted). Afterwards group ``g``'s
+    messages are ``group_counts[g]`` consecutive headers, groups in order. Returns the frames
+    to no port."""
+    groups = group_counts.shape[0]
+    group_counts[:] = 0
+    unknown = 0
     for i in range(count):
-        if out_port[i] != port_number:
+        port = out_port[i]
+        g = port_slot[port] if 0 <= port < port_slot.shape[0] else -1
+        if g == -1:
+            unknown += 1
+        elif g >= 0:
+            group_counts[g] += 1
+    start = np.zeros(groups, np.int64)
+    total = 0
+    for g in range(groups):
+        start[g] = total
+        total += group_counts[g]
+    for i in range(count):
+        port = out_port[i]
+        g = port_slot[port] if 0 <= port < port_slot.shape[0] else -1
+        if g < 0:
             continue
+        m = start[g]
+        start[g] += 1
         tx_words[m, 0] = 0
         tx_words[m, 1] = 0
         tx_iov_words[m, 0] = row_addr[i]
         tx_iov_words[m, 1] = out_len[i]
-        m += 1
-    return m
+    return unknown
