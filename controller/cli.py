@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("show", "a job with its live counters"), ("delete", "remove a job, free its slots"),
                        ("renew", "extend a job's lease")):
         job.add_parser(name, help=text).add_argument("job_id", type=int)
+    watch = top.add_parser("top", help="live view of jobs, their counters and rates, and the switch's drops")
+    watch.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    watch.add_argument("--once", action="store_true", help="print one view and exit")
     config = job.add_parser("config", help="write a worker's configuration (YAML)")
     config.add_argument("job_id", type=int)
     config.add_argument("--rank", type=int, required=True)
@@ -115,6 +119,89 @@ def _print(result: Any, args: argparse.Namespace) -> None:
         print(result)
 
 
+_TOP_COUNTERS = ("contributions", "results", "duplicates", "retransmit_results", "rejects")
+
+
+def _switch_drops(args: argparse.Namespace) -> dict[tuple[str, int], int] | None:
+    """The switch's drop counters, read over P4Runtime (read only, no arbitration); None if unreachable."""
+    import grpc
+    from p4.v1 import p4runtime_pb2_grpc
+
+    from netagg.controller.metrics import SWITCH_READ_TIMEOUT, read_switch_counters
+    from netagg.p4info import P4InfoIndex, load_p4info
+
+    try:
+        config = load_config(args.config)
+        channel = grpc.insecure_channel(config.grpc_address)
+    except (ConfigError, OSError):
+        return None
+    try:
+        stub = p4runtime_pb2_grpc.P4RuntimeStub(channel)
+        index = P4InfoIndex(load_p4info(config.p4info))
+        return read_switch_counters(stub, config.device_id, index, [], SWITCH_READ_TIMEOUT).drops
+    except Exception:  # unreachable or refusing: the view says so
+        return None
+    finally:
+        channel.close()
+
+
+def _render_top(jobs: list[dict[str, Any]], previous: dict[int, dict[str, int]], elapsed: float | None,
+                drops: dict[tuple[str, int], int] | None) -> str:
+    """The `netagg top` screen: one line per job (counters and per-second rates), then drops by reason."""
+    from netagg.controller.metrics import drop_reason_name
+
+    lines = [f"netagg top  {time.strftime('%H:%M:%S')}  {len(jobs)} job(s)",
+             f"{'JOB':>4} {'TENANT':<10} {'NAME':<12} {'MODE':<9} {'SLOTS':>5} {'WKR':>3} "
+             f"{'CONTRIB':>10} {'RESULTS':>10} {'RES/S':>8} {'DUPS':>7} {'RETX-RES':>8} {'REJECTS':>7} LEASE"]
+    now = time.time()
+    for job in jobs:
+        counters = job.get("counters", {})
+        before = previous.get(job["job_id"])
+        rate = "-"
+        if before is not None and elapsed and "results" in counters:
+            rate = f"{(counters['results'] - before.get('results', 0)) / elapsed:.1f}"
+        shown = [str(counters.get(k, "-")) for k in _TOP_COUNTERS]
+        lease = max(0.0, job.get("lease_expires", now) - now)
+        lines.append(f"{job['job_id']:>4} {job['tenant'][:10]:<10} {job['name'][:12]:<12} {job['mode']:<9} "
+                     f"{job['slot_count']:>5} {len(job['workers']):>3} {shown[0]:>10} {shown[1]:>10} {rate:>8} "
+                     f"{shown[2]:>7} {shown[3]:>8} {shown[4]:>7} {lease:.0f}s")
+    if drops is None:
+        lines.append("switch drops: switch unreachable")
+    else:
+        nonzero = [(stage, reason, n) for (stage, reason), n in sorted(drops.items()) if reason and n]
+        text = ", ".join(f"{stage}/{drop_reason_name(reason)}={n}" for stage, reason, n in nonzero)
+        lines.append(f"switch drops: {text or 'none'}")
+    return "\n".join(lines)
+
+
+def _top(args: argparse.Namespace, client: ApiClient) -> int:
+    """`netagg top`: redraw every ``--interval`` seconds until Ctrl-C (or once with ``--once``)."""
+    previous: dict[int, dict[str, int]] = {}
+    last: float | None = None
+    try:
+        while True:
+            jobs = []
+            for job in client.call("list"):
+                try:
+                    jobs.append(client.call("show", job_id=job["job_id"]))
+                except ApiError as err:
+                    if err.code == "switch_error":  # counters unreadable: show the job without them
+                        jobs.append(job)
+                    elif err.code != "not_found":  # not_found: deleted between list and show
+                        raise
+            now = time.monotonic()
+            screen = _render_top(jobs, previous, None if last is None else now - last, _switch_drops(args))
+            previous = {job["job_id"]: job.get("counters", {}) for job in jobs}
+            last = now
+            if args.once:
+                print(screen)
+                return 0
+            print("\x1b[H\x1b[2J" + screen, flush=True)
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
 def _socket_path(args: argparse.Namespace) -> Path:
     if args.socket:
         return Path(args.socket)
@@ -126,6 +213,8 @@ def _job_command(args: argparse.Namespace) -> int:
         print("netagg: no token (use --token or NETAGG_TOKEN)", file=sys.stderr)
         return EXIT_CODES["invalid_argument"]
     client = ApiClient(_socket_path(args), args.token)
+    if args.area == "top":
+        return _top(args, client)
     if args.action == "create":
         request = dict(name=args.name, workers=[w.strip() for w in args.workers.split(",") if w.strip()],
                        slots=args.slots, mode=args.mode, ps=args.ps, lease_seconds=args.lease, tenant=args.tenant)

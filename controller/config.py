@@ -60,6 +60,8 @@ class ControllerConfig:
     tenants: dict[str, str]  # token -> tenant
     hosts: dict[str, HostConfig] = field(default_factory=dict)
     parameter_servers: dict[str, PsConfig] = field(default_factory=dict)
+    #: ``host:port`` of the Prometheus endpoint (docs/operations.md); None: no endpoint.
+    metrics_address: str | None = None
 
     def host_by_ip(self, ip: str) -> HostConfig | None:
         return next((h for h in self.hosts.values() if h.ip == ip), None)
@@ -71,7 +73,7 @@ _SCHEMA: dict[str, set[str]] = {
     "switch.aggregator": {"ip", "mac", "udp_port"},
     "slots": {"capacity", "min_per_job"},
     "jobs": {"lease_seconds"},
-    "controller": {"database", "api_socket", "admin_token"},
+    "controller": {"database", "api_socket", "admin_token", "metrics_address"},
     "hosts.*": {"name", "ip", "mac", "port"},
     "parameter_servers.*": {"name", "host", "udp_port"},
 }
@@ -213,6 +215,11 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
     admin_token = r.value("controller.admin_token", str)
     if len(admin_token) < 8:
         raise r.fail("controller.admin_token", "must be at least 8 characters")
+    metrics_address = r.value("controller.metrics_address", str, None)
+    if metrics_address is not None:
+        host, sep, port = metrics_address.rpartition(":")
+        if not (sep and re.match(r"^[\w.\-\[\]:]*$", host) and port.isdigit() and int(port) < 65536):
+            raise r.fail("controller.metrics_address", f"{metrics_address!r} is not host:port (port 0..65535)")
 
     tenants: dict[str, str] = {}
     for tenant, spec in r.section("tenants", required=False).items():
@@ -256,5 +263,5 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         p4info=p4info, bmv2_json=bmv2_json, aggregator_ip=aggregator_ip, aggregator_mac=aggregator_mac,
         aggregator_port=aggregator_port, slot_capacity=capacity, min_slots=min_slots,
         default_lease_seconds=lease, database=database, api_socket=api_socket, admin_token=admin_token,
-        tenants=tenants, hosts=hosts, parameter_servers=servers,
+        tenants=tenants, hosts=hosts, parameter_servers=servers, metrics_address=metrics_address,
     )

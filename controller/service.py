@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,8 @@ class JobService:
         self.programmer = SwitchProgrammer(client, config)
         self.allocator = SlotAllocator(config.slot_capacity)
         self.max_jobs = 0
+        #: Admission decisions since start (full, partial, fallback, refused), for the metrics endpoint.
+        self.admissions: Counter[str] = Counter()
         self._lock = threading.RLock()
 
     # -- start-up ------------------------------------------------------------
@@ -134,6 +137,7 @@ class JobService:
                 taken = self.allocator.allocate(slots, min(self.config.min_slots, slots))
                 if taken is None:
                     if ps_endpoint is None:
+                        self.admissions["refused"] += 1
                         raise ServiceError("capacity_exhausted", (
                             f"no range of {min(self.config.min_slots, slots)}+ free slots "
                             f"(largest free: {self.allocator.largest_free()}) and no --ps to fall back to"))
@@ -167,6 +171,7 @@ class JobService:
                 self._abort_create(job, taken)
                 raise ServiceError("switch_error", f"switch refused job {job_id}: {err}") from None
             job = self._activate(job)
+            self.admissions[admission] += 1
             return {"job": self._view(job), "admission": admission, "reason": reason}
 
     def delete_job(self, caller: Caller, job_id: int, reason: str = "deleted") -> dict:

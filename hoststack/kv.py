@@ -28,6 +28,7 @@ from netagg import wire
 from netagg.hoststack import blocks as blk
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.envconfig import config_from_env
+from netagg.hoststack.metrics import WorkerExporter, port_from_env
 from netagg.hoststack.packets import resolve
 from netagg.hoststack.psproto import PsClient, PsError
 from netagg.hoststack.transport import Transport
@@ -53,7 +54,10 @@ class KVWorker:
         rto_max: float = 1.0,
         max_backoff: int = 2,
         congestion_control: bool = True,
+        metrics_port: int | None = None,
     ) -> None:
+        """``metrics_port`` (or ``NETAGG_METRICS_PORT``): serve the transport's counters to Prometheus
+        on that port (0: any free one; see ``metrics_address``); default: no exporter."""
         self.config = config if config is not None else config_from_env()
         self.mode = self.config.mode
         self.num_workers = self.config.num_workers
@@ -62,6 +66,7 @@ class KVWorker:
                                    congestion_control=congestion_control)
         self.ps_timeout = ps_timeout
         self._ps: PsClient | None = None
+        self._exporter: WorkerExporter | None = None
         #: ps mode: the PS keeps the values (pull asks it); otherwise this worker keeps the aggregates.
         self._ps_store = self.mode == "ps"
         # Register this worker's UDP address with the job's PS: in ps mode for its results; in fallback
@@ -78,6 +83,15 @@ class KVWorker:
                 if self._ps is not None:
                     self._ps.close()
                 raise
+        try:
+            port = metrics_port if metrics_port is not None else port_from_env()
+            if port is not None:
+                self._exporter = WorkerExporter(self.transport, port)
+        except BaseException:
+            self.transport.close()
+            if self._ps is not None:
+                self._ps.close()
+            raise
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"netagg-kv{self.config.rank}")
         self._futures: dict[int, Future] = {}
         self._ts = itertools.count()
@@ -133,9 +147,16 @@ class KVWorker:
         arrays = [flat[s.first_block * wire.K:s.first_block * wire.K + s.size].copy() for s in layout.segments]
         return self._submit(self._init, layout.keys, arrays, [s.shape for s in layout.segments])
 
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of the Prometheus exporter, or None without one."""
+        return self._exporter.address if self._exporter is not None else None
+
     def close(self) -> None:
-        """Finish queued operations, then release the sockets."""
+        """Finish queued operations, then release the sockets (and stop the exporter)."""
         self._executor.shutdown(wait=True)
+        if self._exporter is not None:
+            self._exporter.stop()
         self.transport.close()
         if self._ps is not None:
             self._ps.close()

@@ -1,0 +1,196 @@
+"""The controller's Prometheus endpoint: per-job and per-switch figures, read at scrape time.
+
+:class:`ControllerCollector` reads the switch's counters over P4Runtime (one Read RPC with a
+short deadline, so an unreachable switch makes a scrape report ``netagg_switch_up 0``, not
+hang), the slot allocator, the job table and the admission decisions the service counted.
+The job secret is never exported. See ``docs/operations.md`` for every metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from p4.v1 import p4runtime_pb2 as p4rt
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from netagg import dataplane as dp
+from netagg.p4info import P4InfoIndex, load_p4info
+
+if TYPE_CHECKING:
+    from netagg.controller.service import JobService
+
+log = logging.getLogger(__name__)
+
+#: Seconds a scrape waits for the switch before reporting it down.
+SWITCH_READ_TIMEOUT = 2.0
+#: Admission decisions counted by the service (``netagg_admissions_total{decision}``).
+ADMISSION_DECISIONS = ("full", "partial", "fallback", "refused")
+JOB_LABELS = ("job_id", "tenant", "name")
+
+
+def drop_reason_name(index: int) -> str:
+    """The DropReason name of a ``drop_reasons`` counter index (lower case), or the number."""
+    try:
+        return dp.DropReason(index).name.lower()
+    except ValueError:
+        return str(index)
+
+
+@dataclass
+class SwitchCounters:
+    """One read of the switch: per-job counters (absolute) and drops per (stage, reason index)."""
+
+    jobs: dict[int, dict[str, int]] = field(default_factory=dict)
+    drops: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+def read_switch_counters(stub: object, device_id: int, index: P4InfoIndex, job_ids: Iterable[int],
+                         timeout: float) -> SwitchCounters:
+    """Every per-job counter of ``job_ids`` and both drop-reason counters, in one Read RPC.
+
+    Raises ``grpc.RpcError`` when the switch does not answer within ``timeout`` seconds.
+    """
+    names = {index.counter(name).id: short for short, name in dp.JOB_COUNTERS.items()}
+    stages = {index.counter(dp.COUNTER_DROP_REASONS).id: "ingress",
+              index.counter(dp.COUNTER_EGRESS_DROP_REASONS).id: "egress"}
+    entities = [p4rt.Entity(counter_entry=p4rt.CounterEntry(counter_id=cid)) for cid in stages]
+    for job_id in job_ids:
+        entities += [p4rt.Entity(counter_entry=p4rt.CounterEntry(counter_id=cid, index=p4rt.Index(index=job_id)))
+                     for cid in names]
+    request = p4rt.ReadRequest(device_id=device_id, entities=entities)
+    found = SwitchCounters()
+    for response in stub.Read(request, timeout=timeout):  # type: ignore[attr-defined]
+        for entity in response.entities:
+            entry = entity.counter_entry
+            if entry.counter_id in stages:
+                found.drops[(stages[entry.counter_id], entry.index.index)] = entry.data.packet_count
+            elif entry.counter_id in names:
+                found.jobs.setdefault(entry.index.index, {})[names[entry.counter_id]] = entry.data.packet_count
+    return found
+
+
+class ControllerCollector(Collector):
+    """Builds every controller metric from current state on each scrape."""
+
+    def __init__(self, service: JobService, lease_expiries: Callable[[], int] = lambda: 0,
+                 timeout: float = SWITCH_READ_TIMEOUT) -> None:
+        self.service = service
+        self.timeout = timeout
+        self.index = P4InfoIndex(load_p4info(service.config.p4info))
+        #: How many jobs the daemon reclaimed because their lease ran out.
+        self.lease_expiries = lease_expiries
+
+    def _read_switch(self, job_ids: list[int]) -> SwitchCounters | None:
+        try:
+            return read_switch_counters(self.service.client.stub, self.service.config.device_id, self.index,
+                                        job_ids, self.timeout)
+        except Exception as err:  # deadline, connection refused, not connected: the switch is reported down
+            log.debug("metrics: switch read failed: %s", err)
+            return None
+
+    def collect(self) -> Iterator[object]:
+        started = time.monotonic()
+        config = self.service.config
+        jobs = [j for j in self.service.store.all() if j.state != "deleting"]
+        on_switch = [j for j in jobs if j.uses_switch]
+        counters = self._read_switch([j.job_id for j in on_switch])
+
+        up = GaugeMetricFamily("netagg_switch_up", "1 if the switch answered this scrape's counter read, else 0",
+                               labels=["grpc_address"])
+        up.add_metric([config.grpc_address], 1.0 if counters is not None else 0.0)
+        yield up
+
+        per_job = {short: CounterMetricFamily(f"netagg_job_{short}", help_text, labels=JOB_LABELS)
+                   for short, help_text in (
+                       ("contributions", "Worker packets the switch aggregated for the job"),
+                       ("results", "Results the switch multicast for the job (completed slot rounds)"),
+                       ("duplicates", "Contributions the switch had already counted (retransmitted packets)"),
+                       ("retransmit_results", "Results the switch resent to answer retransmissions"),
+                       ("rejects", "Packets of the job the switch rejected (bad slot, pool, rank, ...)"))}
+        if counters is not None:
+            for job in on_switch:
+                current = counters.jobs.get(job.job_id, {})
+                labels = [str(job.job_id), job.tenant, job.name]
+                for short, family in per_job.items():
+                    if short in current:
+                        family.add_metric(labels, max(0, current[short] - job.counter_base.get(short, 0)))
+        yield from per_job.values()
+
+        drops = CounterMetricFamily("netagg_switch_drops", "Packets the switch dropped, by pipeline stage and reason",
+                                    labels=["stage", "reason"])
+        if counters is not None:
+            for (stage, reason), value in sorted(counters.drops.items()):
+                if reason != dp.DropReason.NONE:
+                    drops.add_metric([stage, drop_reason_name(reason)], value)
+        yield drops
+
+        info = GaugeMetricFamily("netagg_job_info", "1 per job; its mode and state as labels",
+                                 labels=[*JOB_LABELS, "mode", "state"])
+        slots = GaugeMetricFamily("netagg_job_slots", "Slots the job holds (0 for fallback jobs)", labels=JOB_LABELS)
+        wanted = GaugeMetricFamily("netagg_job_slots_wanted", "Slots the job asked for", labels=JOB_LABELS)
+        workers = GaugeMetricFamily("netagg_job_workers", "Workers of the job", labels=JOB_LABELS)
+        lease = GaugeMetricFamily("netagg_job_lease_expiry_timestamp_seconds",
+                                  "Unix time at which the job's lease runs out", labels=JOB_LABELS)
+        for job in jobs:
+            labels = [str(job.job_id), job.tenant, job.name]
+            info.add_metric([*labels, job.mode, job.state], 1.0)
+            slots.add_metric(labels, job.slot_count)
+            wanted.add_metric(labels, job.slots_wanted)
+            workers.add_metric(labels, len(job.workers))
+            lease.add_metric(labels, job.lease_expires)
+        yield from (info, slots, wanted, workers, lease)
+
+        count = GaugeMetricFamily("netagg_jobs", "Jobs by mode and state", labels=["mode", "state"])
+        by_kind: dict[tuple[str, str], int] = {}
+        for job in jobs:
+            by_kind[(job.mode, job.state)] = by_kind.get((job.mode, job.state), 0) + 1
+        for (mode, state), n in sorted(by_kind.items()):
+            count.add_metric([mode, state], n)
+        yield count
+
+        allocator = self.service.allocator
+        free = allocator.free_ranges  # one tuple copy: consistent without the service lock
+        free_slots = sum(r.count for r in free)
+        yield GaugeMetricFamily("netagg_slots_capacity", "Slots the controller hands out", value=allocator.capacity)
+        yield GaugeMetricFamily("netagg_slots_in_use", "Slots held by jobs", value=allocator.capacity - free_slots)
+        yield GaugeMetricFamily("netagg_slots_free", "Slots not held by any job", value=free_slots)
+        yield GaugeMetricFamily("netagg_slots_largest_free_range", "Largest contiguous free range (the biggest "
+                                "full grant possible now)", value=max((r.count for r in free), default=0))
+
+        admissions = CounterMetricFamily("netagg_admissions", "Job admission decisions since the controller started",
+                                         labels=["decision"])
+        decided = dict(self.service.admissions)
+        for decision in ADMISSION_DECISIONS:
+            admissions.add_metric([decision], decided.get(decision, 0))
+        yield admissions
+        yield CounterMetricFamily("netagg_lease_expiries", "Jobs reclaimed because their lease ran out",
+                                  value=self.lease_expiries())
+        yield GaugeMetricFamily("netagg_scrape_duration_seconds", "Time this scrape took to collect",
+                                value=time.monotonic() - started)
+
+
+class MetricsServer:
+    """The HTTP endpoint (prometheus_client's server, its own registry) in the daemon process."""
+
+    def __init__(self, address: str, collector: Collector) -> None:
+        host, _, port = address.rpartition(":")
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        self._server, self._thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0",
+                                                       registry=self.registry)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) actually bound (the port is chosen when the configured one is 0)."""
+        return self._server.server_address[:2]
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
