@@ -113,3 +113,33 @@ def test_cuda_tensors_go_through_host_memory(deployment, tmp_path: Path) -> None
     ranks, _ = _torchrun(deployment, 2, tmp_path / "cuda", device="cuda")
     assert all(r["netagg"]["netagg_allreduces"] >= STEPS for r in ranks)
     assert _jobs(deployment) == []
+
+
+def test_lease_expires_when_the_ranks_die(deployment, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from netagg.deployment import TENANT_TOKEN
+
+    environment = {**os.environ, "NETAGG_CONFIG": str(deployment.config_path), "NETAGG_TOKEN": TENANT_TOKEN,
+                   "NETAGG_WORKER_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1", "NETAGG_LEASE": "3"}
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                 "2", str(EXAMPLE), "--steps", "1000000"], env=environment, cwd=dp.REPO_ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not _jobs(deployment):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the job was never created"
+            time.sleep(0.2)
+        time.sleep(4)  # longer than the lease: rank 0 renews it
+        assert _jobs(deployment), "the lease expired although rank 0 renews it"
+    finally:  # SIGKILL the ranks (no shutdown path runs), then the launcher
+        children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
+        for pid in (children.read_text().split() if children.exists() else []):
+            os.kill(int(pid), signal.SIGKILL)
+        launcher.kill()
+        launcher.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while _jobs(deployment):
+        assert time.monotonic() < deadline, "the dead job's lease did not expire"
+        time.sleep(0.2)
