@@ -41,8 +41,6 @@ class ControllerDaemon:
         log.info("switch %s: %s; reconcile inserted %d, modified %d, deleted %d entries, "
                  "set %d and deleted %d groups", self.config.grpc_address, pipeline, report.inserted,
                  report.modified, report.deleted, report.groups_set, report.groups_deleted)
-        self.api = ApiServer(self.config.api_socket, self.service, self.config.tenants, self.config.admin_token)
-        self.api.start()
         if self.config.metrics_address is not None:
             collector = ControllerCollector(self.service, lambda: self.lease_expiries)
             try:
@@ -51,6 +49,8 @@ class ControllerDaemon:
                 raise ServiceError("invalid_argument", f"{self.config.source}: controller.metrics_address: cannot "
                                    f"listen on {self.config.metrics_address}: {err.strerror}") from None
             log.info("metrics on http://%s:%d/metrics", *self.metrics.address)
+        self.api = ApiServer(self.config.api_socket, self.service, self.config.tenants, self.config.admin_token)
+        self.api.start()
         log.info("controller ready: api on %s, %d jobs", self.config.api_socket, len(self.store.all()))
 
     def serve(self) -> None:

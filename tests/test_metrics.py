@@ -4,7 +4,9 @@ target), a worker's transport exporter, the metrics config key, and `netagg top 
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,7 +148,8 @@ def test_controller_and_worker_metrics_during_a_real_job(capsys, metrics_control
 def test_refused_and_fallback_admissions_are_counted(capsys, metrics_controller):
     controller, port = metrics_controller  # capacity 64, min_per_job 4
     cli(capsys, controller, "job", "create", "--slots", "64", "--workers", f"local:{free_udp_port()}")
-    cli(capsys, controller, "job", "create", "--slots", "8", "--ps", "ps0", "--workers", f"local:{free_udp_port()}")
+    cli(capsys, controller, "job", "create", "--slots", "8", "--ps", "ps0", "--lease", "1",
+        "--workers", f"local:{free_udp_port()}")
     code = main(["--config", str(controller.config), "--token", TOKENS["alice"], "job", "create", "--slots", "8",
                  "--workers", f"local:{free_udp_port()}"])
     assert code != 0
@@ -156,7 +159,13 @@ def test_refused_and_fallback_admissions_are_counted(capsys, metrics_controller)
                  if name == "netagg_admissions_total"}
     assert decisions == {"full": 1, "partial": 0, "fallback": 1, "refused": 1}
     assert samples[("netagg_slots_largest_free_range", ())] == 0
-    assert samples[("netagg_jobs", (("mode", "fallback"), ("state", "active")))] == 1
+    deadline = time.monotonic() + 20  # the fallback job's 1 s lease runs out; the daemon reclaims it
+    while samples[("netagg_lease_expiries_total", ())] == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        samples = scrape(port)
+    assert samples[("netagg_lease_expiries_total", ())] == 1
+    assert ("netagg_jobs", (("mode", "fallback"), ("state", "active"))) not in samples
+    assert samples[("netagg_jobs", (("mode", "allreduce"), ("state", "active")))] == 1
 
 
 def test_metrics_address_is_validated(tmp_path):
@@ -179,3 +188,15 @@ def test_worker_metrics_port_from_environment(monkeypatch):
     monkeypatch.setenv(worker_metrics.ENV_PORT, "nine")
     with pytest.raises(ValueError, match="NETAGG_METRICS_PORT"):
         worker_metrics.port_from_env()
+
+
+def test_metrics_port_in_use_is_a_clear_start_up_error(tmp_path, soft_switch):
+    path = config_for(tmp_path, soft_switch)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = yaml.safe_load(path.read_text())
+        config["controller"]["metrics_address"] = f"127.0.0.1:{taken.getsockname()[1]}"
+        path.write_text(yaml.safe_dump(config))
+        with pytest.raises(RuntimeError, match=r"exited 2:[\s\S]*controller\.metrics_address: cannot listen"):
+            start_controller(path, tmp_path / "controller.log")
