@@ -188,14 +188,17 @@ class BatchSwitch:
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel with the array types the loop uses, so the
-    first packets do not wait for the compiler (about 15 s on a 2-core machine, once per install)."""
-    rx = mmsg.MsgBatch(1, 128, LOOPBACK_HEADROOM)
-    in_len = np.zeros(1, np.int64)
+    first packets do not wait for the compiler (about 15 s on a 2-core machine, once per install).
+
+    The batches have the loop's shapes: numba specializes on memory layout, and a 1-row batch's
+    strided ``lengths`` view would count as contiguous and compile a version the loop never uses.
+    """
+    rx = mmsg.MsgBatch(mmsg.BATCH, 128, LOOPBACK_HEADROOM)
+    in_len = np.zeros(mmsg.BATCH, np.int64)
     kernels.loopback_frames(rx.buf, rx.lengths, rx.names, 0, LOOPBACK_HEADROOM, 0, in_len)
-    out = mmsg.MsgBatch(1, 128)
-    out_len, out_port = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    out = mmsg.MsgBatch(mmsg.BATCH, 128)
+    out_len, out_port = np.zeros(mmsg.BATCH, np.int64), np.zeros(mmsg.BATCH, np.int64)
     kernels.loopback_sends(out.buf, out_len, out_port, 0, 1, out.row_addr, out.names, out.name_addr, out.tx_words,
                            out.tx_iov_words)
     kernels.group_sends(out_len, out_port, 0, np.full(2, -1, np.int64), out.row_addr, out.tx_words,
                         out.tx_iov_words, np.zeros(1, np.int64))
-
