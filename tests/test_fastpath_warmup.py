@@ -15,10 +15,11 @@ from netagg.softswitch import fastpath
 if fastpath.unavailable():
     pytest.skip(f"compiled fast paths unavailable: {fastpath.unavailable()}", allow_module_level=True)
 
-from netagg.hoststack import transport_kernels  # noqa: E402
-from netagg.hoststack.testing import expected_allreduce, run_workers  # noqa: E402
-from netagg.softswitch import batch_switch, fastpath_kernels  # noqa: E402
-from netagg.softswitch.testing import LoopbackSwitch  # noqa: E402
+from netagg.hoststack import transport_kernels
+from netagg.hoststack.testing import expected_allreduce, run_workers
+from netagg.hoststack.transport import Transport
+from netagg.softswitch import batch_switch, fastpath_kernels
+from netagg.softswitch.testing import LoopbackSwitch
 
 
 def _signatures() -> dict[str, int]:
@@ -37,8 +38,6 @@ def test_a_job_through_the_batch_loop_compiles_nothing_after_warm_up():
     with LoopbackSwitch() as switch:  # the target warms its kernels before it starts
         assert isinstance(switch.target.switch, batch_switch.BatchSwitch)
         configs = switch.add_job(3, slot_count=32)
-        from netagg.hoststack.transport import Transport
-
         for config in configs:  # a transport warms its kernels when it is created
             Transport(config).close()
         before = _signatures()
