@@ -8,10 +8,11 @@ import threading
 
 from netagg.controller.api import ApiServer
 from netagg.controller.config import ControllerConfig
-from netagg.controller.metrics import ControllerCollector, MetricsServer
+from netagg.controller.metrics import ControllerCollector
 from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.service import JobService, ServiceError
 from netagg.controller.store import JobStore
+from netagg.metrics_http import MetricsServer
 
 log = logging.getLogger("netagg.controller")
 
@@ -44,7 +45,7 @@ class ControllerDaemon:
         if self.config.metrics_address is not None:
             collector = ControllerCollector(self.service, lambda: self.lease_expiries)
             try:
-                self.metrics = MetricsServer(self.config.metrics_address, collector)
+                self.metrics = MetricsServer.at(self.config.metrics_address, collector)
             except OSError as err:
                 raise ServiceError("invalid_argument", f"{self.config.source}: controller.metrics_address: cannot "
                                    f"listen on {self.config.metrics_address}: {err.strerror}") from None

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from p4.v1 import p4runtime_pb2 as p4rt
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -173,24 +172,3 @@ class ControllerCollector(Collector):
                                   value=self.lease_expiries())
         yield GaugeMetricFamily("netagg_scrape_duration_seconds", "Time this scrape took to collect",
                                 value=time.monotonic() - started)
-
-
-class MetricsServer:
-    """The HTTP endpoint (prometheus_client's server, its own registry) in the daemon process."""
-
-    def __init__(self, address: str, collector: Collector) -> None:
-        host, _, port = address.rpartition(":")
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(collector)
-        self._server, self._thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0",
-                                                       registry=self.registry)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """(host, port) actually bound (the port is chosen when the configured one is 0)."""
-        return self._server.server_address[:2]
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from netagg import wire
 from netagg.hoststack.transport import Transport
+from netagg.metrics_http import MetricsServer
 
 ENV_PORT = "NETAGG_METRICS_PORT"
 ENV_HOST = "NETAGG_METRICS_HOST"
@@ -75,21 +75,9 @@ class TransportCollector(Collector):
             yield gauge
 
 
-class WorkerExporter:
+class WorkerExporter(MetricsServer):
     """The HTTP endpoint of one worker (its own registry: several workers may share a process)."""
 
     def __init__(self, transport: Transport, port: int, host: str | None = None) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(TransportCollector(transport))
-        host = host if host is not None else os.environ.get(ENV_HOST, "127.0.0.1")
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """(host, port) the endpoint listens on."""
-        return self._server.server_address[:2]
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        super().__init__(host if host is not None else os.environ.get(ENV_HOST, "127.0.0.1"), port,
+                         TransportCollector(transport))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import select
 import socket
-import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,7 +21,7 @@ from netagg import mmsg, wire
 from netagg.softswitch import fastpath_kernels as kernels
 from netagg.softswitch.fastpath import FastPipeline
 from netagg.softswitch.ports import LoopbackUdpPort, Port, RawSocketPort
-from netagg.softswitch.switch import PortStats
+from netagg.softswitch.switch import PortLoop
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ def batch_unavailable(ports: Sequence[Port]) -> str | None:
     return None
 
 
-class BatchSwitch:
+class BatchSwitch(PortLoop):
     """Serves all ports from one thread, a batch at a time (interface of ``SoftSwitch``).
 
     Raw ports share one receive batch: every port that is ready when the loop wakes up adds
@@ -60,6 +59,7 @@ class BatchSwitch:
     takes the frame headers synthesized in front of each datagram.
     """
 
+    thread_name = "softswitch-batch"
     #: No fault injection here (the target uses SoftSwitch's per-packet loop for that).
     rx_faults = None
     tx_faults = None
@@ -68,11 +68,8 @@ class BatchSwitch:
         reason = batch_unavailable(ports)
         if reason:
             raise ValueError(reason)
+        super().__init__(ports)
         self.pipeline = pipeline
-        self.ports = {port.number: port for port in ports}
-        if len(self.ports) != len(ports):
-            raise ValueError("two ports share a number")
-        self.stats = PortStats()
         self._raw = [port for port in ports if isinstance(port, RawSocketPort)]
         self._loopback = [port for port in ports if isinstance(port, LoopbackUdpPort)]
         raw_rows = mmsg.BATCH * max(1, min(len(self._raw), 4))
@@ -93,19 +90,6 @@ class BatchSwitch:
         self._out = mmsg.MsgBatch(2 * raw_rows + 4 * mmsg.BATCH, STRIDE)
         self._out_len = np.zeros(self._out.capacity, np.int64)
         self._out_port = np.zeros(self._out.capacity, np.int64)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name="softswitch-batch", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        for port in self.ports.values():
-            port.close()
 
     def run(self) -> None:
         """Serve until stop()."""

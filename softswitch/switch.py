@@ -27,7 +27,36 @@ class PortStats:
     transmit_failed: int = 0
 
 
-class SoftSwitch:
+class PortLoop:
+    """One thread serving a set of ports until stop(): what every packet loop of the target shares."""
+
+    #: The serving thread's name.
+    thread_name = "softswitch"
+
+    def __init__(self, ports: Sequence[Port]) -> None:
+        self.ports = {port.number: port for port in ports}
+        if len(self.ports) != len(ports):
+            raise ValueError("two ports share a number")
+        self.stats = PortStats()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name=self.thread_name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for port in self.ports.values():
+            port.close()
+
+
+class SoftSwitch(PortLoop):
     """Moves frames between ports through ``process(frame, port) -> [(port, frame)]``.
 
     One thread serves all ports with a selector, so the pipeline sees one packet
@@ -42,26 +71,10 @@ class SoftSwitch:
         rx_faults: FaultInjector[tuple[bytes, int]] | None = None,
         tx_faults: FaultInjector[tuple[int, bytes]] | None = None,
     ) -> None:
+        super().__init__(ports)
         self.process = process
-        self.ports = {port.number: port for port in ports}
-        if len(self.ports) != len(ports):
-            raise ValueError("two ports share a number")
         self.rx_faults = rx_faults if rx_faults and rx_faults.active else None
         self.tx_faults = tx_faults if tx_faults and tx_faults.active else None
-        self.stats = PortStats()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name="softswitch", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        for port in self.ports.values():
-            port.close()
 
     def run(self) -> None:
         """Serve until stop(); one packet at a time."""
