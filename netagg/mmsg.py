@@ -6,7 +6,7 @@ batch size. :class:`MsgBatch` owns the packet buffer (``capacity`` rows of ``str
 bytes), the ``mmsghdr``/``iovec`` arrays the kernel reads and writes, and one 32-byte
 address slot per message (``sockaddr_in`` for UDP, ``sockaddr_ll`` for raw sockets).
 Compiled code (the software switch's fast path) can fill lengths and addresses directly
-in these arrays; Python code uses :meth:`MsgBatch.recv` and :meth:`MsgBatch.send`.
+in these arrays; :meth:`MsgBatch.recv` and :meth:`MsgBatch.send_prepared` make the calls.
 
 Only Linux on 64-bit little-endian machines has this layout; :data:`AVAILABLE` says
 whether it can be used here (callers fall back to one ``recvfrom``/``send`` per packet).
@@ -84,7 +84,7 @@ class MsgBatch:
         self._rx_words = self.rx_hdrs.view("<u4").reshape(capacity, 16)  # [:, 2] namelen, [:, 14] msg_len
         #: Lengths of the messages of the last :meth:`recv` (excluding the headroom): a view.
         self.lengths = self._rx_words[:, 14]
-        # Send side: filled per batch (by send_rows, or by compiled code through tx_words).
+        # Send side: filled per batch through tx_words / tx_iov_words (compiled code or numpy).
         self.tx_iov = np.zeros(capacity, IOVEC_DTYPE)
         self.tx_hdrs = np.zeros(capacity, MMSGHDR_DTYPE)
         self.tx_hdrs["iov"] = np.uint64(self.tx_iov.ctypes.data) + step * np.uint64(IOVEC_DTYPE.itemsize)
@@ -120,13 +120,6 @@ class MsgBatch:
             return 0
         raise OSError(err, os.strerror(err))
 
-    def sin_addresses(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Senders of the first ``count`` received UDP datagrams: (IPv4 as uint32, port), host order."""
-        names = self.names[:count]
-        addrs = names[:, SIN_ADDR:SIN_ADDR + 4].copy().view(">u4").reshape(count).astype(np.uint32)
-        ports = names[:, SIN_PORT:SIN_PORT + 2].copy().view(">u2").reshape(count).astype(np.uint16)
-        return addrs, ports
-
     # -- send ------------------------------------------------------------------
     def send_prepared(self, fd: int, count: int, first: int = 0) -> tuple[int, int]:
         """Send messages ``first .. first+count-1`` whose ``tx_iov`` and ``tx_hdrs`` name fields are filled.
@@ -147,32 +140,9 @@ class MsgBatch:
                 failed += 1
         return count - failed, failed
 
-    def send_rows(self, fd: int, rows: np.ndarray, lengths: np.ndarray | int, offset: int = 0,
-                  names: np.ndarray | None = None) -> tuple[int, int]:
-        """Send ``buf[row, offset:offset + length]`` for each row (a connected or bound socket when
-        ``names`` is None; otherwise ``names`` is a (n, 16) uint8 array of sockaddr_in).
-        Returns (sent, failed)."""
-        count = len(rows)
-        if count == 0:
-            return 0, 0
-        if count > self.capacity:
-            raise ValueError(f"{count} messages for a batch of {self.capacity}")
-        iov = self.tx_iov_words
-        iov[:count, 0] = self.row_addr[rows] + np.uint64(offset)
-        iov[:count, 1] = lengths
-        words = self.tx_words
-        if names is None:
-            words[:count, 0] = 0
-            words[:count, 1] = 0
-        else:
-            self.names[:count, :16] = names
-            words[:count, 0] = self.name_addr[:count]
-            words[:count, 1] = 16
-        return self.send_prepared(fd, count)
-
 
 def sockaddr_in(host: str, port: int) -> np.ndarray:
-    """One sockaddr_in as 16 bytes (for :meth:`MsgBatch.send_rows`'s ``names``)."""
+    """One sockaddr_in as 16 bytes (a destination for ``tx_words``' name pointers)."""
     out = np.zeros(16, np.uint8)
     out[0:2] = np.frombuffer(socket.AF_INET.to_bytes(2, sys.byteorder), np.uint8)
     out[2:4] = np.frombuffer(port.to_bytes(2, "big"), np.uint8)

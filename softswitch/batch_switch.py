@@ -36,8 +36,9 @@ PACKET_IGNORE_OUTGOING = 23
 SOL_PACKET = 263
 
 
-def batch_unavailable(ports: Sequence[Port]) -> str | None:
-    """Why these ports cannot be served in batches, or None."""
+def enable_batching(ports: Sequence[Port]) -> str | None:
+    """Prepare the ports for batched serving (raw sockets stop seeing the frames they send);
+    returns why these ports cannot be served in batches, or None."""
     for port in ports:
         if isinstance(port, RawSocketPort):
             try:
@@ -65,7 +66,7 @@ class BatchSwitch(PortLoop):
     tx_faults = None
 
     def __init__(self, pipeline: FastPipeline, ports: Sequence[Port]) -> None:
-        reason = batch_unavailable(ports)
+        reason = enable_batching(ports)
         if reason:
             raise ValueError(reason)
         super().__init__(ports)
@@ -78,6 +79,7 @@ class BatchSwitch(PortLoop):
         self._raw_port = np.zeros(raw_rows, np.int64)
         self._loop_rx = {port.number: mmsg.MsgBatch(mmsg.BATCH, STRIDE, LOOPBACK_HEADROOM) for port in self._loopback}
         self._loop_len = np.zeros(mmsg.BATCH, np.int64)
+        self._loop_port = {port.number: np.full(mmsg.BATCH, port.number, np.int64) for port in self._loopback}
         self._loop_ip = {port.number: int.from_bytes(socket.inet_aton(port.address[0]), "big")
                          for port in self._loopback}
         # Egress: raw ports by group (port_slot[number]), the loopback port sent to elsewhere (-2).
@@ -124,8 +126,7 @@ class BatchSwitch(PortLoop):
             self._process(rx.buf, in_len, in_port, fill)
 
     def _serve_loopback(self, port: LoopbackUdpPort) -> None:
-        rx, in_len = self._loop_rx[port.number], self._loop_len
-        in_port = np.full(mmsg.BATCH, port.number, np.int64)
+        rx, in_len, in_port = self._loop_rx[port.number], self._loop_len, self._loop_port[port.number]
         for _ in range(BATCHES_PER_TURN):
             count = rx.recv(port.fileno())
             if count == 0:

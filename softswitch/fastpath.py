@@ -209,10 +209,6 @@ class FastPipeline:
                 regs.exponents, regs.values)
         return start + done, emitted
 
-    def max_out(self) -> int:
-        with self.state.lock:
-            return self.tables().max_out
-
     def process(self, frame: bytes, ingress_port: int) -> list[tuple[int, bytes]]:
         """One frame (the reference model's interface); returns the frames it emits."""
         length = len(frame)

@@ -87,9 +87,9 @@ class SoftwareTarget:
         rx, tx = (faults or Faults()).injectors()
         self.switch: SoftSwitch | BatchSwitch
         if isinstance(self.pipeline, fastpath.FastPipeline) and not (rx.active or tx.active):
-            from netagg.softswitch.batch_switch import BatchSwitch, batch_unavailable, warm_up  # needs numba
+            from netagg.softswitch.batch_switch import BatchSwitch, enable_batching, warm_up  # needs numba
 
-            if (why := batch_unavailable(ports)) is None:
+            if (why := enable_batching(ports)) is None:
                 warm_up()
                 self.switch = BatchSwitch(self.pipeline, ports)
             else:
