@@ -16,8 +16,13 @@ import os
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from netagg.hoststack.transport import TransportStats
+    from netagg.jobconfig import WorkerConfig
 
 
 def tensor_for(rank: int, size: int) -> np.ndarray:
@@ -26,23 +31,29 @@ def tensor_for(rank: int, size: int) -> np.ndarray:
     return (rng.standard_normal(size) * 10.0 ** rng.uniform(-3, 1, size)).astype(np.float32)
 
 
-def _netagg(config_path: str, size: int, iterations: int,
-            congestion_control: bool = True) -> tuple[list[float], np.ndarray, dict]:
+def time_allreduce(config: WorkerConfig, data: np.ndarray, iterations: int, congestion_control: bool = True,
+                   ) -> tuple[list[float], np.ndarray, TransportStats]:
+    """One warm-up allreduce (its result is returned), then ``iterations`` timed ones; the transport's stats."""
     from netagg.hoststack.kv import KVWorker
-    from netagg.jobconfig import WorkerConfig
 
-    config = WorkerConfig.load(config_path)
-    data = tensor_for(config.rank, size)
     with KVWorker(config, progress_timeout=60.0, congestion_control=congestion_control) as worker:
-        result = worker.allreduce(data)  # warm-up (and the result we report)
+        result = worker.allreduce(data)
         times = []
         for _ in range(iterations):
             start = time.perf_counter()
             worker.allreduce(data)
             times.append(time.perf_counter() - start)
-        stats = worker.transport.stats
-        extra = {"packets_sent": stats.packets_sent, "retransmissions": stats.retransmissions,
-                 "window_decreases": stats.window_decreases, "smallest_window": stats.smallest_window}
+    return times, result, worker.transport.stats
+
+
+def _netagg(config_path: str, size: int, iterations: int,
+            congestion_control: bool = True) -> tuple[list[float], np.ndarray, dict]:
+    from netagg.jobconfig import WorkerConfig
+
+    config = WorkerConfig.load(config_path)
+    times, result, stats = time_allreduce(config, tensor_for(config.rank, size), iterations, congestion_control)
+    extra = {"packets_sent": stats.packets_sent, "retransmissions": stats.retransmissions,
+             "window_decreases": stats.window_decreases, "smallest_window": stats.smallest_window}
     return times, result, extra
 
 

@@ -32,12 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.allreduce_worker import tensor_for
+from benchmarks.allreduce_worker import tensor_for, time_allreduce
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.hoststack import blocks as blk
 from netagg.hoststack import quantization as qz
-from netagg.hoststack.kv import KVWorker
 from netagg.hoststack.testing import expected_allreduce
 from netagg.jobconfig import Endpoint, WorkerConfig
 from netagg.localports import free_ports
@@ -56,15 +55,8 @@ def _probe(windows: list[int], seconds: float) -> dict[int, float]:
 
 
 def _time_in_process(config: WorkerConfig, data: np.ndarray, iterations: int) -> tuple[list[float], str, dict]:
-    with KVWorker(config, progress_timeout=60.0) as worker:
-        digest = _digest(worker.allreduce(data))  # warm-up, and the result checked
-        times = []
-        for _ in range(iterations):
-            start = time.perf_counter()
-            worker.allreduce(data)
-            times.append(time.perf_counter() - start)
-        stats = worker.transport.stats
-    return times, digest, {"retransmissions": stats.retransmissions, "smallest_window": stats.smallest_window}
+    times, result, stats = time_allreduce(config, data, iterations)
+    return times, _digest(result), {"retransmissions": stats.retransmissions, "smallest_window": stats.smallest_window}
 
 
 def _time_in_worker_process(config: WorkerConfig, size: int, iterations: int, workdir: Path) -> tuple[list[float],
