@@ -31,8 +31,9 @@ from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.metrics import WorkerExporter, port_from_env
 from netagg.hoststack.packets import resolve
 from netagg.hoststack.psproto import PsClient, PsError
+from netagg.hoststack.sparse import SparseTable
 from netagg.hoststack.transport import Transport
-from netagg.jobconfig import WorkerConfig
+from netagg.jobconfig import ConfigError, WorkerConfig
 
 __all__ = ["KVWorker", "PsError"]
 
@@ -146,6 +147,26 @@ class KVWorker:
         flat = blocks.reshape(-1)
         arrays = [flat[s.first_block * wire.K:s.first_block * wire.K + s.size].copy() for s in layout.segments]
         return self._submit(self._init, layout.keys, arrays, [s.shape for s in layout.segments])
+
+    def sparse_table(self, table: int, num_rows: int, width: int, **options: Any) -> SparseTable:
+        """A sparse (Libra) table of this job: see :mod:`netagg.hoststack.sparse` for the options."""
+        return SparseTable(self, table, num_rows, width, **options)
+
+    def submit(self, fn: Any, *args: Any) -> int:
+        """Run ``fn(*args)`` on the engine thread after every earlier call; returns a timestamp for :meth:`wait`."""
+        return self._submit(fn, *args)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """``submit`` and wait: ``fn(*args)``'s result, in call order with the other operations."""
+        return self.wait(self._submit(fn, *args))
+
+    def ps_connection(self) -> PsClient:
+        """The connection to the job's PS (opened at the first use outside ps mode); ConfigError without a PS."""
+        if self._ps is None:
+            if self.config.ps is None:
+                raise ConfigError(f"job {self.config.job_id} has no parameter server (create it with --ps)")
+            self._ps = PsClient(resolve(self.config.ps), timeout=self.ps_timeout, secret=self.config.secret)
+        return self._ps
 
     @property
     def metrics_address(self) -> tuple[str, int] | None:

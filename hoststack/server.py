@@ -11,7 +11,10 @@ for the control protocol of :mod:`~netagg.hoststack.psproto`.
   of data blocks, and when a worker COMMITs a push (layout and global exponents) it
   decodes the aggregate, asks for blocks it missed (REPAIR) and applies the handle per
   key. PULL returns the stored values once a given push is applied.
-* ``allreduce`` mode needs no PS.
+* ``allreduce`` mode needs no PS, except for sparse tables.
+
+In every mode the PS also serves *sparse tables* (Libra, :mod:`~netagg.hoststack.sparse_store`):
+the workers push the cold rows of each iteration over TCP and pull their aggregate.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from netagg.hoststack import quantization as qz
 from netagg.hoststack.aggregator import SoftAggregator
 from netagg.hoststack.blocks import blocks_for
 from netagg.hoststack.envconfig import config_from_env
+from netagg.hoststack.hotset import COUNT_DTYPE, KEY_DTYPE, HotSet
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, resolve, slot_count_of, udp_socket
 from netagg.hoststack.psproto import ConnectionClosed, ProtocolError, recv_frame, send_frame
+from netagg.hoststack.sparse_store import ROW_DTYPE, TableSpec, TableState, check_rows, pack_arrays, unpack_arrays
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig, endpoint_arg
 from netagg.shutdown import stop_event
 
@@ -47,6 +52,8 @@ log = logging.getLogger(__name__)
 Handle = Callable[[dict[int, np.ndarray], int, np.ndarray, int], None]
 _POLL_SECONDS = 0.1
 _HALF_SEQ_SPACE = 1 << 30
+#: Sparse tables one PS holds at most (each keeps two iterations of cold rows).
+MAX_TABLES = 64
 
 
 def sum_store(store: dict[int, np.ndarray], key: int, aggregate: np.ndarray, num_workers: int) -> None:
@@ -133,8 +140,8 @@ class KVServer:
         pull_timeout: float = 30.0,
         pending_limit: int = 1 << 21,
     ) -> None:
-        if config.mode not in ("ps", "fallback"):
-            raise ConfigError(f"mode: a parameter server serves ps or fallback jobs, not {config.mode}")
+        if config.ps is None and bind is None:
+            raise ConfigError(f"mode: a {config.mode} job without a ps endpoint has no parameter server")
         self.config = config
         self.mode = config.mode
         self.num_workers = config.num_workers
@@ -159,6 +166,8 @@ class KVServer:
         self.store: dict[int, np.ndarray] = {}
         self.stats = ServerStats()
         self._rounds: dict[int, _PushRound] = {}
+        #: Sparse tables by id (Libra): cold rows per iteration and the hot set.
+        self.tables: dict[int, TableState] = {}
         self._next_apply = 0
         self._pending: dict[int, bytes] = {}
         self._cond = threading.Condition()
@@ -349,7 +358,9 @@ class KVServer:
             raise ValueError(f"request for job {header.get('job_id')}, this PS serves job {self.config.job_id}")
         jobsecret.require(self.config.secret, header, self._count_bad_secret)
         handler = {"hello": self._op_hello, "commit": self._op_commit, "repair": self._op_repair,
-                   "pull": self._op_pull, "init": self._op_init}.get(op)
+                   "pull": self._op_pull, "init": self._op_init, "sparse_open": self._op_sparse_open,
+                   "sparse_push": self._op_sparse_push, "sparse_pull": self._op_sparse_pull,
+                   "sparse_sync": self._op_sparse_sync}.get(op)
         if handler is None:
             raise ValueError(f"unknown op {op!r}")
         return handler(header, blob)
@@ -434,6 +445,64 @@ class KVServer:
                 self.store[key] = values[start:start + size].copy()
                 start += size
         return {"ok": True}, b""
+
+    # -- sparse tables (Libra) ------------------------------------------------
+    def _table(self, header: dict[str, Any]) -> TableState:
+        table = self.tables.get(int(header["table"]))
+        if table is None:
+            raise ValueError(f"sparse table {header['table']} was not opened")
+        return table
+
+    def _op_sparse_open(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        spec = TableSpec.from_header(header)
+        with self._cond:
+            table = self.tables.get(spec.table)
+            if table is None:
+                if len(self.tables) >= MAX_TABLES:
+                    raise ValueError(f"this PS holds {MAX_TABLES} sparse tables already")
+                table = self.tables[spec.table] = TableState(spec, self.num_workers)
+            elif table.spec != spec:
+                raise ValueError(f"sparse table {spec.table} is open as {table.spec}, this worker asks {spec}")
+        return {"ok": True}, b""
+
+    def _op_sparse_push(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        table = self._table(header)
+        count, report_count = int(header["count"]), int(header.get("report_count", -1))
+        width = table.spec.width
+        if report_count >= 0:
+            keys, rows, report_keys, report_counts = unpack_arrays(
+                blob, (KEY_DTYPE, count, 0), (ROW_DTYPE, count, width), (KEY_DTYPE, report_count, 0),
+                (COUNT_DTYPE, report_count, 0))
+            report = (report_keys, report_counts)
+            check_rows(report_keys, np.empty((report_count, 0), ROW_DTYPE), table.spec.num_rows, 0)
+        else:
+            keys, rows = unpack_arrays(blob, (KEY_DTYPE, count, 0), (ROW_DTYPE, count, width))
+            report = None
+        table.push(int(header["rank"]), int(header["iteration"]), int(header["version"]), keys, rows, report)
+        return {"ok": True}, b""
+
+    def _op_sparse_pull(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        table = self._table(header)
+        iteration, count = int(header["iteration"]), int(header["count"])
+        asked = unpack_arrays(blob, (KEY_DTYPE, count, 0))[0] if count >= 0 else None
+        timeout = min(float(header.get("timeout", self.pull_timeout)), self.pull_timeout)
+        keys, rows = table.pull(iteration, asked, timeout)
+        response, hot_blob = _hot_set_response(table.sync(iteration + 1, timeout), int(header["version"]))
+        return {**response, "count": int(keys.size)}, pack_arrays(keys, rows, hot_blob)
+
+    def _op_sparse_sync(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        table = self._table(header)
+        timeout = min(float(header.get("timeout", self.pull_timeout)), self.pull_timeout)
+        response, hot_blob = _hot_set_response(table.sync(int(header["iteration"]), timeout),
+                                               int(header["version"]))
+        return response, hot_blob.tobytes()
+
+
+def _hot_set_response(hot: HotSet, known_version: int) -> tuple[dict[str, Any], np.ndarray]:
+    """The hot set as response fields, with its keys only when the worker does not hold that version."""
+    keys = hot.keys if hot.version != known_version else np.empty(0, KEY_DTYPE)
+    return {"ok": True, "hot_version": hot.version, "hot_effective": hot.effective,
+            "hot_count": int(keys.size) if hot.version != known_version else -1}, keys
 
 
 def _bind_pair(address: tuple[str, int], attempts: int = 20) -> tuple[socket.socket, socket.socket]:
