@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from netagg.hoststack.hotset import KEY_DTYPE, MAX_ROWS, HotSet, choose_hot_set, merge_reports
+from netagg.hoststack.hotset import MAX_ROWS, HotSet, choose_hot_set, merge_reports
 
 #: Placements of a table: every row at the PS, the hot set in the switch (Libra), or every row in the switch.
 PLACEMENTS = ("ps", "libra", "switch")
@@ -166,12 +166,9 @@ class TableState:
         parts = [entry.pushes[r] for r in range(self.num_workers)]
         keys = np.concatenate([k for k, _ in parts])
         rows = np.concatenate([r for _, r in parts]) if keys.size else np.empty((0, self.spec.width), ROW_DTYPE)
-        order = np.argsort(keys, kind="stable")  # ties keep rank order: the sum is reproducible
-        keys, rows = keys[order], rows[order]
-        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if keys.size else np.empty(0, np.intp)
-        entry.keys = keys[starts].astype(KEY_DTYPE, copy=False)
-        entry.rows = np.add.reduceat(rows, starts, axis=0).astype(ROW_DTYPE, copy=False) if keys.size \
-            else rows.astype(ROW_DTYPE)
+        entry.keys, inverse = np.unique(keys, return_inverse=True)
+        entry.rows = np.zeros((entry.keys.size, self.spec.width), ROW_DTYPE)
+        np.add.at(entry.rows, inverse, rows)  # one row at a time, in rank order: every reader gets the same floats
         entry.pushes.clear()
         self._completed = iteration
         self.stats.iterations += 1
