@@ -467,18 +467,21 @@ class KVServer:
 
     def _op_sparse_push(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
         table = self._table(header)
-        count, report_count = int(header["count"]), int(header.get("report_count", -1))
-        width = table.spec.width
+        count, width = int(header["count"]), table.spec.width
+        report_count, handover_count = int(header.get("report_count", -1)), int(header.get("handover_count", -1))
+        layout = [(KEY_DTYPE, count, 0), (ROW_DTYPE, count, width)]
         if report_count >= 0:
-            keys, rows, report_keys, report_counts = unpack_arrays(
-                blob, (KEY_DTYPE, count, 0), (ROW_DTYPE, count, width), (KEY_DTYPE, report_count, 0),
-                (COUNT_DTYPE, report_count, 0))
-            report = (report_keys, report_counts)
-            check_rows(report_keys, np.empty((report_count, 0), ROW_DTYPE), table.spec.num_rows, 0)
-        else:
-            keys, rows = unpack_arrays(blob, (KEY_DTYPE, count, 0), (ROW_DTYPE, count, width))
-            report = None
-        table.push(int(header["rank"]), int(header["iteration"]), int(header["version"]), keys, rows, report)
+            layout += [(KEY_DTYPE, report_count, 0), (COUNT_DTYPE, report_count, 0)]
+        if handover_count >= 0:
+            layout += [(KEY_DTYPE, handover_count, 0), (ROW_DTYPE, handover_count, width)]
+        arrays = unpack_arrays(blob, *layout)
+        keys, rows = arrays[0], arrays[1]
+        report = (arrays[2], arrays[3]) if report_count >= 0 else None
+        handover = (arrays[-2], arrays[-1]) if handover_count >= 0 else None
+        if report is not None:
+            check_rows(report[0], np.empty((report_count, 0), ROW_DTYPE), table.spec.num_rows, 0)
+        table.push(int(header["rank"]), int(header["iteration"]), int(header["version"]), keys, rows, report,
+                   handover)
         return {"ok": True}, b""
 
     def _op_sparse_pull(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
@@ -487,22 +490,23 @@ class KVServer:
         asked = unpack_arrays(blob, (KEY_DTYPE, count, 0))[0] if count >= 0 else None
         timeout = min(float(header.get("timeout", self.pull_timeout)), self.pull_timeout)
         keys, rows = table.pull(iteration, asked, timeout)
-        response, hot_blob = _hot_set_response(table.sync(iteration + 1, timeout), int(header["version"]))
-        return {**response, "count": int(keys.size)}, pack_arrays(keys, rows, hot_blob)
+        response, hot_blob = _hot_set_response(table, table.sync(iteration + 1, timeout), int(header["version"]))
+        return {**response, "count": int(keys.size)}, pack_arrays(keys, rows) + hot_blob
 
     def _op_sparse_sync(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
         table = self._table(header)
         timeout = min(float(header.get("timeout", self.pull_timeout)), self.pull_timeout)
-        response, hot_blob = _hot_set_response(table.sync(int(header["iteration"]), timeout),
-                                               int(header["version"]))
-        return response, hot_blob.tobytes()
+        return _hot_set_response(table, table.sync(int(header["iteration"]), timeout), int(header["version"]))
 
 
-def _hot_set_response(hot: HotSet, known_version: int) -> tuple[dict[str, Any], np.ndarray]:
-    """The hot set as response fields, with its keys only when the worker does not hold that version."""
-    keys = hot.keys if hot.version != known_version else np.empty(0, KEY_DTYPE)
-    return {"ok": True, "hot_version": hot.version, "hot_effective": hot.effective,
-            "hot_count": int(keys.size) if hot.version != known_version else -1}, keys
+def _hot_set_response(table: TableState, hot: HotSet, known_version: int) -> tuple[dict[str, Any], bytes]:
+    """The hot set as response fields; its keys (and, sgd, the arriving rows' weights) when the worker lacks it."""
+    if hot.version == known_version:
+        return {"ok": True, "hot_version": hot.version, "hot_effective": hot.effective, "hot_count": -1,
+                "arriving": 0}, b""
+    arriving, weights = table.arriving(hot, known_version)
+    return ({"ok": True, "hot_version": hot.version, "hot_effective": hot.effective, "hot_count": int(hot.keys.size),
+             "arriving": int(arriving.size)}, pack_arrays(hot.keys, arriving, weights))
 
 
 def _bind_pair(address: tuple[str, int], attempts: int = 20) -> tuple[socket.socket, socket.socket]:

@@ -20,6 +20,13 @@ Placements:
 * ``ps``: every row goes to the PS (the PS-lite baseline).
 * ``switch``: the whole table goes through the switch densely every iteration (no PS;
   sensible only for a table that is small next to the data the job moves anyway).
+
+Updates: with ``update="sum"`` (the default) a pull returns aggregates as above. With
+``update="sgd"`` the table holds weights (PS-lite's usual embedding table): the PS owns
+the cold rows and applies ``w -= lr / N * aggregate``, every worker keeps a replica of the
+hot rows and applies the same step to the switch's sums, and ``pull(keys)`` returns the
+current weights of ``keys`` (hot rows locally, the others from the PS). When the hot set
+changes the weights move with the rows (see :mod:`~netagg.hoststack.sparse_store`).
 """
 
 from __future__ import annotations
@@ -31,7 +38,15 @@ import numpy as np
 from netagg import wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.hotset import COUNT_DTYPE, KEY_DTYPE, FrequencySampler, HotSet
-from netagg.hoststack.sparse_store import PLACEMENTS, ROW_DTYPE, TableSpec, check_rows, pack_arrays, unpack_arrays
+from netagg.hoststack.sparse_store import (
+    PLACEMENTS,
+    ROW_DTYPE,
+    TableSpec,
+    check_rows,
+    initial_rows,
+    pack_arrays,
+    unpack_arrays,
+)
 
 if TYPE_CHECKING:
     from netagg.hoststack.kv import KVWorker
@@ -44,7 +59,8 @@ class SparseTable:
 
     def __init__(self, worker: KVWorker, table: int, num_rows: int, width: int, *, placement: str = "libra",
                  hot_rounds: int = 1, capacity: int | None = None, report_every: int = 10, decay: float = 0.8,
-                 sample_rate: float = 0.5, min_gain: float = 0.05, seed: int = 0) -> None:
+                 sample_rate: float = 0.5, min_gain: float = 0.05, update: str = "sum", lr: float = 0.0,
+                 init_scale: float = 0.01, seed: int = 0) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement {placement!r} is not one of {', '.join(PLACEMENTS)}")
         if hot_rounds < 1:
@@ -53,12 +69,20 @@ class SparseTable:
         if capacity is None:
             capacity = {"ps": 0, "switch": num_rows}.get(placement, config.slot_count * wire.K * hot_rounds // width)
         capacity = min(capacity, num_rows)
-        self.spec = TableSpec(table, num_rows, width, placement, capacity, report_every, min_gain)
+        self.spec = TableSpec(table, num_rows, width, placement, capacity, report_every, min_gain, update, lr,
+                              init_scale if update == "sgd" else 0.0, seed)
+        self._sgd = update == "sgd"
+        self._step = np.float32(lr / config.num_workers)
         self.worker = worker
         self.rank = config.rank
         #: The next iteration this worker pushes; the hot set it holds and from which iteration on.
         self.iteration = 0
         self.hot = HotSet(0, 0, np.arange(num_rows, dtype=KEY_DTYPE)) if placement == "switch" else HotSet.empty()
+        #: sgd: this worker's replica of the hot rows' weights (aligned with ``hot.keys``), and the rows that
+        #: left the hot set with their weights until rank 0 handed them over to the PS.
+        self.hot_weights = initial_rows(self.hot.keys, width, self.spec.init_scale, seed) if self._sgd \
+            else np.empty((0, width), ROW_DTYPE)
+        self._leaving: tuple[np.ndarray, np.ndarray] | None = None
         self._hot_known_for = 0
         self._sampler = FrequencySampler(decay, sample_rate, max(4 * capacity, 1024), seed=seed * 7919 + self.rank)
         #: The last push: its iteration, the hot set it used and the dense aggregate of its hot rows.
@@ -66,7 +90,7 @@ class SparseTable:
         self.stats = {"hot_rows": 0, "cold_rows": 0, "pulled_rows": 0, "syncs": 0, "hot_changes": 0}
         self._ps = worker.ps_connection() if placement != "switch" else None
         if self._ps is not None:
-            worker.call(self._request, {"op": "sparse_open", **_spec_fields(self.spec)})
+            worker.call(self._request, {"op": "sparse_open", **self.spec.fields()})
 
     # -- API -------------------------------------------------------------------
     def push(self, keys: Any, rows: Any) -> int:
@@ -78,7 +102,9 @@ class SparseTable:
         return self.worker.submit(self._push, keys, rows)
 
     def pull(self, keys: Any = None) -> int:
-        """The aggregate of the last push: ``wait`` gives the rows of ``keys``, or ``(keys, rows)`` of all."""
+        """The last push's aggregate (sum) or the weights after it (sgd) of ``keys``; sum: ``(keys, rows)`` of all."""
+        if keys is None and self._sgd:
+            raise ValueError("a pull of weights names its rows")
         if keys is not None:
             keys = np.ascontiguousarray(keys, dtype=KEY_DTYPE)
             check_rows(keys, np.empty((keys.size, 0), ROW_DTYPE), self.spec.num_rows, 0)
@@ -101,17 +127,33 @@ class SparseTable:
         timeout = self.worker.ps_timeout
         return self._ps.request({**header, "timeout": timeout}, blob, timeout=timeout + 5)
 
-    def _learn(self, response: dict[str, Any], hot_keys: np.ndarray) -> None:
-        """Take the hot set a sync or pull response names (its keys come only when the version is new)."""
-        if int(response["hot_count"]) >= 0 and int(response["hot_version"]) != self.hot.version:
-            self.hot = HotSet(int(response["hot_version"]), int(response["hot_effective"]), hot_keys)
-            self.stats["hot_changes"] += 1
+    def _learn(self, response: dict[str, Any], blob: memoryview) -> None:
+        """Take the hot set a sync or pull response announces (its keys come only when the version is new)."""
+        hot_count, arriving = int(response["hot_count"]), int(response["arriving"])
+        if hot_count < 0:
+            if len(blob):
+                raise ValueError(f"{len(blob)} unexpected bytes after the response")
+            return
+        keys, new_keys, new_rows = unpack_arrays(blob, (KEY_DTYPE, hot_count, 0), (KEY_DTYPE, arriving, 0),
+                                                 (ROW_DTYPE, arriving, self.spec.width))
+        if self._sgd:
+            weights = np.empty((keys.size, self.spec.width), ROW_DTYPE)
+            kept = np.isin(keys, self.hot.keys, assume_unique=True)
+            weights[kept] = self.hot_weights[np.searchsorted(self.hot.keys, keys[kept])]
+            if not np.array_equal(keys[~kept], new_keys):
+                raise ValueError(f"the PS sent weights of {new_keys.size} arriving rows, expected {(~kept).sum()}")
+            weights[~kept] = new_rows
+            gone = ~np.isin(self.hot.keys, keys, assume_unique=True)
+            self._leaving = (self.hot.keys[gone], self.hot_weights[gone])
+            self.hot_weights = weights
+        self.hot = HotSet(int(response["hot_version"]), int(response["hot_effective"]), keys)
+        self.stats["hot_changes"] += 1
 
     def _push(self, keys: np.ndarray, rows: np.ndarray) -> None:
         t = self.iteration
         if self._ps is not None and self._hot_known_for < t:  # the previous iteration was not pulled
             response, blob = self._request({"op": "sparse_sync", "iteration": t, "version": self.hot.version})
-            self._learn(response, unpack_arrays(blob, (KEY_DTYPE, max(int(response["hot_count"]), 0), 0))[0])
+            self._learn(response, memoryview(blob))
             self._hot_known_for = t
             self.stats["syncs"] += 1
         hot_keys = self.hot.keys
@@ -129,12 +171,19 @@ class SparseTable:
                 report_keys, report_counts = self._sampler.report(2 * self.spec.capacity)
                 header["report_count"] = int(report_keys.size)
                 arrays += [report_keys, report_counts.astype(COUNT_DTYPE)]
+            if self._leaving is not None and t == self.hot.effective:
+                if self.rank == 0:  # everyone holds the same weights; one copy is enough
+                    header["handover_count"] = int(self._leaving[0].size)
+                    arrays += list(self._leaving)
+                self._leaving = None
             self._request(header, pack_arrays(*arrays))
         aggregate = np.empty((0, self.spec.width), ROW_DTYPE)
         if hot_keys.size:
             dense = np.zeros(hot_keys.size * self.spec.width, np.float32)
             dense.reshape(hot_keys.size, self.spec.width)[where[is_hot]] = rows[is_hot]
             aggregate = self._exchange(dense).reshape(hot_keys.size, self.spec.width)
+            if self._sgd:
+                self.hot_weights -= self._step * aggregate
         self._last = (t, hot_keys, aggregate)
         self.iteration = t + 1
         self.stats["hot_rows"] += int(is_hot.sum())
@@ -151,34 +200,38 @@ class SparseTable:
         if self._last is None:
             raise KeyError(f"sparse table {self.spec.table}: nothing was pushed yet")
         t, hot_keys, hot_rows = self._last
-        cold_keys, cold_rows = np.empty(0, KEY_DTYPE), np.empty((0, self.spec.width), ROW_DTYPE)
+        if self._sgd:  # the replica, and the rows that left it until rank 0 hands them over: the PS's are stale
+            hot_keys, hot_rows = self.hot.keys, self.hot_weights
+            if self._leaving is not None:
+                hot_keys = np.concatenate([hot_keys, self._leaving[0]])
+                order = np.argsort(hot_keys)
+                hot_keys, hot_rows = hot_keys[order], np.concatenate([hot_rows, self._leaving[1]])[order]
+        cold_keys, cold_rows, response, rest = np.empty(0, KEY_DTYPE), np.empty((0, self.spec.width), ROW_DTYPE), \
+            None, memoryview(b"")
         if self._ps is not None:
             asked = keys if keys is None else keys[~np.isin(keys, hot_keys, assume_unique=True)]
             header = {"op": "sparse_pull", "iteration": t, "version": self.hot.version,
                       "count": -1 if asked is None else int(asked.size)}
             response, blob = self._request(header, b"" if asked is None else pack_arrays(asked))
-            count, hot_count = int(response["count"]), max(int(response["hot_count"]), 0)
-            cold_keys, cold_rows, next_hot = unpack_arrays(
-                blob, (KEY_DTYPE, count, 0), (ROW_DTYPE, count, self.spec.width), (KEY_DTYPE, hot_count, 0))
-            self._learn(response, next_hot)
-            self._hot_known_for = t + 1
+            count, width = int(response["count"]), self.spec.width
+            split = count * (KEY_DTYPE.itemsize + 4 * width)
+            cold_keys, cold_rows = unpack_arrays(memoryview(blob)[:split], (KEY_DTYPE, count, 0),
+                                                 (ROW_DTYPE, count, width))
+            rest = memoryview(blob)[split:]
         if keys is None:
             all_keys = np.concatenate([hot_keys, cold_keys])
             order = np.argsort(all_keys, kind="stable")
-            result = all_keys[order], np.concatenate([hot_rows, cold_rows])[order]
-            self.stats["pulled_rows"] += all_keys.size
-            return result
-        out = np.zeros((keys.size, self.spec.width), ROW_DTYPE)
-        where = np.searchsorted(hot_keys, keys)
-        is_hot = where < hot_keys.size
-        is_hot[is_hot] = hot_keys[where[is_hot]] == keys[is_hot]
-        out[is_hot] = hot_rows[where[is_hot]]
-        if cold_keys.size:
-            out[~is_hot] = cold_rows
-        self.stats["pulled_rows"] += keys.size
-        return out
-
-
-def _spec_fields(spec: TableSpec) -> dict[str, Any]:
-    return {"num_rows": spec.num_rows, "width": spec.width, "placement": spec.placement, "capacity": spec.capacity,
-            "report_every": spec.report_every, "min_gain": spec.min_gain}
+            result: Any = (all_keys[order], np.concatenate([hot_rows, cold_rows])[order])
+        else:
+            result = np.zeros((keys.size, self.spec.width), ROW_DTYPE)
+            where = np.searchsorted(hot_keys, keys)
+            is_hot = where < hot_keys.size
+            is_hot[is_hot] = hot_keys[where[is_hot]] == keys[is_hot]
+            result[is_hot] = hot_rows[where[is_hot]]
+            if cold_keys.size:
+                result[~is_hot] = cold_rows
+        self.stats["pulled_rows"] += len(result[0]) if keys is None else keys.size
+        if response is not None:
+            self._learn(response, rest)
+            self._hot_known_for = t + 1
+        return result

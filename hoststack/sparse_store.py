@@ -12,6 +12,15 @@ made with any other version, or that sends a hot row to the PS, is refused (Valu
 which the server returns as the request's error), never summed.
 
 The aggregates of the last ``keep`` complete iterations are kept; older ones are dropped.
+
+With ``update="sgd"`` the PS owns the weights of the cold rows (a :class:`RowStore`;
+rows start at a small random value derived from the key) and applies
+``w -= lr / N * aggregate`` when an iteration completes; a pull returns weights. The
+workers keep replicas of the hot rows and apply the same step to the switch's sums. At a
+switch-over the weights move with the rows: the answer that announces a new hot set
+carries the PS's weights of the rows that become hot, and rank 0's first push under the
+new set hands over its weights of the rows that leave it, before that iteration can
+complete, so no update is lost or applied twice.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import numpy as np
 
 from netagg.hoststack.hotset import MAX_ROWS, HotSet, choose_hot_set, merge_reports
 
+#: What a pull returns: the iteration's aggregate, or the weights after the PS's SGD step.
+UPDATES = ("sum", "sgd")
 #: Placements of a table: every row at the PS, the hot set in the switch (Libra), or every row in the switch.
 PLACEMENTS = ("ps", "libra", "switch")
 ROW_DTYPE = np.dtype("<f4")
@@ -43,6 +54,10 @@ class TableSpec:
     capacity: int
     report_every: int
     min_gain: float
+    update: str = "sum"
+    lr: float = 0.0
+    init_scale: float = 0.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.table < 1 << 31:
@@ -57,11 +72,21 @@ class TableSpec:
             raise ValueError(f"capacity {self.capacity} not in 0..num_rows")
         if self.report_every < 1 or not 0.0 <= self.min_gain <= 10.0:
             raise ValueError(f"report_every {self.report_every} must be >= 1, min_gain {self.min_gain} in 0..10")
+        if self.update not in UPDATES:
+            raise ValueError(f"update {self.update!r} is not one of {', '.join(UPDATES)}")
+        if not (np.isfinite(self.lr) and np.isfinite(self.init_scale) and self.init_scale >= 0):
+            raise ValueError(f"lr {self.lr} and init_scale {self.init_scale} must be finite, init_scale >= 0")
 
     @classmethod
     def from_header(cls, header: dict) -> TableSpec:
         return cls(int(header["table"]), int(header["num_rows"]), int(header["width"]), str(header["placement"]),
-                   int(header["capacity"]), int(header["report_every"]), float(header["min_gain"]))
+                   int(header["capacity"]), int(header["report_every"]), float(header["min_gain"]),
+                   str(header.get("update", "sum")), float(header.get("lr", 0.0)),
+                   float(header.get("init_scale", 0.0)), int(header.get("seed", 0)))
+
+    def fields(self) -> dict:
+        """The spec as request fields (``from_header`` reads them back)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 def check_rows(keys: np.ndarray, rows: np.ndarray, num_rows: int, width: int) -> None:
@@ -77,6 +102,61 @@ def check_rows(keys: np.ndarray, rows: np.ndarray, num_rows: int, width: int) ->
             raise ValueError("keys must be sorted and unique")
         if not bool(np.isfinite(rows).all()):
             raise ValueError("rows contain NaN or Inf; nothing was sent")
+
+
+def initial_rows(keys: np.ndarray, width: int, scale: float, seed: int) -> np.ndarray:
+    """Each row's starting weights, uniform in [-scale, scale) and a function of (key, seed) only."""
+    index = (keys.astype(np.uint64)[:, None] * np.uint64(width) + np.arange(width, dtype=np.uint64)) \
+        ^ np.uint64(seed * 0x9E3779B97F4A7C15 % (1 << 64))
+    with np.errstate(over="ignore"):  # splitmix64: wrapping multiplications are the point
+        z = index + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    unit = (z >> np.uint64(40)).astype(np.float64) / float(1 << 24)
+    return ((2.0 * unit - 1.0) * scale).astype(ROW_DTYPE)
+
+
+class RowStore:
+    """Weights of the rows touched so far, in a growing array indexed by a dict (a huge key space stays sparse)."""
+
+    def __init__(self, width: int, init_scale: float, seed: int) -> None:
+        self.width, self.init_scale, self.seed = width, init_scale, seed
+        self._index: dict[int, int] = {}
+        self._rows = np.empty((1024, width), ROW_DTYPE)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _slots(self, keys: np.ndarray) -> np.ndarray:
+        """Row positions of ``keys``, adding (initialized) rows for unseen ones."""
+        index = self._index
+        slots = np.fromiter((index.get(k, -1) for k in keys.tolist()), np.int64, keys.size)
+        new = np.flatnonzero(slots < 0)
+        if new.size:
+            start = len(index)
+            if start + new.size > self._rows.shape[0]:
+                grown = np.empty((max(2 * self._rows.shape[0], start + new.size), self.width), ROW_DTYPE)
+                grown[:start] = self._rows[:start]
+                self._rows = grown
+            for offset, key in enumerate(keys[new].tolist()):
+                index[key] = start + offset
+            slots[new] = np.arange(start, start + new.size)
+            self._rows[start:start + new.size] = initial_rows(keys[new], self.width, self.init_scale, self.seed)
+        return slots
+
+    def get(self, keys: np.ndarray) -> np.ndarray:
+        slots = self._slots(keys)  # first: it may replace the array
+        return self._rows[slots]
+
+    def set(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        slots = self._slots(keys)
+        self._rows[slots] = rows
+
+    def sgd(self, keys: np.ndarray, aggregate: np.ndarray, step: np.float32) -> None:
+        """``w -= step * aggregate`` for unique ``keys`` (float32, like the workers' hot replicas)."""
+        slots = self._slots(keys)
+        self._rows[slots] -= step * aggregate
 
 
 @dataclass
@@ -111,6 +191,7 @@ class TableState:
         self._completed = -1
         self._schedule: list[HotSet] = [HotSet.empty()]
         self._reports: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.weights = RowStore(spec.width, spec.init_scale, spec.seed) if spec.update == "sgd" else None
 
     # -- hot sets ------------------------------------------------------------
     def hot_set_at(self, iteration: int) -> HotSet:
@@ -121,14 +202,36 @@ class TableState:
     def hot_set(self) -> HotSet:
         return self._schedule[-1]
 
+    def leaving(self, hot: HotSet) -> np.ndarray:
+        """Rows of the set before ``hot`` that ``hot`` no longer holds (their weights are handed over)."""
+        before = next((h for h in reversed(self._schedule) if h.version == hot.version - 1), None)
+        return np.empty(0, hot.keys.dtype) if before is None else np.setdiff1d(before.keys, hot.keys, True)
+
+    def arriving(self, hot: HotSet, known_version: int) -> tuple[np.ndarray, np.ndarray]:
+        """For a worker on ``known_version``: the rows ``hot`` adds and their weights (sgd; empty arrays for sum)."""
+        if self.weights is None or known_version == hot.version:
+            return hot.keys[:0], np.empty((0, self.spec.width), ROW_DTYPE)
+        before = next((h for h in self._schedule if h.version == known_version), None)
+        if before is None:
+            raise StaleHotSet(f"table {self.spec.table}: hot-set version {known_version} is too old "
+                              f"(version {hot.version} is in effect)")
+        keys = np.setdiff1d(hot.keys, before.keys, True)
+        with self._cond:
+            return keys, self.weights.get(keys)
+
     # -- operations ----------------------------------------------------------
     def push(self, rank: int, iteration: int, version: int, keys: np.ndarray, rows: np.ndarray,
-             report: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """Record ``rank``'s cold rows of ``iteration``; refuses out-of-order, stale or hot-row pushes."""
+             report: tuple[np.ndarray, np.ndarray] | None = None,
+             handover: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Record ``rank``'s cold rows of ``iteration``; refuses out-of-order, stale or hot-row pushes.
+
+        ``handover``: rank 0's weights of the rows that left the hot set at this iteration (sgd only).
+        """
         check_rows(keys, rows, self.spec.num_rows, self.spec.width)
         with self._cond:
             try:
                 self._check_push(rank, iteration, version, keys)
+                self._take_handover(rank, iteration, handover)
             except ValueError:
                 self.stats.refused += 1
                 raise
@@ -162,6 +265,22 @@ class TableState:
                                  f"{both[:5].tolist()} to the PS in iteration {iteration} (hot-set version "
                                  f"{hot.version}); hot rows go through the switch")
 
+    def _take_handover(self, rank: int, iteration: int, handover: tuple[np.ndarray, np.ndarray] | None) -> None:
+        hot = self.hot_set_at(iteration)
+        due = self.weights is not None and rank == 0 and hot.version > 0 and iteration == hot.effective
+        if not due:
+            if handover is not None:
+                raise ValueError(f"table {self.spec.table}: unexpected handover from rank {rank} in iteration "
+                                 f"{iteration}")
+            return
+        leaving = self.leaving(hot)
+        if handover is None or not np.array_equal(handover[0], leaving):
+            raise ValueError(f"table {self.spec.table}: rank 0's push of iteration {iteration} must hand over the "
+                             f"weights of the {leaving.size} row(s) that left the hot set")
+        check_rows(handover[0], handover[1], self.spec.num_rows, self.spec.width)
+        assert self.weights is not None
+        self.weights.set(*handover)
+
     def _complete(self, iteration: int, entry: _Iteration) -> None:
         parts = [entry.pushes[r] for r in range(self.num_workers)]
         keys = np.concatenate([k for k, _ in parts])
@@ -170,6 +289,8 @@ class TableState:
         entry.rows = np.zeros((entry.keys.size, self.spec.width), ROW_DTYPE)
         np.add.at(entry.rows, inverse, rows)  # one row at a time, in rank order: every reader gets the same floats
         entry.pushes.clear()
+        if self.weights is not None:
+            self.weights.sgd(entry.keys, entry.rows, np.float32(self.spec.lr / self.num_workers))
         self._completed = iteration
         self.stats.iterations += 1
         self._decide(iteration)
@@ -212,6 +333,11 @@ class TableState:
             check_rows(keys, np.empty((keys.size, 0), ROW_DTYPE), self.spec.num_rows, 0)
         self.wait_complete(iteration, timeout)
         with self._cond:
+            if self.weights is not None:
+                if keys is None:
+                    raise ValueError(f"table {self.spec.table}: a pull of weights names its rows")
+                self.stats.rows_out += keys.size
+                return keys, self.weights.get(keys)
             entry = self._iterations.get(iteration)
             if entry is None or entry.keys is None or entry.rows is None:
                 raise ValueError(f"table {self.spec.table}: iteration {iteration} is no longer kept "

@@ -306,3 +306,38 @@ def test_capacity_is_the_slot_budget():
                 return [worker.sparse_table(i, ROWS, WIDTH, hot_rounds=rounds).spec.capacity
                         for i, rounds in enumerate((1, 4))]
             assert run_workers(configs, job)[0] == [SLOTS * wire.K // WIDTH, 4 * SLOTS * wire.K // WIDTH]
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+def test_sgd_weights_lose_no_update_when_rows_move_in_and_out_of_the_hot_set(loss):
+    """PS-held weights for cold rows, replicas for hot rows: after many switch-overs every row has every step."""
+    iterations, lr, scale = 14, 0.5, 0.1
+    faults = {"drop": loss, "duplicate": loss / 2, "reorder": loss / 2, "seed": 4} if loss else {}
+    every_key = np.unique(np.concatenate([zipf_keys(r, it) for r in range(N) for it in range(iterations)]))
+    with testing.LoopbackSwitch(**faults) as switch:
+        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        configs = switch.add_job(N, slot_count=SLOTS, ps=ps)
+        with KVServer(configs[0]) as server:
+            def job(worker, rank):
+                table = worker.sparse_table(0, ROWS, WIDTH, update="sgd", lr=lr, init_scale=scale, seed=5,
+                                            report_every=2, min_gain=0.0)
+                versions = []
+                for it in range(iterations):
+                    keys = zipf_keys(rank, it)
+                    versions.append(table.hot.version)
+                    worker.wait(table.push(keys, grad_rows(rank, it, keys.size)))
+                    worker.wait(table.pull(zipf_keys(rank, it + 1)))  # the next batch's rows, like training
+                return versions, worker.wait(table.pull(every_key)), table.stats
+            results = run_workers(configs, job, rto_initial=0.01)
+            assert server.tables[0].stats.refused == 0
+    versions = results[0][0]
+    assert len(set(versions)) >= 4, versions  # rows moved in and out of the hot set several times
+    from netagg.hoststack.sparse_store import initial_rows
+    want = initial_rows(every_key, WIDTH, scale, 5).astype(np.float64)
+    for it in range(iterations):
+        for key, row in _exact(it).items():
+            want[np.searchsorted(every_key, key)] -= lr / N * row.astype(np.float64)
+    for _, final, stats in results:
+        np.testing.assert_array_equal(final, results[0][1])  # replicas and the PS agree on every worker
+        assert stats["hot_rows"] > 0 and stats["cold_rows"] > 0
+    np.testing.assert_allclose(results[0][1], want, rtol=0, atol=1e-5)
