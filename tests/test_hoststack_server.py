@@ -66,10 +66,13 @@ def test_server_main_reports_config_errors(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
-def test_server_refuses_an_allreduce_job():
+def test_server_refuses_an_allreduce_job_without_a_ps_but_serves_one_with_a_ps():
     config = job_configs(1, "allreduce", Endpoint("127.0.0.1", 9), None)[0]
-    with pytest.raises(ConfigError, match="ps or fallback"):
+    with pytest.raises(ConfigError, match="has no parameter server"):
         KVServer(config)
+    # An allreduce job's PS serves its sparse tables (Libra, tests/test_sparse.py); UDP from anyone is foreign.
+    with KVServer(job_configs(1, "allreduce", Endpoint("127.0.0.1", 9), Endpoint("127.0.0.1", 0))[0]) as server:
+        assert server.switch is None and server.aggregator is None
 
 
 def test_a_ps_mode_worker_without_its_ps_fails_at_once():
