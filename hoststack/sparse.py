@@ -31,6 +31,7 @@ changes the weights move with the rows (see :mod:`~netagg.hoststack.sparse_store
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -87,7 +88,8 @@ class SparseTable:
         self._sampler = FrequencySampler(decay, sample_rate, max(4 * capacity, 1024), seed=seed * 7919 + self.rank)
         #: The last push: its iteration, the hot set it used and the dense aggregate of its hot rows.
         self._last: tuple[int, np.ndarray, np.ndarray] | None = None
-        self.stats = {"hot_rows": 0, "cold_rows": 0, "pulled_rows": 0, "syncs": 0, "hot_changes": 0}
+        self.stats: dict[str, float] = {"hot_rows": 0, "cold_rows": 0, "pulled_rows": 0, "syncs": 0, "hot_changes": 0,
+                                        "ps_push_seconds": 0.0, "ps_pull_seconds": 0.0, "switch_seconds": 0.0}
         self._ps = worker.ps_connection() if placement != "switch" else None
         if self._ps is not None:
             worker.call(self._request, {"op": "sparse_open", **self.spec.fields()})
@@ -176,12 +178,16 @@ class SparseTable:
                     header["handover_count"] = int(self._leaving[0].size)
                     arrays += list(self._leaving)
                 self._leaving = None
+            started = time.perf_counter()
             self._request(header, pack_arrays(*arrays))
+            self.stats["ps_push_seconds"] += time.perf_counter() - started
         aggregate = np.empty((0, self.spec.width), ROW_DTYPE)
         if hot_keys.size:
             dense = np.zeros(hot_keys.size * self.spec.width, np.float32)
             dense.reshape(hot_keys.size, self.spec.width)[where[is_hot]] = rows[is_hot]
+            started = time.perf_counter()
             aggregate = self._exchange(dense).reshape(hot_keys.size, self.spec.width)
+            self.stats["switch_seconds"] += time.perf_counter() - started
             if self._sgd:
                 self.hot_weights -= self._step * aggregate
         self._last = (t, hot_keys, aggregate)
@@ -197,9 +203,12 @@ class SparseTable:
         return qz.dequantize(sums, global_exp, self.worker.num_workers).reshape(-1)[:dense.size]
 
     def _pull(self, keys: np.ndarray | None) -> Any:
-        if self._last is None:
+        if self._sgd:  # weights exist before the first push: iteration -1 is the initial state
+            t, hot_keys, hot_rows = self.iteration - 1, self.hot.keys, self.hot_weights
+        elif self._last is None:
             raise KeyError(f"sparse table {self.spec.table}: nothing was pushed yet")
-        t, hot_keys, hot_rows = self._last
+        else:
+            t, hot_keys, hot_rows = self._last
         if self._sgd:  # the replica, and the rows that left it until rank 0 hands them over: the PS's are stale
             hot_keys, hot_rows = self.hot.keys, self.hot_weights
             if self._leaving is not None:
@@ -212,7 +221,9 @@ class SparseTable:
             asked = keys if keys is None else keys[~np.isin(keys, hot_keys, assume_unique=True)]
             header = {"op": "sparse_pull", "iteration": t, "version": self.hot.version,
                       "count": -1 if asked is None else int(asked.size)}
+            started = time.perf_counter()
             response, blob = self._request(header, b"" if asked is None else pack_arrays(asked))
+            self.stats["ps_pull_seconds"] += time.perf_counter() - started
             count, width = int(response["count"]), self.spec.width
             split = count * (KEY_DTYPE.itemsize + 4 * width)
             cold_keys, cold_rows = unpack_arrays(memoryview(blob)[:split], (KEY_DTYPE, count, 0),

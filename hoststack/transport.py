@@ -21,7 +21,12 @@ Lost packets are retransmitted (same bytes, ``FLAG_RETRANSMIT``) after a per-slo
 accepted only if its (slot, pool, round, seq) equal what the slot has outstanding, so
 neither a late copy nor a forged result naming another round or block can complete a
 block (it is counted in ``stale_results``). No accepted
-result for ``progress_timeout`` seconds raises :class:`TransportTimeout`.
+result for ``progress_timeout`` seconds raises :class:`TransportTimeout`. A timeout with no
+result accepted since the exchange began or since the previous timeout is a *stall*: most
+likely another worker has not reached this exchange yet, and the switch keeps this worker's
+packets until it does. Then only the head-of-line packet is resent (enough to repair a total
+loss) and the window stays: resending the whole window every timeout while a straggler
+computes would flood the links just when it arrives.
 
 Congestion control (ATP-style AIMD, with retransmission timeouts as the loss signal):
 at most ``window`` slots are outstanding, ``window`` <= S. It starts at S (the plain
@@ -112,6 +117,8 @@ class TransportStats:
     #: Times the congestion window was halved, and its smallest value so far.
     window_decreases: int = 0
     smallest_window: float = 0.0
+    #: Timeouts with no result since the previous one (a worker not there yet): only the head packet was resent.
+    stalled_timeouts: int = 0
 
 
 @dataclass
@@ -518,6 +525,8 @@ class _Round:
         #: Retransmission timers: (deadline, id, slots, their expected keys when armed).
         self.timers: list[tuple[float, int, np.ndarray, np.ndarray]] = []
         self._timer_id = 0
+        #: results_accepted at the start and at the last timeout: no change since means stalled (see below).
+        self._accepted_mark = transport.stats.results_accepted
         self.remaining = nb
         #: Ready packets that did not fit in the congestion window: (order key, slot); see _order_key.
         self.waiting: list[tuple[int, int]] = []
@@ -605,10 +614,26 @@ class _Round:
             return
         slots = np.concatenate(due) if len(due) > 1 else due[0]
         keys = np.concatenate(due_keys) if len(due_keys) > 1 else due_keys[0]
-        by_retries: dict[int, list[int]] = {}
         retries = self.retries
+        stalled = t.stats.results_accepted == self._accepted_mark
+        self._accepted_mark = t.stats.results_accepted
+        if stalled:
+            # No result since the exchange began or since the last timeout: most likely another worker has not
+            # reached this exchange yet (the switch holds our packets meanwhile). Resend only the head-of-line
+            # packet, which also repairs a total loss, and keep the window: no congestion was seen.
+            head_slot = min(self.in_flight, key=self.in_flight.__getitem__)
+            is_head = slots == head_slot
+            rest = ~is_head
+            if rest.any():  # one timer for the others, not backed off further: they were not sent
+                self._arm(now + t.rto.backoff(max(1, int(retries[slots[rest]].min()))), slots[rest], keys[rest])
+            t.stats.stalled_timeouts += 1
+            slots, keys = slots[is_head], keys[is_head]
+            if not slots.shape[0]:
+                return
+        by_retries: dict[int, list[int]] = {}
         for i, slot in enumerate(slots.tolist()):
-            t._on_timeout(now)
+            if not stalled:
+                t._on_timeout(now)
             count = int(retries[slot]) + 1
             retries[slot] = count
             by_retries.setdefault(count, []).append(i)

@@ -174,3 +174,29 @@ def test_forged_results_injected_during_an_allreduce_under_loss_leave_the_sums_e
     for result, _ in results:
         np.testing.assert_array_equal(result, expected)
     assert all(stats.stale_results > 0 for _, stats in results)  # forgeries counted as they were dropped
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+def test_workers_waiting_for_a_straggler_resend_only_their_head_packet(loss):
+    """While one worker is late, the others' timeouts see no result: they resend one packet, not the window."""
+    inputs = make_inputs(n=3, size=SLOTS * wire.K * 4)
+    expected, _ = expected_allreduce(inputs)
+    faults = {"drop": loss, "seed": 21} if loss else {}
+    with testing.LoopbackSwitch(**faults) as switch:
+        configs = switch.add_job(3, slot_count=SLOTS)
+
+        def job(worker, rank):
+            if rank == 2:
+                time.sleep(0.4)  # about 100 timeouts of the others' 2 ms minimum (backoff stretches them)
+            result = worker.allreduce(inputs[rank])
+            return result, worker.transport.stats
+
+        results = run_workers(configs, job, rto_initial=0.002, rto_min=0.002)
+    for result, _ in results:
+        np.testing.assert_array_equal(result, expected)
+    for _, stats in results[:2]:
+        assert stats.stalled_timeouts >= 3
+        # Resending the window at each of those timeouts would be >= 3 * SLOTS packets.
+        assert stats.retransmissions < SLOTS + stats.stalled_timeouts, stats
+        if not loss:
+            assert stats.window_decreases == 0, stats  # waiting is not congestion
