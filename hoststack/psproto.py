@@ -13,7 +13,7 @@ import json
 import socket
 import struct
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 from netagg.jobsecret import with_secret
 
@@ -96,22 +96,59 @@ class PsClient:
                                 f"{err}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
+        self._pending: dict[str, Any] | None = None
 
     def request(self, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
                 timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
         """Send a request and return the successful response; raises PsUnreachable or PsRefused."""
         with self._lock:
-            self.sock.settimeout(self.timeout if timeout is None else timeout)
-            try:
-                send_frame(self.sock, with_secret(header, self._secret), blob)
-                response, data = recv_frame(self.sock)
-            except (OSError, ProtocolError, ConnectionClosed) as err:
-                self.close()
-                what = "did not answer in time" if isinstance(err, TimeoutError) else f"broke: {err}"
-                raise PsUnreachable(f"{self.address[0]}:{self.address[1]} {header.get('op')}: {what}") from None
+            self._send(header, blob, timeout)
+            return self._receive(header)
+
+    def begin(self, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
+              timeout: float | None = None) -> None:
+        """Send a request whose response :meth:`finish` reads later (overlap work with the round trip).
+
+        The connection is held from here to ``finish``: other threads' requests wait.
+        """
+        self._lock.acquire()
+        try:
+            self._send(header, blob, timeout)
+        except BaseException:
+            self._lock.release()
+            raise
+        self._pending = header
+
+    def finish(self) -> tuple[dict[str, Any], bytearray]:
+        """The response of the request :meth:`begin` sent; raises like :meth:`request`."""
+        header, self._pending = self._pending, None
+        if header is None:
+            raise RuntimeError("finish() without begin()")
+        try:
+            return self._receive(header)
+        finally:
+            self._lock.release()
+
+    def _send(self, header: dict[str, Any], blob: bytes | bytearray | memoryview, timeout: float | None) -> None:
+        self.sock.settimeout(self.timeout if timeout is None else timeout)
+        try:
+            send_frame(self.sock, with_secret(header, self._secret), blob)
+        except OSError as err:
+            self._broke(header, err)
+
+    def _receive(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytearray]:
+        try:
+            response, data = recv_frame(self.sock)
+        except (OSError, ProtocolError, ConnectionClosed) as err:
+            self._broke(header, err)
         if not response.get("ok"):
             raise PsRefused(str(response.get("error", "no reason given")))
         return response, data
+
+    def _broke(self, header: dict[str, Any], err: BaseException) -> NoReturn:
+        self.close()
+        what = "did not answer in time" if isinstance(err, TimeoutError) else f"broke: {err}"
+        raise PsUnreachable(f"{self.address[0]}:{self.address[1]} {header.get('op')}: {what}") from None
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

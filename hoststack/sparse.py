@@ -52,7 +52,11 @@ from netagg.hoststack.sparse_store import (
 if TYPE_CHECKING:
     from netagg.hoststack.kv import KVWorker
 
-__all__ = ["PLACEMENTS", "SparseTable"]
+__all__ = ["PLACEMENTS", "HotSetMismatch", "SparseTable"]
+
+
+class HotSetMismatch(ValueError):
+    """The workers' dense hot rows of one iteration were laid out by different hot sets."""
 
 
 class SparseTable:
@@ -178,29 +182,52 @@ class SparseTable:
                     header["handover_count"] = int(self._leaving[0].size)
                     arrays += list(self._leaving)
                 self._leaving = None
+            # The PS's answer is read after the switch exchange: both transfers overlap. A worker on another
+            # hot set than the others cannot corrupt the switch's sums meanwhile: the exchange checks that
+            # every worker used the same version (its last block) and discards the sums otherwise.
             started = time.perf_counter()
-            self._request(header, pack_arrays(*arrays))
+            self._ps.begin({"job_id": self.worker.config.job_id, "table": self.spec.table, **header},
+                           pack_arrays(*arrays))
             self.stats["ps_push_seconds"] += time.perf_counter() - started
-        aggregate = np.empty((0, self.spec.width), ROW_DTYPE)
-        if hot_keys.size:
-            dense = np.zeros(hot_keys.size * self.spec.width, np.float32)
-            dense.reshape(hot_keys.size, self.spec.width)[where[is_hot]] = rows[is_hot]
-            started = time.perf_counter()
-            aggregate = self._exchange(dense).reshape(hot_keys.size, self.spec.width)
-            self.stats["switch_seconds"] += time.perf_counter() - started
-            if self._sgd:
-                self.hot_weights -= self._step * aggregate
+        try:
+            aggregate = np.empty((0, self.spec.width), ROW_DTYPE)
+            if hot_keys.size:
+                dense = np.zeros(hot_keys.size * self.spec.width, np.float32)
+                dense.reshape(hot_keys.size, self.spec.width)[where[is_hot]] = rows[is_hot]
+                started = time.perf_counter()
+                aggregate = self._exchange(dense, t).reshape(hot_keys.size, self.spec.width)
+                self.stats["switch_seconds"] += time.perf_counter() - started
+        finally:
+            if self._ps is not None:
+                started = time.perf_counter()
+                self._ps.finish()
+                self.stats["ps_push_seconds"] += time.perf_counter() - started
+        if self._sgd and hot_keys.size:
+            self.hot_weights -= self._step * aggregate
         self._last = (t, hot_keys, aggregate)
         self.iteration = t + 1
         self.stats["hot_rows"] += int(is_hot.sum())
         self.stats["cold_rows"] += int(keys.size - is_hot.sum())
 
-    def _exchange(self, dense: np.ndarray) -> np.ndarray:
-        """The switch's sum of every worker's dense hot rows (float32, flat)."""
-        blocks = np.zeros((-(-dense.size // wire.K), wire.K), np.float32)
+    def _exchange(self, dense: np.ndarray, iteration: int) -> np.ndarray:
+        """The switch's sum of every worker's dense hot rows (float32, flat); HotSetMismatch if versions differ.
+
+        A last block carries ``v + 1`` and ``(v + 1)**2`` for this worker's version ``v`` (mod 4096): small
+        integers, summed exactly. All versions are equal exactly when ``N * sum((v+1)**2) == sum(v+1)**2``.
+        """
+        n = self.worker.num_workers
+        blocks = np.zeros((-(-dense.size // wire.K) + 1, wire.K), np.float32)
         blocks.reshape(-1)[:dense.size] = dense
+        tag = float(self.hot.version % 4096 + 1)
+        blocks[-1, :2] = (tag, tag * tag)
         sums, global_exp = self.worker.transport.exchange(blocks, qz.block_exponents(blocks))
-        return qz.dequantize(sums, global_exp, self.worker.num_workers).reshape(-1)[:dense.size]
+        values = qz.dequantize(sums, global_exp, n)
+        total, squares = float(values[-1, 0]), float(values[-1, 1])
+        if total != n * tag or n * squares != total * total:
+            raise HotSetMismatch(f"sparse table {self.spec.table}, iteration {iteration}: the workers used "
+                                 f"different hot sets (this worker: version {self.hot.version}); the switch's "
+                                 f"sums were discarded")
+        return values.reshape(-1)[:dense.size]
 
     def _pull(self, keys: np.ndarray | None) -> Any:
         if self._sgd:  # weights exist before the first push: iteration -1 is the initial state

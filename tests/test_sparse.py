@@ -341,3 +341,30 @@ def test_sgd_weights_lose_no_update_when_rows_move_in_and_out_of_the_hot_set(los
         np.testing.assert_array_equal(final, results[0][1])  # replicas and the PS agree on every worker
         assert stats["hot_rows"] > 0 and stats["cold_rows"] > 0
     np.testing.assert_allclose(results[0][1], want, rtol=0, atol=1e-5)
+
+
+def test_the_switch_exchange_detects_workers_on_different_hot_sets():
+    """The version block: equal versions pass, a one-version difference makes every worker discard the sums."""
+    from netagg.hoststack.hotset import HotSet
+    from netagg.hoststack.sparse import HotSetMismatch
+
+    keys = np.arange(0, 200, 2)
+    with testing.LoopbackSwitch() as switch:
+        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        configs = switch.add_job(N, slot_count=SLOTS, ps=ps)
+        with KVServer(configs[0]):
+            def job(worker, rank):
+                table = worker.sparse_table(0, ROWS, WIDTH)
+                dense = np.full(keys.size * WIDTH, rank + 1.0, np.float32)
+                outcomes = []
+                for versions in ((7, 7, 7), (4102, 6, 6), (5, 5, 6)):  # 4102 = 6 mod 4096: the tag wraps
+                    table.hot = HotSet(versions[rank], 0, keys)
+                    try:
+                        outcomes.append(float(worker.call(table._exchange, dense, 0)[0]))
+                    except HotSetMismatch as err:
+                        outcomes.append(str(err))
+                return outcomes
+            results = run_workers(configs, job, rto_initial=0.01)
+    for rank, (same, wrapped, mixed) in enumerate(results):
+        assert same == wrapped == 6.0  # 1 + 2 + 3
+        assert "different hot sets" in mixed and f"version {(5, 5, 6)[rank]}" in mixed
