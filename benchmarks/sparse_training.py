@@ -56,7 +56,7 @@ def run(cluster: EmulatedCluster, placement: str, args: argparse.Namespace, repe
     ps = cluster.start_ps(created["config_paths"][0], cluster.ps_host) if placement != "switch" else None
     options = ["--placement", placement, "--iterations", str(args.iterations), "--alpha", str(args.alpha),
                "--rows", str(args.rows), "--width", str(args.width), "--target-accuracy", str(args.target_accuracy),
-               "--hot-rounds", str(args.hot_rounds)]
+               "--hot-rounds", str(args.hot_rounds), "--batch", str(args.batch)]
     before = {h: link_bytes(cluster, h) for h in [*hosts, cluster.ps_host]}
     started = time.monotonic()
     procs = [subprocess.Popen(cluster.host_command(host, [*WORKER, "--config", str(path), *options]),
@@ -163,13 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS))
-    parser.add_argument("--rows", type=int, default=100_000, help="embedding table rows (default 100,000)")
-    parser.add_argument("--width", type=int, default=8)
-    parser.add_argument("--alpha", type=float, default=1.2, help="Zipf exponent of the feature ids (default 1.2)")
-    parser.add_argument("--slots", type=int, default=64, help="the job's slots (libra: the hot set is one round)")
-    parser.add_argument("--hot-rounds", type=int, default=1)
+    parser.add_argument("--rows", type=int, default=20_000, help="embedding table rows (default 20,000)")
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--alpha", type=float, default=1.5, help="Zipf exponent of the feature ids (default 1.5)")
+    parser.add_argument("--batch", type=int, default=1024, help="examples per worker and iteration")
+    parser.add_argument("--slots", type=int, default=256, help="the job's slots (default 256)")
+    parser.add_argument("--hot-rounds", type=int, default=2, help="libra: the hot set is this many rounds of the slots")
     parser.add_argument("--iterations", type=int, default=300, help="at most, per run")
-    parser.add_argument("--target-accuracy", type=float, default=0.745)
+    parser.add_argument("--target-accuracy", type=float, default=0.77)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-seconds", type=float, default=900.0)
     parser.add_argument("--rate-mbit", type=float, help="override configs/cluster.yaml's link rate")

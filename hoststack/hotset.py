@@ -7,10 +7,14 @@ iteration divided by ``1 - decay``. Only the ``max_tracked`` largest counts are 
 so the memory does not grow with the key space (up to 2**40 rows). Every
 ``report_every`` iterations a worker sends its largest counts to the PS with its push.
 
-The PS adds up the workers' latest reports (:func:`merge_reports`) and
-:func:`choose_hot_set` takes the ``capacity`` most frequent keys. The new set replaces
-the current one only if it covers ``min_gain`` more of the merged frequency mass, so
-a stable distribution does not make the hot set flap.
+A report gives each key's estimated *touches per iteration* (the count times
+``1 - decay``, at most 1 for one worker). The PS adds up the workers' latest reports
+(:func:`merge_reports`: how many workers touch the key per iteration) and
+:func:`choose_hot_set` takes the ``capacity`` most frequent keys among those touched by at
+least ``min_touches`` workers per iteration: below that a row costs less as key/value data
+on the PS's link than as a dense row on every worker's link. The new set replaces the
+current one only if it covers ``min_gain`` more of the merged frequency mass, so a stable
+distribution does not make the hot set flap.
 """
 
 from __future__ import annotations
@@ -73,9 +77,9 @@ class FrequencySampler:
             self.keys, self.counts = self.keys[keep], self.counts[keep]
 
     def report(self, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The ``size`` largest counts as (sorted keys, float32 counts)."""
+        """The ``size`` most touched keys as (sorted keys, float32 touches per iteration)."""
         keep = np.sort(_top(self.keys, self.counts, size))
-        return self.keys[keep].copy(), self.counts[keep].astype(COUNT_DTYPE)
+        return self.keys[keep].copy(), (self.counts[keep] * (1.0 - self.decay)).astype(COUNT_DTYPE)
 
 
 def merge_reports(reports: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -89,14 +93,16 @@ def merge_reports(reports: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.
 
 
 def choose_hot_set(keys: np.ndarray, counts: np.ndarray, capacity: int, current: np.ndarray,
-                   min_gain: float) -> np.ndarray | None:
-    """The ``capacity`` most frequent keys (sorted), or None when they do not beat ``current`` by ``min_gain``.
+                   min_gain: float, min_touches: float = 0.0) -> np.ndarray | None:
+    """The ``capacity`` most frequent keys with at least ``min_touches`` (sorted), or None when they do not
+    beat ``current`` by ``min_gain``.
 
     Ties are broken by the smaller key, so every PS replica and rerun chooses the same set.
     """
-    if capacity <= 0 or not keys.size:
+    eligible = np.flatnonzero(counts >= min_touches)
+    if capacity <= 0 or not eligible.size:
         return None
-    top = _top(keys, counts, capacity)
+    top = eligible[_top(keys[eligible], counts[eligible], capacity)]
     candidate = np.sort(keys[top])
     gained = float(counts[top].sum())
     if gained <= 0.0 or np.array_equal(candidate, current):

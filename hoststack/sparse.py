@@ -17,6 +17,9 @@ Placements:
   frequencies (:class:`~netagg.hoststack.hotset.FrequencySampler`) and report them every
   ``report_every`` iterations; the PS chooses the hot set, which changes only between
   two iterations, on every worker at once (see :mod:`~netagg.hoststack.sparse_store`).
+  A row is hot only if about ``min_touches`` workers touch it per iteration (default: the
+  break-even ``4w / (4w + 8)`` of a dense row against a key/value row on the PS's link,
+  which all workers share), so a large slot budget is not filled with rarely used rows.
 * ``ps``: every row goes to the PS (the PS-lite baseline).
 * ``switch``: the whole table goes through the switch densely every iteration (no PS;
   sensible only for a table that is small next to the data the job moves anyway).
@@ -64,8 +67,8 @@ class SparseTable:
 
     def __init__(self, worker: KVWorker, table: int, num_rows: int, width: int, *, placement: str = "libra",
                  hot_rounds: int = 1, capacity: int | None = None, report_every: int = 10, decay: float = 0.8,
-                 sample_rate: float = 0.5, min_gain: float = 0.05, update: str = "sum", lr: float = 0.0,
-                 init_scale: float = 0.01, seed: int = 0) -> None:
+                 sample_rate: float = 0.5, min_gain: float = 0.05, min_touches: float | None = None,
+                 update: str = "sum", lr: float = 0.0, init_scale: float = 0.01, seed: int = 0) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement {placement!r} is not one of {', '.join(PLACEMENTS)}")
         if hot_rounds < 1:
@@ -74,8 +77,10 @@ class SparseTable:
         if capacity is None:
             capacity = {"ps": 0, "switch": num_rows}.get(placement, config.slot_count * wire.K * hot_rounds // width)
         capacity = min(capacity, num_rows)
+        if min_touches is None:  # break-even: a worker's dense row (4w bytes) vs a key/value row (4w + 8 bytes)
+            min_touches = 4 * width / (4 * width + 8)
         self.spec = TableSpec(table, num_rows, width, placement, capacity, report_every, min_gain, update, lr,
-                              init_scale if update == "sgd" else 0.0, seed)
+                              init_scale if update == "sgd" else 0.0, seed, min_touches)
         self._sgd = update == "sgd"
         self._step = np.float32(lr / config.num_workers)
         self.worker = worker

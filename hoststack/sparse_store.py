@@ -58,6 +58,8 @@ class TableSpec:
     lr: float = 0.0
     init_scale: float = 0.0
     seed: int = 0
+    #: libra: a row is hot only if at least this many workers touch it per iteration (estimated).
+    min_touches: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.table < 1 << 31:
@@ -74,6 +76,8 @@ class TableSpec:
             raise ValueError(f"report_every {self.report_every} must be >= 1, min_gain {self.min_gain} in 0..10")
         if self.update not in UPDATES:
             raise ValueError(f"update {self.update!r} is not one of {', '.join(UPDATES)}")
+        if not 0.0 <= self.min_touches <= 1e6:
+            raise ValueError(f"min_touches {self.min_touches} not in 0..1e6")
         if not (np.isfinite(self.lr) and np.isfinite(self.init_scale) and self.init_scale >= 0):
             raise ValueError(f"lr {self.lr} and init_scale {self.init_scale} must be finite, init_scale >= 0")
 
@@ -82,7 +86,8 @@ class TableSpec:
         return cls(int(header["table"]), int(header["num_rows"]), int(header["width"]), str(header["placement"]),
                    int(header["capacity"]), int(header["report_every"]), float(header["min_gain"]),
                    str(header.get("update", "sum")), float(header.get("lr", 0.0)),
-                   float(header.get("init_scale", 0.0)), int(header.get("seed", 0)))
+                   float(header.get("init_scale", 0.0)), int(header.get("seed", 0)),
+                   float(header.get("min_touches", 0.0)))
 
     def fields(self) -> dict:
         """The spec as request fields (``from_header`` reads them back)."""
@@ -304,7 +309,7 @@ class TableState:
             return
         keys, counts = merge_reports(list(self._reports.values()))
         current = self.hot_set.keys
-        chosen = choose_hot_set(keys, counts, spec.capacity, current, spec.min_gain)
+        chosen = choose_hot_set(keys, counts, spec.capacity, current, spec.min_gain, spec.min_touches)
         if chosen is not None:
             self._schedule.append(HotSet(self.hot_set.version + 1, iteration + 1, chosen))
             del self._schedule[:-2]  # the previous set stays for pushes of iterations before the change

@@ -40,9 +40,9 @@ def test_sampler_decays_counts_and_keeps_only_the_largest():
     sampler.observe(np.array([4]))
     keys, counts = sampler.report(10)
     # 1st: all four at 1, a tie: the smaller keys stay (4 is dropped). 2nd: 1 at 0.5, 2 and 3 at 1.5, 4 at 1:
-    # 1 is dropped. 3rd: 2 and 3 decay to 0.75, 4 to 0.5 + 1.
+    # 1 is dropped. 3rd: 2 and 3 decay to 0.75, 4 to 0.5 + 1. Reported as touches per iteration: * (1 - decay).
     np.testing.assert_array_equal(keys, [2, 3, 4])
-    np.testing.assert_allclose(counts, [0.75, 0.75, 1.5])
+    np.testing.assert_allclose(counts, [0.375, 0.375, 0.75])
     top_keys, _ = sampler.report(1)
     np.testing.assert_array_equal(top_keys, [4])
 
@@ -52,7 +52,7 @@ def test_sampler_estimates_frequencies_from_a_sample():
     for _ in range(200):
         sampler.observe(np.arange(100))  # every key touched every iteration
     _, counts = sampler.report(100)
-    assert abs(counts.mean() - 10.0) < 1.0  # 1 / (1 - 0.9) touches, estimated from a quarter of them
+    assert abs(counts.mean() - 1.0) < 0.1  # touched once per iteration, estimated from a quarter of the touches
 
 
 def test_merge_adds_reports_and_choice_needs_a_gain():
@@ -66,6 +66,10 @@ def test_merge_adds_reports_and_choice_needs_a_gain():
     # {5, 1} holds 7 of the 9 the best set holds: 9 > 1.05 * 7, a new version; with a 50 % gain asked, none
     np.testing.assert_array_equal(choose_hot_set(merged_keys, merged_counts, 2, np.array([1, 5]), 0.05), [5, 9])
     assert choose_hot_set(merged_keys, merged_counts, 2, np.array([1, 5]), 0.5) is None
+    # rows touched by fewer than min_touches workers per iteration stay cold, however large the capacity
+    np.testing.assert_array_equal(choose_hot_set(merged_keys, merged_counts, 4, np.empty(0, np.int64), 0.05, 2.0),
+                                  [5, 9])
+    assert choose_hot_set(merged_keys, merged_counts, 4, np.empty(0, np.int64), 0.05, 7.0) is None
     # ties go to the smaller key, so every run chooses the same set
     np.testing.assert_array_equal(choose_hot_set(np.array([3, 4, 8]), np.ones(3), 2, np.empty(0, np.int64), 0), [3, 4])
 
