@@ -55,20 +55,26 @@ def main(argv: list[str] | None = None) -> int:
                                 lr=args.lr_embedding, init_scale=0.05, seed=3, hot_rounds=args.hot_rounds,
                                 report_every=args.report_every)
         kv.allreduce(np.zeros(1, np.float32))  # everyone is up: start the clocks together
-        for it in range(args.iterations):
+        def batch(it: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             shift = args.rows // 3 if 0 <= args.drift_at <= it else 0
             ids, labels = data.batch(rank, it, args.batch, shift)
             keys, inverse = np.unique(ids, return_inverse=True)
+            return keys, inverse.reshape(ids.shape), labels, ids
+
+        keys, inverse, labels, _ = batch(0)
+        rows = kv.wait(table.pull(keys))
+        for it in range(args.iterations):
             start = time.perf_counter()
-            rows = kv.wait(table.pull(keys))
-            pulled = time.perf_counter()
-            _, grad_rows, grad_dense = model.gradients(rows, inverse.reshape(ids.shape), labels)
+            _, grad_rows, grad_dense = model.gradients(rows, inverse, labels)
             computed = time.perf_counter()
-            kv.wait(table.push(keys, grad_rows))
+            next_keys, next_inverse, next_labels, _ = batch(it + 1)
+            # Push this batch's gradients and pull the next batch's weights, overlapped (PS-lite's ZPush/ZPull).
+            rows = kv.wait(table.pushpull(keys, grad_rows, next_keys))
             pushed = time.perf_counter()
             model.step_dense(kv.allreduce(grad_dense) / n, args.lr_dense)
             done = time.perf_counter()
-            comm.append((pulled - start) + (pushed - computed))
+            keys, inverse, labels = next_keys, next_inverse, next_labels
+            comm.append(pushed - computed)
             dense_comm.append(done - pushed)
             train_seconds += done - start
             if (it + 1) % args.eval_every == 0 or it + 1 == args.iterations:

@@ -13,6 +13,7 @@ import json
 import socket
 import struct
 import threading
+from collections import deque
 from typing import Any, NoReturn
 
 from netagg.jobsecret import with_secret
@@ -96,7 +97,7 @@ class PsClient:
                                 f"{err}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
-        self._pending: dict[str, Any] | None = None
+        self._pending: deque[dict[str, Any]] = deque()
 
     def request(self, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
                 timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
@@ -109,24 +110,49 @@ class PsClient:
               timeout: float | None = None) -> None:
         """Send a request whose response :meth:`finish` reads later (overlap work with the round trip).
 
-        The connection is held from here to ``finish``: other threads' requests wait.
+        Several requests may be begun; ``finish`` reads their responses in the same order. The
+        connection is held from the first ``begin`` to the last ``finish``: other threads' requests wait.
         """
-        self._lock.acquire()
+        if not self._pending:
+            self._lock.acquire()
         try:
             self._send(header, blob, timeout)
         except BaseException:
-            self._lock.release()
+            self._abandon()
             raise
-        self._pending = header
+        self._pending.append(header)
 
     def finish(self) -> tuple[dict[str, Any], bytearray]:
-        """The response of the request :meth:`begin` sent; raises like :meth:`request`."""
-        header, self._pending = self._pending, None
-        if header is None:
+        """The response of the oldest request :meth:`begin` sent; raises like :meth:`request`."""
+        if not self._pending:
             raise RuntimeError("finish() without begin()")
+        header = self._pending[0]
         try:
-            return self._receive(header)
-        finally:
+            result = self._receive(header)
+        except PsRefused:
+            self._done_one()
+            raise
+        except BaseException:
+            self._abandon()
+            raise
+        self._done_one()
+        return result
+
+    def abort(self) -> None:
+        """Close the connection without reading the pending answers (e.g. a pull that now cannot complete)."""
+        self.close()
+        self._abandon()
+
+    def _done_one(self) -> None:
+        self._pending.popleft()
+        if not self._pending:
+            self._lock.release()
+
+    def _abandon(self) -> None:
+        """The connection broke (it is closed): forget what was pending and let other threads fail fast."""
+        had = bool(self._pending)
+        self._pending.clear()
+        if had or self._lock.locked():
             self._lock.release()
 
     def _send(self, header: dict[str, Any], blob: bytes | bytearray | memoryview, timeout: float | None) -> None:

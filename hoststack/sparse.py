@@ -42,6 +42,7 @@ import numpy as np
 from netagg import wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.hotset import COUNT_DTYPE, KEY_DTYPE, FrequencySampler, HotSet
+from netagg.hoststack.psproto import PsRefused
 from netagg.hoststack.sparse_store import (
     PLACEMENTS,
     ROW_DTYPE,
@@ -82,7 +83,7 @@ class SparseTable:
         self.spec = TableSpec(table, num_rows, width, placement, capacity, report_every, min_gain, update, lr,
                               init_scale if update == "sgd" else 0.0, seed, min_touches)
         self._sgd = update == "sgd"
-        self._step = np.float32(lr / config.num_workers)
+        self._step_size = np.float32(lr / config.num_workers)
         self.worker = worker
         self.rank = config.rank
         #: The next iteration this worker pushes; the hot set it holds and from which iteration on.
@@ -106,11 +107,14 @@ class SparseTable:
     # -- API -------------------------------------------------------------------
     def push(self, keys: Any, rows: Any) -> int:
         """Aggregate this iteration's ``rows`` of ``keys`` (sorted, unique) with the job; returns a timestamp."""
+        return self.worker.submit(self._push, *self._checked(keys, rows))
+
+    def _checked(self, keys: Any, rows: Any) -> tuple[np.ndarray, np.ndarray]:
         keys = np.ascontiguousarray(keys, dtype=KEY_DTYPE)
         rows = np.array(rows, dtype=ROW_DTYPE, copy=True).reshape(keys.size, -1) if np.size(rows) or keys.size \
             else np.empty((0, self.spec.width), ROW_DTYPE)
         check_rows(keys, rows, self.spec.num_rows, self.spec.width)
-        return self.worker.submit(self._push, keys, rows)
+        return keys, rows
 
     def pull(self, keys: Any = None) -> int:
         """The last push's aggregate (sum) or the weights after it (sgd) of ``keys``; sum: ``(keys, rows)`` of all."""
@@ -121,10 +125,18 @@ class SparseTable:
             check_rows(keys, np.empty((keys.size, 0), ROW_DTYPE), self.spec.num_rows, 0)
         return self.worker.submit(self._pull, keys)
 
-    def pushpull(self, keys: Any, rows: Any, pull_keys: Any = None) -> Any:
-        """push, then pull (``pull_keys``, or every aggregated row); returns the pull's value."""
-        self.worker.wait(self.push(keys, rows))
-        return self.worker.wait(self.pull(pull_keys))
+    def pushpull(self, keys: Any, rows: Any, pull_keys: Any = None) -> int:
+        """push, then pull ``pull_keys`` (sum: or every aggregated row), overlapped; ``wait`` gives the pull's value.
+
+        With sgd, ``pull_keys`` are typically the next batch's rows: their weights after this push.
+        """
+        keys, rows = self._checked(keys, rows)
+        if pull_keys is None and self._sgd:
+            raise ValueError("a pull of weights names its rows")
+        if pull_keys is not None:
+            pull_keys = np.ascontiguousarray(pull_keys, dtype=KEY_DTYPE)
+            check_rows(pull_keys, np.empty((pull_keys.size, 0), ROW_DTYPE), self.spec.num_rows, 0)
+        return self.worker.submit(self._step, keys, rows, True, pull_keys)
 
     @property
     def hot_coverage(self) -> tuple[int, int]:
@@ -161,6 +173,16 @@ class SparseTable:
         self.stats["hot_changes"] += 1
 
     def _push(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        self._step(keys, rows, False, None)
+
+    def _step(self, keys: np.ndarray, rows: np.ndarray, pull: bool, pull_keys: np.ndarray | None) -> Any:
+        """Push one iteration and, with ``pull``, pull after it: the PS requests travel while the switch sums.
+
+        Both PS requests are sent first (the PS answers them in order on this connection; the pull waits
+        until every worker pushed), then the hot rows go through the switch, then the answers are read.
+        A worker on another hot set than the others cannot corrupt the switch's sums meanwhile: the
+        exchange checks that every worker used the same version (its last block) and discards them otherwise.
+        """
         t = self.iteration
         if self._ps is not None and self._hot_known_for < t:  # the previous iteration was not pulled
             response, blob = self._request({"op": "sparse_sync", "iteration": t, "version": self.hot.version})
@@ -168,32 +190,18 @@ class SparseTable:
             self._hot_known_for = t
             self.stats["syncs"] += 1
         hot_keys = self.hot.keys
-        where = np.searchsorted(hot_keys, keys)
-        is_hot = where < hot_keys.size
-        is_hot[is_hot] = hot_keys[where[is_hot]] == keys[is_hot]
+        where, is_hot = _positions(hot_keys, keys)
         if self.spec.placement == "libra":
             self._sampler.observe(keys)
+        pending = 0
         if self._ps is not None:
-            cold = ~is_hot
-            header = {"op": "sparse_push", "rank": self.rank, "iteration": t, "version": self.hot.version,
-                      "count": int(cold.sum())}
-            arrays = [keys[cold], rows[cold]]
-            if self.spec.placement == "libra" and (t + 1) % self.spec.report_every == 0:
-                report_keys, report_counts = self._sampler.report(2 * self.spec.capacity)
-                header["report_count"] = int(report_keys.size)
-                arrays += [report_keys, report_counts.astype(COUNT_DTYPE)]
-            if self._leaving is not None and t == self.hot.effective:
-                if self.rank == 0:  # everyone holds the same weights; one copy is enough
-                    header["handover_count"] = int(self._leaving[0].size)
-                    arrays += list(self._leaving)
-                self._leaving = None
-            # The PS's answer is read after the switch exchange: both transfers overlap. A worker on another
-            # hot set than the others cannot corrupt the switch's sums meanwhile: the exchange checks that
-            # every worker used the same version (its last block) and discards the sums otherwise.
-            started = time.perf_counter()
-            self._ps.begin({"job_id": self.worker.config.job_id, "table": self.spec.table, **header},
-                           pack_arrays(*arrays))
-            self.stats["ps_push_seconds"] += time.perf_counter() - started
+            self._begin(self._push_request(t, keys, rows, ~is_hot), "ps_push_seconds")
+            pending += 1
+            if pull:
+                local = self._local()[0] if self._sgd else hot_keys
+                self._begin(self._pull_request(t, pull_keys, local), "ps_pull_seconds")
+                pending += 1
+        answers: list[tuple[dict[str, Any], bytearray]] = []
         try:
             aggregate = np.empty((0, self.spec.width), ROW_DTYPE)
             if hot_keys.size:
@@ -203,16 +211,76 @@ class SparseTable:
                 aggregate = self._exchange(dense, t).reshape(hot_keys.size, self.spec.width)
                 self.stats["switch_seconds"] += time.perf_counter() - started
         finally:
-            if self._ps is not None:
-                started = time.perf_counter()
-                self._ps.finish()
-                self.stats["ps_push_seconds"] += time.perf_counter() - started
+            answers = self._finish(pending) if pending else []
         if self._sgd and hot_keys.size:
-            self.hot_weights -= self._step * aggregate
+            self.hot_weights -= self._step_size * aggregate
         self._last = (t, hot_keys, aggregate)
         self.iteration = t + 1
         self.stats["hot_rows"] += int(is_hot.sum())
         self.stats["cold_rows"] += int(keys.size - is_hot.sum())
+        if not pull:
+            return None
+        return self._pulled(t, pull_keys, answers[1] if self._ps is not None else None)
+
+    def _push_request(self, t: int, keys: np.ndarray, rows: np.ndarray, cold: np.ndarray
+                      ) -> tuple[dict[str, Any], bytes]:
+        header: dict[str, Any] = {"op": "sparse_push", "rank": self.rank, "iteration": t,
+                                  "version": self.hot.version, "count": int(cold.sum())}
+        arrays = [keys[cold], rows[cold]]
+        if self.spec.placement == "libra" and (t + 1) % self.spec.report_every == 0:
+            report_keys, report_counts = self._sampler.report(2 * self.spec.capacity)
+            header["report_count"] = int(report_keys.size)
+            arrays += [report_keys, report_counts.astype(COUNT_DTYPE)]
+        if self._leaving is not None and t == self.hot.effective:
+            if self.rank == 0:  # everyone holds the same weights; one copy is enough
+                header["handover_count"] = int(self._leaving[0].size)
+                arrays += list(self._leaving)
+            self._leaving = None  # from this push on, the PS holds them (the pull of this iteration waits for it)
+        return header, pack_arrays(*arrays)
+
+    def _local(self) -> tuple[np.ndarray, np.ndarray]:
+        """sgd: the rows this worker serves itself: the replica, and the rows that left it until handed over."""
+        keys, rows = self.hot.keys, self.hot_weights
+        if self._leaving is not None:
+            keys = np.concatenate([keys, self._leaving[0]])
+            order = np.argsort(keys)
+            keys, rows = keys[order], np.concatenate([rows, self._leaving[1]])[order]
+        return keys, rows
+
+    def _pull_request(self, t: int, keys: np.ndarray | None, local: np.ndarray) -> tuple[dict[str, Any], bytes]:
+        """Ask the PS for the rows of ``keys`` that are not in ``local`` (those this worker holds)."""
+        asked = keys if keys is None else keys[~np.isin(keys, local, assume_unique=True)]
+        header = {"op": "sparse_pull", "iteration": t, "version": self.hot.version,
+                  "count": -1 if asked is None else int(asked.size)}
+        return header, b"" if asked is None else pack_arrays(asked)
+
+    def _begin(self, request: tuple[dict[str, Any], bytes], clock: str) -> None:
+        assert self._ps is not None
+        started = time.perf_counter()
+        timeout = self.worker.ps_timeout
+        self._ps.begin({"job_id": self.worker.config.job_id, "table": self.spec.table, **request[0],
+                        "timeout": timeout}, request[1], timeout=timeout + 5)
+        self.stats[clock] += time.perf_counter() - started
+
+    def _finish(self, pending: int) -> list[tuple[dict[str, Any], bytearray]]:
+        """Read ``pending`` answers in order; a refusal drops the connection if answers are still due.
+
+        The requests after a refused one would wait for an iteration that cannot complete (a pull after
+        a refused push waits for every worker's push), so the connection is closed instead.
+        """
+        assert self._ps is not None
+        answers = []
+        started = time.perf_counter()
+        try:
+            for _ in range(pending):
+                answers.append(self._ps.finish())
+        except PsRefused:
+            if len(answers) + 1 < pending:
+                self._ps.abort()
+            raise
+        finally:
+            self.stats["ps_pull_seconds" if pending > 1 else "ps_push_seconds"] += time.perf_counter() - started
+        return answers
 
     def _exchange(self, dense: np.ndarray, iteration: int) -> np.ndarray:
         """The switch's sum of every worker's dense hot rows (float32, flat); HotSetMismatch if versions differ.
@@ -235,46 +303,52 @@ class SparseTable:
         return values.reshape(-1)[:dense.size]
 
     def _pull(self, keys: np.ndarray | None) -> Any:
-        if self._sgd:  # weights exist before the first push: iteration -1 is the initial state
-            t, hot_keys, hot_rows = self.iteration - 1, self.hot.keys, self.hot_weights
-        elif self._last is None:
+        if not self._sgd and self._last is None:
             raise KeyError(f"sparse table {self.spec.table}: nothing was pushed yet")
-        else:
-            t, hot_keys, hot_rows = self._last
-        if self._sgd:  # the replica, and the rows that left it until rank 0 hands them over: the PS's are stale
-            hot_keys, hot_rows = self.hot.keys, self.hot_weights
-            if self._leaving is not None:
-                hot_keys = np.concatenate([hot_keys, self._leaving[0]])
-                order = np.argsort(hot_keys)
-                hot_keys, hot_rows = hot_keys[order], np.concatenate([hot_rows, self._leaving[1]])[order]
-        cold_keys, cold_rows, response, rest = np.empty(0, KEY_DTYPE), np.empty((0, self.spec.width), ROW_DTYPE), \
-            None, memoryview(b"")
+        # sgd: weights exist before the first push (iteration -1 is the initial state).
+        t = self.iteration - 1
+        answer = None
         if self._ps is not None:
-            asked = keys if keys is None else keys[~np.isin(keys, hot_keys, assume_unique=True)]
-            header = {"op": "sparse_pull", "iteration": t, "version": self.hot.version,
-                      "count": -1 if asked is None else int(asked.size)}
-            started = time.perf_counter()
-            response, blob = self._request(header, b"" if asked is None else pack_arrays(asked))
-            self.stats["ps_pull_seconds"] += time.perf_counter() - started
+            local = self._local()[0] if self._sgd else self._last[1]  # type: ignore[index]
+            self._begin(self._pull_request(t, keys, local), "ps_pull_seconds")
+            answer = self._finish(1)[0]
+        return self._pulled(t, keys, answer)
+
+    def _pulled(self, t: int, keys: np.ndarray | None, answer: tuple[dict[str, Any], bytearray] | None) -> Any:
+        """The pull's value from the rows this worker holds and the PS's answer; then learn the next hot set."""
+        if self._sgd:
+            local_keys, local_rows = self._local()
+        else:
+            assert self._last is not None
+            _, local_keys, local_rows = self._last
+        cold_keys, cold_rows, rest = np.empty(0, KEY_DTYPE), np.empty((0, self.spec.width), ROW_DTYPE), None
+        if answer is not None:
+            response, blob = answer
             count, width = int(response["count"]), self.spec.width
             split = count * (KEY_DTYPE.itemsize + 4 * width)
             cold_keys, cold_rows = unpack_arrays(memoryview(blob)[:split], (KEY_DTYPE, count, 0),
                                                  (ROW_DTYPE, count, width))
             rest = memoryview(blob)[split:]
         if keys is None:
-            all_keys = np.concatenate([hot_keys, cold_keys])
+            all_keys = np.concatenate([local_keys, cold_keys])
             order = np.argsort(all_keys, kind="stable")
-            result: Any = (all_keys[order], np.concatenate([hot_rows, cold_rows])[order])
+            result: Any = (all_keys[order], np.concatenate([local_rows, cold_rows])[order])
         else:
             result = np.zeros((keys.size, self.spec.width), ROW_DTYPE)
-            where = np.searchsorted(hot_keys, keys)
-            is_hot = where < hot_keys.size
-            is_hot[is_hot] = hot_keys[where[is_hot]] == keys[is_hot]
-            result[is_hot] = hot_rows[where[is_hot]]
+            where, is_local = _positions(local_keys, keys)
+            result[is_local] = local_rows[where[is_local]]
             if cold_keys.size:
-                result[~is_hot] = cold_rows
+                result[~is_local] = cold_rows
         self.stats["pulled_rows"] += len(result[0]) if keys is None else keys.size
-        if response is not None:
-            self._learn(response, rest)
+        if answer is not None:
+            self._learn(answer[0], rest)
             self._hot_known_for = t + 1
         return result
+
+
+def _positions(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each of ``keys``: its index in ``sorted_keys`` and whether it is there."""
+    where = np.searchsorted(sorted_keys, keys)
+    found = where < sorted_keys.size
+    found[found] = sorted_keys[where[found]] == keys[found]
+    return where, found

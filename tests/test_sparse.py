@@ -144,7 +144,7 @@ def _run_job(placement: str, iterations: int, loss: float = 0.0, shift_at: int |
                     shift = 5_000 if shift_at is not None and it >= shift_at else 0
                     keys = zipf_keys(rank, it, shift)
                     hot_sets.append(table.hot)
-                    pulled.append(table.pushpull(keys, grad_rows(rank, it, keys.size)))
+                    pulled.append(worker.wait(table.pushpull(keys, grad_rows(rank, it, keys.size))))
                 return pulled, hot_sets, table.stats
             results = run_workers(configs, job, rto_initial=0.01)
             state = server.tables.get(0)
@@ -237,12 +237,12 @@ def test_a_worker_on_an_old_hot_set_is_refused_not_mis_summed():
             def job(worker, rank):
                 table = worker.sparse_table(0, ROWS, WIDTH, report_every=1, min_gain=0.0)
                 keys = zipf_keys(rank, 0)
-                table.pushpull(keys, grad_rows(rank, 0, keys.size))
+                worker.wait(table.pushpull(keys, grad_rows(rank, 0, keys.size)))
                 assert table.hot.version == 1
                 if rank == 0:  # pretend this worker missed the switch-over
                     table.hot = results_old_hot
                     with pytest.raises(PsRefused, match="stale hot set"):
-                        table.pushpull(keys, grad_rows(rank, 1, keys.size))
+                        worker.wait(table.pushpull(keys, grad_rows(rank, 1, keys.size)))
                 return table.hot.version
 
             from netagg.hoststack.hotset import HotSet
