@@ -56,7 +56,8 @@ def run(cluster: EmulatedCluster, placement: str, args: argparse.Namespace, repe
     ps = cluster.start_ps(created["config_paths"][0], cluster.ps_host) if placement != "switch" else None
     options = ["--placement", placement, "--iterations", str(args.iterations), "--alpha", str(args.alpha),
                "--rows", str(args.rows), "--width", str(args.width), "--target-accuracy", str(args.target_accuracy),
-               "--hot-rounds", str(args.hot_rounds), "--batch", str(args.batch)]
+               "--hot-rounds", str(args.hot_rounds), "--batch", str(args.batch), "--rto-min", str(args.rto_min),
+               "--report-every", str(args.report_every), "--drift-at", str(args.drift_at)]
     before = {h: link_bytes(cluster, h) for h in [*hosts, cluster.ps_host]}
     started = time.monotonic()
     procs = [subprocess.Popen(cluster.host_command(host, [*WORKER, "--config", str(path), *options]),
@@ -92,7 +93,8 @@ def run(cluster: EmulatedCluster, placement: str, args: argparse.Namespace, repe
         "ps_link_kb_per_iteration": round((ps_rx + ps_tx) / iterations / 1e3, 2),
         "worker_link_kb_per_iteration": round(float(np.mean(worker_bytes)) / iterations / 1e3, 2),
         "table_slots": 0 if placement == "ps" else args.slots,
-        "hot_capacity_rows": reports[0]["hot_capacity"], "hot_versions": reports[0]["hot_versions"],
+        "hot_capacity_rows": reports[0]["hot_capacity"], "hot_set_rows": reports[0]["hot_set_rows"],
+        "hot_versions": reports[0]["hot_versions"],
         "hot_share": round(sum(r["hot_rows"] for r in reports)
                            / max(1, sum(r["hot_rows"] + r["cold_rows"] for r in reports)), 3),
         "retransmissions": sum(r["retransmissions"] for r in reports),
@@ -101,14 +103,14 @@ def run(cluster: EmulatedCluster, placement: str, args: argparse.Namespace, repe
 
 def _table(rows: list[dict]) -> str:
     lines = [f"{'placement':<9} {'rep':>3} {'iters':>5} {'agg ms':>7} {'dense ms':>8} {'s to acc':>8} "
-             f"{'acc':>6} {'PS KB/it':>8} {'wkr KB/it':>9} {'slots':>5} {'hot rows':>8} {'hot share':>9} "
+             f"{'acc':>6} {'PS KB/it':>8} {'wkr KB/it':>9} {'slots':>5} {'hot rows':>11} {'hot share':>9} "
              f"{'versions':>8}"]
     for r in rows:
         reached = "-" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.2f}"
         lines.append(f"{r['placement']:<9} {r['repeat']:>3} {r['iterations']:>5} {r['aggregation_ms']:>7.2f} "
                      f"{r['dense_ms']:>8.2f} {reached:>8} {r['final_accuracy']:>6.3f} "
                      f"{r['ps_link_kb_per_iteration']:>8.1f} {r['worker_link_kb_per_iteration']:>9.1f} "
-                     f"{r['table_slots']:>5} {r['hot_capacity_rows']:>8} {r['hot_share']:>9.3f} "
+                     f"{r['table_slots']:>5} {r['hot_set_rows']:>5}/{r['hot_capacity_rows']:<5} {r['hot_share']:>9.3f} "
                      f"{r['hot_versions']:>8}")
     return "\n".join(lines)
 
@@ -139,7 +141,7 @@ def _plot(rows: list[dict], path: Path, target: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     colors = {"ps": "tab:red", "libra": "tab:green", "switch": "tab:blue"}
     for r in rows:
         curve = np.array(r["curve"])
@@ -155,6 +157,12 @@ def _plot(rows: list[dict], path: Path, target: float) -> None:
                         color=colors[placement])
     axes[1].set_xticks(range(len(PLACEMENTS)), PLACEMENTS)
     axes[1].set(ylabel="ms per iteration", title="embedding aggregation time", yscale="log")
+    for r in rows:
+        if r["placement"] == "libra":
+            curve = np.array(r["curve"])
+            axes[2].plot(curve[:, 1], curve[:, 3], marker=".", color=colors["libra"], alpha=0.8)
+    axes[2].set(xlabel="iteration", ylabel="share of pushed rows that were hot", title="libra: hot-set coverage",
+                ylim=(0, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -167,13 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--alpha", type=float, default=1.5, help="Zipf exponent of the feature ids (default 1.5)")
     parser.add_argument("--batch", type=int, default=1024, help="examples per worker and iteration")
-    parser.add_argument("--slots", type=int, default=256, help="the job's slots (default 256)")
-    parser.add_argument("--hot-rounds", type=int, default=2, help="libra: the hot set is this many rounds of the slots")
+    parser.add_argument("--slots", type=int, default=32, help="the job's slots (default 32)")
+    parser.add_argument("--hot-rounds", type=int, default=16,
+                        help="libra: the hot set holds at most this many rounds of the slots (default 16: 1024 rows)")
     parser.add_argument("--iterations", type=int, default=300, help="at most, per run")
     parser.add_argument("--target-accuracy", type=float, default=0.77)
+    parser.add_argument("--report-every", type=int, default=5, help="libra: iterations between frequency reports")
+    parser.add_argument("--drift-at", type=int, default=-1, help="shift the Zipf ranking from this iteration on")
+    parser.add_argument("--rto-min", type=float, default=0.01, help="the workers' smallest retransmission timeout")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-seconds", type=float, default=900.0)
-    parser.add_argument("--rate-mbit", type=float, help="override configs/cluster.yaml's link rate")
+    parser.add_argument("--rate-mbit", type=float, default=10.0,
+                        help="every host's link (default 10: the links, not this machine's two cores, dominate)")
     parser.add_argument("--out", type=Path, default=dp.REPO_ROOT / "results")
     args = parser.parse_args(argv)
     ok, why = can_create_namespaces()

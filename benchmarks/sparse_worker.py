@@ -35,11 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr-embedding", type=float, default=20.0)
     parser.add_argument("--lr-dense", type=float, default=0.5)
     parser.add_argument("--hot-rounds", type=int, default=2)
-    parser.add_argument("--report-every", type=int, default=10)
+    parser.add_argument("--report-every", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--test-size", type=int, default=4000)
     parser.add_argument("--target-accuracy", type=float, default=0.77)
+    parser.add_argument("--rto-min", type=float, default=0.002, help="the transport's smallest timeout (s)")
     parser.add_argument("--drift-at", type=int, default=-1, help="shift the Zipf ranking from this iteration on")
     args = parser.parse_args(argv)
     config = WorkerConfig.load(args.config)
@@ -49,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     test_ids, test_labels = data.batch(TEST_STREAM, 0, args.test_size)
     test_keys, test_inverse = np.unique(test_ids, return_inverse=True)
     curve, comm, dense_comm = [], [], []
-    train_seconds, reached = 0.0, None
-    with KVWorker(config, progress_timeout=30.0) as kv:
+    train_seconds, reached, pushed_before = 0.0, None, (0, 0)
+    with KVWorker(config, progress_timeout=30.0, rto_min=args.rto_min) as kv:
         table = kv.sparse_table(0, args.rows, args.width, placement=args.placement, update="sgd",
                                 lr=args.lr_embedding, init_scale=0.05, seed=3, hot_rounds=args.hot_rounds,
                                 report_every=args.report_every)
@@ -82,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                 score = accuracy(model, test_rows, test_inverse.reshape(test_ids.shape), test_labels) \
                     if rank == 0 else 0.0
                 score = float(kv.allreduce(np.array([score], np.float32))[0])  # rank 0's, to everyone
-                curve.append((round(train_seconds, 4), it + 1, round(score, 4)))
+                hot, cold = table.stats["hot_rows"] - pushed_before[0], table.stats["cold_rows"] - pushed_before[1]
+                pushed_before = (table.stats["hot_rows"], table.stats["cold_rows"])
+                # (training seconds, iterations, accuracy, share of this worker's rows pushed hot since the last)
+                curve.append((round(train_seconds, 4), it + 1, round(score, 4), round(hot / max(1, hot + cold), 3)))
                 if reached is None and score >= args.target_accuracy:
                     reached = (train_seconds, it + 1)
                     break
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "dense_ms": round(1e3 * float(np.mean(dense_comm)), 3),
         "hot_rows": table.stats["hot_rows"], "cold_rows": table.stats["cold_rows"],
         "hot_versions": table.hot.version, "hot_capacity": table.spec.capacity,
+        "hot_set_rows": int(table.hot.keys.size),
         "retransmissions": kv.transport.stats.retransmissions,
         **{f"{k}_ms": round(1e3 * table.stats[k] / max(1, len(comm)), 3)
            for k in ("ps_push_seconds", "ps_pull_seconds", "switch_seconds")},
