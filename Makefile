@@ -7,7 +7,7 @@ DEMO_STAMP := $(VENV)/.demo-stamp
 TARGET ?= soft
 PYTEST_ARGS ?=
 
-.PHONY: setup build p4info test ptf demo bench bench-switch bench-tenants lint clean
+.PHONY: setup build p4info test ptf demo bench bench-switch bench-tenants bench-sparse lint clean
 
 $(VENV)/.created:
 	@scripts/setup-system.sh
@@ -56,6 +56,10 @@ bench-switch: build
 ## bench: allreduce on the emulated cluster: netagg vs PS fallback vs Gloo ring (root; torch optional)
 bench: setup
 	$(BIN)/python -m benchmarks.cluster_allreduce
+
+## bench-sparse: Libra: a sparse model's embedding table aggregated all-PS, Libra (hot rows in the switch), dense (root)
+bench-sparse: setup
+	$(BIN)/python -m benchmarks.sparse_training
 
 ## bench-tenants: two tenant jobs sharing the emulated cluster's links, with and without congestion control (root)
 bench-tenants: setup
