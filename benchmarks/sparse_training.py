@@ -128,9 +128,15 @@ def _speedups(rows: list[dict]) -> list[str]:
         times = [(b["seconds_to_target"], m["seconds_to_target"]) for b, m in zip(base, mine)]
         if all(b is not None and m is not None for b, m in times):
             line += f"; time to the target accuracy {np.mean([b / m for b, m in times]):.2f}x"
-        ps_bytes = np.mean([b["ps_link_kb_per_iteration"] / max(m["ps_link_kb_per_iteration"], 1e-9)
-                            for b, m in zip(base, mine)])
-        line += f"; PS link bytes per iteration / {ps_bytes:.2f}"
+        if all(m["ps_link_kb_per_iteration"] > 0 for m in mine):
+            ps_bytes = np.mean([b["ps_link_kb_per_iteration"] / m["ps_link_kb_per_iteration"]
+                                for b, m in zip(base, mine)])
+            line += f"; PS link bytes per iteration / {ps_bytes:.2f}"
+        else:
+            line += "; no PS traffic"
+        gaps = [max(abs(a[2] - b[2]) for a, b in zip(m["curve"], p["curve"]) if a[1] == b[1])
+                for p, m in zip(base, mine)]
+        line += f"; accuracy curve within {max(gaps):.4f} of all-PS's"
         out.append(line)
     return out
 

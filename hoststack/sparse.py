@@ -138,11 +138,6 @@ class SparseTable:
             check_rows(pull_keys, np.empty((pull_keys.size, 0), ROW_DTYPE), self.spec.num_rows, 0)
         return self.worker.submit(self._step, keys, rows, True, pull_keys)
 
-    @property
-    def hot_coverage(self) -> tuple[int, int]:
-        """(hot, cold) rows this worker pushed so far."""
-        return self.stats["hot_rows"], self.stats["cold_rows"]
-
     # -- engine thread -----------------------------------------------------------
     def _request(self, header: dict[str, Any], blob: bytes = b"") -> tuple[dict[str, Any], bytearray]:
         assert self._ps is not None
