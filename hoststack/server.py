@@ -471,6 +471,9 @@ class KVServer:
         report_count, handover_count = int(header.get("report_count", -1)), int(header.get("handover_count", -1))
         layout = [(KEY_DTYPE, count, 0), (ROW_DTYPE, count, width)]
         if report_count >= 0:
+            if report_count > max(2 * table.spec.capacity, 1024):
+                raise ValueError(f"a frequency report of {report_count} keys; at most "
+                                 f"{max(2 * table.spec.capacity, 1024)} for this table")
             layout += [(KEY_DTYPE, report_count, 0), (COUNT_DTYPE, report_count, 0)]
         if handover_count >= 0:
             layout += [(KEY_DTYPE, handover_count, 0), (ROW_DTYPE, handover_count, width)]

@@ -294,11 +294,13 @@ def test_bad_sparse_requests_get_errors_and_the_ps_keeps_serving():
             with pytest.raises(PsRefused, match="not complete"):
                 client.request({**base, "op": "sparse_pull", "iteration": 0, "count": -1, "version": 0,
                                 "timeout": 0.05})
+            with pytest.raises(PsRefused, match="frequency report of 5000 keys"):
+                client.request({**push, "report_count": 5000}, b"")
             with pytest.raises(PsRefused, match="KeyError"):
                 client.request({**base, "op": "sparse_push"})
             client.request(push, pack_arrays(np.array([1, 2], "<i8"), np.ones((2, 2), "<f4")))
             client.close()
-            assert server.stats.bad_requests >= 7
+            assert server.stats.bad_requests >= 8
 
 
 def test_capacity_is_the_slot_budget():
@@ -372,3 +374,30 @@ def test_the_switch_exchange_detects_workers_on_different_hot_sets():
     for rank, (same, wrapped, mixed) in enumerate(results):
         assert same == wrapped == 6.0  # 1 + 2 + 3
         assert "different hot sets" in mixed and f"version {(5, 5, 6)[rank]}" in mixed
+
+
+def test_a_key_space_of_a_hundred_million_rows_costs_only_the_touched_rows():
+    rows, iterations, lr = 10**8, 4, 0.5
+    rng = np.random.default_rng(8)
+    touched = [[np.unique(rng.integers(0, rows, 200)) for _ in range(2)] for _ in range(iterations)]
+    grads = [[np.full((k.size, 4), 1.0 + r, np.float32) for r, k in enumerate(step)] for step in touched]
+    every = np.unique(np.concatenate([k for step in touched for k in step]))
+    with testing.LoopbackSwitch() as switch:
+        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        configs = switch.add_job(2, slot_count=SLOTS, ps=ps)
+        with KVServer(configs[0]) as server:
+            def job(worker, rank):
+                table = worker.sparse_table(0, rows, 4, update="sgd", lr=lr, init_scale=0.1, seed=2, report_every=1,
+                                            min_touches=0.0)
+                for it in range(iterations):
+                    worker.wait(table.push(touched[it][rank], grads[it][rank]))
+                return worker.wait(table.pull(every))
+            results = run_workers(configs, job, rto_initial=0.01)
+            assert len(server.tables[0].weights) <= every.size  # only touched rows are stored
+    from netagg.hoststack.sparse_store import initial_rows
+    want = initial_rows(every, 4, 0.1, 2).astype(np.float64)
+    for it in range(iterations):
+        for rank in range(2):
+            want[np.searchsorted(every, touched[it][rank])] -= lr / 2 * grads[it][rank]
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_allclose(results[0], want, rtol=0, atol=1e-5)
