@@ -1,11 +1,15 @@
 """Time to a target training loss on the emulated cluster: sync PS vs plain async vs MLfabric-scheduled async.
 
 Four workers (hosts h0..h3) train examples/mlp_digits.py's MLP against the MLfabric PS
-on the PS host; one worker's link (both directions) is re-shaped to ``--slow-fraction``
-of the others' rate. Each run is one job created through the CLI (``netagg job create
-... --sync async --delay-bound B [--schedule mlfabric]``), the PS and a monitor run on
-the PS host (the monitor reads the model locally, off the shaped links, and halts the
-job once the loss over the whole training set reaches ``--target-loss``).
+on the PS host, in a dynamic cluster (netagg/bmv2/dynamics.py, seeded by ``--seed``): by
+default one worker host's link (both directions) runs at ``--slow-fraction`` of the
+others' rate; ``--slow-hosts``, ``--change-every``, ``--stragglers``/``--straggler-ms`` and
+``--background-mbit`` add more slow hosts, link-rate changes during each run, compute
+stragglers and another tenant's TCP flow (each run sees the same schedule). Each run
+is one job created through the CLI (``netagg job create ... --sync async --delay-bound B
+[--schedule mlfabric]``), the PS and a monitor run on the PS host (the monitor reads the
+model locally, off the shaped links, and halts the job once the loss over the whole
+training set reaches ``--target-loss``).
 
 Prints, per run: seconds to the target (from the moment all workers joined),
 gradients applied and dropped, the largest applied delay, the scheduler's decisions;
@@ -25,7 +29,8 @@ from pathlib import Path
 
 from netagg import dataplane as dp
 from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
-from netagg.bmv2.netns import LinkShape, can_create_namespaces, shape_link
+from netagg.bmv2.dynamics import ClusterDynamics, DynamicsSpec, Plan, make_plan
+from netagg.bmv2.netns import can_create_namespaces
 from netagg.deployment import json_result
 from netagg.jobconfig import WorkerConfig
 from netagg.mlfabric.testing import PS_COMMAND, WORKER_COMMAND, stop
@@ -53,7 +58,16 @@ def create_job(cluster: EmulatedCluster, hosts: list[str], options: list[str], n
     return job_id, paths
 
 
-def run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace) -> dict:
+def run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Plan) -> dict:
+    """One run of ``kind``; ``plan``'s rate changes and other tenant start with it (the same for every run)."""
+    with ClusterDynamics(cluster, plan) as dynamics:
+        row = _run(cluster, kind, args, plan)
+    row["rate_changes"] = len(dynamics.applied)
+    row["background_bytes"] = sum(flow["received"] for flow in dynamics.background_bytes)
+    return row
+
+
+def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Plan) -> dict:
     hosts = cluster.worker_hosts[:args.workers]
     options = KINDS[kind] + (["--delay-bound", str(args.delay_bound)] if kind != "sync" else [])
     job_id, paths = create_job(cluster, hosts, options, f"mlfabric-{kind}")
@@ -76,8 +90,9 @@ def run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace) -> dict:
             "--max-seconds", str(args.max_seconds), "--interval", "0.1"]),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=dp.REPO_ROOT)
         procs.append(monitor)
-        workers = [subprocess.Popen(cluster.host_command(host, [*WORKER_COMMAND, "--config", str(path),
-                                                                "--steps", str(args.max_steps)]),
+        workers = [subprocess.Popen(cluster.host_command(host, [
+            *WORKER_COMMAND, "--config", str(path), "--steps", str(args.max_steps),
+            "--compute-delay", str(plan.compute_delay_ms.get(host, 0.0) / 1e3)]),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                     cwd=dp.REPO_ROOT)
                    for host, path in zip(hosts, paths)]
@@ -105,7 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--rate-mbit", type=float, default=4.0, help="every host's link (default 4)")
-    parser.add_argument("--slow-fraction", type=float, default=0.25, help="the slow worker's share of that rate")
+    parser.add_argument("--slow-fraction", type=float, default=0.25, help="the slow hosts' share of that rate")
+    parser.add_argument("--slow-hosts", type=float, default=0.25, help="share of the worker hosts that are slow")
+    parser.add_argument("--change-every", type=float, default=0.0, help="seconds between link-rate changes (0: none)")
+    parser.add_argument("--change-low", type=float, default=0.25, help="a change sets a rate of low..1 x its own")
+    parser.add_argument("--stragglers", type=float, default=0.0, help="share of workers with extra compute")
+    parser.add_argument("--straggler-ms", type=float, default=0.0, help="their extra compute per step")
+    parser.add_argument("--background-mbit", type=float, default=0.0, help="another tenant's flow to the PS host")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the cluster's dynamics")
     parser.add_argument("--delay-bound", type=int, default=4)
     parser.add_argument("--target-loss", type=float, default=0.2)
     parser.add_argument("--lr", type=float, default=0.1)
@@ -119,20 +141,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlfabric_convergence: the emulated cluster {why}; nothing measured")
         return 2
     spec = ClusterSpec.load(num_workers=args.workers, rate_mbit=args.rate_mbit, target="soft")
-    slow_rate = args.rate_mbit * args.slow_fraction
+    dynamics = DynamicsSpec(seed=args.seed, slow_fraction=args.slow_hosts, slow_factor=args.slow_fraction,
+                            change_every=args.change_every, change_low=args.change_low,
+                            straggler_fraction=args.stragglers, straggler_ms=args.straggler_ms,
+                            background_mbit=args.background_mbit)
     print(f"emulated cluster: {args.workers} workers + PS host, soft switch, {spec.rate_mbit} Mbit/s and "
-          f"{spec.delay_ms} ms per link, worker h{args.workers - 1} at {slow_rate:g} Mbit/s; "
+          f"{spec.delay_ms} ms per link, {dynamics}; "
           f"delay bound {args.delay_bound}, lr {args.lr}, target loss {args.target_loss}; "
           f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="netagg-mlfabric-") as tmp, EmulatedCluster(Path(tmp), spec) as cluster:
-        slow = cluster.topology.hosts[args.workers - 1]
-        shape = LinkShape(slow_rate, spec.delay_ms, spec.queue_packets)
-        shape_link(slow.namespace, slow.ifname, shape, spec.mtu)
-        shape_link(cluster.topology.switch_namespace, slow.switch_ifname, shape, spec.mtu)
+        plan = make_plan(dynamics, cluster.worker_hosts, cluster.ps_host, spec.rate_mbit, args.max_seconds + 30)
+        print(f"plan: rates {plan.rates}, changes {list(plan.changes)[:6]}{' ...' if len(plan.changes) > 6 else ''}, "
+              f"compute delays {plan.compute_delay_ms}, other tenant {list(plan.background)}", flush=True)
         for repeat in range(args.repeats):
             for kind in args.kinds:
-                row = run(cluster, kind, args)
+                row = run(cluster, kind, args, plan)
                 row["repeat"] = repeat
                 rows.append(row)
                 print(json.dumps(row), flush=True)
