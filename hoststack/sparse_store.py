@@ -216,12 +216,12 @@ class TableState:
         """For a worker on ``known_version``: the rows ``hot`` adds and their weights (sgd; empty arrays for sum)."""
         if self.weights is None or known_version == hot.version:
             return hot.keys[:0], np.empty((0, self.spec.width), ROW_DTYPE)
-        before = next((h for h in self._schedule if h.version == known_version), None)
-        if before is None:
-            raise StaleHotSet(f"table {self.spec.table}: hot-set version {known_version} is too old "
-                              f"(version {hot.version} is in effect)")
-        keys = np.setdiff1d(hot.keys, before.keys, True)
         with self._cond:
+            before = next((h for h in self._schedule if h.version == known_version), None)
+            if before is None:
+                raise StaleHotSet(f"table {self.spec.table}: hot-set version {known_version} is too old "
+                                  f"(version {hot.version} is in effect)")
+            keys = np.setdiff1d(hot.keys, before.keys, True)
             return keys, self.weights.get(keys)
 
     # -- operations ----------------------------------------------------------
