@@ -199,4 +199,7 @@ def test_workers_waiting_for_a_straggler_resend_only_their_head_packet(loss):
         # Resending the window at each of those timeouts would be >= 3 * SLOTS packets.
         assert stats.retransmissions < SLOTS + stats.stalled_timeouts, stats
         if not loss:
-            assert stats.window_decreases == 0, stats  # waiting is not congestion
+            # Waiting is not congestion: the ~100 stalled timeouts did not shrink the window (halving at each,
+            # at most once per round trip, would take it to 1). One ordinary timeout after the straggler
+            # arrived may still halve it once on a busy machine.
+            assert stats.smallest_window >= SLOTS / 2, stats
