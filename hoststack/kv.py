@@ -73,12 +73,10 @@ class KVWorker:
         # Register this worker's UDP address with the job's PS: in ps mode for its results; in fallback
         # mode when the job has a secret, as the only address the PS accepts this rank's packets from.
         if self.mode == "ps" or (self.mode == "fallback" and self.config.secret):
-            assert self.config.ps is not None
             try:
-                self._ps = PsClient(resolve(self.config.ps), timeout=ps_timeout, secret=self.config.secret)
                 host, port = self.transport.address
-                self._ps.request({"op": "hello", "job_id": self.config.job_id, "rank": self.config.rank,
-                                  "host": host, "port": port})
+                self.ps_connection().request({"op": "hello", "job_id": self.config.job_id,
+                                              "rank": self.config.rank, "host": host, "port": port})
             except BaseException:
                 self.transport.close()
                 if self._ps is not None:
@@ -161,7 +159,7 @@ class KVWorker:
         return self.wait(self._submit(fn, *args))
 
     def ps_connection(self) -> PsClient:
-        """The connection to the job's PS (opened at the first use outside ps mode); ConfigError without a PS."""
+        """The connection to the job's PS, opened at the first use; ConfigError without a PS."""
         if self._ps is None:
             if self.config.ps is None:
                 raise ConfigError(f"job {self.config.job_id} has no parameter server (create it with --ps)")

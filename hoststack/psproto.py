@@ -98,13 +98,14 @@ class PsClient:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
         self._pending: deque[dict[str, Any]] = deque()
+        #: The thread whose begun requests hold the connection.
+        self._owner = 0
 
     def request(self, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
                 timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
         """Send a request and return the successful response; raises PsUnreachable or PsRefused."""
-        with self._lock:
-            self._send(header, blob, timeout)
-            return self._receive(header)
+        self.begin(header, blob, timeout)
+        return self.finish()
 
     def begin(self, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
               timeout: float | None = None) -> None:
@@ -113,27 +114,27 @@ class PsClient:
         Several requests may be begun; ``finish`` reads their responses in the same order. The
         connection is held from the first ``begin`` to the last ``finish``: other threads' requests wait.
         """
-        if not self._pending:
+        if not self._pending or self._owner != threading.get_ident():
             self._lock.acquire()
+            self._owner = threading.get_ident()
         try:
             self._send(header, blob, timeout)
         except BaseException:
-            self._abandon()
+            self._drop_pending()
             raise
         self._pending.append(header)
 
     def finish(self) -> tuple[dict[str, Any], bytearray]:
-        """The response of the oldest request :meth:`begin` sent; raises like :meth:`request`."""
+        """The response of the oldest request :meth:`begin` sent; raises PsUnreachable or PsRefused."""
         if not self._pending:
             raise RuntimeError("finish() without begin()")
-        header = self._pending[0]
         try:
-            result = self._receive(header)
+            result = self._receive(self._pending[0])
         except PsRefused:
             self._done_one()
             raise
         except BaseException:
-            self._abandon()
+            self._drop_pending()
             raise
         self._done_one()
         return result
@@ -141,19 +142,18 @@ class PsClient:
     def abort(self) -> None:
         """Close the connection without reading the pending answers (e.g. a pull that now cannot complete)."""
         self.close()
-        self._abandon()
+        if self._pending:
+            self._drop_pending()
 
     def _done_one(self) -> None:
         self._pending.popleft()
         if not self._pending:
             self._lock.release()
 
-    def _abandon(self) -> None:
-        """The connection broke (it is closed): forget what was pending and let other threads fail fast."""
-        had = bool(self._pending)
+    def _drop_pending(self) -> None:
+        """The connection broke or was closed: forget what was pending and release it (the caller holds it)."""
         self._pending.clear()
-        if had or self._lock.locked():
-            self._lock.release()
+        self._lock.release()
 
     def _send(self, header: dict[str, Any], blob: bytes | bytearray | memoryview, timeout: float | None) -> None:
         self.sock.settimeout(self.timeout if timeout is None else timeout)

@@ -42,7 +42,7 @@ from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.hotset import COUNT_DTYPE, KEY_DTYPE, HotSet
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, resolve, slot_count_of, udp_socket
 from netagg.hoststack.psproto import ConnectionClosed, ProtocolError, recv_frame, send_frame
-from netagg.hoststack.sparse_store import ROW_DTYPE, TableSpec, TableState, check_rows, pack_arrays, unpack_arrays
+from netagg.hoststack.sparse_store import ROW_DTYPE, TableSpec, TableState, check_keys, pack_arrays, unpack_arrays
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig, endpoint_arg
 from netagg.shutdown import stop_event
 
@@ -482,7 +482,7 @@ class KVServer:
         report = (arrays[2], arrays[3]) if report_count >= 0 else None
         handover = (arrays[-2], arrays[-1]) if handover_count >= 0 else None
         if report is not None:
-            check_rows(report[0], np.empty((report_count, 0), ROW_DTYPE), table.spec.num_rows, 0)
+            check_keys(report[0], table.spec.num_rows)
         table.push(int(header["rank"]), int(header["iteration"]), int(header["version"]), keys, rows, report,
                    handover)
         return {"ok": True}, b""

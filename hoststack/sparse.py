@@ -47,9 +47,11 @@ from netagg.hoststack.sparse_store import (
     PLACEMENTS,
     ROW_DTYPE,
     TableSpec,
+    check_keys,
     check_rows,
     initial_rows,
     pack_arrays,
+    positions,
     unpack_arrays,
 )
 
@@ -122,7 +124,7 @@ class SparseTable:
             raise ValueError("a pull of weights names its rows")
         if keys is not None:
             keys = np.ascontiguousarray(keys, dtype=KEY_DTYPE)
-            check_rows(keys, np.empty((keys.size, 0), ROW_DTYPE), self.spec.num_rows, 0)
+            check_keys(keys, self.spec.num_rows)
         return self.worker.submit(self._pull, keys)
 
     def pushpull(self, keys: Any, rows: Any, pull_keys: Any = None) -> int:
@@ -135,15 +137,15 @@ class SparseTable:
             raise ValueError("a pull of weights names its rows")
         if pull_keys is not None:
             pull_keys = np.ascontiguousarray(pull_keys, dtype=KEY_DTYPE)
-            check_rows(pull_keys, np.empty((pull_keys.size, 0), ROW_DTYPE), self.spec.num_rows, 0)
+            check_keys(pull_keys, self.spec.num_rows)
         return self.worker.submit(self._step, keys, rows, True, pull_keys)
 
     # -- engine thread -----------------------------------------------------------
-    def _request(self, header: dict[str, Any], blob: bytes = b"") -> tuple[dict[str, Any], bytearray]:
-        assert self._ps is not None
-        header = {"job_id": self.worker.config.job_id, "table": self.spec.table, **header}
-        timeout = self.worker.ps_timeout
-        return self._ps.request({**header, "timeout": timeout}, blob, timeout=timeout + 5)
+    def _request(self, header: dict[str, Any], blob: bytes = b"", clock: str | None = None
+                 ) -> tuple[dict[str, Any], bytearray]:
+        """One request to the PS and its successful answer (time counted in ``stats[clock]``)."""
+        self._begin((header, blob), clock)
+        return self._finish(1, clock)[0]
 
     def _learn(self, response: dict[str, Any], blob: memoryview) -> None:
         """Take the hot set a sync or pull response announces (its keys come only when the version is new)."""
@@ -156,8 +158,8 @@ class SparseTable:
                                                  (ROW_DTYPE, arriving, self.spec.width))
         if self._sgd:
             weights = np.empty((keys.size, self.spec.width), ROW_DTYPE)
-            kept = np.isin(keys, self.hot.keys, assume_unique=True)
-            weights[kept] = self.hot_weights[np.searchsorted(self.hot.keys, keys[kept])]
+            where, kept = positions(self.hot.keys, keys)
+            weights[kept] = self.hot_weights[where[kept]]
             if not np.array_equal(keys[~kept], new_keys):
                 raise ValueError(f"the PS sent weights of {new_keys.size} arriving rows, expected {(~kept).sum()}")
             weights[~kept] = new_rows
@@ -185,7 +187,7 @@ class SparseTable:
             self._hot_known_for = t
             self.stats["syncs"] += 1
         hot_keys = self.hot.keys
-        where, is_hot = _positions(hot_keys, keys)
+        where, is_hot = positions(hot_keys, keys)
         if self.spec.placement == "libra":
             self._sampler.observe(keys)
         pending = 0
@@ -206,7 +208,7 @@ class SparseTable:
                 aggregate = self._exchange(dense, t).reshape(hot_keys.size, self.spec.width)
                 self.stats["switch_seconds"] += time.perf_counter() - started
         finally:
-            answers = self._finish(pending) if pending else []
+            answers = self._finish(pending, "ps_pull_seconds" if pull else "ps_push_seconds") if pending else []
         if self._sgd and hot_keys.size:
             self.hot_weights -= self._step_size * aggregate
         self._last = (t, hot_keys, aggregate)
@@ -249,15 +251,16 @@ class SparseTable:
                   "count": -1 if asked is None else int(asked.size)}
         return header, b"" if asked is None else pack_arrays(asked)
 
-    def _begin(self, request: tuple[dict[str, Any], bytes], clock: str) -> None:
+    def _begin(self, request: tuple[dict[str, Any], bytes], clock: str | None) -> None:
         assert self._ps is not None
         started = time.perf_counter()
         timeout = self.worker.ps_timeout
         self._ps.begin({"job_id": self.worker.config.job_id, "table": self.spec.table, **request[0],
                         "timeout": timeout}, request[1], timeout=timeout + 5)
-        self.stats[clock] += time.perf_counter() - started
+        if clock is not None:
+            self.stats[clock] += time.perf_counter() - started
 
-    def _finish(self, pending: int) -> list[tuple[dict[str, Any], bytearray]]:
+    def _finish(self, pending: int, clock: str | None) -> list[tuple[dict[str, Any], bytearray]]:
         """Read ``pending`` answers in order; a refusal drops the connection if answers are still due.
 
         The requests after a refused one would wait for an iteration that cannot complete (a pull after
@@ -274,7 +277,8 @@ class SparseTable:
                 self._ps.abort()
             raise
         finally:
-            self.stats["ps_pull_seconds" if pending > 1 else "ps_push_seconds"] += time.perf_counter() - started
+            if clock is not None:
+                self.stats[clock] += time.perf_counter() - started
         return answers
 
     def _exchange(self, dense: np.ndarray, iteration: int) -> np.ndarray:
@@ -305,8 +309,7 @@ class SparseTable:
         answer = None
         if self._ps is not None:
             local = self._local()[0] if self._sgd else self._last[1]  # type: ignore[index]
-            self._begin(self._pull_request(t, keys, local), "ps_pull_seconds")
-            answer = self._finish(1)[0]
+            answer = self._request(*self._pull_request(t, keys, local), clock="ps_pull_seconds")
         return self._pulled(t, keys, answer)
 
     def _pulled(self, t: int, keys: np.ndarray | None, answer: tuple[dict[str, Any], bytearray] | None) -> Any:
@@ -330,7 +333,7 @@ class SparseTable:
             result: Any = (all_keys[order], np.concatenate([local_rows, cold_rows])[order])
         else:
             result = np.zeros((keys.size, self.spec.width), ROW_DTYPE)
-            where, is_local = _positions(local_keys, keys)
+            where, is_local = positions(local_keys, keys)
             result[is_local] = local_rows[where[is_local]]
             if cold_keys.size:
                 result[~is_local] = cold_rows
@@ -340,10 +343,3 @@ class SparseTable:
             self._hot_known_for = t + 1
         return result
 
-
-def _positions(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each of ``keys``: its index in ``sorted_keys`` and whether it is there."""
-    where = np.searchsorted(sorted_keys, keys)
-    found = where < sorted_keys.size
-    found[found] = sorted_keys[where[found]] == keys[found]
-    return where, found

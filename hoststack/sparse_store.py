@@ -164,6 +164,19 @@ class RowStore:
         self._rows[slots] -= step * aggregate
 
 
+def check_keys(keys: np.ndarray, num_rows: int) -> None:
+    """ValueError unless ``keys`` are one-dimensional, sorted, unique and in 0..num_rows-1."""
+    check_rows(keys, np.empty((keys.size, 0), ROW_DTYPE), num_rows, 0)
+
+
+def positions(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each of ``keys``: its index in ``sorted_keys`` and whether it is there."""
+    where = np.searchsorted(sorted_keys, keys)
+    found = where < sorted_keys.size
+    found[found] = sorted_keys[where[found]] == keys[found]
+    return where, found
+
+
 @dataclass
 class _Iteration:
     pushes: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
@@ -335,7 +348,7 @@ class TableState:
     def pull(self, iteration: int, keys: np.ndarray | None, timeout: float) -> tuple[np.ndarray, np.ndarray]:
         """The aggregate of ``iteration``: every pushed row (``keys`` None) or the asked rows (zeros if untouched)."""
         if keys is not None:
-            check_rows(keys, np.empty((keys.size, 0), ROW_DTYPE), self.spec.num_rows, 0)
+            check_keys(keys, self.spec.num_rows)
         self.wait_complete(iteration, timeout)
         with self._cond:
             if self.weights is not None:
@@ -351,9 +364,7 @@ class TableState:
                 out_keys, out_rows = entry.keys, entry.rows
             else:
                 out_keys, out_rows = keys, np.zeros((keys.size, self.spec.width), ROW_DTYPE)
-                where = np.searchsorted(entry.keys, keys)
-                found = where < entry.keys.size
-                found[found] = entry.keys[where[found]] == keys[found]
+                where, found = positions(entry.keys, keys)
                 out_rows[found] = entry.rows[where[found]]
             self.stats.rows_out += out_keys.size
             return out_keys, out_rows
