@@ -1,4 +1,4 @@
-"""Compile ``p4src/netagg.p4`` with p4c's BMv2 backend (when it is installed)."""
+"""Compile ``p4src/v1model/netagg.p4`` with p4c's BMv2 backend (when it is installed)."""
 
 from __future__ import annotations
 

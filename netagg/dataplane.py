@@ -1,8 +1,8 @@
 """The data plane's control contract: P4Runtime names, counter indices, paths.
 
-These are the names in ``p4src/netagg.p4info.txtpb`` that the controller writes
+These are the names in ``p4src/v1model/netagg.p4info.txtpb`` that the controller writes
 and reads, and the drop reasons indexing the ``drop_reasons`` counter. The P4
-source defines the same numbers (``p4src/include/defines.p4``); a test checks
+source defines the same numbers (``p4src/shared/defines.p4``); a test checks
 that they agree.
 """
 
@@ -13,9 +13,12 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 P4SRC_DIR = REPO_ROOT / "p4src"
-P4_PROGRAM = P4SRC_DIR / "netagg.p4"
+SHARED_P4_DIR = P4SRC_DIR / "shared"
+#: The v1model program (BMv2 and the software target) and the TNA program (Tofino).
+P4_PROGRAM = P4SRC_DIR / "v1model" / "netagg.p4"
+TNA_PROGRAM = P4SRC_DIR / "tna" / "netagg.p4"
 #: The committed P4Info (explicit @ids); ``make build`` regenerates it with p4c.
-P4INFO_PATH = P4SRC_DIR / "netagg.p4info.txtpb"
+P4INFO_PATH = P4SRC_DIR / "v1model" / "netagg.p4info.txtpb"
 BUILD_DIR = REPO_ROOT / "build"
 #: BMv2 JSON produced by ``make build`` (only needed for the BMv2 target).
 BMV2_JSON_PATH = BUILD_DIR / "netagg.json"

@@ -1,8 +1,8 @@
 """The netagg wire format: the single source of truth.
 
 Every part of netagg (host stack, software target, controller, tests) imports its
-constants and codecs from here; ``p4src/include/headers.p4`` and
-``p4src/include/defines.p4`` mirror them and ``tests/test_wire_p4_agreement.py``
+constants and codecs from here; ``p4src/shared/headers.p4`` and
+``p4src/shared/defines.p4`` mirror them and ``tests/test_wire_p4_agreement.py``
 checks that they agree.
 
 A netagg packet is ``Ethernet / IPv4 (no options) / UDP (dst NETAGG_UDP_PORT) /

@@ -1,6 +1,6 @@
 """The netagg program compiled with numba: one call runs a whole batch of frames through it.
 
-Each function mirrors a control of ``p4src/netagg.p4`` line by line, exactly like the
+Each function mirrors a control of ``p4src/v1model/netagg.p4`` line by line, exactly like the
 readable model in :mod:`netagg.softswitch.pipeline` (the reference); packets of a batch are
 processed one after the other, in arrival order, so register updates between packets that
 hit the same slot happen in the same order as in the model and on BMv2.

@@ -1,4 +1,4 @@
-"""A packet-level model of ``p4src/netagg.p4``: parser, ingress, replication, egress, deparser.
+"""A packet-level model of ``p4src/v1model/netagg.p4``: parser, ingress, replication, egress, deparser.
 
 Every branch here corresponds to a line of the P4 program (named in the comments)
 and the same PTF suite runs against this model and against BMv2, so where the two

@@ -26,4 +26,4 @@ def test_committed_p4info_equals_generated(compiled):
     _, p4info_path = compiled
     generated, committed = load_p4info(p4info_path), load_p4info(dp.P4INFO_PATH)
     assert p4info_differences(generated, committed) == []
-    assert generated == committed, "run `make p4info` and commit p4src/netagg.p4info.txtpb"
+    assert generated == committed, "run `make p4info` and commit p4src/v1model/netagg.p4info.txtpb"

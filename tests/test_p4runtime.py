@@ -29,7 +29,7 @@ from netagg.p4info import (
 from netagg.softswitch.forwarding_state import ForwardingState, StateError
 from netagg.softswitch.p4runtime_server import serve
 
-P4INFO_PATH = Path(__file__).resolve().parents[1] / "p4src" / "netagg.p4info.txtpb"
+P4INFO_PATH = Path(__file__).resolve().parents[1] / "p4src" / "v1model" / "netagg.p4info.txtpb"
 P4INFO = load_p4info(P4INFO_PATH)  # parsed once: text parsing costs ~40 ms
 INDEX = P4InfoIndex(P4INFO)
 JOBS = "NetaggIngress.worker_lookup.jobs"

@@ -7,7 +7,7 @@ from netagg import wire
 from netagg.dataplane import DropReason, ValueOp
 from netagg.p4info import load_p4info
 
-INCLUDE = dp.P4SRC_DIR / "include"
+INCLUDE = dp.SHARED_P4_DIR
 
 
 def _defines() -> dict[str, int]:

@@ -8,19 +8,20 @@
 #include <core.p4>
 #include <v1model.p4>
 
-#include "include/defines.p4"
-#include "include/headers.p4"
-#include "include/parser.p4"
-#include "include/control/source_guard.p4"
-#include "include/control/worker_lookup.p4"
-#include "include/control/slot_owner.p4"
-#include "include/control/round_check.p4"
-#include "include/control/bitmap_check.p4"
-#include "include/control/worker_count.p4"
-#include "include/control/exponent_max.p4"
-#include "include/control/value_sum.p4"
-#include "include/control/result_delivery.p4"
-#include "include/control/ipv4_forward.p4"
+#include "shared/defines.p4"
+#include "shared/headers.p4"
+#include "v1model/metadata.p4"
+#include "v1model/parser.p4"
+#include "v1model/control/source_guard.p4"
+#include "v1model/control/worker_lookup.p4"
+#include "v1model/control/slot_owner.p4"
+#include "v1model/control/round_check.p4"
+#include "v1model/control/bitmap_check.p4"
+#include "v1model/control/worker_count.p4"
+#include "v1model/control/exponent_max.p4"
+#include "v1model/control/value_sum.p4"
+#include "v1model/control/result_delivery.p4"
+#include "v1model/control/ipv4_forward.p4"
 
 control NetaggVerifyChecksum(inout headers_t hdr, inout metadata_t meta) {
     apply { }

@@ -4,7 +4,7 @@
 #ifndef _NETAGG_PARSER_P4_
 #define _NETAGG_PARSER_P4_
 
-#include "headers.p4"
+#include "v1model/metadata.p4"
 
 parser NetaggParser(packet_in packet,
                     out headers_t hdr,

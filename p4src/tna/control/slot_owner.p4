@@ -1,0 +1,25 @@
+/* netagg (TNA): which job generation last used this slot? See v1model/control/slot_owner.p4.
+ * One RegisterAction: compare with the job's generation, take the slot over if it differs. */
+#ifndef _NETAGG_TNA_SLOT_OWNER_P4_
+#define _NETAGG_TNA_SLOT_OWNER_P4_
+
+control SlotOwner(inout ingress_metadata_t meta) {
+    Register<bit<32>, slot_reg_index_t>(NUM_SLOTS, 0) slot_owner;
+
+    RegisterAction<bit<32>, slot_reg_index_t, bit<1>>(slot_owner) claim = {
+        void apply(inout bit<32> owner, out bit<1> stale) {
+            if (owner != meta.generation) {
+                owner = meta.generation;
+                stale = 1;
+            } else {
+                stale = 0;
+            }
+        }
+    };
+
+    apply {
+        meta.stale = claim.execute(meta.pool_index[11:0]);
+    }
+}
+
+#endif

@@ -1,0 +1,46 @@
+/* netagg (TNA): results come only from the switch; see v1model/control/source_guard.p4.
+ * Same table, same actions; the port comparison is a gateway on two PHV fields. */
+#ifndef _NETAGG_TNA_SOURCE_GUARD_P4_
+#define _NETAGG_TNA_SOURCE_GUARD_P4_
+
+control SourceGuard(in tna_headers_t hdr, in port_t ingress_port, inout ingress_metadata_t meta) {
+    action switch_only() {
+        meta.drop_reason = DROP_SPOOFED_SOURCE;
+    }
+
+    action bind_to_port(port_t port) {
+        meta.source_bound = 1;
+        meta.bound_port = port;
+    }
+
+    action unbound() {
+        meta.source_bound = 0;
+    }
+
+    table sources {
+        key = {
+            hdr.ipv4.src_addr: exact @name("ipv4_src");
+        }
+        actions = {
+            switch_only;
+            bind_to_port;
+            @defaultonly unbound;
+        }
+        const default_action = unbound();
+        size = SOURCE_TABLE_SIZE;
+    }
+
+    apply {
+        meta.source_bound = 0;
+        if (hdr.udp.isValid() && hdr.udp.src_port == NETAGG_UDP_PORT) {
+            meta.drop_reason = DROP_SPOOFED_SOURCE;
+        } else {
+            sources.apply();
+            if (meta.source_bound == 1 && meta.bound_port != ingress_port) {
+                meta.drop_reason = DROP_SPOOFED_SOURCE;
+            }
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,23 @@
+/* netagg: numbers only the TNA program needs (the shared ones are in shared/defines.p4). */
+#ifndef _NETAGG_TNA_DEFINES_P4_
+#define _NETAGG_TNA_DEFINES_P4_
+
+/* Value-register operation of a recirculated packet's second pass: read the high halves. */
+#define OP_READ_HI 4
+
+/* The recirculation port in each pipe is (pipe << 7) | RECIRC_PORT_LOCAL (Tofino 1: 68). */
+#define RECIRC_PORT_LOCAL 68
+
+/* Register index widths: log2(NUM_SLOTS) and log2(NUM_POOL_SLOTS). */
+typedef bit<12> slot_reg_index_t;
+typedef bit<13> pool_reg_index_t;
+
+/* Value pairs: pair i holds v(i) in its low and v(i+32) in its high word. One stateful ALU
+ * updates both words of a pair, but Tofino 1's ALU outputs one 32-bit word per pass. */
+#define FOR_EACH_PAIR(M) \
+    M(00, 32) M(01, 33) M(02, 34) M(03, 35) M(04, 36) M(05, 37) M(06, 38) M(07, 39) \
+    M(08, 40) M(09, 41) M(10, 42) M(11, 43) M(12, 44) M(13, 45) M(14, 46) M(15, 47) \
+    M(16, 48) M(17, 49) M(18, 50) M(19, 51) M(20, 52) M(21, 53) M(22, 54) M(23, 55) \
+    M(24, 56) M(25, 57) M(26, 58) M(27, 59) M(28, 60) M(29, 61) M(30, 62) M(31, 63)
+
+#endif

@@ -1,0 +1,154 @@
+/* netagg: TNA parsers and deparsers. The ingress parser reads the same headers as the
+ * v1model parser (netagg iff IPv4 without options, UDP, to NETAGG_UDP_PORT), plus the
+ * recirc header of a result's second pass, which only the recirculation port carries.
+ * The egress parser reads the bridge header and, for a group copy, the headers the
+ * egress rewrites; the rest of the packet passes through as payload. */
+#ifndef _NETAGG_TNA_PARSER_P4_
+#define _NETAGG_TNA_PARSER_P4_
+
+#include "tna/headers.p4"
+
+parser NetaggIngressParser(packet_in packet,
+                           out tna_headers_t hdr,
+                           out ingress_metadata_t meta,
+                           out ingress_intrinsic_metadata_t ig_intr_md) {
+    state start {
+        /* Every metadata field starts at zero (TNA leaves them undefined otherwise). */
+        meta.drop_reason = 0;
+        meta.source_bound = 0;
+        meta.bound_port = 0;
+        meta.num_workers = 0;
+        meta.slot_base = 0;
+        meta.slot_count = 0;
+        meta.mgid = 0;
+        meta.generation = 0;
+        meta.rank = 0;
+        meta.worker_mask = 0;
+        meta.slot_room = 0;
+        meta.slot_index = 0;
+        meta.pool_index = 0;
+        meta.stale = 0;
+        meta.round_ahead = 0;
+        meta.round_behind = 0;
+        meta.round_state = 0;
+        meta.sender_seen = 0;
+        meta.first = 0;
+        meta.fresh = 0;
+        meta.count_before = 0;
+        meta.complete = 0;
+        meta.late = 0;
+        meta.bad_shape = 0;
+        meta.value_op = 0;
+        meta.exponent_key = 0;
+        meta.to_group = 0;
+        meta.recirculate = 0;
+        meta.update_checksum = 0;
+        packet.extract(ig_intr_md);
+        packet.advance(PORT_METADATA_SIZE);
+        transition select(ig_intr_md.ingress_port[6:0]) {
+            RECIRC_PORT_LOCAL: parse_recirc;
+            default: parse_ethernet;
+        }
+    }
+
+    /* Pass 2 of a result: pass 1 rewrote the UDP ports, so nothing is selected on them. */
+    state parse_recirc {
+        packet.extract(hdr.recirc);
+        packet.extract(hdr.ethernet);
+        packet.extract(hdr.ipv4);
+        packet.extract(hdr.udp);
+        packet.extract(hdr.netagg);
+        packet.extract(hdr.values);
+        transition accept;
+    }
+
+    state parse_ethernet {
+        packet.extract(hdr.ethernet);
+        transition select(hdr.ethernet.ether_type) {
+            ETHERTYPE_IPV4: parse_ipv4;
+            default: accept;
+        }
+    }
+
+    state parse_ipv4 {
+        packet.extract(hdr.ipv4);
+        transition select(hdr.ipv4.ihl, hdr.ipv4.protocol) {
+            (5, IPPROTO_UDP): parse_udp;
+            default: accept;
+        }
+    }
+
+    state parse_udp {
+        packet.extract(hdr.udp);
+        transition select(hdr.udp.dst_port) {
+            NETAGG_UDP_PORT: parse_netagg;
+            default: accept;
+        }
+    }
+
+    state parse_netagg {
+        packet.extract(hdr.netagg);
+        packet.extract(hdr.values);
+        transition accept;
+    }
+}
+
+control NetaggIngressDeparser(packet_out packet,
+                              inout tna_headers_t hdr,
+                              in ingress_metadata_t meta,
+                              in ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
+    Checksum() ipv4_checksum;
+
+    apply {
+        if (meta.update_checksum == 1) {
+            hdr.ipv4.hdr_checksum = ipv4_checksum.update({
+                hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.total_len,
+                hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.frag_offset,
+                hdr.ipv4.ttl, hdr.ipv4.protocol, hdr.ipv4.src_addr, hdr.ipv4.dst_addr});
+        }
+        packet.emit(hdr);
+    }
+}
+
+parser NetaggEgressParser(packet_in packet,
+                          out tna_headers_t hdr,
+                          out egress_metadata_t meta,
+                          out egress_intrinsic_metadata_t eg_intr_md) {
+    state start {
+        meta.drop_reason = 0;
+        packet.extract(eg_intr_md);
+        packet.extract(hdr.bridge);
+        transition select(hdr.bridge.to_group) {
+            0: accept;
+            default: parse_ethernet;
+        }
+    }
+
+    state parse_ethernet {
+        packet.extract(hdr.ethernet);
+        packet.extract(hdr.ipv4);
+        packet.extract(hdr.udp);
+        transition accept;
+    }
+}
+
+control NetaggEgressDeparser(packet_out packet,
+                             inout tna_headers_t hdr,
+                             in egress_metadata_t meta,
+                             in egress_intrinsic_metadata_for_deparser_t eg_dprsr_md) {
+    Checksum() ipv4_checksum;
+
+    apply {
+        if (hdr.ipv4.isValid()) {
+            hdr.ipv4.hdr_checksum = ipv4_checksum.update({
+                hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.total_len,
+                hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.frag_offset,
+                hdr.ipv4.ttl, hdr.ipv4.protocol, hdr.ipv4.src_addr, hdr.ipv4.dst_addr});
+        }
+        packet.emit(hdr.ethernet);
+        packet.emit(hdr.ipv4);
+        packet.emit(hdr.udp);
+    }
+}
+
+#endif

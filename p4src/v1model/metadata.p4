@@ -1,0 +1,36 @@
+/* netagg: per-packet metadata of the v1model program. */
+#ifndef _NETAGG_METADATA_P4_
+#define _NETAGG_METADATA_P4_
+
+#include "shared/headers.p4"
+
+struct metadata_t {
+    bit<8> drop_reason;
+    /* From the sources table (SourceGuard). */
+    bit<1> source_bound;
+    port_t bound_port;
+    /* From the job table. */
+    bit<8> num_workers;
+    slot_index_t slot_base;
+    bit<16> slot_count;
+    bit<16> mgid;
+    bit<32> generation;
+    /* From the worker table. */
+    bit<8> rank;
+    worker_mask_t worker_mask;
+    /* Derived per packet. */
+    slot_index_t slot_index;   /* absolute slot */
+    slot_index_t pool_index;   /* absolute slot * NUM_POOLS + pool */
+    bit<1> stale;              /* slot last used by another job */
+    bit<2> round_state;        /* ROUND_NEW / ROUND_SAME / ROUND_OLD */
+    worker_mask_t bitmap_before;
+    bit<1> first;              /* first contribution of the round */
+    bit<1> fresh;              /* this worker's first packet of the round */
+    bit<8> count_before;       /* contributions still missing before this one */
+    bit<1> complete;           /* the round is (now) complete */
+    bit<1> late;               /* contribution to a round that already completed */
+    bit<8> value_op;
+    bit<1> to_group;           /* deliver the result to the job's multicast group */
+}
+
+#endif
