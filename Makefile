@@ -7,7 +7,7 @@ DEMO_STAMP := $(VENV)/.demo-stamp
 TARGET ?= soft
 PYTEST_ARGS ?=
 
-.PHONY: setup build p4info test ptf demo bench bench-switch bench-tenants bench-sparse lint clean
+.PHONY: setup build build-tofino p4info test ptf demo bench bench-switch bench-tenants bench-sparse lint clean
 
 $(VENV)/.created:
 	@scripts/setup-system.sh
@@ -32,6 +32,11 @@ setup: $(STAMP)
 ## build: compile p4src/netagg.p4 with p4c-bm2-ss into build/ (skips, saying so, without p4c)
 build: setup
 	$(BIN)/python -m netagg.bmv2.p4build
+
+## build-tofino: compile p4src/tna/netagg.p4 for Tofino 1 with bf-p4c into build/tofino and print the
+## compiler's resource summary (skips, saying so, without bf-p4c)
+build-tofino: setup
+	$(BIN)/python -m netagg.bmv2.tna_build
 
 ## p4info: regenerate the committed P4Info from p4c's output
 p4info: setup

@@ -82,3 +82,55 @@ def test_every_contract_name_is_in_p4info():
     prefixes = ("TABLE_", "ACTION_", "COUNTER_", "REGISTER_")
     contract = [value for key, value in vars(dp).items() if key.startswith(prefixes)]
     assert contract and set(contract) <= names
+
+
+# The TNA program (p4src/tna/) shares the wire headers and defines and keeps the control plane.
+
+TNA_DIR = dp.P4SRC_DIR / "tna"
+TYPE_WIDTHS = {"slot_index_t": 32, "worker_mask_t": 32, "port_t": 9, "mac_addr_t": 48, "ipv4_addr_t": 32}
+
+
+def _tna_sources() -> str:
+    return "\n".join(p.read_text() for p in sorted(TNA_DIR.rglob("*.p4")))
+
+
+def test_tna_program_includes_the_shared_wire_format():
+    top = (TNA_DIR / "netagg.p4").read_text()
+    assert '#include "shared/defines.p4"' in top and '#include "shared/headers.p4"' in top
+    sources = _tna_sources()
+    for header in ("ethernet_h", "ipv4_h", "udp_h", "netagg_h", "values_h"):
+        assert f"header {header} " not in sources, f"the TNA program redefines {header}"
+
+
+def test_tna_value_pairs_cover_every_value_once():
+    defines = (TNA_DIR / "defines.p4").read_text()
+    body = re.search(r"#define FOR_EACH_PAIR\(M\)(.*?)\n\n", defines, re.S).group(1)
+    pairs = [(int(a), int(b)) for a, b in re.findall(r"M\((\d\d), (\d\d)\)", body)]
+    assert pairs == [(i, i + wire.K // 2) for i in range(wire.K // 2)]
+    tna_ops = {name: int(v) for name, v in re.findall(r"^#define (OP_\w+) (\d+)", defines, re.M)}
+    assert set(tna_ops.values()).isdisjoint(op.value for op in ValueOp)
+
+
+def _width(type_name: str) -> int:
+    match = re.fullmatch(r"bit<(\d+)>", type_name)
+    return int(match.group(1)) if match else TYPE_WIDTHS[type_name]
+
+
+def test_tna_tables_and_actions_match_the_p4info():
+    """Same table names, key names and action parameters as the v1model program's P4Info."""
+    sources = _tna_sources()
+    info = load_p4info(dp.P4INFO_PATH)
+    actions = {a.preamble.id: a for a in info.actions}
+    for table in info.tables:
+        short = table.preamble.name.rsplit(".", 1)[1]
+        body = re.search(rf"\btable {short} \{{(.*?)\n    \}}", sources, re.S)
+        assert body, f"no table {short} in the TNA program"
+        keys = re.findall(r'@name\("(\w+)"\)', body.group(1))
+        assert keys == [m.name for m in table.match_fields], short
+        for ref in table.action_refs:
+            action = actions[ref.id]
+            name = action.preamble.name.rsplit(".", 1)[1]
+            declared = re.search(rf"\baction {name}\((.*?)\)", sources, re.S)
+            assert declared, f"no action {name} in the TNA program"
+            params = [p.strip().rsplit(" ", 1) for p in declared.group(1).split(",") if p.strip()]
+            assert [(n, _width(t)) for t, n in params] == [(p.name, p.bitwidth) for p in action.params], name

@@ -2,8 +2,13 @@
 #ifndef _NETAGG_TNA_DEFINES_P4_
 #define _NETAGG_TNA_DEFINES_P4_
 
-/* Value-register operation of a recirculated packet's second pass: read the high halves. */
+/* Value-pair operation of a result's third pass: read the high words. */
 #define OP_READ_HI 4
+
+/* Where a recirculated packet goes after its pass (recirc_h.deliver). */
+#define DELIVER_NONE 0
+#define DELIVER_GROUP 1
+#define DELIVER_SENDER 2
 
 /* The recirculation port in each pipe is (pipe << 7) | RECIRC_PORT_LOCAL (Tofino 1: 68). */
 #define RECIRC_PORT_LOCAL 68

@@ -13,18 +13,20 @@ header bridge_h {
     bit<16> mgid;
 }
 
-/* Pass 1 -> pass 2 of a result, in front of the Ethernet header on the recirculation
- * port: where the result goes once the high halves are read. */
+/* Between passes, in front of the Ethernet header on the recirculation port: what the value
+ * pairs do in the next pass, and where the packet goes after it. */
 header recirc_h {
-    bit<16> to_group;
+    bit<16> value_op;     /* OP_WRITE / OP_MERGE / OP_READ (pass 2), OP_READ_HI (pass 3) */
+    bit<16> deliver;      /* DELIVER_*: absorbed, to the job's group, or back to the sender */
     bit<16> mgid;
-    bit<16> port;         /* the sender's port (a resent result goes back there) */
+    bit<16> port;         /* the sender's port */
     bit<16> slot_index;   /* absolute slot */
     bit<16> pool;
 }
 
 /* One container per field of the two internal headers: each is written from one source. */
-@pa_container_size("ingress", "hdr.recirc.to_group", 16)
+@pa_container_size("ingress", "hdr.recirc.value_op", 16)
+@pa_container_size("ingress", "hdr.recirc.deliver", 16)
 @pa_container_size("ingress", "hdr.recirc.mgid", 16)
 @pa_container_size("ingress", "hdr.recirc.port", 16)
 @pa_container_size("ingress", "hdr.recirc.slot_index", 16)
@@ -46,23 +48,26 @@ struct ingress_metadata_t {
     /* From the sources table (SourceGuard). */
     bit<1> source_bound;
     port_t bound_port;
+    bit<1> spoof_address;      /* the aggregator's own address as a source */
+    bit<1> spoof_port;         /* a bound address from another port */
     /* From the job table. */
+    bit<1> job_hit;
     bit<8> num_workers;
-    slot_index_t slot_base;
-    bit<16> slot_count;
     bit<16> mgid;
     bit<32> generation;
     /* From the worker table. */
+    bit<1> worker_hit;
     bit<8> rank;
     worker_mask_t worker_mask;
     /* Derived per packet. */
     bit<16> slot_room;         /* slot_count - slot: positive iff the slot is in range (slot < NUM_SLOTS) */
+    bit<1> slot_out_of_range;
+    bit<1> rank_mismatch;
     bit<16> slot_index;            /* absolute slot: slot_base + slot */
     pool_reg_index_t pool_index;   /* pool * NUM_SLOTS + absolute slot (TNA layout) */
     bit<1> stale;
     bit<16> round_ahead;       /* round - round_current (serial arithmetic) */
     bit<16> round_behind;      /* round - 1: the other pool's round when a slot is taken over */
-    bit<2> round_state;
     worker_mask_t sender_seen;     /* bitmap_before & worker_mask */
     bit<1> first;
     bit<1> fresh;
@@ -73,7 +78,7 @@ struct ingress_metadata_t {
     bit<8> value_op;
     bit<8> exponent_key;       /* exponent ^ 0x80: signed order as unsigned order */
     bit<1> to_group;
-    bit<1> recirculate;        /* the result needs pass 2 (the high halves) */
+    bit<8> pair_op;            /* what the value pairs do in this pass (from the recirc header) */
     bit<1> update_checksum;
 }
 

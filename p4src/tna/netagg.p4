@@ -1,10 +1,12 @@
-/* netagg for Tofino (TNA): the same semantics as v1model/netagg.p4, within Tofino's limits.
+/* netagg for Tofino (TNA): the same semantics as v1model/netagg.p4, within Tofino 1's limits.
  *
- * Every register is touched once per packet through one RegisterAction per operation;
- * the values are 32 register pairs, and a packet that leaves with the sums takes a second
- * pass through the pipeline (one recirculation) to read the pairs' high words, because a
- * Tofino 1 stateful ALU returns 32 bits per access. Non-completing contributions, which
- * are all but one per round, take one pass. See docs/tofino.md for the compiler's report. */
+ * Every register is touched at most once per pass through one RegisterAction per operation.
+ * K = 64 does not fit one pass (the slot state's dependent ALUs take the first stages, and 32
+ * value pairs need 8 more of the 12), so the SwitchML way: pass 1 checks the packet and
+ * updates the slot state; an accepted contribution or resend recirculates once, and pass 2
+ * writes, adds or reads the 32 value pairs; a result recirculates once more for the pairs'
+ * high words (a Tofino 1 ALU returns 32 bits per access). See docs/tofino.md for the
+ * compiler's resource report. */
 #include <core.p4>
 #include <tna.p4>
 
@@ -50,66 +52,101 @@ control NetaggIngress(inout tna_headers_t hdr,
     ExponentMax() exponent_max;
     ValueSum() value_sum;
     ResultDelivery() result_delivery;
+    RecircPrepare() recirc_prepare;
+    Recirculate() recirculate;
     ResultRelease() result_release;
     Ipv4Forward() ipv4_forward;
 
     apply {
-        meta.drop_reason = DROP_NONE;
-        meta.value_op = OP_NONE;
-        meta.to_group = 0;
-        meta.recirculate = 0;
-        meta.update_checksum = 0;
         hdr.bridge.setValid();
         hdr.bridge.to_group = 0;
         hdr.bridge.mgid = 0;
         job_index_t job = (job_index_t)hdr.netagg.job_id;
 
         if (hdr.recirc.isValid()) {
-            /* Pass 2 of a result: read the high words (below), then deliver. */
+            /* Pass 2 (W/M/R) or 3 (READ_HI): the value pairs (below), then onwards. */
+            meta.pair_op = (bit<8>)hdr.recirc.value_op;
             meta.pool_index = hdr.recirc.pool[0:0] ++ hdr.recirc.slot_index[11:0];
-            meta.value_op = OP_READ_HI;
-            result_release.apply(hdr, ig_tm_md);
+            value_sum.apply(hdr, meta);
+            if (hdr.recirc.deliver == DELIVER_NONE) {
+                /* A contribution absorbed into the slot. */
+                ig_dprsr_md.drop_ctl = 1;
+            } else if (hdr.recirc.value_op == OP_MERGE || hdr.recirc.value_op == OP_READ) {
+                /* The low words are in; once more for the high words. */
+                hdr.recirc.value_op = OP_READ_HI;
+                ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ (bit<7>)RECIRC_PORT_LOCAL;
+            } else {
+                result_delivery.apply(hdr);
+                result_release.apply(hdr, ig_tm_md);
+            }
         } else {
+            /* Pass 1. Lookups and flags first, all independent of each other; then one
+             * decision chain sets drop_reason once on every path. */
+            source_guard.apply(hdr, ig_intr_md.ingress_port, meta);
+            worker_lookup.apply(hdr, ig_intr_md.ingress_port, meta);
+            recirc_prepare.apply(hdr, meta, ig_intr_md.ingress_port);
+            meta.round_behind = hdr.netagg.round - 1;
+            meta.exponent_key = ((bit<8>)hdr.netagg.exponent) + 8w0x80;
+            if (hdr.ipv4.total_len != NETAGG_IPV4_TOTAL_LENGTH || hdr.udp.length != NETAGG_UDP_LENGTH) {
+                meta.bad_shape = 1;
+            }
+            if (hdr.ipv4.flags[0:0] == 1 || hdr.ipv4.frag_offset != 0) {
+                meta.bad_shape = 1;
+            }
+            if (hdr.ipv4.isValid() && hdr.ipv4.ihl == 5) {
+                meta.update_checksum = 1;
+            }
+
             if (ig_prsr_md.parser_err != PARSER_ERROR_OK) {
                 meta.drop_reason = DROP_MALFORMED;
+                ig_dprsr_md.drop_ctl = 1;
             } else if (!hdr.ipv4.isValid()) {
                 meta.drop_reason = DROP_NOT_IPV4;
-            } else {
-                source_guard.apply(hdr, ig_intr_md.ingress_port, meta);
-                /* A netagg packet's lengths and fragment bits (two gateways: 4 bytes each). */
-                if (hdr.ipv4.total_len != NETAGG_IPV4_TOTAL_LENGTH || hdr.udp.length != NETAGG_UDP_LENGTH) {
-                    meta.bad_shape = 1;
-                }
-                if (hdr.ipv4.flags[0:0] == 1 || hdr.ipv4.frag_offset != 0) {
-                    meta.bad_shape = 1;
-                }
-                if (hdr.ipv4.ihl == 5) {
-                    meta.update_checksum = 1;
-                }
-            }
-            if (meta.drop_reason != DROP_NONE) {
-                /* Counted and dropped below. */
+                ig_dprsr_md.drop_ctl = 1;
+            } else if (hdr.udp.isValid() && hdr.udp.src_port == NETAGG_UDP_PORT) {
+                meta.drop_reason = DROP_SPOOFED_SOURCE;
+                ig_dprsr_md.drop_ctl = 1;
+            } else if (meta.spoof_address == 1 || meta.spoof_port == 1) {
+                meta.drop_reason = DROP_SPOOFED_SOURCE;
+                ig_dprsr_md.drop_ctl = 1;
             } else if (!hdr.netagg.isValid()) {
-                ipv4_forward.apply(hdr, meta, ig_tm_md);
+                ipv4_forward.apply(hdr, meta, ig_tm_md, ig_dprsr_md);
             } else if (hdr.netagg.version != NETAGG_VERSION) {
                 meta.drop_reason = DROP_BAD_VERSION;
+                ig_dprsr_md.drop_ctl = 1;
             } else if (meta.bad_shape == 1) {
                 meta.drop_reason = DROP_MALFORMED;
+                ig_dprsr_md.drop_ctl = 1;
             } else if ((hdr.netagg.flags & FLAG_RESULT) != 0) {
                 meta.drop_reason = DROP_RESULT_FROM_HOST;
+                ig_dprsr_md.drop_ctl = 1;
+            } else if (meta.job_hit == 0) {
+                meta.drop_reason = DROP_UNKNOWN_JOB;
+                ig_dprsr_md.drop_ctl = 1;
+            } else if (meta.worker_hit == 0) {
+                meta.drop_reason = DROP_UNKNOWN_WORKER;
+                ig_dprsr_md.drop_ctl = 1;
+                job_rejects.count(job);
+            } else if (meta.slot_out_of_range == 1) {
+                meta.drop_reason = DROP_SLOT_OUT_OF_RANGE;
+                ig_dprsr_md.drop_ctl = 1;
+                job_rejects.count(job);
+            } else if (hdr.netagg.pool[7:1] != 0) {
+                meta.drop_reason = DROP_BAD_POOL;
+                ig_dprsr_md.drop_ctl = 1;
+                job_rejects.count(job);
+            } else if (meta.rank_mismatch == 1) {
+                meta.drop_reason = DROP_RANK_MISMATCH;
+                ig_dprsr_md.drop_ctl = 1;
+                job_rejects.count(job);
             } else {
-                meta.round_behind = hdr.netagg.round - 1;
-                meta.exponent_key = ((bit<8>)hdr.netagg.exponent) ^ 0x80;
-                worker_lookup.apply(hdr, ig_intr_md.ingress_port, meta);
-                if (meta.drop_reason == DROP_NONE) {
-                    slot_owner.apply(meta);
-                    round_check.apply(hdr, meta);
-                }
-                if (meta.drop_reason == DROP_NONE && meta.round_state == ROUND_OLD) {
+                slot_owner.apply(meta);
+                round_check.apply(hdr, meta);
+                if (meta.stale == 0 && meta.round_ahead[15:15] == 1) {
                     /* A copy of a round that has been superseded: harmless, dropped. */
                     job_duplicates.count(job);
                     ig_dprsr_md.drop_ctl = 1;
-                } else if (meta.drop_reason == DROP_NONE) {
+                } else {
                     bitmap_check.apply(meta);
                     worker_count.apply(meta);
                     if (meta.fresh == 1 && meta.late == 0) {
@@ -129,29 +166,19 @@ control NetaggIngress(inout tna_headers_t hdr,
                     } else {
                         job_duplicates.count(job);
                     }
-                    if (meta.value_op != OP_NONE) {
-                        exponent_max.apply(hdr, meta);
-                    }
-                    if (meta.complete == 1 && meta.late == 0) {
-                        if (meta.value_op != OP_WRITE) {
-                            meta.recirculate = 1;
-                        }
-                        result_delivery.apply(hdr, meta, ig_intr_md, ig_tm_md);
-                    } else {
-                        /* Absorbed into the slot, or a duplicate: nothing leaves. */
+                    if (meta.value_op == OP_NONE) {
+                        /* A duplicate of an incomplete round, or late: nothing leaves. */
                         ig_dprsr_md.drop_ctl = 1;
+                    } else {
+                        exponent_max.apply(hdr, meta);
+                        recirculate.apply(hdr, meta, ig_intr_md, ig_tm_md);
                     }
-                } else if (meta.drop_reason != DROP_UNKNOWN_JOB) {
-                    job_rejects.count(job);
                 }
             }
             if (meta.drop_reason != DROP_NONE) {
                 drop_reasons.count((drop_index_t)meta.drop_reason);
-                ig_dprsr_md.drop_ctl = 1;
             }
         }
-        /* Both passes: each pair's table picks its RegisterAction by value_op. */
-        value_sum.apply(hdr, meta);
     }
 }
 

@@ -22,7 +22,7 @@ control BitmapCheck(inout ingress_metadata_t meta) {
     };
 
     apply {
-        if (meta.round_state == ROUND_NEW) {
+        if (meta.stale == 1 || (meta.round_ahead != 0 && meta.round_ahead[15:15] == 0)) {
             meta.sender_seen = start_round.execute(meta.pool_index);
             meta.first = 1;
         } else {

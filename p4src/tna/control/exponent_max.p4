@@ -1,6 +1,7 @@
 /* netagg (TNA): the block exponent of a slot's round; see v1model/control/exponent_max.p4.
- * The register holds exponent ^ 0x80, so that the stateful ALU's unsigned max orders the
- * signed exponents; the packet leaves with the register's new value, unbiased. */
+ * The register holds exponent + 0x80 (mod 256), so that the stateful ALU's unsigned max orders the
+ * signed exponents. The packet carries the register's new (biased) value on to its last
+ * pass, where ResultDelivery unbiases it: one fewer stage in pass 1. */
 #ifndef _NETAGG_TNA_EXPONENT_MAX_P4_
 #define _NETAGG_TNA_EXPONENT_MAX_P4_
 
@@ -26,15 +27,13 @@ control ExponentMax(inout tna_headers_t hdr, inout ingress_metadata_t meta) {
     };
 
     apply {
-        bit<8> result = meta.exponent_key;
         if (meta.value_op == OP_WRITE) {
-            result = write_exponent.execute(meta.pool_index);
+            hdr.netagg.exponent = (int<8>)write_exponent.execute(meta.pool_index);
         } else if (meta.value_op == OP_MERGE) {
-            result = merge_exponent.execute(meta.pool_index);
+            hdr.netagg.exponent = (int<8>)merge_exponent.execute(meta.pool_index);
         } else if (meta.value_op == OP_READ) {
-            result = read_exponent.execute(meta.pool_index);
+            hdr.netagg.exponent = (int<8>)read_exponent.execute(meta.pool_index);
         }
-        hdr.netagg.exponent = (int<8>)(result ^ 8w0x80);
     }
 }
 

@@ -4,7 +4,8 @@
 #define _NETAGG_TNA_IPV4_FORWARD_P4_
 
 control Ipv4Forward(inout tna_headers_t hdr, inout ingress_metadata_t meta,
-                    inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+                    inout ingress_intrinsic_metadata_for_tm_t ig_tm_md,
+                    inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
     action forward(port_t port, mac_addr_t dst_mac) {
         ig_tm_md.ucast_egress_port = port;
         hdr.ethernet.src_addr = hdr.ethernet.dst_addr;
@@ -13,6 +14,7 @@ control Ipv4Forward(inout tna_headers_t hdr, inout ingress_metadata_t meta,
 
     action no_route() {
         meta.drop_reason = DROP_NO_ROUTE;
+        ig_dprsr_md.drop_ctl = 1;
     }
 
     table routes {
@@ -30,6 +32,7 @@ control Ipv4Forward(inout tna_headers_t hdr, inout ingress_metadata_t meta,
     apply {
         if (hdr.ipv4.ttl <= 1) {
             meta.drop_reason = DROP_TTL_EXPIRED;
+            ig_dprsr_md.drop_ctl = 1;
         } else {
             routes.apply();
             if (hdr.ipv4.ihl == 5) {

@@ -1,16 +1,15 @@
 /* netagg (TNA): where a result goes; see v1model/control/result_delivery.p4.
- * Ingress (ResultDelivery): the packet becomes a RESULT from the aggregator address; a
- *   completed round goes to the job's multicast group, a resend that finds the round complete
- *   goes back to its sender. When the sums still miss their high words (merge or read), the
- *   packet first recirculates once with a recirc header saying where it goes (pass 2).
+ * Ingress, last pass (ResultDelivery): a completed round's packet becomes a RESULT from the
+ *   aggregator address (for the job's group, or back to a resending sender).
+ * Ingress, pass 1 and 2 (Recirculate): the packet goes to its pipe's recirculation port with
+ *   a recirc header saying what the value pairs do next and where it goes afterwards.
+ * Ingress, last pass (ResultRelease): the sums are complete; send the packet where pass 1 said.
  * Egress (ResultRewrite): each replica of a group copy gets its receiver's MAC, IPv4 address
  *   and UDP port from replicas[(mgid, rid)]; mgid comes bridged from ingress. */
 #ifndef _NETAGG_TNA_RESULT_DELIVERY_P4_
 #define _NETAGG_TNA_RESULT_DELIVERY_P4_
 
-control ResultDelivery(inout tna_headers_t hdr, inout ingress_metadata_t meta,
-                       in ingress_intrinsic_metadata_t ig_intr_md,
-                       inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+control ResultDelivery(inout tna_headers_t hdr) {
     apply {
         mac_addr_t sender_mac = hdr.ethernet.src_addr;
         ipv4_addr_t sender_addr = hdr.ipv4.src_addr;
@@ -21,33 +20,47 @@ control ResultDelivery(inout tna_headers_t hdr, inout ingress_metadata_t meta,
         hdr.ipv4.ttl = RESULT_TTL;
         hdr.udp.checksum = 0;
         hdr.netagg.flags = hdr.netagg.flags | FLAG_RESULT;
-        if (meta.to_group == 0) {
+        /* The exponent register's biased value, unbiased once, here (see ExponentMax). */
+        hdr.netagg.exponent = hdr.netagg.exponent + 8s0x40 + 8s0x40;
+        if (hdr.recirc.deliver == DELIVER_SENDER) {
             hdr.ethernet.dst_addr = sender_mac;
             hdr.ipv4.dst_addr = sender_addr;
             hdr.udp.dst_port = sender_port;
         }
-        if (meta.recirculate == 1) {
-            hdr.recirc.setValid();
-            hdr.recirc.to_group = (bit<16>)meta.to_group;
-            hdr.recirc.mgid = meta.mgid;
-            hdr.recirc.port = (bit<16>)ig_intr_md.ingress_port;
-            hdr.recirc.slot_index = (bit<16>)meta.pool_index[11:0];
-            hdr.recirc.pool = (bit<16>)meta.pool_index[12:12];
-            ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ (bit<7>)RECIRC_PORT_LOCAL;
-        } else if (meta.to_group == 1) {
-            ig_tm_md.mcast_grp_a = meta.mgid;
-            hdr.bridge.to_group = 1;
-            hdr.bridge.mgid = meta.mgid;
-        } else {
-            ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
-        }
     }
 }
 
-/* Pass 2: the high words are in the packet now; send it where pass 1 decided. */
+/* The recirc header's addressing fields, written early in pass 1 whatever becomes of the
+ * packet (they only leave the switch's pipeline if Recirculate makes the header valid). */
+control RecircPrepare(inout tna_headers_t hdr, in ingress_metadata_t meta, in port_t ingress_port) {
+    apply {
+        hdr.recirc.mgid = meta.mgid;
+        hdr.recirc.port = (bit<16>)ingress_port;
+        hdr.recirc.slot_index = (bit<16>)meta.pool_index[11:0];
+        hdr.recirc.pool = (bit<16>)meta.pool_index[12:12];
+    }
+}
+
+control Recirculate(inout tna_headers_t hdr, in ingress_metadata_t meta,
+                    in ingress_intrinsic_metadata_t ig_intr_md,
+                    inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+    apply {
+        hdr.recirc.setValid();
+        hdr.recirc.value_op = (bit<16>)meta.value_op;
+        if (meta.complete == 0) {
+            hdr.recirc.deliver = DELIVER_NONE;
+        } else if (meta.to_group == 1) {
+            hdr.recirc.deliver = DELIVER_GROUP;
+        } else {
+            hdr.recirc.deliver = DELIVER_SENDER;
+        }
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ (bit<7>)RECIRC_PORT_LOCAL;
+    }
+}
+
 control ResultRelease(inout tna_headers_t hdr, inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
     apply {
-        if (hdr.recirc.to_group != 0) {
+        if (hdr.recirc.deliver == DELIVER_GROUP) {
             ig_tm_md.mcast_grp_a = hdr.recirc.mgid;
             hdr.bridge.to_group = 1;
             hdr.bridge.mgid = hdr.recirc.mgid;

@@ -2,7 +2,8 @@
  * one? See v1model/control/round_check.p4, which keeps both pools' rounds in one 32-bit entry.
  * Here each pool has its own 16-bit register, so that the stateful ALU's idle second half can
  * return round - current (serial arithmetic) from the advancing action; the state follows from
- * its sign. A slot taken over writes both registers, one access each: this pool starts at the
+ * its sign (tested where it is used: NEW = stale, or ahead and positive; OLD = not stale and
+ * negative; SAME = not stale and zero). A slot taken over writes both registers, one access each: this pool starts at the
  * packet's round, the other one round behind it. */
 #ifndef _NETAGG_TNA_ROUND_CHECK_P4_
 #define _NETAGG_TNA_ROUND_CHECK_P4_
@@ -41,19 +42,11 @@ control RoundCheck(in tna_headers_t hdr, inout ingress_metadata_t meta) {
                 trail_pool0.execute(meta.pool_index[11:0]);
                 start_pool1.execute(meta.pool_index[11:0]);
             }
-            meta.round_state = ROUND_NEW;
         } else {
             if (hdr.netagg.pool == 0) {
                 meta.round_ahead = advance_pool0.execute(meta.pool_index[11:0]);
             } else {
                 meta.round_ahead = advance_pool1.execute(meta.pool_index[11:0]);
-            }
-            if (meta.round_ahead == 0) {
-                meta.round_state = ROUND_SAME;
-            } else if (meta.round_ahead[15:15] == 0) {
-                meta.round_state = ROUND_NEW;
-            } else {
-                meta.round_state = ROUND_OLD;
             }
         }
     }

@@ -1,11 +1,13 @@
 /* netagg (TNA): results come only from the switch; see v1model/control/source_guard.p4.
- * Same table, same actions; the port comparison is a gateway on two PHV fields. */
+ * Same table and actions. Here the control only computes flags (meta.spoof_*); the
+ * ingress's single decision chain turns them into a drop reason, so that nothing waits
+ * for an earlier drop_reason write (each such wait costs a Tofino stage). */
 #ifndef _NETAGG_TNA_SOURCE_GUARD_P4_
 #define _NETAGG_TNA_SOURCE_GUARD_P4_
 
 control SourceGuard(in tna_headers_t hdr, in port_t ingress_port, inout ingress_metadata_t meta) {
     action switch_only() {
-        meta.drop_reason = DROP_SPOOFED_SOURCE;
+        meta.spoof_address = 1;
     }
 
     action bind_to_port(port_t port) {
@@ -31,14 +33,9 @@ control SourceGuard(in tna_headers_t hdr, in port_t ingress_port, inout ingress_
     }
 
     apply {
-        meta.source_bound = 0;
-        if (hdr.udp.isValid() && hdr.udp.src_port == NETAGG_UDP_PORT) {
-            meta.drop_reason = DROP_SPOOFED_SOURCE;
-        } else {
-            sources.apply();
-            if (meta.source_bound == 1 && meta.bound_port != ingress_port) {
-                meta.drop_reason = DROP_SPOOFED_SOURCE;
-            }
+        sources.apply();
+        if (meta.source_bound == 1 && meta.bound_port != ingress_port) {
+            meta.spoof_port = 1;
         }
     }
 }

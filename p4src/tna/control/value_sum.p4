@@ -1,11 +1,13 @@
 /* netagg (TNA): the K running sums of a slot's round, as 32 register pairs (SwitchML's
  * layout): pair i holds v(i) in its low and v(i+32) in its high word, so one stateful ALU
- * writes or adds two values. Tofino 1's ALU returns one 32-bit word per access, so a packet
- * that must leave with the sums (the completing contribution, or a resend that reads a
- * completed round) gets the low words in pass 1 and the high words in pass 2, after one
- * recirculation (OP_READ_HI). Four RegisterActions per pair, the most one ALU holds; one
- * small table per pair picks the action by value_op. See v1model/control/value_sum.p4 for
- * the semantics of write, merge and read. */
+ * writes or adds two values; 32 pairs and the slot state's 6 ALUs fit Tofino 1's 48 ingress
+ * ALUs, 64 single registers would not. The pairs run in a packet's second pass (pair_op comes
+ * from the recirc header), after the first pass decided the operation. Tofino 1's ALU returns
+ * one 32-bit word per access, so a packet that leaves with the sums (the completing
+ * contribution, or a resend that reads a completed round) gets the low words in pass 2 and
+ * the high words in pass 3 (OP_READ_HI). Four RegisterActions per pair, the most one ALU
+ * holds; one small table per pair picks the action by pair_op. See
+ * v1model/control/value_sum.p4 for the semantics of write, merge and read. */
 #ifndef _NETAGG_TNA_VALUE_SUM_P4_
 #define _NETAGG_TNA_VALUE_SUM_P4_
 
@@ -44,7 +46,7 @@ struct value_pair_t {
     action do_read_lo_##i() { hdr.values.v##i = read_lo_##i.execute(meta.pool_index); }             \
     action do_read_hi_##i() { hdr.values.v##j = read_hi_##i.execute(meta.pool_index); }             \
     table values_##i {                                                                    \
-        key = { meta.value_op: exact; }                                                   \
+        key = { meta.pair_op: exact; }                                                   \
         actions = { do_write_##i; do_merge_##i; do_read_lo_##i; do_read_hi_##i; NoAction; } \
         const entries = {                                                                 \
             OP_WRITE: do_write_##i();                                                     \

@@ -1,25 +1,27 @@
 /* netagg (TNA): which job and worker sent this packet, and may it touch the slot it names?
- * Same tables as v1model/control/worker_lookup.p4. The range test is a subtraction whose
- * sign a gateway reads (a gateway compares two fields for equality, not order); with slot <
- * NUM_SLOTS (which the controller's slot_base + slot_count <= NUM_SLOTS implies) 16 bits hold it. */
+ * Same tables as v1model/control/worker_lookup.p4. Both lookups run unconditionally in the
+ * first stage and only set their own outputs (hits, action data, the absolute slot and the
+ * slot's room); the ingress's decision chain turns misses and mismatches into drop reasons.
+ * The range test is a subtraction whose sign a gateway reads (a gateway compares two fields
+ * for equality, not order); with slot < NUM_SLOTS (which the controller's slot_base +
+ * slot_count <= NUM_SLOTS implies) 16 bits hold it. Registers are indexed pool * NUM_SLOTS +
+ * slot here (v1model: slot * NUM_POOLS + pool): that layout needs no shift. */
 #ifndef _NETAGG_TNA_WORKER_LOOKUP_P4_
 #define _NETAGG_TNA_WORKER_LOOKUP_P4_
 
 control WorkerLookup(in tna_headers_t hdr, in port_t ingress_port, inout ingress_metadata_t meta) {
     action set_job(bit<8> num_workers, slot_index_t slot_base, bit<16> slot_count,
                    bit<16> mgid, bit<32> generation) {
+        meta.job_hit = 1;
         meta.num_workers = num_workers;
-        meta.slot_base = slot_base;
-        meta.slot_count = slot_count;
         meta.mgid = mgid;
         meta.generation = generation;
-        /* Computed here, from the action data, so that each is one ALU operation. */
         meta.slot_index = slot_base[15:0] + hdr.netagg.slot;
         meta.slot_room = slot_count - hdr.netagg.slot;
     }
 
     action unknown_job() {
-        meta.drop_reason = DROP_UNKNOWN_JOB;
+        meta.job_hit = 0;
     }
 
     table jobs {
@@ -35,12 +37,13 @@ control WorkerLookup(in tna_headers_t hdr, in port_t ingress_port, inout ingress
     }
 
     action set_worker(bit<8> rank, worker_mask_t worker_mask) {
+        meta.worker_hit = 1;
         meta.rank = rank;
         meta.worker_mask = worker_mask;
     }
 
     action unknown_worker() {
-        meta.drop_reason = DROP_UNKNOWN_WORKER;
+        meta.worker_hit = 0;
     }
 
     table workers {
@@ -60,20 +63,14 @@ control WorkerLookup(in tna_headers_t hdr, in port_t ingress_port, inout ingress
 
     apply {
         jobs.apply();
-        if (meta.drop_reason == DROP_NONE) {
-            workers.apply();
+        workers.apply();
+        if (hdr.netagg.slot[15:12] != 0 || meta.slot_room[15:15] == 1 || meta.slot_room == 0) {
+            meta.slot_out_of_range = 1;
         }
-        if (meta.drop_reason == DROP_NONE) {
-            if (hdr.netagg.slot[15:12] != 0 || meta.slot_room[15:15] == 1 || meta.slot_room == 0) {
-                meta.drop_reason = DROP_SLOT_OUT_OF_RANGE;
-            } else if (hdr.netagg.pool[7:1] != 0) {
-                meta.drop_reason = DROP_BAD_POOL;
-            } else if (hdr.netagg.rank != meta.rank) {
-                meta.drop_reason = DROP_RANK_MISMATCH;
-            } else {
-                meta.pool_index = hdr.netagg.pool[0:0] ++ meta.slot_index[11:0];
-            }
+        if (hdr.netagg.rank != meta.rank) {
+            meta.rank_mismatch = 1;
         }
+        meta.pool_index = hdr.netagg.pool[0:0] ++ meta.slot_index[11:0];
     }
 }
 

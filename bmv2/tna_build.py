@@ -1,0 +1,131 @@
+"""Compile ``p4src/tna/netagg.p4`` with the open-source Tofino compiler (when it is installed).
+
+``bf-p4c`` (p4lang/p4c's ``tofino`` backend) must be on PATH. The compiler's own resource
+report (``pipe/logs/resources.json`` and ``metrics.json``, written with ``--verbose 1``) is
+summarised by :class:`ResourceReport`; ``make build-tofino`` prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from netagg import dataplane as dp
+
+#: Tofino 1 has 12 MAU stages (shared by ingress and egress) with 4 stateful ALUs each.
+TOFINO1_STAGES = 12
+TOFINO1_STATEFUL_ALUS_PER_STAGE = 4
+#: The compiler pads every Tofino 1 egress parser path to the 65-byte minimum parse depth
+#: with a loop it generates itself and announces with this line; even a one-table program
+#: gets it, so it is a note about the target, not about the program.
+COMPILER_NOTES = (re.compile(r"^warning: Parser state min_parse_depth_accept_loop will be unrolled"),)
+
+
+class TofinoCompileError(RuntimeError):
+    """bf-p4c failed, or warned (the program must compile cleanly)."""
+
+
+def compiler_available() -> bool:
+    return shutil.which("bf-p4c") is not None
+
+
+@dataclass(frozen=True)
+class ResourceReport:
+    """What the compiler allocated, from its resources.json and metrics.json."""
+
+    target: str
+    stages_used: int
+    stateful_alus: int
+    stateful_alus_by_stage: tuple[int, ...]
+    srams: int
+    tcams: int
+    logical_tables: int
+    phv_bits: int
+    compiler_version: str
+
+    @classmethod
+    def from_logs(cls, logs: Path) -> ResourceReport:
+        resources = json.loads((logs / "resources.json").read_text())["resources"]["mau"]
+        metrics = json.loads((logs / "metrics.json").read_text())
+        by_stage, used = [], 0
+        for stage in resources["mau_stages"]:
+            by_stage.append(len(stage["meter_alus"].get("meters", [])))
+            if stage["logical_tables"].get("ids"):
+                used = max(used, stage["stage_number"] + 1)
+        phv = metrics["phv"]
+        return cls(target=metrics["target"], stages_used=used,
+                   stateful_alus=sum(by_stage), stateful_alus_by_stage=tuple(by_stage),
+                   srams=metrics["mau"]["srams"], tcams=metrics["mau"]["tcams"],
+                   logical_tables=metrics["mau"]["logical_tables"],
+                   phv_bits=sum(c["bits_occupied"] for kind in ("normal", "tagalong") for c in phv[kind]),
+                   compiler_version=metrics["compiler_version"])
+
+    def summary(self) -> str:
+        per_stage = " ".join(str(n) for n in self.stateful_alus_by_stage[: self.stages_used])
+        return (f"{self.target} (bf-p4c {self.compiler_version}): {self.stages_used} of {TOFINO1_STAGES} stages, "
+                f"{self.stateful_alus} stateful ALUs (per stage: {per_stage}), {self.logical_tables} logical "
+                f"tables, {self.srams} SRAM blocks, {self.tcams} TCAM blocks, {self.phv_bits} PHV bits")
+
+
+@dataclass(frozen=True)
+class TofinoBuild:
+    out_dir: Path
+    report: ResourceReport
+    notes: tuple[str, ...]
+
+
+def compiler_warnings(output: str) -> tuple[list[str], list[str]]:
+    """Split the compiler's warning lines into (warnings, known target notes)."""
+    warnings, notes = [], []
+    for line in output.splitlines():
+        if "warning" not in line.lower() or re.search(r"\b0 errors?, \d+ warnings?", line):
+            continue
+        (notes if any(p.search(line) for p in COMPILER_NOTES) else warnings).append(line)
+    return warnings, notes
+
+
+def compile_tna(out_dir: Path, allow_warnings: bool = False, timeout: float = 1800) -> TofinoBuild:
+    """Compile for Tofino 1 into ``out_dir``; warnings (other than target notes) are errors."""
+    if not compiler_available():
+        raise TofinoCompileError("bf-p4c is not on PATH")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = ["bf-p4c", "--target", "tofino", "--arch", "tna", "--verbose", "1", "-I", str(dp.P4SRC_DIR),
+           "-o", str(out_dir), str(dp.TNA_PROGRAM)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    output = (result.stdout + result.stderr).strip()
+    if result.returncode != 0:
+        raise TofinoCompileError(f"bf-p4c failed:\n{output}")
+    warnings, notes = compiler_warnings(output)
+    if warnings and not allow_warnings:
+        raise TofinoCompileError("bf-p4c warned (the program must compile cleanly):\n" + "\n".join(warnings))
+    return TofinoBuild(out_dir, ResourceReport.from_logs(out_dir / "pipe" / "logs"), tuple(notes))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=dp.BUILD_DIR / "tofino")
+    args = parser.parse_args(argv)
+    if not compiler_available():
+        print("make build-tofino: bf-p4c (p4c's Tofino backend) is not on PATH; skipped compiling "
+              f"{dp.TNA_PROGRAM.relative_to(dp.REPO_ROOT)}. See docs/tofino.md.")
+        return 0
+    try:
+        build = compile_tna(args.out)
+    except (TofinoCompileError, subprocess.TimeoutExpired) as err:
+        print(err, file=sys.stderr)
+        return 1
+    print(f"compiled {dp.TNA_PROGRAM.relative_to(dp.REPO_ROOT)} into {build.out_dir}")
+    print(build.report.summary())
+    for note in build.notes:
+        print(f"compiler note (target, not program): {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
