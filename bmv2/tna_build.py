@@ -100,6 +100,9 @@ def compile_tna(out_dir: Path, allow_warnings: bool = False, timeout: float = 18
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     output = (result.stdout + result.stderr).strip()
     if result.returncode != 0:
+        logs = out_dir / "pipe" / "logs"
+        if (logs / "resources.json").exists() and (logs / "metrics.json").exists():
+            output += "\nresources as placed: " + ResourceReport.from_logs(logs).summary()
         raise TofinoCompileError(f"bf-p4c failed:\n{output}")
     warnings, notes = compiler_warnings(output)
     if warnings and not allow_warnings:
