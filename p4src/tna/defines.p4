@@ -12,6 +12,8 @@
 
 /* The recirculation port in each pipe is (pipe << 7) | RECIRC_PORT_LOCAL (Tofino 1: 68). */
 #define RECIRC_PORT_LOCAL 68
+/* The recirculation port of the pipe that port p belongs to. */
+#define RECIRC_PORT_OF(p) ((p)[8:7] ++ (bit<7>)RECIRC_PORT_LOCAL)
 
 /* Register index widths: log2(NUM_SLOTS) and log2(NUM_POOL_SLOTS). */
 typedef bit<12> slot_reg_index_t;

@@ -74,7 +74,7 @@ control NetaggIngress(inout tna_headers_t hdr,
             } else if (hdr.recirc.value_op == OP_MERGE || hdr.recirc.value_op == OP_READ) {
                 /* The low words are in; once more for the high words. */
                 hdr.recirc.value_op = OP_READ_HI;
-                ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ (bit<7>)RECIRC_PORT_LOCAL;
+                ig_tm_md.ucast_egress_port = RECIRC_PORT_OF(ig_intr_md.ingress_port);
             } else {
                 result_delivery.apply(hdr);
                 result_release.apply(hdr, ig_tm_md);

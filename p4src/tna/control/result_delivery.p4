@@ -54,7 +54,7 @@ control Recirculate(inout tna_headers_t hdr, in ingress_metadata_t meta,
         } else {
             hdr.recirc.deliver = DELIVER_SENDER;
         }
-        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ (bit<7>)RECIRC_PORT_LOCAL;
+        ig_tm_md.ucast_egress_port = RECIRC_PORT_OF(ig_intr_md.ingress_port);
     }
 }
 
