@@ -8,7 +8,6 @@ from netagg import dataplane as dp
 from netagg.bmv2.tna_build import (
     TOFINO1_STAGES,
     TOFINO1_STATEFUL_ALUS_PER_STAGE,
-    TofinoCompileError,
     compile_tna,
     compiler_available,
     compiler_warnings,
@@ -17,11 +16,6 @@ from netagg.p4info import load_p4info
 
 #: 32 value pairs; slot owner, two pools' rounds, bitmap, count and exponent.
 EXPECTED_STATEFUL_ALUS = 32 + 6
-#: Not done yet (issue 14 is open): the compiler places the program in 13 stages, one more than
-#: Tofino 1 has, and its assembler refuses it. Strict, so that these fail once it fits.
-NOT_YET_FITTING = pytest.mark.xfail(
-    strict=True, raises=TofinoCompileError,
-    reason="p4src/tna/netagg.p4 needs 13 of Tofino 1's 12 stages (docs/tofino.md, 'What is left')")
 
 
 def test_compiler_warnings_are_split_from_target_notes():
@@ -47,7 +41,6 @@ def build(tmp_path_factory):
 
 @pytest.mark.tofino
 @pytest.mark.slow
-@NOT_YET_FITTING
 def test_program_fits_tofino1(build):
     report = build.report
     assert report.target == "tofino"
@@ -58,7 +51,6 @@ def test_program_fits_tofino1(build):
 
 @pytest.mark.tofino
 @pytest.mark.slow
-@NOT_YET_FITTING
 def test_only_target_notes_no_warnings(build):
     # compile_tna raised on any other warning; the notes are the compiler's own padding.
     assert all("min_parse_depth" in note for note in build.notes)
@@ -66,7 +58,6 @@ def test_only_target_notes_no_warnings(build):
 
 @pytest.mark.tofino
 @pytest.mark.slow
-@NOT_YET_FITTING
 def test_control_plane_tables_match_the_v1model_program(build):
     bfrt = json.loads((build.out_dir / "bfrt.json").read_text())
     tables = {t["name"].removeprefix("pipe."): t for t in bfrt["tables"]}

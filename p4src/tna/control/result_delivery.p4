@@ -36,8 +36,8 @@ control RecircPrepare(inout tna_headers_t hdr, in ingress_metadata_t meta, in po
     apply {
         hdr.recirc.mgid = meta.mgid;
         hdr.recirc.port = (bit<16>)ingress_port;
-        hdr.recirc.slot_index = (bit<16>)meta.pool_index[11:0];
-        hdr.recirc.pool = (bit<16>)meta.pool_index[12:12];
+        hdr.recirc.slot_index = meta.slot_index;
+        hdr.recirc.pool = (bit<16>)hdr.netagg.pool;
     }
 }
 
