@@ -105,7 +105,7 @@ class SoftAggregator:
         """Process one datagram from ``source``; the result to send, if any."""
         if len(data) != wire.NETAGG_BYTES:
             return self._drop(DropReason.MALFORMED)
-        version, flags, job, slot, pool, rank, exponent, _, round_, _ = _unpack_header(data, 0)
+        version, flags, job, slot, pool, rank, exponent, _, round_, _, members = _unpack_header(data, 0)
         if version != wire.VERSION:
             return self._drop(DropReason.BAD_VERSION)
         if flags & wire.FLAG_RESULT:
@@ -124,12 +124,16 @@ class SoftAggregator:
             self.address_of[rank] = source
         elif rank != known_rank:
             return self._drop(DropReason.RANK_MISMATCH)
-        return self._aggregate(data, slot, pool, round_, rank, exponent)
+        if members and not members & (1 << rank):
+            return self._drop(DropReason.NOT_A_MEMBER)
+        return self._aggregate(data, slot, pool, round_, rank, exponent, members)
 
     def _aggregate(self, data: bytes | bytearray | memoryview, slot: int, pool: int, round_: int, rank: int,
-                   exponent: int) -> Outcome | None:
+                   exponent: int, members: int) -> Outcome | None:
         regs = self.registers
-        decision = regs.decide(slot, pool, round_, 1 << rank, self.num_workers, _GENERATION)
+        decision = regs.decide(slot, pool, round_, 1 << rank, self.num_workers, _GENERATION, members)
+        if decision.members_mismatch:
+            return self._drop(DropReason.MEMBERS_MISMATCH)
         if decision.round_state == RoundState.OLD:
             self.stats.duplicates += 1
             return None

@@ -32,7 +32,7 @@ from netagg.hoststack.metrics import WorkerExporter, port_from_env
 from netagg.hoststack.packets import resolve
 from netagg.hoststack.psproto import PsClient, PsError
 from netagg.hoststack.sparse import SparseTable
-from netagg.hoststack.transport import Transport
+from netagg.hoststack.transport import SubsetRound, Transport
 from netagg.jobconfig import ConfigError, WorkerConfig
 
 __all__ = ["KVWorker", "PsError"]
@@ -138,6 +138,16 @@ class KVWorker:
         future = self._executor.submit(self._aggregate, blocks, exponents)
         return blk.unpack(layout, future.result())[0]
 
+    def allreduce_subset(self, array: Any, subset: SubsetRound) -> Any:
+        """The sum of ``array`` over ``subset.members`` only (a subset round; every member calls it alike).
+
+        After the first one, this worker's whole-job :meth:`allreduce`/push are refused (see
+        :meth:`Transport.exchange_subset`)."""
+        layout, blocks = blk.pack([0], [array])
+        exponents = qz.block_exponents(blocks)
+        future = self._executor.submit(self._aggregate_subset, blocks, exponents, subset)
+        return blk.unpack(layout, future.result())[0]
+
     def init(self, keys: Sequence[int] | int, values: Sequence[Any] | Any) -> int:
         """Set initial values: at the PS in ps mode (e.g. SGD weights), locally otherwise."""
         keys, values = _listify(keys, values)
@@ -196,6 +206,10 @@ class KVWorker:
 
     def _aggregate(self, blocks: np.ndarray, exponents: np.ndarray) -> np.ndarray:
         sums, global_exp = self.transport.exchange(blocks, exponents)
+        return qz.dequantize(sums, global_exp, self.num_workers)
+
+    def _aggregate_subset(self, blocks: np.ndarray, exponents: np.ndarray, subset: SubsetRound) -> np.ndarray:
+        sums, global_exp = self.transport.exchange_subset(blocks, subset, exponents)
         return qz.dequantize(sums, global_exp, self.num_workers)
 
     def _push(self, layout: blk.Layout, blocks: np.ndarray, exponents: np.ndarray, keep: bool) -> list | None:

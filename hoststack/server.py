@@ -55,6 +55,8 @@ _HALF_SEQ_SPACE = 1 << 30
 #: Sparse tables one PS holds at most (each keeps two iterations of cold rows).
 MAX_TABLES = 64
 
+_FIELD = wire.FIELD_INDEX
+
 
 def sum_store(store: dict[int, np.ndarray], key: int, aggregate: np.ndarray, num_workers: int) -> None:
     """The default handle: keep the latest aggregate (the sum over workers) per key."""
@@ -253,7 +255,8 @@ class KVServer:
         if len(data) != wire.NETAGG_BYTES:
             self.stats.malformed += 1
             return
-        version, flags, job, *_, seq = wire.HEADER_STRUCT.unpack_from(data, 0)
+        fields = wire.HEADER_STRUCT.unpack_from(data, 0)
+        version, flags, job, seq = (fields[_FIELD[name]] for name in ("version", "flags", "job_id", "seq"))
         if version != wire.VERSION or not flags & wire.FLAG_RESULT or job != self.config.job_id:
             self.stats.malformed += 1
             return

@@ -178,6 +178,27 @@ class RtoEstimator:
         return min(self.rto * (2 ** min(doublings, 40)), self.maximum)
 
 
+@dataclass(frozen=True)
+class SubsetRound:
+    """A subset exchange as its members agreed on it beforehand (docs/protocol.md, "Subset rounds").
+
+    ``members``: the ranks taking part (bit r = rank r); ``round_base``: every slot's round number
+    before the exchange (its first packet in a slot carries ``round_base + 1``). Whoever schedules
+    these exchanges gives each one a base past the previous one's last round
+    (:func:`subset_round_uses`), so that the switch sees every exchange as new rounds.
+    """
+
+    members: int
+    round_base: int
+
+
+def subset_round_uses(num_blocks: int, slot_count: int) -> int:
+    """The most round numbers an exchange of ``num_blocks`` blocks uses in one slot (its probe included)."""
+    if num_blocks <= 0:
+        return 0
+    return -(-num_blocks // min(slot_count, num_blocks)) + 1
+
+
 class Transport:
     """A worker's UDP endpoint for one job (see the module docstring)."""
 
@@ -268,6 +289,9 @@ class Transport:
         self._allowed = np.array([int.from_bytes(socket.inet_aton(host), "big") << 16 | port
                                   for host, port in sorted(self.sources)], np.int64)
         self._failed: str | None = None
+        #: Set by the first subset exchange: slots' round numbers then follow the subsets' bases, no longer
+        #: the job-wide count every worker keeps, so whole-job exchanges are refused from then on.
+        self._subset_rounds = False
         self._warm_up()
 
     # -- public ------------------------------------------------------------
@@ -277,6 +301,37 @@ class Transport:
         ``exponents`` are this worker's :func:`quantization.block_exponents` of ``blocks``
         (computed here when not given; NaN/Inf raise ValueError before anything is sent).
         """
+        if self._subset_rounds:
+            raise TransportError("this transport runs subset rounds: its round numbers no longer agree with the "
+                                 "job's other workers for a whole-job exchange")
+        return self._exchange(blocks, exponents)
+
+    def exchange_subset(self, blocks: np.ndarray, subset: SubsetRound,
+                        exponents: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`exchange` with ``subset.members`` only: a subset round in every slot it uses.
+
+        Every member calls it with the same blocks shape and ``subset``; the sums are theirs.
+        """
+        members = subset.members
+        if not members >> self.config.rank & 1:
+            raise ValueError(f"rank {self.config.rank} is not one of the members {members:#x}")
+        if members >> self.num_workers:
+            raise ValueError(f"members {members:#x} name ranks the job's {self.num_workers} workers do not have")
+        uses = subset_round_uses(blocks.shape[0] if blocks.ndim == 2 else 0, self.slot_count)
+        if uses >= 0x8000:
+            raise ValueError(f"{blocks.shape[0]} blocks use {uses} rounds per slot: more than the switch tells apart")
+        self._subset_rounds = True
+        hdr = self._packets["hdr"]
+        hdr["members"] = members
+        self._rounds[:] = subset.round_base & 0xFFFF
+        self._next_pool[:] = 0
+        self._seq = self._probe_seq = 0  # rounds are unique per exchange, so block ids may start over
+        try:
+            return self._exchange(blocks, exponents)
+        finally:
+            hdr["members"] = 0
+
+    def _exchange(self, blocks: np.ndarray, exponents: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         if self._failed is not None:
             raise TransportError(f"transport unusable after an earlier failure: {self._failed}")
         if exponents is None:

@@ -16,6 +16,8 @@ from numba import njit
 from netagg import wire
 from netagg.hoststack.codec_kernels import _bswap32
 
+wire.check_compiled_layout(__name__, version=2, header_bytes=20, k=64)  # see check_compiled_layout
+
 _K = wire.K
 _HEADER = wire.HEADER_BYTES
 _PAYLOAD = wire.PAYLOAD_BYTES

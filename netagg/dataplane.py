@@ -84,6 +84,8 @@ class DropReason(IntEnum):
     RANK_MISMATCH = 11
     NO_REPLICA = 12
     SPOOFED_SOURCE = 13
+    NOT_A_MEMBER = 14
+    MEMBERS_MISMATCH = 15
 
 
 class ValueOp(IntEnum):

@@ -3,9 +3,10 @@ target's pipeline model and the parameter server's fallback aggregator, so both 
 switch exactly (the P4 program stays the reference; the PTF suite checks the model).
 
 Per slot: an owner tag (``SlotOwner``) and the current round of each pool
-(``RoundCheck``); per (slot, pool): the bitmap of contributors (``BitmapCheck``), the
-missing-contribution count (``WorkerCount``), the exponent maximum (``ExponentMax``) and
-the K int32 sums (``ValueSum``). See docs/protocol.md.
+(``RoundCheck``); per (slot, pool): the round's expected members (``MemberCheck``), the
+bitmap of contributors (``BitmapCheck``), the missing-contribution count (``WorkerCount``),
+the exponent maximum (``ExponentMax``) and the K int32 sums (``ValueSum``). See
+docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class SlotDecision:
     fresh: bool  #: the sender's first packet of this round (else a retransmission)
     complete: bool  #: the round is complete (now, or already)
     late: bool  #: a new contribution to a round that had already completed
+    members_mismatch: bool = False  #: the packet's members differ from the round's (dropped, nothing changed)
 
     @property
     def delivers(self) -> bool:
@@ -45,6 +47,7 @@ class SlotDecision:
 
 
 _OLD = SlotDecision(ValueOp.NONE, RoundState.OLD, False, False, False, False)
+_MISMATCH = SlotDecision(ValueOp.NONE, RoundState.SAME, False, False, False, False, members_mismatch=True)
 
 
 class SlotRegisters:
@@ -54,6 +57,7 @@ class SlotRegisters:
         self.num_slots = num_slots
         self.owner = [0] * num_slots
         self.rounds = [[0] * num_slots for _ in range(wire.NUM_POOLS)]
+        self.members = [0] * (num_slots * wire.NUM_POOLS)
         self.bitmaps = [0] * (num_slots * wire.NUM_POOLS)
         self.counts = [0] * (num_slots * wire.NUM_POOLS)
         self.exponents = [0] * (num_slots * wire.NUM_POOLS)
@@ -66,6 +70,7 @@ class SlotRegisters:
     def snapshot(self) -> dict[str, np.ndarray]:
         """Every register as an array (for comparing engines; see softswitch.fastpath.FastRegisters)."""
         return {"owner": np.array(self.owner, np.int64), "rounds": np.array(self.rounds, np.int64),
+                "members": np.array(self.members, np.int64),
                 "bitmaps": np.array(self.bitmaps, np.int64), "counts": np.array(self.counts, np.int64),
                 "exponents": np.array(self.exponents, np.int64), "values": self.values.copy()}
 
@@ -88,8 +93,15 @@ class SlotRegisters:
         return RoundState.OLD
 
     def decide(self, slot: int, pool: int, round_: int, worker_mask: int, num_workers: int,
-               generation: int) -> SlotDecision:
-        """SlotOwner, RoundCheck, BitmapCheck and WorkerCount for one packet, and the value op."""
+               generation: int, members: int = 0) -> SlotDecision:
+        """SlotOwner, RoundCheck, MemberCheck, BitmapCheck and WorkerCount for one packet, and the value op.
+
+        ``members`` (the packet's field) is 0 for a round of every worker (``num_workers``
+        contributions complete it); otherwise the round's expected contributors, fixed by its
+        first packet (a packet with other members is refused and changes nothing), and their
+        number completes it. The caller has checked that the sender is one of them
+        (``WorkerLookup``).
+        """
         stale = self.owner[slot] != generation
         if stale:
             self.owner[slot] = generation
@@ -97,6 +109,10 @@ class SlotRegisters:
         if state == RoundState.OLD:
             return _OLD
         index = slot * wire.NUM_POOLS + pool
+        if state == RoundState.NEW:
+            self.members[index] = members
+        elif self.members[index] != members:
+            return _MISMATCH
         before = 0 if state == RoundState.NEW else self.bitmaps[index]
         self.bitmaps[index] = before | worker_mask
         first = state == RoundState.NEW
@@ -105,7 +121,8 @@ class SlotRegisters:
         late = False
         if fresh:
             if first:
-                count = self.counts[index] = (num_workers - 1) & 0xFF
+                expected = members.bit_count() if members else num_workers
+                count = self.counts[index] = (expected - 1) & 0xFF
             elif count == 0:
                 late = True
             else:
@@ -118,6 +135,7 @@ class SlotRegisters:
         else:
             op = ValueOp.NONE
         return SlotDecision(op, state, first, fresh, complete, late)
+
     def exponent(self, index: int, op: ValueOp, exponent: int) -> int:
         """ExponentMax: write / signed max / read; returns what the packet leaves with."""
         if op == ValueOp.WRITE or (op == ValueOp.MERGE and exponent > self.exponents[index]):

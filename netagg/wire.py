@@ -6,7 +6,7 @@ constants and codecs from here; ``p4src/shared/headers.p4`` and
 checks that they agree.
 
 A netagg packet is ``Ethernet / IPv4 (no options) / UDP (dst NETAGG_UDP_PORT) /
-netagg header (16 bytes) / K signed 32-bit values``, all in network byte order.
+netagg header (20 bytes) / K signed 32-bit values``, all in network byte order.
 See ``docs/protocol.md`` for the meaning of every field.
 """
 
@@ -19,7 +19,8 @@ from typing import NamedTuple
 import numpy as np
 
 #: Protocol version carried in every header; other versions are dropped.
-VERSION = 1
+#: 2: the header gained ``members`` (subset rounds), 16 -> 20 bytes.
+VERSION = 2
 #: UDP destination port that marks a packet as netagg (below Linux's ephemeral range).
 NETAGG_UDP_PORT = 28900
 #: Values per packet (SwitchML's 64): a build constant shared with the P4 program.
@@ -63,12 +64,15 @@ HEADER_FIELDS: tuple[Field, ...] = (
     Field("reserved0", 8, False, "zero on send; echoed unchanged"),
     Field("round", 16, False, "the slot's round number: +1 at every new use of the slot (mod 2**16)"),
     Field("seq", 32, False, "block id chosen by the host, echoed unchanged"),
+    Field("members", 32, False, "the round's expected contributors, bit r = rank r; 0 = every worker of the job"),
 )
 
 _STRUCT_CODES = {(8, False): "B", (8, True): "b", (16, False): "H", (32, False): "I"}
 HEADER_STRUCT = struct.Struct("!" + "".join(_STRUCT_CODES[(f.bits, f.signed)] for f in HEADER_FIELDS))
 HEADER_BYTES = HEADER_STRUCT.size
-assert HEADER_BYTES == sum(f.bits for f in HEADER_FIELDS) // 8 == 16
+#: Position of each field in ``HEADER_STRUCT.unpack``'s tuple (the header grows at its end).
+FIELD_INDEX = {f.name: i for i, f in enumerate(HEADER_FIELDS)}
+assert HEADER_BYTES == sum(f.bits for f in HEADER_FIELDS) // 8 == 20
 VALUE_BYTES = 4
 PAYLOAD_BYTES = K * VALUE_BYTES
 #: Bytes after the UDP header: netagg header plus values.
@@ -99,6 +103,7 @@ class Header:
     version: int = VERSION
     reserved0: int = 0
     round: int = 0
+    members: int = 0
 
     @property
     def is_result(self) -> bool:
@@ -127,6 +132,31 @@ def unpack(payload: bytes | memoryview) -> tuple[Header, np.ndarray]:
         raise MalformedPacket(f"pool {header.pool} out of range")
     values = np.frombuffer(payload, dtype=WIRE_VALUE_DTYPE, count=K, offset=HEADER_BYTES)
     return header, values.astype(np.int32)
+
+
+def check_compiled_layout(module: str, *, version: int, header_bytes: int, k: int) -> None:
+    """Fail loudly when a numba kernel module was written for another wire layout.
+
+    numba caches compiled kernels with these constants baked in and invalidates the cache
+    only when the kernel's own file changes; each kernel module therefore states the layout
+    it was written for, so that a change here forces an edit (and a recompile) there.
+    """
+    if (version, header_bytes, k) != (VERSION, HEADER_BYTES, K):
+        raise RuntimeError(f"{module} was written for wire version {version} ({header_bytes}-byte header, "
+                           f"K={k}); wire.py is version {VERSION} ({HEADER_BYTES}-byte header, K={K}): "
+                           "update the module (and so numba's cache of it)")
+
+
+def members_of(ranks) -> int:
+    """The ``members`` field of a subset round whose expected contributors are ``ranks``."""
+    mask = 0
+    for rank in ranks:
+        if not 0 <= rank < MAX_WORKERS:
+            raise ValueError(f"rank {rank} not in 0..{MAX_WORKERS - 1}")
+        mask |= 1 << rank
+    if not mask:
+        raise ValueError("a subset round needs at least one member")
+    return mask
 
 
 def ipv4_checksum(header: bytes) -> int:

@@ -71,7 +71,7 @@ class WrongVersion(_Malformed):
     def runTest(self) -> None:
         workers = make_workers(2)
         job = self.add_job(workers)
-        pkt = contribution(job, workers[0], [9] * wire.K, version=2)
+        pkt = contribution(job, workers[0], [9] * wire.K, version=wire.VERSION + 1)
         self.assert_dropped(workers[0].port, bytes(pkt), DropReason.BAD_VERSION)
         self.assert_job_still_works(job, workers)
 

@@ -61,18 +61,20 @@ class FastRegisters:
         pools = num_slots * wire.NUM_POOLS
         self.owner = np.zeros(num_slots, np.uint32)
         self.rounds = np.zeros((wire.NUM_POOLS, num_slots), np.uint16)
+        self.members = np.zeros(pools, np.uint32)
         self.bitmaps = np.zeros(pools, np.uint32)
         self.counts = np.zeros(pools, np.uint8)
         self.exponents = np.zeros(pools, np.int8)
         self.values = np.zeros((pools, wire.K), np.int32)
 
     def reset(self) -> None:
-        for array in (self.owner, self.rounds, self.bitmaps, self.counts, self.exponents, self.values):
+        for array in (self.owner, self.rounds, self.members, self.bitmaps, self.counts, self.exponents, self.values):
             array.fill(0)
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Every register as an array (for comparing engines)."""
         return {"owner": self.owner.astype(np.int64), "rounds": self.rounds.astype(np.int64),
+                "members": self.members.astype(np.int64),
                 "bitmaps": self.bitmaps.astype(np.int64), "counts": self.counts.astype(np.int64),
                 "exponents": self.exponents.astype(np.int64), "values": self.values.copy()}
 
@@ -176,7 +178,7 @@ class FastPipeline:
         lengths = np.zeros(1, np.int64)
         regs = FastRegisters(1)
         self._kernels.run_batch(frames, lengths, lengths.copy(), 0, self._work, frames.copy(), lengths.copy(),
-                                lengths.copy(), 1, *t.arrays(), self._counters, regs.owner, regs.rounds,
+                                lengths.copy(), 1, *t.arrays(), self._counters, regs.owner, regs.rounds, regs.members,
                                 regs.bitmaps, regs.counts, regs.exponents, regs.values)
 
     def reset_registers(self) -> None:
@@ -205,8 +207,8 @@ class FastPipeline:
             regs = self.registers
             done, emitted = self._kernels.run_batch(
                 in_buf[start:], in_len[start:], in_port[start:], count - start, self._work, out_buf, out_len,
-                out_port, t.max_out, *t.arrays(), self._counters, regs.owner, regs.rounds, regs.bitmaps, regs.counts,
-                regs.exponents, regs.values)
+                out_port, t.max_out, *t.arrays(), self._counters, regs.owner, regs.rounds, regs.members, regs.bitmaps,
+                regs.counts, regs.exponents, regs.values)
         return start + done, emitted
 
     def process(self, frame: bytes, ingress_port: int) -> list[tuple[int, bytes]]:

@@ -20,6 +20,8 @@ from numba import njit
 from netagg import wire
 from netagg.dataplane import DropReason, ValueOp
 
+wire.check_compiled_layout(__name__, version=2, header_bytes=20, k=64)  # see check_compiled_layout
+
 K = wire.K
 NETAGG_PORT = wire.NETAGG_UDP_PORT
 IPV4_TOTAL_LENGTH = wire.IPV4_TOTAL_LENGTH
@@ -52,6 +54,8 @@ D_BAD_POOL = int(DropReason.BAD_POOL)
 D_RANK = int(DropReason.RANK_MISMATCH)
 D_NO_REPLICA = int(DropReason.NO_REPLICA)
 D_SPOOFED = int(DropReason.SPOOFED_SOURCE)
+D_NOT_MEMBER = int(DropReason.NOT_A_MEMBER)
+D_MEMBERS = int(DropReason.MEMBERS_MISMATCH)
 OP_NONE, OP_WRITE, OP_MERGE, OP_READ = int(ValueOp.NONE), int(ValueOp.WRITE), int(ValueOp.MERGE), int(ValueOp.READ)
 #: Actions of the sources table as compiled.
 SRC_SWITCH_ONLY, SRC_BIND = 1, 2
@@ -108,11 +112,11 @@ def _ipv4_checksum(b):
 
 
 @njit(cache=True)
-def _decide(regs_owner, regs_rounds, regs_bitmaps, regs_counts, slot, pool, round_, worker_mask, num_workers,
-            generation):
-    """SlotOwner, RoundCheck, BitmapCheck and WorkerCount (netagg.slots.SlotRegisters.decide).
+def _decide(regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, slot, pool, round_, worker_mask,
+            num_workers, generation, members):
+    """SlotOwner, RoundCheck, MemberCheck, BitmapCheck and WorkerCount (netagg.slots.SlotRegisters.decide).
 
-    Returns (op, old, fresh, complete, late)."""
+    Returns (op, old, fresh, complete, late, members_mismatch)."""
     stale = regs_owner[slot] != generation
     if stale:
         regs_owner[slot] = generation
@@ -128,8 +132,12 @@ def _decide(regs_owner, regs_rounds, regs_bitmaps, regs_counts, slot, pool, roun
             regs_rounds[pool, slot] = round_
             new = True
         else:
-            return OP_NONE, True, False, False, False
+            return OP_NONE, True, False, False, False, False
     index = slot * 2 + pool
+    if new:
+        regs_members[index] = members
+    elif np.int64(regs_members[index]) != members:
+        return OP_NONE, False, False, False, False, True
     before = np.int64(0) if new else np.int64(regs_bitmaps[index])
     regs_bitmaps[index] = before | worker_mask
     fresh = (before & worker_mask) == 0
@@ -137,7 +145,14 @@ def _decide(regs_owner, regs_rounds, regs_bitmaps, regs_counts, slot, pool, roun
     late = False
     if fresh:
         if new:
-            count = (num_workers - 1) & 0xFF
+            expected = num_workers
+            if members != 0:
+                expected = 0
+                m = members
+                while m:
+                    expected += m & 1
+                    m >>= 1
+            count = (expected - 1) & 0xFF
             regs_counts[index] = count
         elif count == 0:
             late = True
@@ -151,7 +166,7 @@ def _decide(regs_owner, regs_rounds, regs_bitmaps, regs_counts, slot, pool, roun
         op = OP_READ
     else:
         op = OP_NONE
-    return op, False, fresh, complete, late
+    return op, False, fresh, complete, late, False
 
 
 @njit(cache=True)
@@ -165,7 +180,8 @@ def _emit(work, length, port, out_buf, out_len, out_port, n):
 @njit(cache=True)
 def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
             job_valid, job_params, w_keys, w_vals, src_keys, src_vals, route_vm, route_out, rep_keys, rep_vals,
-            grp_off, grp_items, counters, regs_owner, regs_rounds, regs_bitmaps, regs_counts, regs_exps, regs_values):
+            grp_off, grp_items, counters, regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, regs_exps,
+            regs_values):
     """One frame through NetaggIngress, the replication engine and NetaggEgress; returns the new output count."""
     work[:length] = frame[:length]
     b = work
@@ -254,6 +270,7 @@ def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
     slot_index = np.int64(0)
     num_workers = generation = mgid = np.int64(0)
     worker_mask = np.int64(0)
+    members = _u32(b, NA + 16)
     if not job_valid[job]:
         drop = D_UNKNOWN_JOB
     else:
@@ -279,6 +296,8 @@ def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
             drop = D_BAD_POOL
         elif rank != w_vals[found, 0]:
             drop = D_RANK
+        elif members != 0 and (members & w_vals[found, 1]) == 0:
+            drop = D_NOT_MEMBER
         else:
             worker_mask = w_vals[found, 1]
             slot_index = (slot_base + slot_rel) & 0xFFFFFFFF
@@ -289,8 +308,13 @@ def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
         return n
     if slot_index >= regs_owner.shape[0]:
         return n
-    op, old, fresh, complete, late = _decide(regs_owner, regs_rounds, regs_bitmaps, regs_counts, slot_index, pool,
-                                             _u16(b, NA + 10), worker_mask, num_workers, generation)
+    op, old, fresh, complete, late, mismatch = _decide(
+        regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, slot_index, pool, _u16(b, NA + 10),
+        worker_mask, num_workers, generation, members)
+    if mismatch:
+        _count(counters, C_REJECTS, job, length)
+        _count(counters, C_DROPS, D_MEMBERS, length)
+        return n
     if old:
         _count(counters, C_DUPS, job, length)
         return n
@@ -366,7 +390,7 @@ def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
 @njit(cache=True)
 def run_batch(in_buf, in_len, in_port, count, work, out_buf, out_len, out_port, max_out,
               job_valid, job_params, w_keys, w_vals, src_keys, src_vals, route_vm, route_out, rep_keys, rep_vals,
-              grp_off, grp_items, counters, regs_owner, regs_rounds, regs_bitmaps, regs_counts, regs_exps,
+              grp_off, grp_items, counters, regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, regs_exps,
               regs_values):
     """Frames ``0..count-1`` in order; returns (frames consumed, frames emitted).
 
@@ -379,8 +403,8 @@ def run_batch(in_buf, in_len, in_port, count, work, out_buf, out_len, out_port, 
             return i, n
         n = _packet(in_buf[i], in_len[i], in_port[i], work, out_buf, out_len, out_port, n,
                     job_valid, job_params, w_keys, w_vals, src_keys, src_vals, route_vm, route_out, rep_keys,
-                    rep_vals, grp_off, grp_items, counters, regs_owner, regs_rounds, regs_bitmaps, regs_counts,
-                    regs_exps, regs_values)
+                    rep_vals, grp_off, grp_items, counters, regs_owner, regs_rounds, regs_members, regs_bitmaps,
+                    regs_counts, regs_exps, regs_values)
     return count, n
 
 

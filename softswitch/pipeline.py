@@ -98,8 +98,9 @@ def deparse(pkt: ParsedPacket) -> bytes:
 
 # Field positions in ParsedPacket.netagg (wire.HEADER_FIELDS order).
 _N = {f.name: i for i, f in enumerate(wire.HEADER_FIELDS)}
-_VERSION, _FLAGS, _JOB, _SLOT, _POOL, _RANK, _EXP, _ROUND = (
+_VERSION, _FLAGS, _JOB, _SLOT, _POOL, _RANK, _EXP, _ROUND, _MEMBERS = (
     _N["version"], _N["flags"], _N["job_id"], _N["slot"], _N["pool"], _N["rank"], _N["exponent"], _N["round"],
+    _N["members"],
 )
 
 
@@ -219,7 +220,7 @@ class NetaggPipeline:
         return port
 
     def _worker_lookup(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int) -> None:
-        """WorkerLookup: jobs, workers (keyed by the ingress port too), then the slot/pool/rank checks."""
+        """WorkerLookup: jobs, workers (keyed by the ingress port too), then the slot/pool/rank/member checks."""
         hdr = pkt.netagg
         action, params = self._jobs.lookup((hdr[_JOB],))
         if action != dp.ACTION_SET_JOB:
@@ -238,6 +239,8 @@ class NetaggPipeline:
             meta.drop_reason = DropReason.BAD_POOL
         elif hdr[_RANK] != meta.rank:
             meta.drop_reason = DropReason.RANK_MISMATCH
+        elif hdr[_MEMBERS] and not hdr[_MEMBERS] & meta.worker_mask:
+            meta.drop_reason = DropReason.NOT_A_MEMBER
         else:
             meta.slot_index = (meta.slot_base + hdr[_SLOT]) & 0xFFFFFFFF
             meta.pool_index = ((meta.slot_index << 1) + hdr[_POOL]) & 0xFFFFFFFF
@@ -256,8 +259,12 @@ class NetaggPipeline:
             # The controller never installs such a range; BMv2 leaves it undefined.
             return None
         decision = regs.decide(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.worker_mask, meta.num_workers,
-                               meta.generation)
+                               meta.generation, hdr[_MEMBERS])
         # Counters and delivery as NetaggIngress.apply decides.
+        if decision.members_mismatch:
+            self.state.count(dp.COUNTER_JOB_REJECTS, job, length)
+            self.state.count(dp.COUNTER_DROP_REASONS, DropReason.MEMBERS_MISMATCH, length)
+            return None
         if decision.round_state == RoundState.OLD:
             self.state.count(dp.COUNTER_JOB_DUPLICATES, job, length)
             return None

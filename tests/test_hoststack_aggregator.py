@@ -13,10 +13,10 @@ ADDR = [("127.0.0.1", 40000 + r) for r in range(4)]
 
 
 def packet(rank: int, slot: int = 0, pool: int = 0, seq: int = 1, exponent: int = 0, values=None,
-           flags: int = 0, job: int = JOB, round_: int = 1) -> bytes:
+           flags: int = 0, job: int = JOB, round_: int = 1, members: int = 0) -> bytes:
     vals = np.full(wire.K, rank + 1, np.int32) if values is None else np.asarray(values, np.int32)
     return wire.pack(wire.Header(job_id=job, slot=slot, pool=pool, rank=rank, seq=seq, exponent=exponent,
-                                 flags=flags, round=round_), vals)
+                                 flags=flags, round=round_, members=members), vals)
 
 
 def contribute(agg: SoftAggregator, rank: int, **kw):
@@ -91,7 +91,7 @@ def test_a_single_worker_job_completes_at_once():
 
 @pytest.mark.parametrize(("data", "source", "reason"), [
     (packet(0)[:-1], ADDR[0], "MALFORMED"),
-    (b"\x02" + packet(0)[1:], ADDR[0], "BAD_VERSION"),
+    (bytes([wire.VERSION + 1]) + packet(0)[1:], ADDR[0], "BAD_VERSION"),
     (packet(0, flags=wire.FLAG_RESULT), ADDR[0], "RESULT_FROM_HOST"),
     (packet(0, job=JOB + 1), ADDR[0], "UNKNOWN_JOB"),
     (packet(0, slot=4), ADDR[0], "SLOT_OUT_OF_RANGE"),
@@ -132,3 +132,21 @@ def test_registered_workers_only_when_registration_is_required():
     assert outcome is not None and outcome.to_group
     assert agg.handle(packet(1, seq=2, pool=1), ADDR[2]) is None  # the forgotten address is a stranger
     assert agg.stats.drops["UNKNOWN_WORKER"] == 2
+
+
+def test_a_subset_round_as_the_switch_does_it():
+    agg = SoftAggregator(JOB, 4, slot_count=4)
+    members = wire.members_of([1, 3])
+    assert contribute(agg, 0, members=members) is None  # not a member
+    assert agg.stats.drops == {"NOT_A_MEMBER": 1}
+    assert contribute(agg, 1, members=members) is None
+    assert contribute(agg, 3, members=0b1111) is None  # other members than the round's: nothing changes
+    assert agg.stats.drops["MEMBERS_MISMATCH"] == 1
+    outcome = contribute(agg, 3, members=members)
+    assert outcome is not None and outcome.to_group
+    header, values = wire.unpack(outcome.packet)
+    assert header.members == members
+    np.testing.assert_array_equal(values, 2 + 4)
+    resend = contribute(agg, 1, members=members)
+    assert resend is not None and not resend.to_group
+    assert (agg.stats.contributions, agg.stats.results, agg.stats.retransmit_results) == (2, 1, 1)

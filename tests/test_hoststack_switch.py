@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from netagg import wire
 from netagg.hoststack.server import SGD, KVServer
 from netagg.hoststack.testing import expected_allreduce, run_workers
+from netagg.hoststack.transport import SubsetRound, TransportError, subset_round_uses
 from netagg.jobconfig import Endpoint
 from netagg.localports import free_ports
 
@@ -203,3 +205,42 @@ def test_workers_waiting_for_a_straggler_resend_only_their_head_packet(loss):
             # at most once per round trip, would take it to 1). One ordinary timeout after the straggler
             # arrived may still halve it once on a busy machine.
             assert stats.smallest_window >= SLOTS / 2, stats
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+def test_subset_rounds_sum_their_members_only_exactly_once_under_loss(loss):
+    inputs = make_inputs(size=3_000)
+    faults = {"drop": loss, "duplicate": loss / 2, "reorder": loss / 2, "seed": 11} if loss else {}
+    exchanges = [wire.members_of([0, 2, 3]), wire.members_of([1, 2]), wire.members_of([3]),
+                 wire.members_of(range(N))]
+    blocks = -(-3_000 // wire.K)
+    with testing.LoopbackSwitch(**faults) as switch:
+        configs = switch.add_job(N, slot_count=SLOTS)
+        barrier = threading.Barrier(N)
+
+        def job(worker, rank):
+            out, base = [], 0
+            for members in exchanges:  # as a scheduler hands them out: one at a time, bases past the last round
+                barrier.wait(60)
+                if members >> rank & 1:
+                    out.append(worker.allreduce_subset(inputs[rank] * (base + 1), SubsetRound(members, base)))
+                base += subset_round_uses(blocks, SLOTS)
+            with pytest.raises(TransportError, match="subset rounds"):
+                worker.allreduce(inputs[rank])
+            return out
+
+        results = run_workers(configs, job, rto_initial=0.01)
+        counters = switch.counters(configs[0].job_id)
+    base = 0
+    taken = [0] * N
+    for members in exchanges:
+        ranks = [r for r in range(N) if members >> r & 1]
+        # Quantized with the job's N (as the transport does): the sum of the members' inputs alone.
+        absent = [np.zeros_like(inputs[0])] * (N - len(ranks))
+        expected, _ = expected_allreduce([inputs[r] * (base + 1) for r in ranks] + absent)
+        for r in ranks:
+            np.testing.assert_array_equal(results[r][taken[r]], expected)
+            taken[r] += 1
+        base += subset_round_uses(blocks, SLOTS)
+    assert counters["results"] == len(exchanges) * (blocks + SLOTS)  # every round completed exactly once
+    assert counters["rejects"] == 0

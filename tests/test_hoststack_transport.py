@@ -234,14 +234,14 @@ def test_a_full_window_holds_packets_back_lowest_block_first_but_never_the_head_
         t.window = 2.0
         round_.release(list(range(8)), [-1] * 8)  # the first window's probes
         assert sorted(round_.in_flight) == [0, 1] and len(round_.waiting) == 6
-        seqs = [wire.HEADER_STRUCT.unpack_from(sink.recv(2048), 0)[-1] for _ in range(2)]
+        seqs = [wire.HEADER_STRUCT.unpack_from(sink.recv(2048), 0)[wire.FIELD_INDEX["seq"]] for _ in range(2)]
         assert all(seq & (1 << 31) for seq in seqs)  # probes
         # Slot 1's result: its next block (9) is ready but waits behind slot 2's probe (lower).
         del round_.in_flight[1]
         round_.release([1], [9])
         assert round_.in_flight == {0: -8, 2: -6} and (9, 1) in round_.waiting
         header = wire.HEADER_STRUCT.unpack_from(sink.recv(2048), 0)
-        assert header[3] == 2 and header[-1] & (1 << 31)  # slot 2's probe went out
+        assert header[3] == 2 and header[wire.FIELD_INDEX["seq"]] & (1 << 31)  # slot 2's probe went out
         # After a decrease the window (1) is full of blocks above a newly ready, lower block:
         # the lower one is sent anyway (else every worker could wait for another), the next is not.
         round_.waiting.clear()
@@ -249,7 +249,7 @@ def test_a_full_window_holds_packets_back_lowest_block_first_but_never_the_head_
         t.window = 1.0
         round_.release([1], [9])
         assert round_.in_flight == {3: 11, 1: 9}
-        seq = wire.HEADER_STRUCT.unpack_from(sink.recv(2048), 0)[-1]
+        seq = wire.HEADER_STRUCT.unpack_from(sink.recv(2048), 0)[wire.FIELD_INDEX["seq"]]
         assert seq == (round_.seq0 + 9) & 0x7FFFFFFF
         round_.release([2], [10])
         assert 2 not in round_.in_flight and round_.waiting == [(10, 2)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 
 import numpy as np
@@ -120,3 +121,9 @@ def test_netagg_drive_raw_frames_against_the_raw_reflector() -> None:
                                                   namespace=rig.namespace)
     assert result["transport"] == "raw"
     assert result["rounds_completed"] == result["results_accepted"] == 3 * 4
+
+
+def test_the_native_probe_states_the_wire_layout_of_netagg_wire() -> None:
+    source = limit_probe.SOURCE.read_text()
+    constants = dict(re.findall(r"\b(NETAGG_VERSION|NETAGG_HDR|K) = (\d+)", source))
+    assert constants == {"NETAGG_VERSION": str(wire.VERSION), "NETAGG_HDR": str(wire.HEADER_BYTES), "K": str(wire.K)}

@@ -65,3 +65,33 @@ def test_exponent_signed_max_and_modular_sums():
     assert regs.exponent(index, ValueOp.READ, 100) == 3
     regs.sums(index, ValueOp.WRITE, _values(2**31 - 1))
     np.testing.assert_array_equal(regs.sums(index, ValueOp.MERGE, _values(1)), _values(-(2**31)))
+
+
+def test_a_subset_round_completes_with_its_members_and_fixes_them_for_the_round():
+    regs = SlotRegisters(2)
+    members = wire.members_of([0, 2])  # of a job of 3 workers
+    d = regs.decide(1, 0, 1, 0b001, 3, generation=7, members=members)
+    assert (d.op, d.first, d.complete) == (ValueOp.WRITE, True, False)
+    regs.sums(regs.pool_index(1, 0), d.op, _values(5))
+    before = regs.snapshot()
+    d = regs.decide(1, 0, 1, 0b100, 3, generation=7, members=0b111)  # other members: refused, nothing changes
+    assert d.members_mismatch and d.op == ValueOp.NONE and not d.delivers
+    d = regs.decide(1, 0, 1, 0b100, 3, generation=7, members=0)  # a whole-job packet in a subset round, too
+    assert d.members_mismatch
+    for name, array in regs.snapshot().items():
+        np.testing.assert_array_equal(array, before[name], err_msg=name)
+    d = regs.decide(1, 0, 1, 0b100, 3, generation=7, members=members)
+    assert (d.op, d.complete, d.delivers) == (ValueOp.MERGE, True, True)  # two of three workers complete it
+    np.testing.assert_array_equal(regs.sums(regs.pool_index(1, 0), d.op, _values(2)), _values(7))
+    d = regs.decide(1, 0, 1, 0b001, 3, generation=7, members=members)
+    assert (d.op, d.delivers) == (ValueOp.READ, True)  # a member's resend after completion gets the result
+    # The slot's next round is the whole job's again: three contributions.
+    for mask, complete in ((0b001, False), (0b010, False), (0b100, True)):
+        d = regs.decide(1, 1, 2, mask, 3, generation=7)
+        assert d.complete == complete and not d.members_mismatch
+
+
+def test_a_one_member_round_completes_at_once():
+    regs = SlotRegisters(1)
+    d = regs.decide(0, 0, 1, 1 << 31, 32, generation=1, members=1 << 31)
+    assert (d.op, d.first, d.complete, d.delivers) == (ValueOp.WRITE, True, True, True)

@@ -136,9 +136,9 @@ def frame(src_ip: str, dst_ip: str, sport: int, dport: int, payload: bytes, *, s
 
 
 def contribution(job: int, rank: int, ip: str, udp: int, slot: int, pool: int, round_: int, seq: int,
-                 values: np.ndarray, exponent: int = 0, flags: int = 0) -> bytes:
+                 values: np.ndarray, exponent: int = 0, flags: int = 0, members: int = 0) -> bytes:
     header = wire.Header(job_id=job, slot=slot, pool=pool, rank=rank, seq=seq, exponent=exponent, flags=flags,
-                         round=round_ & 0xFFFF)
+                         round=round_ & 0xFFFF, members=members)
     return frame(ip, AGGREGATOR, udp, wire.NETAGG_UDP_PORT, wire.pack(header, values))
 
 
@@ -173,8 +173,9 @@ TENANT_B = [(r, f"10.0.1.{r + 1}", 41000 + r, 4 + r) for r in range(2)]
 
 
 def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int, hostile: float) -> list:
-    """Rounds of contributions per (job, slot), with loss, duplicates, resends of old rounds, reordering,
-    plus hostile and malformed frames and plain IPv4 traffic."""
+    """Rounds of contributions per (job, slot), of every worker or of a subset (``members``), with loss,
+    duplicates, resends of old rounds, reordering, outsiders and other members in a subset round, plus
+    hostile and malformed frames and plain IPv4 traffic."""
     rounds: dict[tuple[int, int], int] = {}
     frames: list[tuple[bytes, int]] = []
     while len(frames) < n:
@@ -219,10 +220,22 @@ def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int
         rounds[key] = round_
         pool = round_ % 2
         batch = []
-        for rank, ip, udp, port in workers:
+        members, senders = 0, workers
+        if rng.random() < 0.3:  # a subset round
+            senders = [w for w in workers if rng.random() < 0.6] or workers[-1:]
+            members = wire.members_of(w[0] for w in senders)
+            for rank, ip, udp, port in workers:
+                values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
+                if (1 << rank) & ~members and rng.random() < 0.3:  # an outsider
+                    batch.append((contribution(job, rank, ip, udp, slot, pool, round_, 7, values, 0, 0, members), port))
+                if (1 << rank) & members and rng.random() < 0.1:  # other members than the round's
+                    other = members ^ (1 << int(rng.integers(len(workers) + 1)))
+                    batch.append((contribution(job, rank, ip, udp, slot, pool, round_, 7, values, 0, 0, other), port))
+        for rank, ip, udp, port in senders:
             values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
             exponent = int(rng.integers(-128, 128))
-            pkt = (contribution(job, rank, ip, udp, slot, pool, round_, round_ * 100 + slot, values, exponent), port)
+            pkt = (contribution(job, rank, ip, udp, slot, pool, round_, round_ * 100 + slot, values, exponent, 0,
+                                members), port)
             if rng.random() > 0.1:  # 10 % lost
                 batch.append(pkt)
             if rng.random() < 0.2:  # duplicate
@@ -255,6 +268,8 @@ def test_random_and_adversarial_sequences_give_identical_frames_counters_and_reg
     contributions = twins.ref_state.counter_total(dp.COUNTER_JOB_CONTRIBUTIONS)
     results = twins.ref_state.counter_total(dp.COUNTER_JOB_RESULTS)
     assert contributions > 500 and results > 100  # the sequences really aggregate
+    drops = twins.ref_state.counter_arrays(dp.COUNTER_DROP_REASONS)[0]
+    assert drops[dp.DropReason.NOT_A_MEMBER] > 0 and drops[dp.DropReason.MEMBERS_MISMATCH] > 0
 
 
 def test_a_group_larger_than_the_output_batch_is_refused_not_truncated():

@@ -10,14 +10,15 @@ from netagg.scapy_layers import Netagg, NetaggValues, netagg_payload
 
 
 def _header(**overrides):
-    fields = dict(job_id=7, slot=513, pool=1, rank=31, seq=0xDEADBEEF, exponent=-3, flags=wire.FLAG_RETRANSMIT)
+    fields = dict(job_id=7, slot=513, pool=1, rank=31, seq=0xDEADBEEF, exponent=-3, flags=wire.FLAG_RETRANSMIT,
+                  members=0x80000005)
     fields.update(overrides)
     return wire.Header(**fields)
 
 
 def test_layout_sizes():
-    assert wire.HEADER_BYTES == 16
-    assert wire.NETAGG_BYTES == 16 + 4 * wire.K
+    assert wire.HEADER_BYTES == 20
+    assert wire.NETAGG_BYTES == 20 + 4 * wire.K
     assert wire.FRAME_BYTES == 14 + 20 + 8 + wire.NETAGG_BYTES
     assert wire.UDP_LENGTH == 8 + wire.NETAGG_BYTES
 
@@ -32,11 +33,13 @@ def test_pack_unpack_roundtrip_with_extremes():
 
 
 def test_network_byte_order():
-    data = wire.pack(_header(job_id=0x0102, slot=0x0304, seq=0x05060708), np.arange(wire.K, dtype=np.int32))
+    data = wire.pack(_header(job_id=0x0102, slot=0x0304, seq=0x05060708, members=0x090A0B0C),
+                     np.arange(wire.K, dtype=np.int32))
     assert data[2:4] == b"\x01\x02"
     assert data[4:6] == b"\x03\x04"
     assert data[12:16] == b"\x05\x06\x07\x08"
-    assert data[16:20] == b"\x00\x00\x00\x00" and data[20:24] == b"\x00\x00\x00\x01"
+    assert data[16:20] == b"\x09\x0a\x0b\x0c"
+    assert data[20:24] == b"\x00\x00\x00\x00" and data[24:28] == b"\x00\x00\x00\x01"
     assert data[8] == (-3) & 0xFF  # exponent, two's complement
 
 
@@ -49,7 +52,7 @@ def test_wrong_size_is_malformed(size):
 def test_wrong_version_and_pool_are_malformed():
     values = np.zeros(wire.K, np.int32)
     with pytest.raises(wire.MalformedPacket, match="version"):
-        wire.unpack(wire.pack(_header(version=2), values))
+        wire.unpack(wire.pack(_header(version=wire.VERSION - 1), values))
     with pytest.raises(wire.MalformedPacket, match="pool"):
         wire.unpack(wire.pack(_header(pool=2), values))
 
@@ -82,5 +85,20 @@ def test_ipv4_checksum_matches_scapy():
 
 
 def test_payload_efficiency():
-    assert wire.payload_efficiency(0) == pytest.approx(256 / 314)
+    assert wire.payload_efficiency(0) == pytest.approx(256 / 318)
     assert 0.7 < wire.payload_efficiency() < wire.payload_efficiency(0)
+
+
+def test_members_of_a_subset_round():
+    assert wire.members_of([0, 2, 31]) == 0x80000005
+    assert wire.members_of({3}) == 8
+    with pytest.raises(ValueError, match="at least one"):
+        wire.members_of([])
+    with pytest.raises(ValueError, match="rank 32"):
+        wire.members_of([1, 32])
+
+
+def test_a_kernel_module_written_for_another_layout_fails_loudly():
+    wire.check_compiled_layout("ok", version=wire.VERSION, header_bytes=wire.HEADER_BYTES, k=wire.K)
+    with pytest.raises(RuntimeError, match="update the module"):
+        wire.check_compiled_layout("stale", version=1, header_bytes=16, k=wire.K)

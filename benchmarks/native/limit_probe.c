@@ -1,9 +1,9 @@
 /* limit_probe: ceilings of the kernel's socket path, and a native netagg load generator.
  *
  *   udp-reflect --bind IP:PORT [--netagg]          echo every datagram to its source
- *   udp-client  --target IP:PORT [--size 272] [--window 64] [--seconds 2]
+ *   udp-client  --target IP:PORT [--size 276] [--window 64] [--seconds 2]
  *   raw-reflect --ifname IF [--netagg]             AF_PACKET: swap the MACs, send the frame back
- *   raw-client  --ifname IF [--size 314] [--window 64] [--seconds 2]
+ *   raw-client  --ifname IF [--size 318] [--window 64] [--seconds 2]
  *   netagg-drive --workers W --slots S [--job 1] [--seconds T | --rounds R] [--rto-ms 20]
  *       --udp --target IP:PORT --bind-ports p1,p2,...
  *     | --raw --ifnames if1,... --src-ips ip1,... --src-macs mac1,... --dst-ip IP --dst-mac MAC
@@ -38,7 +38,7 @@
 #define PACKET_IGNORE_OUTGOING 23
 #endif
 
-enum { BATCH = 64, BUF = 2048, K = 64, NETAGG_HDR = 16, NETAGG_BYTES = NETAGG_HDR + 4 * K,
+enum { BATCH = 64, BUF = 2048, K = 64, NETAGG_VERSION = 2, NETAGG_HDR = 20, NETAGG_BYTES = NETAGG_HDR + 4 * K,
        L2L4 = 14 + 20 + 8, NETAGG_PORT = 28900, MAX_WORKERS = 32, FLAG_RESULT = 0x01 };
 
 static volatile sig_atomic_t stop_flag;
@@ -310,7 +310,7 @@ static void next_contribution(struct drive *d, int rank, int slot, double t) {
     uint8_t *h = w->pkts + (size_t)slot * (size_t)d->pkt_len + d->hoff;
     c->round++;
     c->resent = 0;
-    h[0] = 1; h[1] = 0;
+    h[0] = NETAGG_VERSION; h[1] = 0;
     put16(h + 2, (uint32_t)d->job);
     put16(h + 4, (uint32_t)slot);
     h[6] = (uint8_t)((c->round - 1) & 1);
@@ -318,6 +318,7 @@ static void next_contribution(struct drive *d, int rank, int slot, double t) {
     h[8] = h[9] = 0;
     put16(h + 10, c->round & 0xFFFF);
     put32(h + 12, (c->round - 1) * (uint32_t)d->slots + (uint32_t)slot);
+    put32(h + 16, 0); /* members: every worker of the job */
     d->sent++;
     enqueue(d, w, slot, t);
 }
@@ -327,7 +328,7 @@ static void on_packet(struct drive *d, int rank, const uint8_t *f, unsigned len,
     if (len < (unsigned)(d->hoff + NETAGG_BYTES)) return;
     if (d->raw && (get16(f + 12) != ETH_P_IP || f[14] != 0x45 || f[23] != IPPROTO_UDP)) return;
     const uint8_t *h = f + d->hoff;
-    if (h[0] != 1 || !(h[1] & FLAG_RESULT) || get16(h + 2) != (uint32_t)d->job) return;
+    if (h[0] != NETAGG_VERSION || !(h[1] & FLAG_RESULT) || get16(h + 2) != (uint32_t)d->job) return;
     d->received++;
     uint32_t slot = get16(h + 4);
     if (slot >= (uint32_t)d->slots) return;
@@ -472,7 +473,7 @@ int main(int argc, char **argv) {
     }
     if (strcmp(cmd, "udp-client") == 0 || strcmp(cmd, "raw-client") == 0) {
         int raw = cmd[0] == 'r', fd;
-        int size = atoi(opt(argc, argv, "--size", raw ? "314" : "272")), window = atoi(opt(argc, argv, "--window", "64"));
+        int size = atoi(opt(argc, argv, "--size", raw ? "318" : "276")), window = atoi(opt(argc, argv, "--window", "64"));
         double seconds = atof(opt(argc, argv, "--seconds", "2"));
         errno = 0;
         if (size < (raw ? L2L4 : 1) || size > BUF || window < 1) die("bad --size or --window");

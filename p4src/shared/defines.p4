@@ -3,7 +3,7 @@
 #ifndef _NETAGG_DEFINES_P4_
 #define _NETAGG_DEFINES_P4_
 
-#define NETAGG_VERSION 1
+#define NETAGG_VERSION 2
 #define NETAGG_UDP_PORT 28900
 /* Values per packet. FOR_EACH_VALUE below must list exactly NETAGG_K indices. */
 #define NETAGG_K 64
@@ -23,8 +23,8 @@
 #define DROP_REASONS 16
 
 /* Expected lengths of a netagg packet (no IPv4 options). */
-#define NETAGG_UDP_LENGTH 280
-#define NETAGG_IPV4_TOTAL_LENGTH 300
+#define NETAGG_UDP_LENGTH 284
+#define NETAGG_IPV4_TOTAL_LENGTH 304
 
 #define ETHERTYPE_IPV4 0x0800
 #define IPPROTO_UDP 17
@@ -50,6 +50,10 @@
 #define DROP_NO_REPLICA 12
 /* A host's packet posing as the switch (netagg source port, aggregator or bound address). */
 #define DROP_SPOOFED_SOURCE 13
+/* Subset rounds: the sender is not in the packet's members; the members differ from those the
+ * round started with. */
+#define DROP_NOT_A_MEMBER 14
+#define DROP_MEMBERS_MISMATCH 15
 
 /* How a packet's round number compares with its (slot, pool)'s current round. */
 #define ROUND_SAME 0
@@ -73,6 +77,11 @@
     M(40) M(41) M(42) M(43) M(44) M(45) M(46) M(47) \
     M(48) M(49) M(50) M(51) M(52) M(53) M(54) M(55) \
     M(56) M(57) M(58) M(59) M(60) M(61) M(62) M(63)
+
+/* Apply M to every bit index of a 32-bit worker mask. */
+#define FOR_EACH_MEMBER_BIT(M) \
+    M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15) \
+    M(16) M(17) M(18) M(19) M(20) M(21) M(22) M(23) M(24) M(25) M(26) M(27) M(28) M(29) M(30) M(31)
 
 typedef bit<9> port_t;
 typedef bit<48> mac_addr_t;

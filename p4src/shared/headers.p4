@@ -33,7 +33,7 @@ header udp_h {
     bit<16> checksum;
 }
 
-/* 16 bytes, see docs/protocol.md. */
+/* 20 bytes, see docs/protocol.md. */
 header netagg_h {
     bit<8> version;
     bit<8> flags;
@@ -45,6 +45,7 @@ header netagg_h {
     bit<8> reserved0;
     bit<16> round;
     bit<32> seq;
+    bit<32> members;   /* a subset round's expected contributors; 0 = the whole job */
 }
 
 #define VALUE_FIELD(i) bit<32> v##i;

@@ -16,6 +16,7 @@
 #include "v1model/control/worker_lookup.p4"
 #include "v1model/control/slot_owner.p4"
 #include "v1model/control/round_check.p4"
+#include "v1model/control/member_check.p4"
 #include "v1model/control/bitmap_check.p4"
 #include "v1model/control/worker_count.p4"
 #include "v1model/control/exponent_max.p4"
@@ -42,6 +43,7 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
     WorkerLookup() worker_lookup;
     SlotOwner() slot_owner;
     RoundCheck() round_check;
+    MemberCheck() member_check;
     BitmapCheck() bitmap_check;
     WorkerCount() worker_count;
     ExponentMax() exponent_max;
@@ -77,6 +79,9 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
             if (meta.drop_reason == DROP_NONE) {
                 slot_owner.apply(meta);
                 round_check.apply(hdr, meta);
+                if (meta.round_state != ROUND_OLD) {
+                    member_check.apply(hdr, meta);
+                }
             }
             if (meta.drop_reason == DROP_NONE && meta.round_state == ROUND_OLD) {
                 /* A copy of a round that has been superseded: harmless, dropped. */
@@ -84,7 +89,7 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                 mark_to_drop(standard_metadata);
             } else if (meta.drop_reason == DROP_NONE) {
                 bitmap_check.apply(hdr, meta);
-                worker_count.apply(meta);
+                worker_count.apply(hdr, meta);
                 if (meta.fresh == 1 && meta.late == 0) {
                     job_contributions.count((bit<32>)hdr.netagg.job_id);
                     if (meta.first == 1) {

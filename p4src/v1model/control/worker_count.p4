@@ -1,12 +1,16 @@
 /* netagg: how many contributions does this slot's round still miss?
- * The round's first contribution sets the count to num_workers - 1 (so nothing
+ * A round expects num_workers contributions, or as many as its members (a subset round:
+ * hdr.netagg.members != 0, counted bit by bit; MemberCheck fixed them for the round).
+ * The round's first contribution sets the count to that number - 1 (so nothing
  * ever needs zeroing), each further new contribution decrements it, and 0 means
  * complete. A new contribution that finds the count already 0 belongs to a round
  * that has completed (a late copy) and is marked late. Duplicates only read. */
 #ifndef _NETAGG_WORKER_COUNT_P4_
 #define _NETAGG_WORKER_COUNT_P4_
 
-control WorkerCount(inout metadata_t meta) {
+#define MEMBER_BIT(i) + (bit<8>)hdr.netagg.members[i:i]
+
+control WorkerCount(in headers_t hdr, inout metadata_t meta) {
     @id(0x16000004)
     register<bit<8>>(NUM_POOL_SLOTS) worker_count;
 
@@ -17,7 +21,11 @@ control WorkerCount(inout metadata_t meta) {
         meta.late = 0;
         if (meta.fresh == 1) {
             if (meta.first == 1) {
-                count = meta.num_workers - 1;
+                bit<8> expected = meta.num_workers;
+                if (hdr.netagg.members != 0) {
+                    expected = 0 FOR_EACH_MEMBER_BIT(MEMBER_BIT);
+                }
+                count = expected - 1;
                 worker_count.write(meta.pool_index, count);
             } else if (count == 0) {
                 meta.late = 1;

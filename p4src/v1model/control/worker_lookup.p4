@@ -2,8 +2,9 @@
  * jobs:    job id                          -> worker count, slot range, group, generation
  * workers: (job id, IPv4 source, UDP port, ingress port) -> rank and bitmap bit
  *          (the ingress port: a host cannot contribute under another host's address)
- * A miss, a slot outside the job's range, a pool other than 0/1 or a rank that
- * differs from the sender's registered rank sets meta.drop_reason. */
+ * A miss, a slot outside the job's range, a pool other than 0/1, a rank that
+ * differs from the sender's registered rank or a sender outside a subset round's
+ * members sets meta.drop_reason. */
 #ifndef _NETAGG_WORKER_LOOKUP_P4_
 #define _NETAGG_WORKER_LOOKUP_P4_
 
@@ -75,6 +76,8 @@ control WorkerLookup(in headers_t hdr, in bit<9> ingress_port, inout metadata_t 
                 meta.drop_reason = DROP_BAD_POOL;
             } else if (hdr.netagg.rank != meta.rank) {
                 meta.drop_reason = DROP_RANK_MISMATCH;
+            } else if (hdr.netagg.members != 0 && (hdr.netagg.members & meta.worker_mask) == 0) {
+                meta.drop_reason = DROP_NOT_A_MEMBER;
             } else {
                 meta.slot_index = meta.slot_base + (slot_index_t)hdr.netagg.slot;
                 meta.pool_index = (meta.slot_index << 1) + (slot_index_t)hdr.netagg.pool;
