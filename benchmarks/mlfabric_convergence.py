@@ -39,13 +39,17 @@ KINDS = {
     "sync": ["--sync", "sync"],
     "async": ["--sync", "async"],
     "mlfabric": ["--sync", "async", "--schedule", "mlfabric"],
+    # The scheduler's groups summed in the switch (subset rounds): the job's group is its workers.
+    "mlfabric-switch": ["--sync", "async", "--schedule", "mlfabric", "--switch-aggregation"],
 }
 
 
-def create_job(cluster: EmulatedCluster, hosts: list[str], options: list[str], name: str) -> tuple[int, list[Path]]:
-    """``netagg job create`` with MLfabric options (mode ps, PS ps0); writes every rank's YAML."""
+def create_job(cluster: EmulatedCluster, hosts: list[str], options: list[str], name: str,
+               slots: int = 4) -> tuple[int, list[Path]]:
+    """``netagg job create`` with MLfabric options (PS ps0; mode ps, or allreduce for switch aggregation)."""
     ports = cluster.worker_ports(hosts)
-    created = json.loads(cluster.cli("--json", "job", "create", "--name", name, "--slots", "4", "--mode", "ps",
+    mode = "allreduce" if "--switch-aggregation" in options else "ps"
+    created = json.loads(cluster.cli("--json", "job", "create", "--name", name, "--slots", str(slots), "--mode", mode,
                                      "--ps", "ps0", "--workers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports)),
                                      *options))
     job_id = created["job"]["job_id"]
@@ -70,7 +74,7 @@ def run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pla
 def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Plan) -> dict:
     hosts = cluster.worker_hosts[:args.workers]
     options = KINDS[kind] + (["--delay-bound", str(args.delay_bound)] if kind != "sync" else [])
-    job_id, paths = create_job(cluster, hosts, options, f"mlfabric-{kind}")
+    job_id, paths = create_job(cluster, hosts, options, f"mlfabric-{kind}", args.slots)
     log = cluster.workdir / f"mlfabric-ps-{kind}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen] = []
@@ -87,11 +91,12 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
             time.sleep(0.05)
         monitor = subprocess.Popen(cluster.host_command(cluster.ps_host, [
             *WORKER_COMMAND, "--monitor", "--config", str(paths[0]), "--target-loss", str(args.target_loss),
+            "--hidden", str(args.hidden),
             "--max-seconds", str(args.max_seconds), "--interval", "0.1"]),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=dp.REPO_ROOT)
         procs.append(monitor)
         workers = [subprocess.Popen(cluster.host_command(host, [
-            *WORKER_COMMAND, "--config", str(path), "--steps", str(args.max_steps),
+            *WORKER_COMMAND, "--config", str(path), "--steps", str(args.max_steps), "--hidden", str(args.hidden),
             "--compute-delay", str(plan.compute_delay_ms.get(host, 0.0) / 1e3)]),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                     cwd=dp.REPO_ROOT)
@@ -112,6 +117,8 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         "applied_by_rank": stats["applied_by_rank"], "dropped_by_rank": stats["dropped_by_rank"],
         "scheduler_dropped": sum(r.get("scheduler_dropped", 0) for r in reports),
         "aggregated_members": scheduler.get("aggregated", 0), "groups": scheduler.get("groups", 0),
+        "switch_aggregated": sum(r.get("switch_aggregated", 0) for r in reports),
+        "switch_fallbacks": sum(r.get("switch_fallbacks", 0) for r in reports),
         "bandwidth": {k: round(v / 1e3, 1) for k, v in (scheduler.get("bandwidth") or {}).items()},
     }
 
@@ -134,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=90.0, help="give up on a run after this long")
     parser.add_argument("--max-steps", type=int, default=400, help="steps per worker at most")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--slots", type=int, default=4, help="the job's switch slots")
+    parser.add_argument("--hidden", type=int, default=64,
+                        help="hidden units of the MLP: 64 is 4,874 values (19.5 kB); 8192 is 606k (2.4 MB)")
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
     args = parser.parse_args(argv)
     ok, why = can_create_namespaces()
@@ -147,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                             background_mbit=args.background_mbit)
     print(f"emulated cluster: {args.workers} workers + PS host, soft switch, {spec.rate_mbit} Mbit/s and "
           f"{spec.delay_ms} ms per link, {dynamics}; "
-          f"delay bound {args.delay_bound}, lr {args.lr}, target loss {args.target_loss}; "
+          f"MLP hidden {args.hidden}, delay bound {args.delay_bound}, lr {args.lr}, target loss {args.target_loss}; "
           f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="netagg-mlfabric-") as tmp, EmulatedCluster(Path(tmp), spec) as cluster:
@@ -161,21 +171,28 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print()
-    print(f"{'kind':<9} {'rep':>3} {'s to loss':>9} {'applied':>7} {'dropped':>7} {'sched drop':>10} "
-          f"{'aggregated':>10} {'max delay':>9}")
+    print(f"{'kind':<15} {'rep':>3} {'s to loss':>9} {'applied':>7} {'dropped':>7} {'sched drop':>10} "
+          f"{'aggregated':>10} {'in switch':>9} {'max delay':>9}")
     for r in rows:
         t = "-" if r["time_to_target"] is None else f"{r['time_to_target']:.2f}"
-        print(f"{r['kind']:<9} {r['repeat']:>3} {t:>9} {r['applied']:>7} {r['dropped']:>7} "
-              f"{r['scheduler_dropped']:>10} {r['aggregated_members']:>10} {r['max_delay']!s:>9}")
+        print(f"{r['kind']:<15} {r['repeat']:>3} {t:>9} {r['applied']:>7} {r['dropped']:>7} "
+              f"{r['scheduler_dropped']:>10} {r['aggregated_members']:>10} {r['switch_aggregated']:>9} "
+              f"{r['max_delay']!s:>9}")
     means = {}
     for kind in args.kinds:
         times = [r["time_to_target"] for r in rows if r["kind"] == kind]
         if times and all(t is not None for t in times):
             means[kind] = sum(times) / len(times)
-    if "mlfabric" in means:
+    for fabric in ("mlfabric", "mlfabric-switch"):
+        if fabric not in means:
+            continue
         for other in ("sync", "async"):
             if other in means:
-                print(f"time to loss {args.target_loss}: {other} / mlfabric = {means[other] / means['mlfabric']:.2f}x")
+                print(f"time to loss {args.target_loss}: {other} / {fabric} = {means[other] / means[fabric]:.2f}x")
+        baselines = [means[k] for k in ("sync", "async") if k in means]
+        if baselines:
+            print(f"time to loss {args.target_loss}: best of sync and async / {fabric} = "
+                  f"{min(baselines) / means[fabric]:.2f}x")
     return 0
 
 

@@ -38,6 +38,7 @@ from examples.mlp_digits import (
 )
 from netagg.jobconfig import WorkerConfig
 from netagg.mlfabric.aggregation import AggregationService
+from netagg.mlfabric.switch_sum import SwitchSummer
 from netagg.mlfabric.training import run_worker
 from netagg.mlfabric.worker import FabricClient
 
@@ -68,7 +69,7 @@ def model_loss(flat: np.ndarray, data, like: list[np.ndarray]) -> tuple[float, f
 def train(args: argparse.Namespace) -> int:
     config = WorkerConfig.load(args.config)
     data = load_digits_fast(args.seed)
-    like = init_params(args.seed)
+    like = init_params(args.seed, hidden=args.hidden)
 
     def grad_fn(flat: np.ndarray, step: int) -> tuple[float, np.ndarray]:
         idx = batch_indices(step, config.rank, config.num_workers, len(data.x_train), args.seed)
@@ -82,9 +83,10 @@ def train(args: argparse.Namespace) -> int:
                                          (config.bind.host, 0), secret=config.secret).start()
         agg_address = (config.bind.host, aggregation.address[1])
     client = FabricClient.from_config(config, agg=agg_address, failover_timeout=args.failover_timeout)
+    switch = SwitchSummer(config) if config.switch_aggregation else None
     try:
         report = run_worker(client, grad_fn, flatten(like), steps=args.steps, schedule=config.schedule,
-                            compute_delay=args.compute_delay, max_seconds=args.max_seconds)
+                            compute_delay=args.compute_delay, max_seconds=args.max_seconds, switch=switch)
         result = asdict(report)
         if args.final_accuracy:
             _, model = client.stats(model=True)
@@ -96,6 +98,8 @@ def train(args: argparse.Namespace) -> int:
         client.close()
         if aggregation is not None:
             aggregation.stop()
+        if switch is not None:
+            switch.close()
     print(json.dumps(result), flush=True)
     return 0
 
@@ -103,7 +107,7 @@ def train(args: argparse.Namespace) -> int:
 def monitor(args: argparse.Namespace) -> int:
     config = WorkerConfig.load(args.config)
     data = load_digits_fast(args.seed)
-    like = init_params(args.seed)
+    like = init_params(args.seed, hidden=args.hidden)
     client = FabricClient.from_config(config, failover_timeout=args.failover_timeout, observer=True)
     reached = None
     t = 0.0
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP (wider: a larger model)")
     parser.add_argument("--failover-timeout", type=float, default=30.0)
     parser.add_argument("--monitor", action="store_true", help="watch the loss and halt the job at the target")
     parser.add_argument("--steps", type=int, default=200)

@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--delay-bound", type=int, help="async: drop updates older than this many versions")
     create.add_argument("--schedule", choices=("fifo", "mlfabric"), default="fifo",
                         help="async: arrival order, or transfers granted by the MLfabric scheduler")
+    create.add_argument("--switch-aggregation", action="store_true",
+                        help="mlfabric, mode allreduce: sum the scheduler's groups of updates in the job's switch "
+                        "slots (subset rounds) instead of at an idle worker")
     create.add_argument("--replicas", type=int, help="PS replicas (chain replication); default: as many as named")
     create.add_argument("--replica-ps", help="comma-separated replica endpoints: configured names or HOST:UDP_PORT "
                         "(default: the first configured parameter servers other than --ps)")
@@ -89,7 +92,8 @@ def _format_job(job: dict[str, Any]) -> str:
         bound = job.get("delay_bound")
         replicas = ", ".join(f"{r['ip']}:{r['udp_port']}" for r in job.get("replicas", [])) or "none"
         lines.append(f"  updates {job.get('update_mode', 'sync')} schedule={job.get('schedule', 'fifo')} "
-                     f"delay_bound={'-' if bound is None else bound} replicas {replicas}")
+                     f"delay_bound={'-' if bound is None else bound} replicas {replicas}"
+                     + (" switch-aggregation" if job.get("switch_aggregation") else ""))
     if job.get("note"):
         lines.append(f"  admitted {job['note']}")
     if "counters" in job:
@@ -225,6 +229,8 @@ def _job_command(args: argparse.Namespace) -> int:
             request["delay_bound"] = args.delay_bound
         if args.schedule != "fifo":
             request["schedule"] = args.schedule
+        if args.switch_aggregation:
+            request["switch_aggregation"] = True
         if args.replicas is not None:
             request["replicas"] = args.replicas
         if args.replica_ps:

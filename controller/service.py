@@ -109,11 +109,13 @@ class JobService:
                    ps: str | None = None, lease_seconds: float | None = None,
                    tenant: str | None = None, update_mode: str = "sync", delay_bound: int | None = None,
                    schedule: str = "fifo", replicas: int | None = None,
-                   replica_ps: Sequence[str] | None = None) -> dict:
+                   replica_ps: Sequence[str] | None = None, switch_aggregation: bool = False) -> dict:
         """Admit a job (best effort) and program the switch; returns the job and how it was admitted.
 
         ``update_mode``, ``delay_bound``, ``schedule``, ``replicas``/``replica_ps`` are the MLfabric
         options (docs/mlfabric.md); they are stored with the job and written into its worker configs.
+        ``switch_aggregation`` (mode allreduce, schedule mlfabric) sums the scheduler's groups in the
+        job's slots; a job admitted in fallback mode (no slots) goes without it (said in its note).
         """
         owner = self._owner_for(caller, tenant)
         endpoints = self._parse_workers(workers)
@@ -122,6 +124,12 @@ class JobService:
                                                    replica_ps)
         if mode not in ("allreduce", "ps", "fallback"):
             raise ServiceError("invalid_argument", f"mode {mode!r} is not allreduce, ps or fallback")
+        if not isinstance(switch_aggregation, bool):
+            raise ServiceError("invalid_argument", f"switch aggregation must be true or false, got "
+                               f"{switch_aggregation!r}")
+        if switch_aggregation and (schedule != "mlfabric" or mode != "allreduce"):
+            raise ServiceError("invalid_argument", "--switch-aggregation needs --schedule mlfabric and --mode "
+                               "allreduce (the group's sums go back to its members)")
         if mode in ("ps", "fallback") and ps_endpoint is None:
             raise ServiceError("invalid_argument", f"mode {mode} needs --ps")
         if slots < 1:
@@ -144,6 +152,9 @@ class JobService:
                     mode, admission = "fallback", "fallback"
                     reason = (f"no range of {min(self.config.min_slots, slots)}+ free slots "
                               f"(largest free: {self.allocator.largest_free()}); workers aggregate through the PS")
+                    if switch_aggregation:
+                        switch_aggregation = False
+                        reason += "; no switch aggregation without slots"
                 elif taken.count < slots:
                     admission = "partial"
                     reason = f"{taken.count} of {slots} slots (largest free range); fewer packets in flight"
@@ -159,6 +170,7 @@ class JobService:
                         ps=ps_endpoint, lease_seconds=lease, lease_expires=now + lease, created=now,
                         note=f"{admission}: {reason}", update_mode=update_mode, delay_bound=delay_bound,
                         schedule=schedule, replicas=replica_endpoints, secret=jobsecret.new_secret(),
+                        switch_aggregation=switch_aggregation,
                     )
                     self.store.insert(conn, job)
             except BaseException:
@@ -213,7 +225,8 @@ class JobService:
                             slot_count=job.slot_count, mode=job.mode, aggregator=aggregator,
                             bind=Endpoint(worker.ip, worker.udp_port), ps=ps, tenant=job.tenant,
                             update_mode=job.update_mode, delay_bound=job.delay_bound, schedule=job.schedule,
-                            replicas=tuple(Endpoint(r.ip, r.udp_port) for r in job.replicas), secret=job.secret)
+                            replicas=tuple(Endpoint(r.ip, r.udp_port) for r in job.replicas), secret=job.secret,
+                            switch_aggregation=job.switch_aggregation)
 
     def reap_expired(self, now: float | None = None) -> list[int]:
         """Delete every job whose lease ran out; returns their ids."""

@@ -47,6 +47,7 @@ MIGRATIONS = (
     ("schedule", "TEXT NOT NULL DEFAULT 'fifo'"),
     ("replicas", "TEXT NOT NULL DEFAULT '[]'"),
     ("secret", "TEXT NOT NULL DEFAULT ''"),
+    ("switch_aggregation", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 
@@ -96,6 +97,8 @@ class JobRecord:
     replicas: list[PsEndpoint] = field(default_factory=list)
     #: The job's shared secret for its servers (netagg/jobsecret.py); "" for jobs made before secrets.
     secret: str = field(default="", repr=False)
+    #: MLfabric: the scheduler's groups are summed in the job's switch slots (subset rounds).
+    switch_aggregation: bool = False
 
     @property
     def uses_switch(self) -> bool:
@@ -120,6 +123,7 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
         counter_base=json.loads(row["counter_base"]), note=row["note"],
         update_mode=row["update_mode"], delay_bound=row["delay_bound"], schedule=row["schedule"],
         replicas=[PsEndpoint(**r) for r in json.loads(row["replicas"])], secret=row["secret"],
+        switch_aggregation=bool(row["switch_aggregation"]),
     )
 
 
@@ -167,13 +171,13 @@ class JobStore:
         conn.execute(
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
             " workers, ps, lease_seconds, lease_expires, created, counter_base, note,"
-            " update_mode, delay_bound, schedule, replicas, secret)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " update_mode, delay_bound, schedule, replicas, secret, switch_aggregation)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
              job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
              json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
              job.created, json.dumps(job.counter_base), job.note, job.update_mode, job.delay_bound, job.schedule,
-             json.dumps([asdict(r) for r in job.replicas]), job.secret),
+             json.dumps([asdict(r) for r in job.replicas]), job.secret, int(job.switch_aggregation)),
         )
 
     def set_state(self, job_id: int, state: str) -> None:

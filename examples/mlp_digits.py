@@ -56,12 +56,13 @@ def prepare_digits(pixels: np.ndarray, labels: np.ndarray, seed: int = 0) -> Dat
     return Dataset(x[:split], y[:split], x[split:], y[split:])
 
 
-def init_params(seed: int = 0, inputs: int = 64) -> list[np.ndarray]:
+def init_params(seed: int = 0, inputs: int = 64, hidden: int = HIDDEN) -> list[np.ndarray]:
+    """He-initialised weights; ``hidden`` units (wider: a larger model, for transfer-bound benchmarks)."""
     rng = np.random.default_rng(seed)
     return [
-        (rng.standard_normal((inputs, HIDDEN)) * np.sqrt(2.0 / inputs)).astype(np.float32),
-        np.zeros(HIDDEN, np.float32),
-        (rng.standard_normal((HIDDEN, CLASSES)) * np.sqrt(1.0 / HIDDEN)).astype(np.float32),
+        (rng.standard_normal((inputs, hidden)) * np.sqrt(2.0 / inputs)).astype(np.float32),
+        np.zeros(hidden, np.float32),
+        (rng.standard_normal((hidden, CLASSES)) * np.sqrt(1.0 / hidden)).astype(np.float32),
         np.zeros(CLASSES, np.float32),
     ]
 

@@ -69,7 +69,7 @@ from netagg.shutdown import stop_event
 log = logging.getLogger(__name__)
 
 APPLIED, DROPPED = "applied", "dropped"
-_WORKER_OPS = ("hello", "init", "pull", "push", "request", "agg_grant", "halt")
+_WORKER_OPS = ("hello", "init", "pull", "push", "request", "agg_grant", "outcome", "halt")
 
 
 @dataclass
@@ -223,7 +223,11 @@ class FabricServer:
         self.grants: GrantService | None = None
         if config.schedule == "mlfabric":
             self.grants = GrantService(scheduler or Scheduler(self.delay_bound, default_bandwidth=default_bandwidth),
-                                       lambda: self.version, batch_window=batch_window)
+                                       lambda: self.version, batch_window=batch_window,
+                                       switch_slots=config.slot_count if config.switch_aggregation else 0,
+                                       switch_floor=lambda: self.switch_floor)
+        #: Past the subset rounds of the primary's switch groups, as of the last update it applied (replicated).
+        self.switch_floor = 0
         self.model: np.ndarray | None = None
         self.version = 0
         self.seq = 0
@@ -321,7 +325,8 @@ class FabricServer:
             raise ValueError(f"request for job {header.get('job_id')!r}; this PS serves job {self.job_id}")
         jobsecret.require(self.config.secret, header, self._count_bad_secret)
         handlers = {"hello": self._op_hello, "init": self._op_init, "pull": self._op_pull, "push": self._op_push,
-                    "request": self._op_request, "agg_grant": self._op_agg_grant, "halt": self._op_halt,
+                    "request": self._op_request, "agg_grant": self._op_agg_grant, "outcome": self._op_outcome,
+                    "halt": self._op_halt,
                     "stats": self._op_stats, "promote": self._op_promote, "join": self._op_join,
                     "unlink": self._op_unlink}
         if op == "chain_hello":
@@ -546,6 +551,8 @@ class FabricServer:
                       delta: np.ndarray) -> dict[str, Any]:
         """Apply and log one update (holding the lock); replicated before anyone is told."""
         meta = {"kind": "update", "parts": [list(p) for p in parts], "delays": delays}
+        if self.grants is not None and self.grants.switch_slots:
+            meta["switch_next"] = self.grants.switch_next
         try:
             seq = self._commit(meta, delta.tobytes(), lambda: self._apply_delta(parts, delays, delta))
         except ReplicationStalled as err:
@@ -566,6 +573,9 @@ class FabricServer:
             self.forwarder.submit(self.seq, meta, blob)
         self._cond.notify_all()
         return self.seq
+
+    def _switch_next(self) -> int:
+        return self.grants.switch_next if self.grants is not None and self.grants.switch_slots else 0
 
     def _apply_init(self, values: np.ndarray) -> None:
         self.model = values.astype(np.float32).copy()
@@ -609,6 +619,12 @@ class FabricServer:
             raise ValueError(str(err)) from None
         response: dict[str, Any] = {"ok": True, "action": decision.action, "reason": decision.reason,
                                     "predicted_delay": decision.predicted_delay}
+        if decision.action == AGGREGATE and decision.group is not None and self.grants.switch_slots:
+            switch = self.grants.switch_grant(decision.group)
+            if switch is not None:  # summed in the switch: a subset round of the group's members
+                response.update(group=decision.group, aggregator=decision.aggregator,
+                                group_size=len(switch["parts"]), switch=switch)
+                return response, b""
         if decision.action == AGGREGATE:
             assert decision.aggregator is not None and decision.group is not None
             with self._cond:
@@ -624,6 +640,24 @@ class FabricServer:
             raise ValueError(f"this job's schedule is {self.config.schedule}: there are no aggregation groups")
         group = self.grants.group_slot(int(frame.header["group"]), timeout=self.pull_timeout)
         return {"ok": True, "members": list(group.members)}, b""
+
+    def _op_outcome(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        """A member of a switch group waits for its update's outcome (the leader pushed the sum): ``known``
+        is false after ``timeout`` seconds without one (the member then pushes its own update)."""
+        header = frame.header
+        update_id, rank = str(header["update_id"]), int(header["rank"])
+        update_step(update_id, rank)
+        timeout = min(max(float(header.get("timeout", 10.0)), 0.0), self.pull_timeout)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (outcome := self._outcome(update_id, rank)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {"ok": True, "known": False}, b""
+                self._cond.wait(left)
+        if outcome.get("outcome") == APPLIED and "seq" in outcome:
+            self._await_safe(outcome["seq"])
+        return {"ok": True, "known": True, "duplicate": True, **outcome}, b""
 
     def _op_halt(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         with self._cond:
@@ -711,8 +745,12 @@ class FabricServer:
                 delays = [int(d) for d in header["delays"]]
                 for update_id, rank, _ in parts:
                     update_step(update_id, rank)
-                committed = self._commit({"kind": "update", "parts": [list(p) for p in parts], "delays": delays},
-                                         bytes(frame.blob), lambda: self._apply_delta(parts, delays, delta))
+                switch_next = int(header.get("switch_next", 0))
+                meta = {"kind": "update", "parts": [list(p) for p in parts], "delays": delays}
+                if switch_next:
+                    meta["switch_next"] = switch_next
+                    self.switch_floor = max(self.switch_floor, switch_next)
+                committed = self._commit(meta, bytes(frame.blob), lambda: self._apply_delta(parts, delays, delta))
                 self._remember(parts, {"outcome": APPLIED, "delays": delays, "version": self.version,
                                        "seq": committed})
             elif kind == "halt":
@@ -732,7 +770,7 @@ class FabricServer:
             model = self.model.tobytes() if self.model is not None else b""
             header = {"seq": self.seq, "version": self.version, "halted": self.halted,
                       "initialized": self.model is not None, "started": self.started_at is not None,
-                      "model_bytes": len(model)}
+                      "model_bytes": len(model), "switch_floor": max(self.switch_floor, self._switch_next())}
             state = {"outcomes": self._outcomes.to_json(),
                      "log": [[e.seq, e.update_id, e.rank, e.version, e.delay] for e in self.log],
                      "counters": {"applied": self.stats.applied, "applies": self.stats.applies,
@@ -771,6 +809,7 @@ class FabricServer:
             if seq < self.seq:
                 raise ValueError(f"snapshot at record {seq} is older than this node's record {self.seq}")
             self.model, self.version, self.seq, self.halted = model, version, seq, bool(header.get("halted"))
+            self.switch_floor = max(self.switch_floor, int(header.get("switch_floor", 0)))
             if header.get("started") and self.started_at is None:
                 self.started_at = time.monotonic()
             self._outcomes, self.log = outcomes, entries

@@ -7,6 +7,14 @@ so a worker sends only when granted. An aggregator's ``agg_grant`` waits for the
 aggregate's slot the same way. The PS reports each applied or dropped update
 (:meth:`settled`) and each measured transfer (:meth:`observe`); a grant whose update
 never arrives expires ``grace`` seconds after its slot.
+
+With ``switch_slots`` (the job's switch slots, ``switch_aggregation``), a group may be summed in
+the switch as a subset round of its members: one such group at a time (they share the job's
+slots), each with a round base past the previous one's rounds (:meth:`switch_round`). A node
+that took over as primary starts ``SWITCH_ROUND_MARGIN`` past the rounds of the last
+aggregate it applied (``switch_floor``, replicated with the updates), so that its first subset
+rounds are new to the switch even if some of the old primary's groups were never applied
+(the primary replicates :attr:`switch_next` with every update it applies).
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from netagg import wire
+from netagg.hoststack.transport import subset_round_uses
 from netagg.mlfabric.scheduler import (
     AGGREGATE,
     DROP,
@@ -25,6 +35,16 @@ from netagg.mlfabric.scheduler import (
     Scheduler,
     TransferRequest,
 )
+
+#: How far past the replicated floor a new primary starts its subset rounds (< 2**15: still "ahead").
+SWITCH_ROUND_MARGIN = 1 << 14
+#: Updates whose subset exchange would use more rounds per slot than this go direct or to a worker.
+MAX_SWITCH_ROUND_USES = 1 << 12
+
+
+def switch_round_uses(size: int, slot_count: int) -> int:
+    """Round numbers a subset exchange of a ``size``-byte float32 update uses per slot."""
+    return subset_round_uses(-(-size // (4 * wire.K)), slot_count)
 
 
 @dataclass
@@ -51,7 +71,8 @@ class GrantService:
     """Thread-safe batching and granting around a :class:`Scheduler`."""
 
     def __init__(self, scheduler: Scheduler, version: Callable[[], int], *, batch_window: float = 0.01,
-                 grace: float = 2.0, keep_slots: int = 10_000) -> None:
+                 grace: float = 2.0, keep_slots: int = 10_000, switch_slots: int = 0,
+                 switch_floor: Callable[[], int] = lambda: 0) -> None:
         self.scheduler = scheduler
         self.clock = scheduler.clock
         self.version = version
@@ -68,6 +89,14 @@ class GrantService:
         self._groups: dict[int, AggregateGroup] = {}
         self._busy_until: dict[int, float] = {}
         self._link_free_at = 0.0
+        self.switch_slots = switch_slots
+        self._switch_floor = switch_floor
+        #: Round base of the next subset round (None: not yet decided, see the module docstring).
+        self._switch_next: int | None = None
+        #: group -> its round base, for the switch group in flight (at most one).
+        self._switch_groups: dict[int, int] = {}
+        #: group -> its members' [update_id, rank, version], for the switch group in flight.
+        self._switch_parts: dict[int, list[list]] = {}
         self._cond = threading.Condition()
 
     def register(self, rank: int, can_aggregate: bool = True) -> None:
@@ -123,6 +152,28 @@ class GrantService:
             self._sleep_until(decision.slot.start, deadline)
         return decision
 
+    def switch_round(self, group: int) -> int:
+        """The round base (mod 2**16) of switch group ``group`` (KeyError if it is not a switch group in flight)."""
+        with self._cond:
+            return self._switch_groups[group] & 0xFFFF
+
+    def switch_grant(self, group: int) -> dict | None:
+        """What the members of switch group ``group`` need (None if it is not one): the members' bitmap,
+        the round base, the leader (who pushes the sum) and the parts it pushes."""
+        with self._cond:
+            if group not in self._switch_groups:
+                return None
+            parts = self._switch_parts[group]
+            return {"members": wire.members_of(rank for _, rank, _ in parts),
+                    "round": self._switch_groups[group] & 0xFFFF, "leader": self._groups[group].aggregator,
+                    "parts": [list(p) for p in parts]}
+
+    @property
+    def switch_next(self) -> int:
+        """Past every round this node's subset rounds used so far (unwrapped; 0 before the first)."""
+        with self._cond:
+            return self._switch_next or 0
+
     def group_slot(self, group: int, timeout: float = 30.0) -> AggregateGroup:
         """The aggregator of ``group`` waits here for the aggregate's slot; raises KeyError if unknown."""
         with self._cond:
@@ -154,6 +205,15 @@ class GrantService:
         for group, planned in list(self._groups.items()):
             if planned.slot.end + self.grace < now:
                 del self._groups[group]
+        for group in list(self._switch_groups):
+            if group not in self._groups or not any(m in self._in_flight for m in self._groups[group].members):
+                del self._switch_groups[group]  # applied, dropped or expired: the switch's slots are free
+                self._switch_parts.pop(group, None)
+
+    def _switch_possible(self, batch: list[_Pending]) -> bool:
+        if not self.switch_slots or self._switch_groups:
+            return False
+        return all(switch_round_uses(p.request.size, self.switch_slots) <= MAX_SWITCH_ROUND_USES for p in batch)
 
     def _plan(self) -> None:
         batch, self._pending = self._pending, []
@@ -165,7 +225,7 @@ class GrantService:
         plan = self.scheduler.plan([p.request for p in batch], server_version=self.version(),
                                    in_flight=sum(c for c, _, _ in self._in_flight.values()),
                                    bandwidth=self.bandwidth.snapshot(), idle=idle,
-                                   link_free_at=self._link_free_at)
+                                   link_free_at=self._link_free_at, switch=self._switch_possible(batch))
         self._link_free_at = plan.link_free_at
         self.stats.batches += 1
         slots = []
@@ -186,6 +246,14 @@ class GrantService:
                 slots.append((decision.slot.start, decision.slot.end))
         for group in plan.groups:
             self._groups[group.group] = group
+            if group.at_switch:
+                if self._switch_next is None:
+                    self._switch_next = self._switch_floor() + SWITCH_ROUND_MARGIN
+                self._switch_groups[group.group] = self._switch_next
+                self._switch_parts[group.group] = [[p.request.update_id, p.request.rank, p.request.version]
+                                                   for p in batch if p.decision is not None
+                                                   and p.decision.group == group.group]
+                self._switch_next += switch_round_uses(group.size, self.switch_slots)
             self._busy_until[group.aggregator] = group.slot.end
             self.stats.groups += 1
             slots.append((group.slot.start, group.slot.end))

@@ -20,6 +20,11 @@ senders' measured bandwidths, the PS's version and its link's backlog, and the t
    the one with the smallest total completion time over gradients (SJF's own objective),
    none on a tie. Aggregation never raises a member's predicted delay: every member is
    applied at the version the first of them would have seen.
+5. **In the switch** (``switch=True``: the job has switch slots and none of its subset rounds is
+   in flight): the first k queued updates can instead be summed in the switch, a subset round
+   of exactly those members. They send at once, each on its own link; the sum is ready when
+   the slowest arrived and reaches every member, and the fastest member (the **leader**)
+   pushes it in the aggregate's slot. Switch and idle-worker options compete on the same cost.
 
 The class keeps no state but the clock and a group counter; the caller
 (:class:`~netagg.mlfabric.grants.GrantService`) carries ``link_free_at`` and the
@@ -88,6 +93,8 @@ class AggregateGroup:
     size: int
     count: int
     predicted_version: int
+    #: Summed in the switch (a subset round of the members; ``aggregator`` is the leader, who pushes it).
+    at_switch: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,12 +155,13 @@ class Scheduler:
 
     def plan(self, requests: Sequence[TransferRequest], *, server_version: int, in_flight: int = 0,
              bandwidth: Mapping[int, float] | None = None, idle: Sequence[int] = (),
-             link_free_at: float = 0.0) -> Plan:
+             link_free_at: float = 0.0, switch: bool = False) -> Plan:
         """Decide every request of the batch.
 
         ``server_version``: the PS's version now; ``in_flight``: gradients granted earlier
         and not applied yet; ``bandwidth``: bytes/s per rank (default ``default_bandwidth``);
-        ``idle``: ranks that may aggregate; ``link_free_at``: end of the last granted slot.
+        ``idle``: ranks that may aggregate; ``link_free_at``: end of the last granted slot;
+        ``switch``: a subset round in the switch may be formed.
         """
         now = self.clock()
         rates = dict(bandwidth or {})
@@ -182,19 +190,21 @@ class Scheduler:
         queued = sum(1 for d in direct if d.slot is not None and d.slot.start > now)
         senders = {req.rank for req in requests}
         candidates = sorted((r for r in idle if r not in senders), key=lambda r: (-rate(r), r))
-        if self.aggregate and candidates and queued >= self.min_aggregate:
-            aggregator = candidates[0]
+        aggregators: list[int | None] = candidates[:1] + ([None] if switch else [])
+        if self.aggregate and queued >= self.min_aggregate:
             first_queued = len(kept) - queued
-            for k in range(self.min_aggregate, queued + 1):
-                option = self._with_aggregate(kept, durations, first_queued, k, aggregator, rate, start, now, base)
-                cost = self._cost(option[0], option[1])
-                if cost < best_cost - 1e-12:
-                    best_cost, best = cost, option
+            for aggregator in aggregators:  # None: the switch
+                for k in range(self.min_aggregate, queued + 1):
+                    option = self._with_aggregate(kept, durations, first_queued, k, aggregator, rate, start, now,
+                                                  base)
+                    cost = self._cost(option[0], option[1])
+                    if cost < best_cost - 1e-12:
+                        best_cost, best = cost, option
         decisions, groups = best
         if groups:  # number the chosen group now, so rejected options consume no id
             group_id = next(self._groups)
             groups = tuple(AggregateGroup(group_id, g.aggregator, g.members, g.slot, g.size, g.count,
-                                          g.predicted_version) for g in groups)
+                                          g.predicted_version, g.at_switch) for g in groups)
             decisions = [Decision(d.update_id, d.rank, d.action, d.slot, d.predicted_version, d.predicted_delay,
                                   group_id, d.aggregator) if d.action == AGGREGATE else d for d in decisions]
         ends = [d.slot.end for d in decisions if d.action == SEND and d.slot] + [g.slot.end for g in groups]
@@ -212,26 +222,33 @@ class Scheduler:
         return out
 
     def _with_aggregate(self, kept: list[TransferRequest], durations: list[float], first: int, k: int,
-                        aggregator: int, rate: Callable[[int], float], start: float, now: float,
+                        aggregator: int | None, rate: Callable[[int], float], start: float, now: float,
                         base: int) -> tuple[list[Decision], tuple[AggregateGroup, ...]]:
-        """Head direct, then kept[first:first+k] summed at ``aggregator``, then the rest direct."""
+        """Head direct, then kept[first:first+k] summed at ``aggregator`` (None: in the switch), then the rest."""
         head, members, tail = kept[:first], kept[first:first + k], kept[first + k:]
         decisions = self._direct(head, durations[:first], start, base)
         head_end = decisions[-1].slot.end if decisions else start
         ahead = sum(r.count for r in head)
+        at_switch = aggregator is None
+        if at_switch:  # the fastest member leads: it pushes the sum
+            aggregator = min(members, key=lambda r: (-rate(r.rank), r.rank)).rank
         link_rate = rate(aggregator)
-        cursor = now
+        cursor = ready = now
         member_decisions = []
         for req in members:
-            duration = req.size / min(rate(req.rank), link_rate)
-            member_decisions.append(Decision(req.update_id, req.rank, AGGREGATE, Slot(cursor, cursor + duration),
-                                             base + ahead, base + ahead - req.version, 0, aggregator))
-            cursor += duration
+            if at_switch:  # every member on its own link, all at once
+                slot = Slot(now, now + req.size / rate(req.rank))
+            else:  # one after the other on the aggregator's link
+                slot = Slot(cursor, cursor + req.size / min(rate(req.rank), link_rate))
+                cursor = slot.end
+            ready = max(ready, slot.end)
+            member_decisions.append(Decision(req.update_id, req.rank, AGGREGATE, slot, base + ahead,
+                                             base + ahead - req.version, 0, aggregator))
         size = max(r.size for r in members)
-        agg_slot = Slot(max(cursor, head_end), max(cursor, head_end) + size / link_rate)
+        agg_slot = Slot(max(ready, head_end), max(ready, head_end) + size / link_rate)
         count = sum(r.count for r in members)
         group = AggregateGroup(0, aggregator, tuple(r.update_id for r in members), agg_slot, size, count,
-                               base + ahead)
+                               base + ahead, at_switch)
         tail_decisions = self._direct(tail, durations[first + k:], agg_slot.end, base + ahead + count)
         return decisions + member_decisions + tail_decisions, (group,)
 

@@ -4,8 +4,11 @@
 flat float32 vector: ``grad_fn(params, step) -> (loss, gradient)``. In an async job a
 worker pulls the current model and version, computes, and pushes the gradient tagged
 with that version; with ``schedule: mlfabric`` it first asks the scheduler, then sends
-when granted — to the PS, or to the idle worker it was told to aggregate at — or drops
-the update when the scheduler predicts it would exceed the delay bound. In a sync job
+when granted — to the PS, to the idle worker it was told to aggregate at, or into a subset
+round in the switch with the other members of its group (``switch``: a :class:`SwitchSummer`;
+the group's leader pushes the sum, the others wait for its outcome and push their own update
+if none comes or the exchange failed, which the PS recognises by update id) — or drops the
+update when the scheduler predicts it would exceed the delay bound. In a sync job
 the push returns once the round of all workers was applied. The loop ends after
 ``steps`` steps, when the PS says the job is halted, or after ``max_seconds``.
 """
@@ -20,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from netagg.mlfabric.protocol import Connection, FabricError, Unreachable, to_blob
+from netagg.mlfabric.switch_sum import SwitchAggregationFailed, SwitchSummer
 from netagg.mlfabric.worker import FabricClient, Unavailable
 
 GradFn = Callable[[np.ndarray, int], tuple[float, np.ndarray]]
@@ -36,6 +40,11 @@ class WorkerReport:
     dropped: int = 0
     scheduler_dropped: int = 0
     aggregated: int = 0
+    #: Updates summed in the switch; of them, pushed by this worker as the group's leader.
+    switch_aggregated: int = 0
+    switch_led: int = 0
+    #: Subset exchanges that failed, and times no outcome came for the group: own update pushed instead.
+    switch_fallbacks: int = 0
     errors: int = 0
     failovers: int = 0
     halted: bool = False
@@ -48,7 +57,8 @@ class WorkerReport:
 
 def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, steps: int, schedule: str = "fifo",
                compute_delay: float = 0.0, max_seconds: float | None = None,
-               on_step: Callable[[int, dict[str, Any]], None] | None = None) -> WorkerReport:
+               on_step: Callable[[int, dict[str, Any]], None] | None = None,
+               switch: SwitchSummer | None = None) -> WorkerReport:
     """Train until ``steps``, a halt, or ``max_seconds``; returns the report (raises Unavailable)."""
     report = WorkerReport(rank=client.rank)
     started = time.monotonic()
@@ -69,7 +79,7 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
         update_id = f"{client.rank}:{step}"
         report.steps = step + 1
         try:
-            outcome = _send(client, report, schedule, update_id, version, grad)
+            outcome = _send(client, report, schedule, update_id, version, grad, switch)
         except Unavailable:
             raise
         except FabricError as err:
@@ -94,7 +104,7 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
 
 
 def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: str, version: int,
-          grad: np.ndarray) -> dict[str, Any] | None:
+          grad: np.ndarray, switch: SwitchSummer | None = None) -> dict[str, Any] | None:
     """Push ``grad`` (asking the scheduler first with ``schedule: mlfabric``); None if the scheduler dropped it."""
     if schedule != "mlfabric":
         return client.push(update_id, version, grad)
@@ -106,6 +116,8 @@ def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: 
     if action == "send":
         return client.push(update_id, version, grad)
     report.aggregated += 1
+    if "switch" in decision:
+        return _switch_aggregate(client, report, switch, decision["switch"], update_id, version, grad)
     host, port = decision["agg"]
     conn = Connection((host, int(port)), timeout=client.timeout, secret=client.secret)
     try:
@@ -117,3 +129,30 @@ def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: 
         raise FabricError(f"aggregator {host}:{port}: {err}") from None
     finally:
         conn.close()
+
+
+def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: SwitchSummer | None,
+                      grant: dict[str, Any], update_id: str, version: int, grad: np.ndarray) -> dict[str, Any]:
+    """Sum ``grad`` with the group's in the switch; the leader pushes the sum, the others get its outcome."""
+    if switch is None:
+        raise FabricError("the scheduler grouped this update in the switch, but this worker has no switch path")
+    try:
+        total = switch.sum(grad, int(grant["members"]), int(grant["round"]))
+    except SwitchAggregationFailed:
+        report.switch_fallbacks += 1
+        return client.push(update_id, version, grad)
+    report.switch_aggregated += 1
+    if int(grant["leader"]) == client.rank:
+        report.switch_led += 1
+        try:
+            return client.push(update_id, version, total, parts=grant["parts"])
+        except Unavailable:
+            raise
+        except FabricError:  # e.g. a member already pushed its own: every member falls back to its own
+            report.switch_fallbacks += 1
+            return client.push(update_id, version, grad)
+    outcome = client.call("outcome", {"update_id": update_id, "timeout": 20.0}, timeout=30.0)[0]
+    if outcome.get("known"):
+        return outcome
+    report.switch_fallbacks += 1
+    return client.push(update_id, version, grad)

@@ -78,6 +78,10 @@ class WorkerConfig:
     schedule: str = "fifo"
     #: The PS's replicas in chain order (the primary forwards every applied update to the first).
     replicas: tuple[Endpoint, ...] = ()
+    #: mlfabric: the updates the scheduler groups are summed in the job's switch slots (subset rounds
+    #: among the group's members) instead of at an idle worker; the job's multicast group must be its
+    #: workers (mode allreduce), who receive the sums.
+    switch_aggregation: bool = False
     #: The job's shared secret (written by the controller; "" = none): every request to the job's
     #: parameter servers and aggregators carries it, and a request without it is refused.
     secret: str = ""
@@ -109,6 +113,11 @@ class WorkerConfig:
                 raise ConfigError("delay_bound: only an async job has a delay bound")
         if self.schedule != "fifo" and self.update_mode != "async":
             raise ConfigError(f"schedule: {self.schedule} needs update_mode async")
+        if not isinstance(self.switch_aggregation, bool):
+            raise ConfigError(f"switch_aggregation: expected true or false, got {self.switch_aggregation!r}")
+        if self.switch_aggregation and (self.schedule != "mlfabric" or self.mode != "allreduce"):
+            raise ConfigError("switch_aggregation: needs schedule mlfabric and mode allreduce (the sums go back "
+                              "to the group's members)")
         if not isinstance(self.replicas, tuple) or not all(isinstance(r, Endpoint) for r in self.replicas):
             raise ConfigError(f"replicas: expected a tuple of endpoints, got {self.replicas!r}")
         if not isinstance(self.secret, str) or any(c.isspace() for c in self.secret) or len(self.secret) > 256:

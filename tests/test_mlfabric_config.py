@@ -44,6 +44,8 @@ def test_worker_config_carries_the_mlfabric_options_and_old_yaml_still_loads(tmp
         ({"replicas": [{"host": "h"}]}, r"replicas\[0\]: expected \{host: ..., port: ...\}"),
         ({"replicas": "h:1"}, "replicas: expected a list"),
         ({"mode": "allreduce", "ps": None}, "async or replicated job needs the parameter server"),
+        ({"switch_aggregation": True}, "switch_aggregation: needs schedule mlfabric and mode allreduce"),
+        ({"switch_aggregation": "yes"}, "switch_aggregation: expected true or false"),
     ]:
         with pytest.raises(ConfigError, match=message):
             WorkerConfig.from_dict({**data, **change}, "w.yaml")
@@ -75,6 +77,7 @@ def test_an_old_database_gains_the_new_columns_and_keeps_its_jobs(tmp_path):
     old = store.get(1)
     assert old is not None and old.name == "old"
     assert (old.update_mode, old.delay_bound, old.schedule, old.replicas) == ("sync", None, "fifo", [])
+    assert old.switch_aggregation is False
     assert old.secret == ""  # made before secrets: its servers keep accepting requests without one
     with store.transaction() as conn:
         store.insert(conn, JobRecord(
@@ -142,6 +145,7 @@ BAD_OPTIONS = [
     (["--ps", "ps0", "--replicas", "2", "--replica-ps", "local:29100"], "--replicas 2 but 1 replica endpoint"),
     (["--ps", "ps0", "--replica-ps", "local:29001"], "must be distinct endpoints"),
     (["--ps", "ps0", "--sync", "async", "--delay-bound", "-2"], "delay bound must be an integer >= 0"),
+    (["--ps", "ps0", "--sync", "async", "--switch-aggregation"], "--switch-aggregation needs --schedule mlfabric"),
 ]
 
 
@@ -153,3 +157,21 @@ def test_bad_mlfabric_options_are_refused_with_a_clear_message(capsys, soft_cont
         assert message in err, (args, err)
     code, out, _ = _cli(capsys, soft_controller, "job", "list")
     assert code == 0 and json.loads(out) == []  # nothing was created
+
+
+def test_a_switch_aggregation_job_writes_configs_for_subset_rounds(capsys, soft_controller):
+    workers = ",".join(f"local:{free_udp_port()}" for _ in range(3))
+    code, out, err = _cli(capsys, soft_controller, "job", "create", "--workers", workers, "--slots", "8",
+                          "--mode", "allreduce", "--ps", "ps0", "--sync", "async", "--schedule", "mlfabric",
+                          "--switch-aggregation")
+    assert code == 0, err
+    job = json.loads(out)["job"]
+    assert job["switch_aggregation"] is True and "secret" not in job
+    code, out, err = _cli(capsys, soft_controller, "job", "config", str(job["job_id"]), "--rank", "2")
+    assert code == 0, err
+    config = WorkerConfig.from_dict(yaml.safe_load(out))
+    assert (config.switch_aggregation, config.mode, config.schedule, config.slot_count) == (True, "allreduce",
+                                                                                          "mlfabric", 8)
+    assert main(["--config", str(soft_controller.config), "--token", TOKENS["alice"], "job", "show",
+                 str(job["job_id"])]) == 0
+    assert "switch-aggregation" in capsys.readouterr().out

@@ -195,3 +195,29 @@ def test_grant_service_reports_an_unknown_group():
     service = GrantService(Scheduler(None), lambda: 0)
     with pytest.raises(KeyError, match="no aggregation group 9"):
         service.group_slot(9, timeout=1)
+
+
+def test_queued_updates_are_summed_in_the_switch_all_at_once_and_the_fastest_member_pushes():
+    # 1 MB updates. Ranks 0-2 at 1 MB/s, rank 3 at 4 MB/s; nobody idle to aggregate at.
+    clock = FakeClock(10.0)
+    sched = Scheduler(None, clock=clock, default_bandwidth=MB)
+    requests = [TransferRequest(r, f"{r}:0", 0, MB, norm=10.0 - r) for r in range(4)]
+    rates = {0: MB, 1: MB, 2: MB, 3: 4 * MB}
+    direct = sched.plan(requests, server_version=0, bandwidth=rates)
+    assert not direct.groups  # no switch, nobody idle: four transfers back to back
+    plan = sched.plan(requests, server_version=0, bandwidth=rates, switch=True)
+    (group,) = plan.groups
+    assert group.at_switch
+    # Rank 3 (0.25 s) goes first, direct; the three 1 s transfers queued behind it go to the switch at once:
+    # their subset round ends at 11.0, and the fastest member (rank 0, lowest of equals) pushes at 1 MB/s.
+    assert plan.decision("3:0").action == SEND and plan.decision("3:0").slot.end == pytest.approx(10.25)
+    assert set(group.members) == {"0:0", "1:0", "2:0"} and group.aggregator == 0
+    for member in group.members:
+        d = plan.decision(member)
+        assert d.action == AGGREGATE and d.group == group.group and d.aggregator == 0
+        assert (d.slot.start, d.slot.end) == pytest.approx((10.0, 11.0))  # in parallel, each on its own link
+        assert d.predicted_version == 1  # applied after rank 3's update, not later than direct
+    assert (group.slot.start, group.slot.end) == pytest.approx((11.0, 12.0))
+    assert group.count == 3 and plan.granted_gradients == 4
+    assert plan.link_free_at == pytest.approx(12.0)  # against 13.25 for the four direct transfers
+    assert direct.link_free_at == pytest.approx(13.25)

@@ -1,0 +1,163 @@
+"""MLfabric's aggregation in the switch: scheduled updates summed in a subset round of their group."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+
+from netagg import wire
+from netagg.mlfabric.async_server import FabricServer
+from netagg.mlfabric.grants import SWITCH_ROUND_MARGIN, switch_round_uses
+from netagg.mlfabric.switch_sum import SwitchSummer
+from netagg.mlfabric.testing import loopback_configs
+from netagg.mlfabric.training import WorkerReport, _send
+from netagg.mlfabric.worker import FabricClient
+
+testing = pytest.importorskip("netagg.softswitch.testing")
+
+pytestmark = pytest.mark.timeout(120)
+
+SLOTS = 8
+SIZE = 2500  # float32 values: 10 kB, 40 blocks
+
+
+def _configs(switch, num_workers: int, replicas: int = 0) -> list:
+    """A job on the switch (mode allreduce: the sums go to its workers) with an async MLfabric PS chain."""
+    fabric = loopback_configs(num_workers, update_mode="async", delay_bound=10, schedule="mlfabric",
+                              replicas=replicas)
+    on_switch = switch.add_job(num_workers, slot_count=SLOTS)
+    return [dataclasses.replace(s, ps=f.ps, replicas=f.replicas, update_mode="async", delay_bound=10,
+                                schedule="mlfabric", switch_aggregation=True, secret=f.secret)
+            for s, f in zip(on_switch, fabric, strict=True)]
+
+
+def _run_group(configs, server, grads, ranks, summers, reports, outcomes, skip=()):
+    """Ranks ask at once (bandwidths injected: 100 kB/s each, 0.1 s per update); ``skip`` are granted but
+    never take part (a member that died after its grant)."""
+    for rank in ranks:
+        server.grants.observe(rank, 100_000, 1.0)
+    clients = {r: FabricClient.from_config(configs[r], failover_timeout=20) for r in ranks}
+    for client in clients.values():  # all registered first: the batch closes once all of them asked
+        client.hello()
+
+    def send(rank: int) -> None:
+        client = clients[rank]
+        version = client.pull()[0]
+        if rank in skip:
+            client.request(f"{rank}:{reports[rank].steps}", version, grads[rank].nbytes, 1.0)
+            return
+        outcomes[rank] = _send(client, reports[rank], "mlfabric", f"{rank}:{reports[rank].steps}", version,
+                               grads[rank], summers[rank])
+        reports[rank].steps += 1
+
+    threads = [threading.Thread(target=send, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for c in clients.values():
+        c.close()
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+def test_queued_updates_are_summed_in_the_switch_and_applied_as_one(loss):
+    faults = {"drop": loss, "duplicate": loss / 2, "reorder": loss / 2, "seed": 4} if loss else {}
+    with testing.LoopbackSwitch(**faults) as switch:
+        configs = _configs(switch, 3)
+        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0).start()
+        summers = [SwitchSummer(c, rto_initial=0.01) for c in configs]
+        grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(3)]
+        reports = [WorkerReport(r) for r in range(3)]
+        outcomes: list = [None] * 3
+        try:
+            boot = FabricClient.from_config(configs[0])
+            boot.hello()
+            boot.init(np.zeros(SIZE, np.float32))
+            boot.close()
+            _run_group(configs, server, grads, range(3), summers, reports, outcomes)
+            scheduler = server.grants.stats
+            assert scheduler.batches == 1 and scheduler.groups == 1
+            assert scheduler.sent == 1 and scheduler.aggregated == 2
+            assert all(o is not None and o["outcome"] == "applied" for o in outcomes)
+            # Equal transfer times: the largest norm (rank 2) goes first, direct; ranks 0 and 1, queued behind
+            # it, are summed in the switch (both at once, each on its own link) and rank 0 (lowest rank of
+            # the equally fast) pushes the sum.
+            assert [r.switch_aggregated for r in reports] == [1, 1, 0]
+            assert [r.switch_led for r in reports] == [1, 0, 0]
+            assert sum(r.switch_fallbacks for r in reports) == 0
+            assert server.version == 3 and server.stats.applies == 2 and server.stats.aggregated_applies == 1
+            np.testing.assert_allclose(server.model, -(grads[0] + grads[1] + grads[2]), rtol=1e-6)
+            seqs = {e.update_id: e.seq for e in server.log}
+            assert seqs["0:0"] == seqs["1:0"] != seqs["2:0"]
+            blocks = -(-SIZE // wire.K)
+            counters = switch.counters(configs[0].job_id)
+            assert counters["results"] == blocks + SLOTS  # every subset round completed exactly once
+            assert counters["rejects"] == 0
+        finally:
+            server.stop()
+            for s in summers:
+                s.close()
+
+
+def test_a_member_that_never_takes_part_makes_the_others_send_their_own():
+    with testing.LoopbackSwitch() as switch:
+        configs = _configs(switch, 3)
+        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0).start()
+        summers = [SwitchSummer(c, progress_timeout=1.0, rto_initial=0.01) for c in configs]
+        grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(3)]
+        reports = [WorkerReport(r) for r in range(3)]
+        outcomes: list = [None] * 3
+        try:
+            boot = FabricClient.from_config(configs[0])
+            boot.hello()
+            boot.init(np.zeros(SIZE, np.float32))
+            boot.close()
+            _run_group(configs, server, grads, range(3), summers, reports, outcomes, skip={1})
+            assert server.grants.stats.groups == 1
+            # Rank 0's subset round never completes (rank 1 is silent): it pushes its own update instead.
+            assert reports[0].switch_fallbacks == 1 and reports[0].switch_aggregated == 0
+            assert outcomes[0]["outcome"] == "applied" and outcomes[2]["outcome"] == "applied"
+            assert server.version == 2
+            np.testing.assert_allclose(server.model, -(grads[0] + grads[2]), rtol=1e-6)
+        finally:
+            server.stop()
+            for s in summers:
+                s.close()
+
+
+def test_after_a_failover_the_new_primary_starts_its_subset_rounds_past_the_old_ones():
+    with testing.LoopbackSwitch() as switch:
+        configs = _configs(switch, 3, replicas=1)
+        replica = FabricServer(configs[0], replica=0, lr=1.0, batch_window=1.0, gate_timeout=0).start()
+        primary = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0).start()
+        summers = [SwitchSummer(c, rto_initial=0.01) for c in configs]
+        grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(3)]
+        reports = [WorkerReport(r) for r in range(3)]
+        outcomes: list = [None] * 3
+        try:
+            boot = FabricClient.from_config(configs[0])
+            boot.hello()
+            boot.init(np.zeros(SIZE, np.float32))
+            boot.close()
+            _run_group(configs, primary, grads, range(3), summers, reports, outcomes)
+            assert primary.grants.stats.groups == 1 and reports[0].switch_led == 1
+            used = SWITCH_ROUND_MARGIN + switch_round_uses(SIZE * 4, SLOTS)
+            assert primary.grants.switch_next == used
+            assert replica.switch_floor == used  # replicated with the aggregate
+            primary.stop()  # the primary dies; the workers fail over to the replica
+            _run_group(configs, replica, grads, range(3), summers, reports, outcomes)
+            assert replica.role == "primary" and replica.grants.stats.groups == 1
+            assert all(o["outcome"] == "applied" for o in outcomes)
+            assert [r.switch_aggregated for r in reports] == [2, 2, 0]
+            assert sum(r.switch_fallbacks for r in reports) == 0  # its subset rounds were new to the switch
+            assert replica.grants.switch_next == used + SWITCH_ROUND_MARGIN + switch_round_uses(SIZE * 4, SLOTS)
+            assert replica.version == 6
+            np.testing.assert_allclose(replica.model, -2 * (grads[0] + grads[1] + grads[2]), rtol=1e-6)
+        finally:
+            primary.stop()
+            replica.stop()
+            for s in summers:
+                s.close()
