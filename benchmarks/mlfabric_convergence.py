@@ -41,7 +41,11 @@ KINDS = {
     "mlfabric": ["--sync", "async", "--schedule", "mlfabric"],
     # The scheduler's groups summed in the switch (subset rounds): the job's group is its workers.
     "mlfabric-switch": ["--sync", "async", "--schedule", "mlfabric", "--switch-aggregation"],
+    # And every model version sent once through the switch (a distribution job: mlfabric/distribution.py).
+    "mlfabric-mcast": ["--sync", "async", "--schedule", "mlfabric", "--switch-aggregation"],
 }
+#: Kinds whose PS sends the model through the switch.
+MULTICAST = {"mlfabric-mcast"}
 
 
 def create_job(cluster: EmulatedCluster, hosts: list[str], options: list[str], name: str,
@@ -75,13 +79,27 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
     hosts = cluster.worker_hosts[:args.workers]
     options = KINDS[kind] + (["--delay-bound", str(args.delay_bound)] if kind != "sync" else [])
     job_id, paths = create_job(cluster, hosts, options, f"mlfabric-{kind}", args.slots)
+    dist_id, dist_paths = None, []
+    if kind in MULTICAST:  # receivers on other ports of the worker hosts; the PS sends as the last rank
+        ports = [*cluster.worker_ports(hosts, offset=100), cluster.worker_ports([cluster.ps_host], offset=200)[0]]
+        members = [*hosts, cluster.ps_host]
+        created = json.loads(cluster.cli("--json", "job", "create", "--name", f"dist-{kind}", "--slots",
+                                         str(args.slots), "--mode", "allreduce", "--workers",
+                                         ",".join(f"{h}:{p}" for h, p in zip(members, ports))))
+        dist_id = created["job"]["job_id"]
+        for rank in range(len(members)):
+            path = cluster.workdir / f"dist-job{dist_id}-rank{rank}.yaml"
+            cluster.cli("job", "config", str(dist_id), "--rank", str(rank), "-o", str(path))
+            dist_paths.append(path)
     log = cluster.workdir / f"mlfabric-ps-{kind}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen] = []
     try:
         with open(log, "wb") as out:
+            model_args = ["--model-config", str(dist_paths[-1]), "--model-rate-mbit",
+                          str(args.rate_mbit)] if dist_paths else []
             ps = subprocess.Popen(cluster.host_command(cluster.ps_host, [*PS_COMMAND, "--config", str(paths[0]),
-                                                                         "--lr", str(args.lr)]),
+                                                                         "--lr", str(args.lr), *model_args]),
                                   stdout=out, stderr=subprocess.STDOUT, env=env, cwd=dp.REPO_ROOT)
         procs.append(ps)
         deadline = time.monotonic() + 30
@@ -97,10 +115,11 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         procs.append(monitor)
         workers = [subprocess.Popen(cluster.host_command(host, [
             *WORKER_COMMAND, "--config", str(path), "--steps", str(args.max_steps), "--hidden", str(args.hidden),
-            "--compute-delay", str(plan.compute_delay_ms.get(host, 0.0) / 1e3)]),
+            "--compute-delay", str(plan.compute_delay_ms.get(host, 0.0) / 1e3),
+            *(["--model-config", str(dist_paths[rank])] if dist_paths else [])]),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                     cwd=dp.REPO_ROOT)
-                   for host, path in zip(hosts, paths)]
+                   for rank, (host, path) in enumerate(zip(hosts, paths))]
         procs.extend(workers)
         final = json_result(monitor, "monitor", timeout=args.max_seconds + 120)["final"]
         reports = [json_result(proc, f"worker {rank}", timeout=60) for rank, proc in enumerate(workers)]
@@ -108,6 +127,8 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         for proc in procs:
             stop(proc)
         cluster.cli("job", "delete", str(job_id))
+        if dist_id is not None:
+            cluster.cli("job", "delete", str(dist_id))
     stats = final["stats"]
     scheduler = final.get("scheduler") or {}
     return {
@@ -119,6 +140,8 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         "aggregated_members": scheduler.get("aggregated", 0), "groups": scheduler.get("groups", 0),
         "switch_aggregated": sum(r.get("switch_aggregated", 0) for r in reports),
         "switch_fallbacks": sum(r.get("switch_fallbacks", 0) for r in reports),
+        "local_models": sum(r.get("local_models", 0) for r in reports),
+        "pulls": sum(r.get("pulls", 0) for r in reports),
         "bandwidth": {k: round(v / 1e3, 1) for k, v in (scheduler.get("bandwidth") or {}).items()},
     }
 
@@ -183,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         times = [r["time_to_target"] for r in rows if r["kind"] == kind]
         if times and all(t is not None for t in times):
             means[kind] = sum(times) / len(times)
-    for fabric in ("mlfabric", "mlfabric-switch"):
+    for fabric in ("mlfabric", "mlfabric-switch", "mlfabric-mcast"):
         if fabric not in means:
             continue
         for other in ("sync", "async"):

@@ -84,9 +84,11 @@ def train(args: argparse.Namespace) -> int:
         agg_address = (config.bind.host, aggregation.address[1])
     client = FabricClient.from_config(config, agg=agg_address, failover_timeout=args.failover_timeout)
     switch = SwitchSummer(config) if config.switch_aggregation else None
+    distribution = WorkerConfig.load(args.model_config) if args.model_config else None
     try:
         report = run_worker(client, grad_fn, flatten(like), steps=args.steps, schedule=config.schedule,
-                            compute_delay=args.compute_delay, max_seconds=args.max_seconds, switch=switch)
+                            compute_delay=args.compute_delay, max_seconds=args.max_seconds, switch=switch,
+                            distribution=distribution)
         result = asdict(report)
         if args.final_accuracy:
             _, model = client.stats(model=True)
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP (wider: a larger model)")
+    parser.add_argument("--model-config", help="this worker's rank in the job's distribution job: start steps "
+                        "from model versions the PS sends through the switch")
     parser.add_argument("--failover-timeout", type=float, default=30.0)
     parser.add_argument("--monitor", action="store_true", help="watch the loss and halt the job at the target")
     parser.add_argument("--steps", type=int, default=200)

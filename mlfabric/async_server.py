@@ -53,6 +53,7 @@ import numpy as np
 from netagg import jobsecret
 from netagg.hoststack.packets import resolve
 from netagg.jobconfig import ConfigError, WorkerConfig, endpoint_arg
+from netagg.mlfabric.distribution import ModelSender, rate_of
 from netagg.mlfabric.grants import GrantService
 from netagg.mlfabric.protocol import (
     Connection,
@@ -69,7 +70,7 @@ from netagg.shutdown import stop_event
 log = logging.getLogger(__name__)
 
 APPLIED, DROPPED = "applied", "dropped"
-_WORKER_OPS = ("hello", "init", "pull", "push", "request", "agg_grant", "outcome", "halt")
+_WORKER_OPS = ("hello", "init", "pull", "push", "request", "agg_grant", "outcome", "model_blocks", "halt")
 
 
 @dataclass
@@ -190,7 +191,8 @@ class FabricServer:
                  sync_timeout: float = 30.0, gate_timeout: float = 30.0, pull_timeout: float = 30.0,
                  batch_window: float = 0.01, default_bandwidth: float = 1.25e6, scheduler: Scheduler | None = None,
                  frame_timeout: float = 30.0, outcome_window: int = 1024, log_size: int = 100_000,
-                 joining: bool = False, chain_members: Sequence[tuple[str, int]] | None = None) -> None:
+                 joining: bool = False, chain_members: Sequence[tuple[str, int]] | None = None,
+                 distribution: ModelSender | None = None) -> None:
         if config.ps is None:
             raise ConfigError("ps: an MLfabric job needs the parameter server's endpoint")
         if replica is not None and not 0 <= replica < len(config.replicas):
@@ -198,6 +200,8 @@ class FabricServer:
         self.config = config
         self.job_id = config.job_id
         self.num_workers = config.num_workers
+        #: Sends each new version through the switch (mlfabric/distribution.py) while this node is primary.
+        self.distribution = distribution
         self.update_mode = config.update_mode
         self.delay_bound = config.delay_bound
         self.lr = np.float32(lr)
@@ -279,6 +283,8 @@ class FabricServer:
         self._threads.clear()
         if self.forwarder is not None:
             self.forwarder.stop()
+        if self.distribution is not None:
+            self.distribution.close()
         self.sock.close()
 
     def __enter__(self) -> FabricServer:
@@ -326,6 +332,7 @@ class FabricServer:
         jobsecret.require(self.config.secret, header, self._count_bad_secret)
         handlers = {"hello": self._op_hello, "init": self._op_init, "pull": self._op_pull, "push": self._op_push,
                     "request": self._op_request, "agg_grant": self._op_agg_grant, "outcome": self._op_outcome,
+                    "model_blocks": self._op_model_blocks,
                     "halt": self._op_halt,
                     "stats": self._op_stats, "promote": self._op_promote, "join": self._op_join,
                     "unlink": self._op_unlink}
@@ -438,7 +445,7 @@ class FabricServer:
                 self.grants.settled(ids)
         if outcome["outcome"] == APPLIED:
             self._await_safe(outcome["seq"])
-        return {"ok": True, **outcome}, b""
+        return {"ok": True, **outcome, "halted": self.halted}, b""
 
     def _parts(self, header: dict[str, Any]) -> list[tuple[str, int, int]]:
         """The gradients in a push: ``parts`` (an aggregate) or the sender's own update."""
@@ -560,8 +567,14 @@ class FabricServer:
             raise ValueError(f"not applied: {err}") from None
         outcome = {"outcome": APPLIED, "delays": delays, "version": self.version, "seq": seq}
         self._remember(parts, outcome)
+        self._publish(seq)
         self._cond.notify_all()
         return outcome
+
+    def _publish(self, seq: int) -> None:
+        """Hand the model just applied (record ``seq``) to the distribution sender: sent once replicated."""
+        if self.distribution is not None and self.role == "primary" and self.model is not None:
+            self.distribution.publish(self.version, self.model, lambda: self._await_safe(seq))
 
     def _commit(self, meta: dict[str, Any], blob: bytes, apply: Any) -> int:
         """Reserve room in the chain, apply, hand the record to the successor (holding the lock)."""
@@ -618,7 +631,7 @@ class FabricServer:
         except TimeoutError as err:
             raise ValueError(str(err)) from None
         response: dict[str, Any] = {"ok": True, "action": decision.action, "reason": decision.reason,
-                                    "predicted_delay": decision.predicted_delay}
+                                    "predicted_delay": decision.predicted_delay, "halted": self.halted}
         if decision.action == AGGREGATE and decision.group is not None and self.grants.switch_slots:
             switch = self.grants.switch_grant(decision.group)
             if switch is not None:  # summed in the switch: a subset round of the group's members
@@ -640,6 +653,22 @@ class FabricServer:
             raise ValueError(f"this job's schedule is {self.config.schedule}: there are no aggregation groups")
         group = self.grants.group_slot(int(frame.header["group"]), timeout=self.pull_timeout)
         return {"ok": True, "members": list(group.members)}, b""
+
+    def _op_model_blocks(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        """Blocks of a version the distribution sender sent lately (a worker repairs its copy)."""
+        if self.distribution is None:
+            raise ValueError("this PS does not distribute the model through the switch")
+        header = frame.header
+        version = int(header["version"])
+        raw = header.get("ranges")
+        if not isinstance(raw, list) or len(raw) > 65536 or not all(
+                isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] < r[1]
+                for r in raw):
+            raise ValueError("model_blocks: ranges must be a list of [start, end) block numbers")
+        blocks = self.distribution.blocks(version, [(a, b) for a, b in raw])
+        if blocks is None:
+            return {"ok": True, "found": False}, b""
+        return {"ok": True, "found": True, "blocks": int(blocks.shape[0])}, blocks.tobytes()
 
     def _op_outcome(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         """A member of a switch group waits for its update's outcome (the leader pushed the sum): ``known``
@@ -921,6 +950,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="steps per rank whose outcomes are kept to answer repeated pushes (default 1024)")
     parser.add_argument("--log-size", type=int, default=100_000,
                         help="applied updates kept in the log returned by stats (default 100000)")
+    parser.add_argument("--model-config", help="the PS's rank in the job's distribution job on the switch: send "
+                        "every new model version through it (docs/mlfabric.md)")
+    parser.add_argument("--model-rate-mbit", type=float, default=10.0,
+                        help="pace of those sends (the PS link's rate; default 10)")
     parser.add_argument("--default-bandwidth", type=float, default=1.25e6,
                         help="scheduler: bytes/s assumed for a sender not measured yet")
     args = parser.parse_args(argv)
@@ -928,7 +961,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = WorkerConfig.load(args.config)
         join_target = resolve(args.join) if args.join is not None else None
-        server = FabricServer(config, lr=args.lr, replica=args.replica,
+        distribution = None
+        if args.model_config:
+            distribution = ModelSender(WorkerConfig.load(args.model_config), rate_of(args.model_rate_mbit))
+        server = FabricServer(config, lr=args.lr, replica=args.replica, distribution=distribution,
                               bind=resolve(args.bind) if args.bind is not None else None, max_lag=args.max_lag,
                               default_bandwidth=args.default_bandwidth, outcome_window=args.outcome_window,
                               log_size=args.log_size, joining=args.join is not None)

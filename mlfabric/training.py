@@ -11,6 +11,13 @@ if none comes or the exchange failed, which the PS recognises by update id) — 
 update when the scheduler predicts it would exceed the delay bound. In a sync job
 the push returns once the round of all workers was applied. The loop ends after
 ``steps`` steps, when the PS says the job is halted, or after ``max_seconds``.
+
+With ``distribution`` (the worker's rank in the job's distribution job), the PS sends each new
+model version through the switch once, and a step after the first starts from the newest
+version the worker received instead of pulling the model over the PS's link: at once if that
+version is at most ``local_slack`` behind the newest the PS reported (in a push's outcome) and
+not older than the worker's last; otherwise it waits up to ``local_wait`` seconds for a newer
+one (:class:`ModelCache`, repairing a nearly complete one over TCP) and else pulls as before.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from netagg.jobconfig import WorkerConfig
+from netagg.mlfabric.distribution import ModelCache
 from netagg.mlfabric.protocol import Connection, FabricError, Unreachable, to_blob
 from netagg.mlfabric.switch_sum import SwitchAggregationFailed, SwitchSummer
 from netagg.mlfabric.worker import FabricClient, Unavailable
@@ -46,6 +55,11 @@ class WorkerReport:
     #: Subset exchanges that failed, and times no outcome came for the group: own update pushed instead.
     switch_fallbacks: int = 0
     errors: int = 0
+    #: Steps that started from a version received through the switch, and from a pull over TCP.
+    local_models: int = 0
+    pulls: int = 0
+    #: The newest PS version this worker heard of (pulls, push outcomes).
+    ps_version: int = -1
     failovers: int = 0
     halted: bool = False
     seconds: float = 0.0
@@ -58,49 +72,79 @@ class WorkerReport:
 def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, steps: int, schedule: str = "fifo",
                compute_delay: float = 0.0, max_seconds: float | None = None,
                on_step: Callable[[int, dict[str, Any]], None] | None = None,
-               switch: SwitchSummer | None = None) -> WorkerReport:
+               switch: SwitchSummer | None = None, distribution: WorkerConfig | None = None,
+               local_wait: float = 0.05, local_slack: int = 0) -> WorkerReport:
     """Train until ``steps``, a halt, or ``max_seconds``; returns the report (raises Unavailable)."""
     report = WorkerReport(rank=client.rank)
     started = time.monotonic()
     client.hello()
     client.init(np.asarray(initial, np.float32))
-    for step in range(steps):
-        if max_seconds is not None and time.monotonic() - started > max_seconds:
-            break
-        version, params, halted = client.pull()
-        if halted:
-            report.halted = True
-            break
-        loss, grad = grad_fn(params, step)
-        grad = np.ascontiguousarray(grad, np.float32)
-        report.last_loss = float(loss)
-        if compute_delay:
-            time.sleep(compute_delay)
-        update_id = f"{client.rank}:{step}"
-        report.steps = step + 1
-        try:
-            outcome = _send(client, report, schedule, update_id, version, grad, switch)
-        except Unavailable:
-            raise
-        except FabricError as err:
-            report.errors += 1
-            report.error_messages = [*report.error_messages[-9:], str(err)]
-            continue
-        if outcome is None:
-            continue
-        report.pushed += 1
-        if outcome.get("outcome") == "applied":
-            report.applied += 1
-            report.acked.append(update_id)
-            delays = outcome.get("delays") or []
-            report.delays.append(int(max(delays)) if delays else 0)
-        else:
-            report.dropped += 1
-        if on_step is not None:
-            on_step(step, outcome)
+    cache = ModelCache(distribution, int(np.asarray(initial).size)) if distribution is not None else None
+    version = -1
+    try:
+        for step in range(steps):
+            if max_seconds is not None and time.monotonic() - started > max_seconds:
+                break
+            local = None
+            if cache is not None and step:
+                floor = max(version, report.ps_version - local_slack)
+                local = cache.newest(floor - 1) or cache.newest(version, local_wait, client.model_blocks)
+            if local is not None:
+                version, params = local
+                report.local_models += 1
+            else:
+                version, params, halted = client.pull()
+                report.pulls += 1
+                report.ps_version = max(report.ps_version, version)
+                if halted:
+                    report.halted = True
+                    break
+            if not _step(client, report, grad_fn, schedule, switch, compute_delay, on_step, step, version, params):
+                break
+    finally:
+        if cache is not None:
+            cache.close()
     report.failovers = client.failovers
     report.seconds = time.monotonic() - started
     return report
+
+
+def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule: str, switch: SwitchSummer | None,
+          compute_delay: float, on_step: Callable[[int, dict[str, Any]], None] | None, step: int, version: int,
+          params: np.ndarray) -> bool:
+    """Compute and send one gradient; False once the PS says the job is halted."""
+    loss, grad = grad_fn(params, step)
+    grad = np.ascontiguousarray(grad, np.float32)
+    report.last_loss = float(loss)
+    if compute_delay:
+        time.sleep(compute_delay)
+    update_id = f"{client.rank}:{step}"
+    report.steps = step + 1
+    try:
+        outcome = _send(client, report, schedule, update_id, version, grad, switch)
+    except Unavailable:
+        raise
+    except FabricError as err:
+        report.errors += 1
+        report.error_messages = [*report.error_messages[-9:], str(err)]
+        return True
+    if outcome is None:
+        return True
+    report.pushed += 1
+    report.ps_version = max(report.ps_version, int(outcome.get("version", -1)))
+    if outcome.get("outcome") == "applied":
+        report.applied += 1
+        report.acked.append(update_id)
+        delays = outcome.get("delays") or []
+        report.delays.append(int(max(delays)) if delays else 0)
+    else:
+        report.dropped += 1
+    if on_step is not None:
+        on_step(step, outcome)
+    if outcome.get("halted"):
+        report.halted = True
+        return False
+    return True
 
 
 def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: str, version: int,

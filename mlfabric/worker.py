@@ -106,6 +106,13 @@ class FabricClient:
         return self.call("request", {"update_id": update_id, "version": version, "size": size, "norm": norm},
                          timeout=timeout)[0]
 
+    def model_blocks(self, version: int, ranges: list[tuple[int, int]]) -> np.ndarray | None:
+        """Blocks ``[start, end)`` of a version the PS sent through the switch ((n, K) float32); None if gone."""
+        response, data = self.call("model_blocks", {"version": version, "ranges": [list(r) for r in ranges]})
+        if not response.get("found"):
+            return None
+        return from_blob(data).reshape(int(response["blocks"]), -1)
+
     def agg_grant(self, group: int, timeout: float = 40.0) -> dict[str, Any]:
         """As the aggregator of ``group``: wait for the aggregate's slot."""
         return self.call("agg_grant", {"group": group}, timeout=timeout)[0]

@@ -1,0 +1,354 @@
+"""Model distribution through the switch: the PS sends each model version once, the switch copies it.
+
+A *distribution job* on the switch has the MLfabric job's workers (each on a port of its own,
+its distribution endpoint) plus the PS as its last rank. The PS sends a version as one-member
+subset rounds (``members`` = its own bit, docs/protocol.md): every packet completes its round
+at once and the switch multicasts it to the job's group. The values are the model's float32
+bit patterns (a one-member sum is the value itself), so every copy is exact.
+
+* :class:`DistributionLayout`: block ``b`` of version ``v`` goes in slot ``b mod S`` with round
+  ``v * uses + b div S + 1`` (pool 0), so rounds grow with the version, which the PS chain
+  replicates: a promoted PS continues past the old primary's rounds without state of its own;
+  ``seq`` carries the version's low 16 bits and the block number.
+* :class:`ModelSender` (PS): a thread sends the newest published version whenever the previous
+  send is done, paced at ``rate`` bytes/s (a burst into a rate-limited link would be dropped);
+  versions published meanwhile are skipped. It keeps the last versions it sent for repairs.
+* :class:`ModelCache` (worker): a thread assembles the versions it receives; :meth:`newest`
+  returns the newest complete version newer than a given one, repairing a nearly complete
+  one with the blocks it misses (``repair``: the PS's ``model_blocks``) when asked to.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from netagg import wire
+from netagg.hoststack.packets import PACKET_DTYPE, resolve, udp_socket
+from netagg.jobconfig import WorkerConfig
+
+#: Versions kept for repairs at the PS, and assembled at once at a worker.
+KEEP_VERSIONS = 4
+_VERSION_BITS = 16
+_BLOCK_MASK = (1 << 16) - 1
+
+
+@dataclass(frozen=True)
+class DistributionLayout:
+    """Where each block of a ``size``-value model travels in a job of ``slots`` slots."""
+
+    size: int
+    slots: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.slots < 1:
+            raise ValueError(f"bad layout: {self.size} values, {self.slots} slots")
+        if self.blocks > _BLOCK_MASK + 1:
+            raise ValueError(f"{self.size} values are {self.blocks} blocks: more than a version can number")
+        if self.uses >= 1 << 14:
+            raise ValueError(f"{self.blocks} blocks in {self.slots} slots use {self.uses} rounds per slot: too many")
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.size // wire.K)
+
+    @property
+    def uses(self) -> int:
+        """Rounds one version uses in a slot."""
+        return -(-self.blocks // self.slots)
+
+    def rounds(self, version: int) -> np.ndarray:
+        """Round number of each block of ``version`` (mod 2**16)."""
+        return (version * self.uses + np.arange(self.blocks) // self.slots + 1) & 0xFFFF
+
+    def seqs(self, version: int) -> np.ndarray:
+        return ((version & 0xFFFF) << _VERSION_BITS) | np.arange(self.blocks)
+
+    def padded(self, model: np.ndarray) -> np.ndarray:
+        """The model as (blocks, K) float32, zero-padded."""
+        out = np.zeros(self.blocks * wire.K, np.float32)
+        out[:self.size] = model
+        return out.reshape(self.blocks, wire.K)
+
+
+@dataclass
+class SenderStats:
+    versions_sent: int = 0
+    versions_skipped: int = 0
+    packets_sent: int = 0
+    bytes_sent: int = 0
+    send_errors: int = 0
+    repairs_served: int = 0
+
+
+class ModelSender:
+    """The PS's side (see the module docstring). ``config``: the PS's rank in the distribution job."""
+
+    def __init__(self, config: WorkerConfig, rate: float, *, batch: int = 64) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0 bytes/s, got {rate}")
+        self.config = config
+        self.rate = rate
+        self.batch = batch
+        self.members = 1 << config.rank
+        self.stats = SenderStats()
+        self.sock = udp_socket(resolve(config.bind))
+        self.sock.setblocking(True)
+        self.destination = resolve(config.aggregator)
+        self._sent: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._pending: tuple[int, np.ndarray, Callable[[], None] | None] | None = None
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="model-sender", daemon=True)
+        self._thread.start()
+
+    def publish(self, version: int, model: np.ndarray, ready: Callable[[], None] | None = None) -> None:
+        """Send ``version`` (a copy of ``model``) when the sender is free; ``ready`` runs first (e.g. waits
+        until the version is replicated). An older pending version is replaced."""
+        with self._cond:
+            if self._pending is not None:
+                self.stats.versions_skipped += 1
+            self._pending = (version, np.array(model, np.float32), ready)
+            self._cond.notify_all()
+
+    def blocks(self, version: int, ranges: list[tuple[int, int]]) -> np.ndarray | None:
+        """Blocks ``[start, end)`` of a version sent lately, as (n, K) float32; None if it is gone."""
+        with self._cond:
+            padded = self._sent.get(version)
+            if padded is None:
+                return None
+            self.stats.repairs_served += 1
+        parts = [padded[max(0, a):min(b, padded.shape[0])] for a, b in ranges]
+        return np.concatenate(parts) if parts else np.zeros((0, wire.K), np.float32)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(5)
+        self.sock.close()
+
+    # -- sending thread -------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or self._pending is not None)
+                if self._stop:
+                    return
+                version, model, ready = self._pending  # type: ignore[misc]
+                self._pending = None
+            try:
+                if ready is not None:
+                    ready()
+            except Exception:
+                with self._cond:
+                    self.stats.versions_skipped += 1
+                continue
+            self._send(version, model)
+
+    def _send(self, version: int, model: np.ndarray) -> None:
+        layout = DistributionLayout(model.size, self.config.slot_count)
+        padded = layout.padded(model)
+        with self._cond:
+            self._sent[version] = padded
+            while len(self._sent) > KEEP_VERSIONS:
+                self._sent.popitem(last=False)
+        packets = np.zeros(layout.blocks, PACKET_DTYPE)
+        hdr = packets["hdr"]
+        hdr["version"] = wire.VERSION
+        hdr["job_id"] = self.config.job_id
+        hdr["rank"] = self.config.rank
+        hdr["members"] = self.members
+        blocks = np.arange(layout.blocks)
+        hdr["slot"] = blocks % layout.slots
+        hdr["round"] = layout.rounds(version)
+        hdr["seq"] = layout.seqs(version)
+        packets["values"] = padded.view(np.int32)
+        raw = packets.view(np.uint8).reshape(layout.blocks, wire.NETAGG_BYTES)
+        start = time.monotonic()
+        sent = 0
+        for first in range(0, layout.blocks, self.batch):
+            for row in raw[first:first + self.batch]:
+                try:
+                    self.sock.sendto(row, self.destination)
+                    sent += 1
+                except OSError:
+                    self.stats.send_errors += 1
+            due = start + sent * (wire.FRAME_BYTES + 24) / self.rate
+            pause = due - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+        with self._cond:
+            self.stats.versions_sent += 1
+            self.stats.packets_sent += sent
+            self.stats.bytes_sent += sent * wire.NETAGG_BYTES
+
+
+@dataclass
+class CacheStats:
+    versions_complete: int = 0
+    versions_repaired: int = 0
+    blocks_repaired: int = 0
+    versions_abandoned: int = 0
+    packets: int = 0
+    foreign: int = 0
+    malformed: int = 0
+
+
+class ModelCache:
+    """A worker's side (see the module docstring). ``config``: this worker's rank in the distribution job."""
+
+    def __init__(self, config: WorkerConfig, size: int) -> None:
+        self.config = config
+        self.layout = DistributionLayout(size, config.slot_count)
+        self.stats = CacheStats()
+        self.sock = udp_socket(resolve(config.bind))
+        self.sock.settimeout(0.2)
+        self.source = resolve(config.aggregator)
+        self._parts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()  # version -> (blocks, got)
+        self._latest: tuple[int, np.ndarray] | None = None
+        self._known = -1  # the newest version seen, to widen 16-bit version numbers
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="model-cache", daemon=True)
+        self._thread.start()
+
+    def newest(self, after: int, wait: float = 0.0,
+               repair: Callable[[int, list[tuple[int, int]]], np.ndarray | None] | None = None,
+               max_missing: float = 0.5) -> tuple[int, np.ndarray] | None:
+        """The newest complete version newer than ``after`` (waiting up to ``wait`` s for one), as
+        (version, model); with ``repair``, a newer version missing at most ``max_missing`` of its blocks
+        is completed with them first. None if there is none."""
+        deadline = time.monotonic() + wait
+        with self._cond:
+            while True:
+                if self._latest is not None and self._latest[0] > after:
+                    return self._latest[0], self._latest[1].copy()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            candidate = self._repairable(after, max_missing) if repair is not None else None
+        if candidate is None or repair is None:
+            return None
+        version, missing = candidate
+        fetched = repair(version, missing)
+        if fetched is None:
+            return None
+        with self._cond:
+            entry = self._parts.get(version)
+            if entry is None:
+                return None
+            blocks, got = entry
+            at = 0
+            for a, b in missing:
+                n = b - a
+                blocks[a:b] = fetched[at:at + n]
+                got[a:b] = True
+                at += n
+            self.stats.versions_repaired += 1
+            self.stats.blocks_repaired += at
+            self._complete(version)
+            return (self._latest[0], self._latest[1].copy()) if self._latest and self._latest[0] > after else None
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(5)
+        self.sock.close()
+
+    # -- holding the lock ------------------------------------------------------------
+    def _repairable(self, after: int, max_missing: float) -> tuple[int, list[tuple[int, int]]] | None:
+        for version in sorted(self._parts, reverse=True):
+            if version <= after:
+                break
+            _, got = self._parts[version]
+            if (~got).sum() <= max_missing * got.size:
+                return version, _ranges(~got)
+        return None
+
+    def _complete(self, version: int) -> None:
+        blocks, _ = self._parts.pop(version)
+        for older in [v for v in self._parts if v < version]:
+            del self._parts[older]
+            self.stats.versions_abandoned += 1
+        self.stats.versions_complete += 1
+        if self._latest is None or version > self._latest[0]:
+            self._latest = (version, blocks.reshape(-1)[:self.layout.size].copy())
+        self._known = max(self._known, version)
+        self._cond.notify_all()
+
+    # -- receiving thread --------------------------------------------------------------
+    def _run(self) -> None:
+        buf = bytearray(2048)
+        view = memoryview(buf)
+        job, layout = self.config.job_id, self.layout
+        while not self._stop:
+            try:
+                n, source = self.sock.recvfrom_into(buf)
+            except (TimeoutError, BlockingIOError):
+                continue
+            except OSError:
+                return
+            if source != self.source:
+                self.stats.foreign += 1
+                continue
+            try:
+                header, values = wire.unpack(view[:n])
+            except wire.MalformedPacket:
+                self.stats.malformed += 1
+                continue
+            block = header.seq & _BLOCK_MASK
+            if header.job_id != job or not header.is_result or block >= layout.blocks:
+                self.stats.malformed += 1
+                continue
+            with self._cond:
+                self.stats.packets += 1
+                version = self._widen(header.seq >> _VERSION_BITS)
+                if self._latest is not None and version <= self._latest[0]:
+                    continue  # a copy of a version already assembled (or older)
+                entry = self._parts.get(version)
+                if entry is None:
+                    entry = (np.zeros((layout.blocks, wire.K), np.float32), np.zeros(layout.blocks, bool))
+                    self._parts[version] = entry
+                    while len(self._parts) > KEEP_VERSIONS:
+                        self._parts.popitem(last=False)
+                        self.stats.versions_abandoned += 1
+                blocks, got = entry
+                blocks[block] = values.view(np.float32)
+                got[block] = True
+                if got.all():
+                    self._complete(version)
+
+    def _widen(self, low: int) -> int:
+        """The version whose low 16 bits are ``low``, nearest to the newest seen."""
+        if self._known < 0:
+            self._known = low
+            return low
+        base = self._known - (self._known & 0xFFFF) + low
+        candidates = (base - 0x10000, base, base + 0x10000)
+        version = min(candidates, key=lambda v: abs(v - self._known))
+        self._known = max(self._known, version)
+        return version
+
+
+def _ranges(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) runs of True in ``mask``."""
+    padded = np.concatenate(([False], mask, [False]))
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def rate_of(mbit: float) -> float:
+    """Bytes/s of a link of ``mbit`` Mbit/s, less 10 % headroom for everything else on it."""
+    if not math.isfinite(mbit) or mbit <= 0:
+        raise ValueError(f"rate must be > 0 Mbit/s, got {mbit}")
+    return mbit * 1e6 / 8 * 0.9
+
+
+__all__ = ["DistributionLayout", "ModelCache", "ModelSender", "rate_of"]

@@ -1,0 +1,123 @@
+"""Model distribution through the switch: each version sent once, copied by the switch, repaired over TCP."""
+
+from __future__ import annotations
+
+import threading
+import time
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+from netagg import wire
+from netagg.mlfabric.async_server import FabricServer
+from netagg.mlfabric.distribution import DistributionLayout, ModelCache, ModelSender
+from netagg.mlfabric.testing import loopback_configs
+from netagg.mlfabric.training import run_worker
+from netagg.mlfabric.worker import FabricClient
+
+testing = pytest.importorskip("netagg.softswitch.testing")
+
+pytestmark = pytest.mark.timeout(120)
+
+SLOTS = 16
+SIZE = 10_000  # 157 blocks
+
+
+def test_rounds_grow_with_the_version_in_every_slot_and_seq_names_version_and_block():
+    layout = DistributionLayout(SIZE, SLOTS)
+    assert (layout.blocks, layout.uses) == (157, 10)
+    slots = np.arange(layout.blocks) % SLOTS
+    for version in (0, 1, 6553, 6554):  # 6554 * 10 wraps past 2**16
+        now, later = layout.rounds(version), layout.rounds(version + 1)
+        for slot in range(SLOTS):
+            used = now[slots == slot]
+            assert all(0 < (b - a) & 0xFFFF < 0x8000 for a, b in pairwise(used))  # each use is a new round
+            assert 0 < (later[slots == slot][0] - used[-1]) & 0xFFFF < 0x8000  # and the next version's too
+    seqs = layout.seqs(0x12345)
+    assert seqs[0] == 0x23450000 and seqs[-1] == 0x23450000 + 156
+    with pytest.raises(ValueError, match="blocks"):
+        DistributionLayout(wire.K * 65537, SLOTS)
+
+
+def _distribution_job(switch, receivers: int):
+    """Receivers are ranks 0..n-1 of a job on the switch; the PS sends as its last rank."""
+    return switch.add_job(receivers + 1, slot_count=SLOTS)
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.1])
+def test_every_receiver_gets_the_newest_version_exactly_repairing_what_it_missed(loss):
+    faults = {"drop": loss, "seed": 7} if loss else {}
+    rng = np.random.default_rng(1)
+    models = {v: rng.standard_normal(SIZE).astype(np.float32) for v in range(1, 5)}
+    models[3][:5] = [np.nan, np.inf, -0.0, 1e-45, -3.4e38]  # bit patterns, not values, travel
+    with testing.LoopbackSwitch(**faults) as switch:
+        configs = _distribution_job(switch, 3)
+        sender = ModelSender(configs[3], rate=20e6)
+        caches = [ModelCache(c, SIZE) for c in configs[:3]]
+        try:
+            for version in (1, 2, 3):
+                sender.publish(version, models[version])
+                time.sleep(0.1)
+            for cache in caches:
+                got = cache.newest(2, wait=2.0, repair=sender.blocks)
+                assert got is not None and got[0] == 3
+                assert got[1].tobytes() == models[3].tobytes()
+                assert cache.newest(3, wait=0.1, repair=sender.blocks) is None  # nothing newer yet
+            sender.publish(4, models[4])
+            for cache in caches:
+                got = cache.newest(3, wait=2.0, repair=sender.blocks)
+                assert got is not None and got[1].tobytes() == models[4].tobytes()
+            assert sender.stats.versions_sent == 4
+            counters = switch.counters(configs[0].job_id)
+            # One-member rounds: every packet that reached the switch completed its round at once.
+            assert counters["results"] == counters["contributions"] > 0 and counters["rejects"] == 0
+            if loss:
+                assert sum(c.stats.versions_repaired for c in caches) > 0
+                assert counters["contributions"] < 4 * 157
+            else:
+                assert counters["contributions"] == 4 * 157
+                assert all(c.stats.versions_repaired == 0 for c in caches)
+        finally:
+            for cache in caches:
+                cache.close()
+            sender.close()
+
+
+def test_workers_start_their_steps_from_versions_the_switch_delivered():
+    with testing.LoopbackSwitch() as switch:
+        dist = _distribution_job(switch, 3)
+        fabric = loopback_configs(3, update_mode="async", delay_bound=8)
+        sender = ModelSender(dist[3], rate=20e6)
+        server = FabricServer(fabric[0], lr=0.01, gate_timeout=0, distribution=sender).start()
+        target = np.linspace(-1, 1, SIZE).astype(np.float32)
+        reports: list = [None] * 3
+
+        def grad_fn(params: np.ndarray, step: int):
+            time.sleep(0.01)
+            return float(np.sum((params - target) ** 2)), (params - target).astype(np.float32)
+
+        def work(rank: int) -> None:
+            client = FabricClient.from_config(fabric[rank])
+            try:
+                reports[rank] = run_worker(client, grad_fn, np.zeros(SIZE, np.float32), steps=30,
+                                           distribution=dist[rank], local_wait=0.2)
+            finally:
+                client.close()
+
+        try:
+            threads = [threading.Thread(target=work, args=(r,)) for r in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(90)
+            assert all(r is not None and r.errors == 0 for r in reports)
+            assert sum(r.local_models for r in reports) > sum(r.pulls for r in reports)  # most steps: no pull
+            assert all(r.pulls >= 1 for r in reports)  # the first step pulls
+            assert server.stats.applied + server.stats.dropped == sum(r.pushed for r in reports) == 90
+            assert server.max_delay is not None and server.max_delay <= 8
+            assert sender.stats.versions_sent > 1
+            # Every applied gradient was computed on a version the PS had: the log's versions are ones it held.
+            assert all(0 <= e.version < e.seq + 1 for e in server.log)
+        finally:
+            server.stop()
