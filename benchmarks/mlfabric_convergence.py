@@ -98,6 +98,8 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         with open(log, "wb") as out:
             model_args = ["--model-config", str(dist_paths[-1]), "--model-rate-mbit",
                           str(args.rate_mbit)] if dist_paths else []
+            if kind.startswith("mlfabric"):
+                model_args += ["--batch-window", str(args.batch_window)]
             ps = subprocess.Popen(cluster.host_command(cluster.ps_host, [*PS_COMMAND, "--config", str(paths[0]),
                                                                          "--lr", str(args.lr), *model_args]),
                                   stdout=out, stderr=subprocess.STDOUT, env=env, cwd=dp.REPO_ROOT)
@@ -165,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=400, help="steps per worker at most")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--slots", type=int, default=4, help="the job's switch slots")
+    parser.add_argument("--batch-window", type=float, default=0.01,
+                        help="the scheduler's batch window: longer batches gather more requests to aggregate")
     parser.add_argument("--hidden", type=int, default=64,
                         help="hidden units of the MLP: 64 is 4,874 values (19.5 kB); 8192 is 606k (2.4 MB)")
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))

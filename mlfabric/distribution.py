@@ -21,6 +21,7 @@ bit patterns (a one-member sum is the value itself), so every copy is exact.
 from __future__ import annotations
 
 import math
+import select
 import threading
 import time
 from collections import OrderedDict
@@ -29,14 +30,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from netagg import wire
-from netagg.hoststack.packets import PACKET_DTYPE, resolve, udp_socket
+from netagg import mmsg, wire
+from netagg.hoststack.packets import HEADER_DTYPE, PACKET_DTYPE, resolve, udp_socket
 from netagg.jobconfig import WorkerConfig
 
 #: Versions kept for repairs at the PS, and assembled at once at a worker.
 KEEP_VERSIONS = 4
 _VERSION_BITS = 16
 _BLOCK_MASK = (1 << 16) - 1
+_STRIDE = 512
 
 
 @dataclass(frozen=True)
@@ -204,12 +206,13 @@ class CacheStats:
 class ModelCache:
     """A worker's side (see the module docstring). ``config``: this worker's rank in the distribution job."""
 
-    def __init__(self, config: WorkerConfig, size: int) -> None:
+    def __init__(self, config: WorkerConfig, size: int, *, batched: bool | None = None) -> None:
+        """``batched``: receive with recvmmsg (default: where available), else one datagram per call."""
         self.config = config
+        self.batched = mmsg.AVAILABLE if batched is None else batched
         self.layout = DistributionLayout(size, config.slot_count)
         self.stats = CacheStats()
         self.sock = udp_socket(resolve(config.bind))
-        self.sock.settimeout(0.2)
         self.source = resolve(config.aggregator)
         self._parts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()  # version -> (blocks, got)
         self._latest: tuple[int, np.ndarray] | None = None
@@ -285,33 +288,60 @@ class ModelCache:
 
     # -- receiving thread --------------------------------------------------------------
     def _run(self) -> None:
-        buf = bytearray(2048)
-        view = memoryview(buf)
-        job, layout = self.config.job_id, self.layout
+        """Batches of datagrams (``recvmmsg`` where available), checked and placed with numpy."""
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
+        batch = mmsg.MsgBatch(mmsg.BATCH, _STRIDE) if self.batched else None
+        rows = batch.buf if batch is not None else np.zeros((mmsg.BATCH, _STRIDE), np.uint8)
+        names = batch.names if batch is not None else np.zeros((mmsg.BATCH, mmsg.NAME_BYTES), np.uint8)
+        lengths = batch.lengths if batch is not None else np.zeros(mmsg.BATCH, np.uint32)
+        expected_name = np.frombuffer(bytes(mmsg.sockaddr_in(*self.source)[:8]), np.uint8)
+        fd = self.sock.fileno()
         while not self._stop:
-            try:
-                n, source = self.sock.recvfrom_into(buf)
-            except (TimeoutError, BlockingIOError):
+            if not poller.poll(200):
                 continue
+            try:
+                count = batch.recv(fd) if batch is not None else self._recv_each(rows, names, lengths, expected_name)
             except OSError:
-                return
-            if source != self.source:
-                self.stats.foreign += 1
+                if self._stop:
+                    return
                 continue
+            if count:
+                self._accept(rows[:count], lengths[:count], (names[:count, :8] == expected_name).all(axis=1))
+
+    def _recv_each(self, rows: np.ndarray, names: np.ndarray, lengths: np.ndarray, expected: np.ndarray) -> int:
+        """Without recvmmsg: one recvfrom_into per datagram, into the same rows."""
+        count = 0
+        while count < rows.shape[0]:
             try:
-                header, values = wire.unpack(view[:n])
-            except wire.MalformedPacket:
-                self.stats.malformed += 1
-                continue
-            block = header.seq & _BLOCK_MASK
-            if header.job_id != job or not header.is_result or block >= layout.blocks:
-                self.stats.malformed += 1
-                continue
-            with self._cond:
-                self.stats.packets += 1
-                version = self._widen(header.seq >> _VERSION_BITS)
+                size, source = self.sock.recvfrom_into(memoryview(rows[count]))
+            except BlockingIOError:
+                break
+            lengths[count] = size
+            names[count, :8] = expected if source == self.source else 0
+            count += 1
+        return count
+
+    def _accept(self, rows: np.ndarray, lengths: np.ndarray, from_switch: np.ndarray) -> None:
+        layout = self.layout
+        hdr = np.ascontiguousarray(rows[:, :wire.HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
+        valid = from_switch & (lengths == wire.NETAGG_BYTES) & (hdr["version"] == wire.VERSION) \
+            & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == self.config.job_id)
+        seqs = hdr["seq"].astype(np.int64)
+        blocks = seqs & _BLOCK_MASK
+        valid &= blocks < layout.blocks
+        with self._cond:
+            self.stats.foreign += int((~from_switch).sum())
+            self.stats.malformed += int((from_switch & ~valid).sum())
+            self.stats.packets += int(valid.sum())
+            if not valid.any():
+                return
+            values = rows[valid, wire.HEADER_BYTES:wire.NETAGG_BYTES].copy().view(">i4").astype(np.int32)
+            lows, blocks = seqs[valid] >> _VERSION_BITS, blocks[valid]
+            for low in np.unique(lows):
+                version = self._widen(int(low))
                 if self._latest is not None and version <= self._latest[0]:
-                    continue  # a copy of a version already assembled (or older)
+                    continue  # copies of a version already assembled (or older)
                 entry = self._parts.get(version)
                 if entry is None:
                     entry = (np.zeros((layout.blocks, wire.K), np.float32), np.zeros(layout.blocks, bool))
@@ -319,10 +349,10 @@ class ModelCache:
                     while len(self._parts) > KEEP_VERSIONS:
                         self._parts.popitem(last=False)
                         self.stats.versions_abandoned += 1
-                blocks, got = entry
-                blocks[block] = values.view(np.float32)
-                got[block] = True
-                if got.all():
+                mine = lows == low
+                entry[0][blocks[mine]] = values[mine].view(np.float32)
+                entry[1][blocks[mine]] = True
+                if entry[1].all():
                     self._complete(version)
 
     def _widen(self, low: int) -> int:

@@ -54,7 +54,7 @@ def test_every_receiver_gets_the_newest_version_exactly_repairing_what_it_missed
     with testing.LoopbackSwitch(**faults) as switch:
         configs = _distribution_job(switch, 3)
         sender = ModelSender(configs[3], rate=20e6)
-        caches = [ModelCache(c, SIZE) for c in configs[:3]]
+        caches = [ModelCache(c, SIZE, batched=rank != 2) for rank, c in enumerate(configs[:3])]  # 2: one by one
         try:
             for version in (1, 2, 3):
                 sender.publish(version, models[version])
