@@ -84,7 +84,7 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         ports = [*cluster.worker_ports(hosts, offset=100), cluster.worker_ports([cluster.ps_host], offset=200)[0]]
         members = [*hosts, cluster.ps_host]
         created = json.loads(cluster.cli("--json", "job", "create", "--name", f"dist-{kind}", "--slots",
-                                         str(args.slots), "--mode", "allreduce", "--workers",
+                                         str(args.slots), "--mode", "allreduce", "--senders", "1", "--workers",
                                          ",".join(f"{h}:{p}" for h, p in zip(members, ports))))
         dist_id = created["job"]["job_id"]
         for rank in range(len(members)):

@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--switch-aggregation", action="store_true",
                         help="mlfabric, mode allreduce: sum the scheduler's groups of updates in the job's switch "
                         "slots (subset rounds) instead of at an idle worker")
+    create.add_argument("--senders", type=int, default=0,
+                        help="mode allreduce: the last N workers only send (e.g. a PS distributing the model "
+                        "through the switch): they are left out of the job's multicast group")
     create.add_argument("--replicas", type=int, help="PS replicas (chain replication); default: as many as named")
     create.add_argument("--replica-ps", help="comma-separated replica endpoints: configured names or HOST:UDP_PORT "
                         "(default: the first configured parameter servers other than --ps)")
@@ -231,6 +234,8 @@ def _job_command(args: argparse.Namespace) -> int:
             request["schedule"] = args.schedule
         if args.switch_aggregation:
             request["switch_aggregation"] = True
+        if args.senders:
+            request["senders"] = args.senders
         if args.replicas is not None:
             request["replicas"] = args.replicas
         if args.replica_ps:

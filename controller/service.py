@@ -109,13 +109,16 @@ class JobService:
                    ps: str | None = None, lease_seconds: float | None = None,
                    tenant: str | None = None, update_mode: str = "sync", delay_bound: int | None = None,
                    schedule: str = "fifo", replicas: int | None = None,
-                   replica_ps: Sequence[str] | None = None, switch_aggregation: bool = False) -> dict:
+                   replica_ps: Sequence[str] | None = None, switch_aggregation: bool = False,
+                   senders: int = 0) -> dict:
         """Admit a job (best effort) and program the switch; returns the job and how it was admitted.
 
         ``update_mode``, ``delay_bound``, ``schedule``, ``replicas``/``replica_ps`` are the MLfabric
         options (docs/mlfabric.md); they are stored with the job and written into its worker configs.
         ``switch_aggregation`` (mode allreduce, schedule mlfabric) sums the scheduler's groups in the
         job's slots; a job admitted in fallback mode (no slots) goes without it (said in its note).
+        ``senders``: the last that many workers only send (mode allreduce): they are left out of the
+        job's multicast group (a PS distributing the model through the switch, docs/mlfabric.md).
         """
         owner = self._owner_for(caller, tenant)
         endpoints = self._parse_workers(workers)
@@ -127,6 +130,11 @@ class JobService:
         if not isinstance(switch_aggregation, bool):
             raise ServiceError("invalid_argument", f"switch aggregation must be true or false, got "
                                f"{switch_aggregation!r}")
+        if not isinstance(senders, int) or isinstance(senders, bool) or not 0 <= senders < len(endpoints):
+            raise ServiceError("invalid_argument", f"senders must be an integer in 0..{len(endpoints) - 1}, "
+                               f"got {senders!r}")
+        if senders and mode != "allreduce":
+            raise ServiceError("invalid_argument", "--senders needs --mode allreduce")
         if switch_aggregation and (schedule != "mlfabric" or mode != "allreduce"):
             raise ServiceError("invalid_argument", "--switch-aggregation needs --schedule mlfabric and --mode "
                                "allreduce (the group's sums go back to its members)")
@@ -170,7 +178,7 @@ class JobService:
                         ps=ps_endpoint, lease_seconds=lease, lease_expires=now + lease, created=now,
                         note=f"{admission}: {reason}", update_mode=update_mode, delay_bound=delay_bound,
                         schedule=schedule, replicas=replica_endpoints, secret=jobsecret.new_secret(),
-                        switch_aggregation=switch_aggregation,
+                        switch_aggregation=switch_aggregation, senders=senders,
                     )
                     self.store.insert(conn, job)
             except BaseException:

@@ -48,6 +48,7 @@ MIGRATIONS = (
     ("replicas", "TEXT NOT NULL DEFAULT '[]'"),
     ("secret", "TEXT NOT NULL DEFAULT ''"),
     ("switch_aggregation", "INTEGER NOT NULL DEFAULT 0"),
+    ("senders", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 
@@ -99,6 +100,8 @@ class JobRecord:
     secret: str = field(default="", repr=False)
     #: MLfabric: the scheduler's groups are summed in the job's switch slots (subset rounds).
     switch_aggregation: bool = False
+    #: The last ``senders`` ranks only send (a PS distributing the model): not in the job's group.
+    senders: int = 0
 
     @property
     def uses_switch(self) -> bool:
@@ -123,7 +126,7 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
         counter_base=json.loads(row["counter_base"]), note=row["note"],
         update_mode=row["update_mode"], delay_bound=row["delay_bound"], schedule=row["schedule"],
         replicas=[PsEndpoint(**r) for r in json.loads(row["replicas"])], secret=row["secret"],
-        switch_aggregation=bool(row["switch_aggregation"]),
+        switch_aggregation=bool(row["switch_aggregation"]), senders=row["senders"],
     )
 
 
@@ -171,13 +174,13 @@ class JobStore:
         conn.execute(
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
             " workers, ps, lease_seconds, lease_expires, created, counter_base, note,"
-            " update_mode, delay_bound, schedule, replicas, secret, switch_aggregation)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " update_mode, delay_bound, schedule, replicas, secret, switch_aggregation, senders)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
              job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
              json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
              job.created, json.dumps(job.counter_base), job.note, job.update_mode, job.delay_bound, job.schedule,
-             json.dumps([asdict(r) for r in job.replicas]), job.secret, int(job.switch_aggregation)),
+             json.dumps([asdict(r) for r in job.replicas]), job.secret, int(job.switch_aggregation), job.senders),
         )
 
     def set_state(self, job_id: int, state: str) -> None:

@@ -72,8 +72,8 @@ def job_state(config: ControllerConfig, job: JobRecord) -> DesiredState:
                              {"job_id": job.job_id, "ipv4_src": ip_to_int(w.ip), "udp_src": w.udp_port,
                               "ingress_port": config.hosts[w.host].port},
                              dp.ACTION_SET_WORKER, {"rank": w.rank, "worker_mask": 1 << w.rank}))
-    if job.mode == "allreduce":
-        receivers = [(w.rank + 1, w.host, w.ip, w.udp_port) for w in job.workers]
+    if job.mode == "allreduce":  # every worker but the send-only last ranks
+        receivers = [(w.rank + 1, w.host, w.ip, w.udp_port) for w in job.workers[:len(job.workers) - job.senders]]
     else:
         assert job.ps is not None
         receivers = [(1, job.ps.host, job.ps.ip, job.ps.udp_port)]

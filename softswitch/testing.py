@@ -71,8 +71,9 @@ class LoopbackSwitch:
         self.stop()
 
     def add_job(self, num_workers: int, slot_count: int, mode: str = "allreduce", ps: Endpoint | None = None,
-                bind_ports: list[int] | None = None) -> list[WorkerConfig]:
-        """Install a job (unless fallback) and return every rank's configuration."""
+                bind_ports: list[int] | None = None, senders: int = 0) -> list[WorkerConfig]:
+        """Install a job (unless fallback) and return every rank's configuration (``senders``: the last
+        ranks only send, outside the job's group)."""
         if mode != "fallback" and self._next_slot + slot_count > self.capacity:
             raise ValueError(f"only {self.capacity - self._next_slot} slots left")
         ports = bind_ports or free_ports(num_workers)
@@ -82,7 +83,7 @@ class LoopbackSwitch:
             slot_count=slot_count, slots_wanted=slot_count, generation=next(self._generations),
             workers=[WorkerEndpoint(r, LOCAL_HOST, "127.0.0.1", p) for r, p in enumerate(ports)],
             ps=PsEndpoint(LOCAL_HOST, ps.host, ps.port) if ps else None,
-            lease_seconds=3600, lease_expires=time.time() + 3600, created=time.time(),
+            lease_seconds=3600, lease_expires=time.time() + 3600, created=time.time(), senders=senders,
         )
         if mode != "fallback":
             self._next_slot += slot_count

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import yaml
 
+from netagg import dataplane as dp
 from netagg.controller.cli import EXIT_CODES, main
+from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord, JobStore, PsEndpoint, WorkerEndpoint
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
 from netagg.mlfabric.async_server import FabricServer
@@ -175,3 +177,24 @@ def test_a_switch_aggregation_job_writes_configs_for_subset_rounds(capsys, soft_
     assert main(["--config", str(soft_controller.config), "--token", TOKENS["alice"], "job", "show",
                  str(job["job_id"])]) == 0
     assert "switch-aggregation" in capsys.readouterr().out
+
+
+def test_send_only_ranks_are_registered_but_left_out_of_the_group(capsys, soft_controller, soft_switch):
+    workers = ",".join(f"local:{free_udp_port()}" for _ in range(4))
+    code, out, err = _cli(capsys, soft_controller, "job", "create", "--workers", workers, "--slots", "4",
+                          "--mode", "allreduce", "--senders", "1")
+    assert code == 0, err
+    job = json.loads(out)["job"]
+    assert job["senders"] == 1
+    with P4RuntimeClient(soft_switch.grpc_address, device_id=1, election_id=(0, 1),
+                         p4info_path=dp.P4INFO_PATH) as reader:
+        reader.connect()
+        group = reader.read_multicast_groups()[job["job_id"]]
+        workers_of_job = [e for e in reader.read_entries(dp.TABLE_WORKERS) if e.match["job_id"] == job["job_id"]]
+    assert sorted(rid for _, rid in group) == [1, 2, 3]  # ranks 0..2 receive; rank 3 only sends
+    assert len(workers_of_job) == 4  # but all four may send
+    for args, message in ((["--senders", "4"], "senders must be an integer in 0..3"),
+                          (["--senders", "1", "--mode", "ps", "--ps", "ps0"], "--senders needs --mode allreduce")):
+        code, _, err = _cli(capsys, soft_controller, "job", "create", "--workers", workers, "--slots", "4",
+                            *(["--mode", "allreduce"] if "--mode" not in args else []), *args)
+        assert code == EXIT_CODES["invalid_argument"] and message in err, err

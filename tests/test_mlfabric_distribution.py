@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from itertools import pairwise
@@ -41,8 +42,8 @@ def test_rounds_grow_with_the_version_in_every_slot_and_seq_names_version_and_bl
 
 
 def _distribution_job(switch, receivers: int):
-    """Receivers are ranks 0..n-1 of a job on the switch; the PS sends as its last rank."""
-    return switch.add_job(receivers + 1, slot_count=SLOTS)
+    """Receivers are ranks 0..n-1 of a job on the switch; the PS sends as its last rank, outside the group."""
+    return switch.add_job(receivers + 1, slot_count=SLOTS, senders=1)
 
 
 @pytest.mark.parametrize("loss", [0.0, 0.1])
@@ -69,6 +70,8 @@ def test_every_receiver_gets_the_newest_version_exactly_repairing_what_it_missed
                 got = cache.newest(3, wait=2.0, repair=sender.blocks)
                 assert got is not None and got[1].tobytes() == models[4].tobytes()
             assert sender.stats.versions_sent == 4
+            with pytest.raises(BlockingIOError):  # the PS sends only: no copy comes back to it
+                sender.sock.recv(2048, socket.MSG_DONTWAIT)
             counters = switch.counters(configs[0].job_id)
             # One-member rounds: every packet that reached the switch completed its round at once.
             assert counters["results"] == counters["contributions"] > 0 and counters["rejects"] == 0
