@@ -143,6 +143,10 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         "switch_aggregated": sum(r.get("switch_aggregated", 0) for r in reports),
         "switch_fallbacks": sum(r.get("switch_fallbacks", 0) for r in reports),
         "local_models": sum(r.get("local_models", 0) for r in reports),
+        # The PS's link: model bytes out (pulls, and versions sent through the switch) and update bytes in.
+        "ps_out_mb": round((stats.get("pull_bytes", 0) + (final.get("distribution") or {}).get("bytes_sent", 0))
+                           / 1e6, 1),
+        "ps_in_mb": round(stats.get("push_bytes", 0) / 1e6, 1),
         "pulls": sum(r.get("pulls", 0) for r in reports),
         "bandwidth": {k: round(v / 1e3, 1) for k, v in (scheduler.get("bandwidth") or {}).items()},
     }
@@ -193,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
               f"compute delays {plan.compute_delay_ms}, other tenant {list(plan.background)}", flush=True)
         for repeat in range(args.repeats):
             for kind in args.kinds:
-                row = run(cluster, kind, args, plan)
+                try:
+                    row = run(cluster, kind, args, plan)
+                except Exception as err:  # one failed run is reported, the sweep goes on
+                    row = {"kind": kind, "time_to_target": None, "error": str(err)[-600:], "applied": 0,
+                           "dropped": 0, "scheduler_dropped": 0, "aggregated_members": 0, "switch_aggregated": 0,
+                           "max_delay": None}
                 row["repeat"] = repeat
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -136,7 +136,8 @@ def monitor(args: argparse.Namespace) -> int:
         client.close()
     print(json.dumps({"final": {"time_to_target": reached, "target_loss": args.target_loss, **last,
                                 "stats": stats["stats"], "max_delay": stats["max_delay"],
-                                "scheduler": stats.get("scheduler")}}), flush=True)
+                                "scheduler": stats.get("scheduler"),
+                                "distribution": stats.get("distribution")}}), flush=True)
     return 0
 
 

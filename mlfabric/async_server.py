@@ -84,6 +84,10 @@ class ServerStats:
     #: Requests refused for a wrong or missing job secret (also counted in ``bad_requests``).
     bad_secret: int = 0
     pushes: int = 0
+    #: Bytes of models served by pulls (out of the PS) and of updates pushed (into it).
+    pulls: int = 0
+    pull_bytes: int = 0
+    push_bytes: int = 0
     duplicates: int = 0
     #: Gradients applied / dropped (an aggregate of k counts k).
     applied: int = 0
@@ -412,6 +416,8 @@ class FabricServer:
             self.started_at = self.started_at or time.monotonic()  # waited long enough for the others
             response = {"ok": True, "version": self.version, "halted": self.halted, "size": int(self.model.size)}
             model, seq = self.model.tobytes(), self.seq
+            self.stats.pulls += 1
+            self.stats.pull_bytes += len(model)
         # Only replicated state is read: a gradient is never computed on a model a failover could lose.
         self._await_safe(seq)
         return response, model
@@ -427,6 +433,7 @@ class FabricServer:
         parts = self._parts(header)
         with self._cond:
             self.stats.pushes += 1
+            self.stats.push_bytes += len(frame.blob)
             if self.model is None:
                 raise ValueError("push before the model was initialized")
             grad = from_blob(frame.blob, self.model.size)
@@ -713,6 +720,8 @@ class FabricServer:
             }
             if frame.header.get("log"):
                 result["log"] = [asdict(e) for e in self.log]
+            if self.distribution is not None:
+                result["distribution"] = asdict(self.distribution.stats)
             if self.forwarder is not None:
                 forwarder = self.forwarder
                 snapshots_sent = forwarder.snapshots_sent  # read first: it counts acknowledged transfers

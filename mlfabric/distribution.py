@@ -210,6 +210,9 @@ class ModelCache:
         """``batched``: receive with recvmmsg (default: where available), else one datagram per call."""
         self.config = config
         self.batched = mmsg.AVAILABLE if batched is None else batched
+        #: The PS is the distribution job's last rank; only its one-member rounds are versions. Another
+        #: worker of the job cannot forge them: the switch drops a sender outside a round's members.
+        self.sender_members = 1 << (config.num_workers - 1)
         self.layout = DistributionLayout(size, config.slot_count)
         self.stats = CacheStats()
         self.sock = udp_socket(resolve(config.bind))
@@ -242,8 +245,8 @@ class ModelCache:
             return None
         version, missing = candidate
         fetched = repair(version, missing)
-        if fetched is None:
-            return None
+        if fetched is None or fetched.shape != (sum(b - a for a, b in missing), wire.K):
+            return None  # gone at the PS, or not this layout's blocks
         with self._cond:
             entry = self._parts.get(version)
             if entry is None:
@@ -326,7 +329,8 @@ class ModelCache:
         layout = self.layout
         hdr = np.ascontiguousarray(rows[:, :wire.HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
         valid = from_switch & (lengths == wire.NETAGG_BYTES) & (hdr["version"] == wire.VERSION) \
-            & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == self.config.job_id)
+            & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == self.config.job_id) \
+            & (hdr["members"] == self.sender_members)
         seqs = hdr["seq"].astype(np.int64)
         blocks = seqs & _BLOCK_MASK
         valid &= blocks < layout.blocks

@@ -88,7 +88,12 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
             local = None
             if cache is not None and step:
                 floor = max(version, report.ps_version - local_slack)
-                local = cache.newest(floor - 1) or cache.newest(version, local_wait, client.model_blocks)
+                try:
+                    local = cache.newest(floor - 1) or cache.newest(version, local_wait, client.model_blocks)
+                except Unavailable:
+                    raise
+                except FabricError:  # the repair was refused: pull instead
+                    local = None
             if local is not None:
                 version, params = local
                 report.local_models += 1
@@ -128,8 +133,8 @@ def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule:
         report.errors += 1
         report.error_messages = [*report.error_messages[-9:], str(err)]
         return True
-    if outcome is None:
-        return True
+    if outcome is None:  # dropped by the scheduler (whose answer may say the job is halted)
+        return not report.halted
     report.pushed += 1
     report.ps_version = max(report.ps_version, int(outcome.get("version", -1)))
     if outcome.get("outcome") == "applied":
@@ -154,6 +159,8 @@ def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: 
         return client.push(update_id, version, grad)
     decision = client.request(update_id, version, grad.nbytes, float(np.linalg.norm(grad)))
     action = decision["action"]
+    if decision.get("halted"):
+        report.halted = True
     if action == "drop":
         report.scheduler_dropped += 1
         return None

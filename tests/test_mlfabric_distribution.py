@@ -14,7 +14,7 @@ from netagg import wire
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.distribution import DistributionLayout, ModelCache, ModelSender
 from netagg.mlfabric.testing import loopback_configs
-from netagg.mlfabric.training import run_worker
+from netagg.mlfabric.training import WorkerReport, _step, run_worker
 from netagg.mlfabric.worker import FabricClient
 
 testing = pytest.importorskip("netagg.softswitch.testing")
@@ -53,8 +53,8 @@ def test_every_receiver_gets_the_newest_version_exactly_repairing_what_it_missed
     models = {v: rng.standard_normal(SIZE).astype(np.float32) for v in range(1, 5)}
     models[3][:5] = [np.nan, np.inf, -0.0, 1e-45, -3.4e38]  # bit patterns, not values, travel
     with testing.LoopbackSwitch(**faults) as switch:
-        configs = _distribution_job(switch, 3)
-        sender = ModelSender(configs[3], rate=20e6)
+        configs = _distribution_job(switch, 4)  # receivers 0..2 keep caches; 3 will try to forge a version
+        sender = ModelSender(configs[4], rate=20e6)
         caches = [ModelCache(c, SIZE, batched=rank != 2) for rank, c in enumerate(configs[:3])]  # 2: one by one
         try:
             for version in (1, 2, 3):
@@ -65,6 +65,14 @@ def test_every_receiver_gets_the_newest_version_exactly_repairing_what_it_missed
                 assert got is not None and got[0] == 3
                 assert got[1].tobytes() == models[3].tobytes()
                 assert cache.newest(3, wait=0.1, repair=sender.blocks) is None  # nothing newer yet
+            # Another receiver sends "version 5" as a one-member round of its own: the switch multicasts it,
+            # but it is not the PS's round, so no cache takes it.
+            forged = ModelSender(configs[3], rate=20e6)
+            forged.publish(5, np.zeros(SIZE, np.float32))
+            time.sleep(0.3)
+            forged.close()
+            assert all(c.newest(4, wait=0.0) is None for c in caches)
+            assert caches[1].stats.malformed > 0
             sender.publish(4, models[4])
             for cache in caches:
                 got = cache.newest(3, wait=2.0, repair=sender.blocks)
@@ -77,9 +85,9 @@ def test_every_receiver_gets_the_newest_version_exactly_repairing_what_it_missed
             assert counters["results"] == counters["contributions"] > 0 and counters["rejects"] == 0
             if loss:
                 assert sum(c.stats.versions_repaired for c in caches) > 0
-                assert counters["contributions"] < 4 * 157
+                assert counters["contributions"] < 5 * 157
             else:
-                assert counters["contributions"] == 4 * 157
+                assert counters["contributions"] == 5 * 157  # four versions and the forged one
                 assert all(c.stats.versions_repaired == 0 for c in caches)
         finally:
             for cache in caches:
@@ -124,3 +132,21 @@ def test_workers_start_their_steps_from_versions_the_switch_delivered():
             assert all(0 <= e.version < e.seq + 1 for e in server.log)
         finally:
             server.stop()
+
+
+class _HaltedScheduler:
+    """A client whose scheduler drops the update and says the job is halted."""
+
+    rank = 0
+
+    def request(self, *args, **kwargs):
+        return {"action": "drop", "reason": "predicted delay", "halted": True}
+
+
+def test_a_worker_that_never_pulls_still_stops_when_the_job_halts():
+    # Starting every step from delivered versions, a worker may never pull again: the scheduler's answer
+    # (like a push's outcome) tells it the job is halted.
+    report = WorkerReport(0)
+    params = np.zeros(3, np.float32)
+    assert not _step(_HaltedScheduler(), report, lambda p, s: (0.0, p), "mlfabric", None, 0.0, None, 0, 0, params)
+    assert report.halted and report.scheduler_dropped == 1
