@@ -63,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="mlfabric, mode allreduce: sum the scheduler's groups of updates in the job's switch "
                         "slots (subset rounds) instead of at an idle worker")
     create.add_argument("--senders", type=int, default=0,
-                        help="mode allreduce: the last N workers only send (e.g. a PS distributing the model "
-                        "through the switch): they are left out of the job's multicast group")
+                        help="mode allreduce, a one-way job: the last N workers only send (e.g. a PS distributing "
+                        "the model through the switch), the others only receive")
     create.add_argument("--replicas", type=int, help="PS replicas (chain replication); default: as many as named")
     create.add_argument("--replica-ps", help="comma-separated replica endpoints: configured names or HOST:UDP_PORT "
                         "(default: the first configured parameter servers other than --ps)")

@@ -117,8 +117,9 @@ class JobService:
         options (docs/mlfabric.md); they are stored with the job and written into its worker configs.
         ``switch_aggregation`` (mode allreduce, schedule mlfabric) sums the scheduler's groups in the
         job's slots; a job admitted in fallback mode (no slots) goes without it (said in its note).
-        ``senders``: the last that many workers only send (mode allreduce): they are left out of the
-        job's multicast group (a PS distributing the model through the switch, docs/mlfabric.md).
+        ``senders``: a one-way job (mode allreduce): the last that many workers only send (left out of
+        the job's multicast group), the others only receive (left out of the workers table): a PS
+        distributing the model through the switch (docs/mlfabric.md).
         """
         owner = self._owner_for(caller, tenant)
         endpoints = self._parse_workers(workers)

@@ -100,7 +100,8 @@ class JobRecord:
     secret: str = field(default="", repr=False)
     #: MLfabric: the scheduler's groups are summed in the job's switch slots (subset rounds).
     switch_aggregation: bool = False
-    #: The last ``senders`` ranks only send (a PS distributing the model): not in the job's group.
+    #: A one-way job: its last ``senders`` ranks only send (not in its group), the others only receive
+    #: (not in the workers table): a PS distributing the model (docs/mlfabric.md). 0: every rank does both.
     senders: int = 0
 
     @property

@@ -67,7 +67,9 @@ def job_state(config: ControllerConfig, job: JobRecord) -> DesiredState:
         "num_workers": len(job.workers), "slot_base": job.slot_base, "slot_count": job.slot_count,
         "mgid": job.job_id, "generation": job.generation,
     }))
-    for w in job.workers:  # keyed by the host's switch port too: no contributing under another host's address
+    # A one-way job (senders > 0): only its last ranks send, the others only receive.
+    for w in job.workers[len(job.workers) - job.senders if job.senders else 0:]:
+        # keyed by the host's switch port too: no contributing under another host's address
         state.add(Entry.make(dp.TABLE_WORKERS,
                              {"job_id": job.job_id, "ipv4_src": ip_to_int(w.ip), "udp_src": w.udp_port,
                               "ingress_port": config.hosts[w.host].port},

@@ -72,8 +72,8 @@ class LoopbackSwitch:
 
     def add_job(self, num_workers: int, slot_count: int, mode: str = "allreduce", ps: Endpoint | None = None,
                 bind_ports: list[int] | None = None, senders: int = 0) -> list[WorkerConfig]:
-        """Install a job (unless fallback) and return every rank's configuration (``senders``: the last
-        ranks only send, outside the job's group)."""
+        """Install a job (unless fallback) and return every rank's configuration (``senders``: a one-way
+        job, whose last ranks only send and the others only receive)."""
         if mode != "fallback" and self._next_slot + slot_count > self.capacity:
             raise ValueError(f"only {self.capacity - self._next_slot} slots left")
         ports = bind_ports or free_ports(num_workers)

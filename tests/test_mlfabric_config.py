@@ -179,7 +179,7 @@ def test_a_switch_aggregation_job_writes_configs_for_subset_rounds(capsys, soft_
     assert "switch-aggregation" in capsys.readouterr().out
 
 
-def test_send_only_ranks_are_registered_but_left_out_of_the_group(capsys, soft_controller, soft_switch):
+def test_a_one_way_job_lets_its_senders_send_and_its_receivers_receive(capsys, soft_controller, soft_switch):
     workers = ",".join(f"local:{free_udp_port()}" for _ in range(4))
     code, out, err = _cli(capsys, soft_controller, "job", "create", "--workers", workers, "--slots", "4",
                           "--mode", "allreduce", "--senders", "1")
@@ -192,7 +192,7 @@ def test_send_only_ranks_are_registered_but_left_out_of_the_group(capsys, soft_c
         group = reader.read_multicast_groups()[job["job_id"]]
         workers_of_job = [e for e in reader.read_entries(dp.TABLE_WORKERS) if e.match["job_id"] == job["job_id"]]
     assert sorted(rid for _, rid in group) == [1, 2, 3]  # ranks 0..2 receive; rank 3 only sends
-    assert len(workers_of_job) == 4  # but all four may send
+    assert [e.params["rank"] for e in workers_of_job] == [3]  # and only rank 3 may send
     for args, message in ((["--senders", "4"], "senders must be an integer in 0..3"),
                           (["--senders", "1", "--mode", "ps", "--ps", "ps0"], "--senders needs --mode allreduce")):
         code, _, err = _cli(capsys, soft_controller, "job", "create", "--workers", workers, "--slots", "4",

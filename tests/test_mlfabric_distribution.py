@@ -65,14 +65,13 @@ def test_every_receiver_gets_the_newest_version_exactly_repairing_what_it_missed
                 assert got is not None and got[0] == 3
                 assert got[1].tobytes() == models[3].tobytes()
                 assert cache.newest(3, wait=0.1, repair=sender.blocks) is None  # nothing newer yet
-            # Another receiver sends "version 5" as a one-member round of its own: the switch multicasts it,
-            # but it is not the PS's round, so no cache takes it.
+            # Another receiver sends "version 5" as a one-member round of its own: a receiver of the one-way
+            # job may not send (UNKNOWN_WORKER), so nothing reaches the caches nor moves the slots' rounds.
             forged = ModelSender(configs[3], rate=20e6)
             forged.publish(5, np.zeros(SIZE, np.float32))
             time.sleep(0.3)
             forged.close()
-            assert all(c.newest(4, wait=0.0) is None for c in caches)
-            assert caches[1].stats.malformed > 0
+            assert all(c.newest(3, wait=0.0) is None for c in caches)
             sender.publish(4, models[4])
             for cache in caches:
                 got = cache.newest(3, wait=2.0, repair=sender.blocks)
@@ -82,12 +81,13 @@ def test_every_receiver_gets_the_newest_version_exactly_repairing_what_it_missed
                 sender.sock.recv(2048, socket.MSG_DONTWAIT)
             counters = switch.counters(configs[0].job_id)
             # One-member rounds: every packet that reached the switch completed its round at once.
-            assert counters["results"] == counters["contributions"] > 0 and counters["rejects"] == 0
+            assert counters["results"] == counters["contributions"] > 0
+            assert 0 < counters["rejects"] <= 157  # the forged version's packets
             if loss:
                 assert sum(c.stats.versions_repaired for c in caches) > 0
-                assert counters["contributions"] < 5 * 157
+                assert counters["contributions"] < 4 * 157
             else:
-                assert counters["contributions"] == 5 * 157  # four versions and the forged one
+                assert counters["contributions"] == 4 * 157 and counters["rejects"] == 157
                 assert all(c.stats.versions_repaired == 0 for c in caches)
         finally:
             for cache in caches:
