@@ -672,6 +672,8 @@ class FabricServer:
                 isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] < r[1]
                 for r in raw):
             raise ValueError("model_blocks: ranges must be a list of [start, end) block numbers")
+        if sum(end - start for start, end in raw) > 1 << 16:  # a version has at most 2**16 blocks
+            raise ValueError("model_blocks: more blocks asked for than a version has")
         blocks = self.distribution.blocks(version, [(a, b) for a, b in raw])
         if blocks is None:
             return {"ok": True, "found": False}, b""

@@ -13,6 +13,7 @@ import pytest
 from netagg import wire
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.distribution import DistributionLayout, ModelCache, ModelSender
+from netagg.mlfabric.protocol import Refused
 from netagg.mlfabric.testing import loopback_configs
 from netagg.mlfabric.training import WorkerReport, _step, run_worker
 from netagg.mlfabric.worker import FabricClient
@@ -150,3 +151,22 @@ def test_a_worker_that_never_pulls_still_stops_when_the_job_halts():
     params = np.zeros(3, np.float32)
     assert not _step(_HaltedScheduler(), report, lambda p, s: (0.0, p), "mlfabric", None, 0.0, None, 0, 0, params)
     assert report.halted and report.scheduler_dropped == 1
+
+
+def test_a_repair_request_is_checked_before_anything_is_copied():
+    fabric = loopback_configs(1, update_mode="async", delay_bound=4)
+    with testing.LoopbackSwitch() as switch:
+        dist = _distribution_job(switch, 1)
+        server = FabricServer(fabric[0], gate_timeout=0, distribution=ModelSender(dist[1], rate=20e6)).start()
+        client = FabricClient.from_config(fabric[0])
+        try:
+            client.hello()
+            client.init(np.zeros(SIZE, np.float32))
+            assert client.model_blocks(99, [(0, 1)]) is None  # never sent: not found
+            for ranges, message in (([[0, 1 << 17]], "more blocks"), ([[5, 5]], "ranges must be"),
+                                    ([[0, 1]] * 70_000, "ranges must be"), (["x"], "ranges must be")):
+                with pytest.raises(Refused, match=message):
+                    client.call("model_blocks", {"version": 0, "ranges": ranges})
+        finally:
+            client.close()
+            server.stop()
