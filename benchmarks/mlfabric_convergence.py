@@ -123,7 +123,7 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
                                     cwd=dp.REPO_ROOT)
                    for rank, (host, path) in enumerate(zip(hosts, paths))]
         procs.extend(workers)
-        final = json_result(monitor, "monitor", timeout=args.max_seconds + 120)["final"]
+        final, curve = _monitor_result(monitor, timeout=args.max_seconds + 120)
         reports = [json_result(proc, f"worker {rank}", timeout=60) for rank, proc in enumerate(workers)]
     finally:
         for proc in procs:
@@ -133,7 +133,7 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
             cluster.cli("job", "delete", str(dist_id))
     stats = final["stats"]
     scheduler = final.get("scheduler") or {}
-    return {
+    return {"curve": curve,
         "kind": kind, "time_to_target": final["time_to_target"], "loss": final.get("loss"),
         "accuracy": final.get("accuracy"), "version": final.get("version"),
         "applied": stats["applied"], "dropped": stats["dropped"], "max_delay": final["max_delay"],
@@ -150,6 +150,15 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         "pulls": sum(r.get("pulls", 0) for r in reports),
         "bandwidth": {k: round(v / 1e3, 1) for k, v in (scheduler.get("bandwidth") or {}).items()},
     }
+
+
+def _monitor_result(monitor: subprocess.Popen, timeout: float) -> tuple[dict, list[dict]]:
+    """The monitor's final line and its (t, version, loss, accuracy) lines before it."""
+    out, err = monitor.communicate(timeout=timeout)
+    lines = [json.loads(line) for line in (out or "").splitlines() if line.startswith("{")]
+    if monitor.returncode != 0 or not lines or "final" not in lines[-1]:
+        raise RuntimeError(f"monitor failed (exit {monitor.returncode}):\n{(err or '')[-2000:]}")
+    return lines[-1]["final"], lines[:-1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=400, help="steps per worker at most")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--slots", type=int, default=4, help="the job's switch slots")
+    parser.add_argument("--setting", default="", help="a name for the cluster setting, kept with the curves")
+    parser.add_argument("--curves", type=Path, help="append each run's loss and accuracy over time to this JSON-lines "
+                        "file (plot it with benchmarks/plot_curves.py)")
     parser.add_argument("--batch-window", type=float, default=0.01,
                         help="the scheduler's batch window: longer batches gather more requests to aggregate")
     parser.add_argument("--hidden", type=int, default=64,
@@ -204,8 +216,13 @@ def main(argv: list[str] | None = None) -> int:
                            "dropped": 0, "scheduler_dropped": 0, "aggregated_members": 0, "switch_aggregated": 0,
                            "max_delay": None}
                 row["repeat"] = repeat
+                curve = row.pop("curve", [])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if args.curves is not None:
+                    with args.curves.open("a") as out:
+                        out.write(json.dumps({"kind": kind, "repeat": repeat, "setting": args.setting,
+                                              "curve": curve}) + "\n")
     print()
     print(f"{'kind':<15} {'rep':>3} {'s to loss':>9} {'applied':>7} {'dropped':>7} {'sched drop':>10} "
           f"{'aggregated':>10} {'in switch':>9} {'max delay':>9}")
