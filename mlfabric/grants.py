@@ -93,10 +93,8 @@ class GrantService:
         self._switch_floor = switch_floor
         #: Round base of the next subset round (None: not yet decided, see the module docstring).
         self._switch_next: int | None = None
-        #: group -> its round base, for the switch group in flight (at most one).
-        self._switch_groups: dict[int, int] = {}
-        #: group -> its members' [update_id, rank, version], for the switch group in flight.
-        self._switch_parts: dict[int, list[list]] = {}
+        #: group -> what its members are told (:meth:`switch_grant`), for the switch group in flight (at most one).
+        self._switch_grants: dict[int, dict] = {}
         self._cond = threading.Condition()
 
     def register(self, rank: int, can_aggregate: bool = True) -> None:
@@ -152,21 +150,12 @@ class GrantService:
             self._sleep_until(decision.slot.start, deadline)
         return decision
 
-    def switch_round(self, group: int) -> int:
-        """The round base (mod 2**16) of switch group ``group`` (KeyError if it is not a switch group in flight)."""
-        with self._cond:
-            return self._switch_groups[group] & 0xFFFF
-
     def switch_grant(self, group: int) -> dict | None:
-        """What the members of switch group ``group`` need (None if it is not one): the members' bitmap,
-        the round base, the leader (who pushes the sum) and the parts it pushes."""
+        """What the members of switch group ``group`` need (None if it is not one in flight): the members'
+        bitmap, the round base (mod 2**16), the leader (who pushes the sum) and the parts it pushes."""
         with self._cond:
-            if group not in self._switch_groups:
-                return None
-            parts = self._switch_parts[group]
-            return {"members": wire.members_of(rank for _, rank, _ in parts),
-                    "round": self._switch_groups[group] & 0xFFFF, "leader": self._groups[group].aggregator,
-                    "parts": [list(p) for p in parts]}
+            grant = self._switch_grants.get(group)
+            return None if grant is None else {**grant, "parts": [list(p) for p in grant["parts"]]}
 
     @property
     def switch_next(self) -> int:
@@ -205,13 +194,12 @@ class GrantService:
         for group, planned in list(self._groups.items()):
             if planned.slot.end + self.grace < now:
                 del self._groups[group]
-        for group in list(self._switch_groups):
+        for group in list(self._switch_grants):
             if group not in self._groups or not any(m in self._in_flight for m in self._groups[group].members):
-                del self._switch_groups[group]  # applied, dropped or expired: the switch's slots are free
-                self._switch_parts.pop(group, None)
+                del self._switch_grants[group]  # applied, dropped or expired: the switch's slots are free
 
     def _switch_possible(self, batch: list[_Pending]) -> bool:
-        if not self.switch_slots or self._switch_groups:
+        if not self.switch_slots or self._switch_grants:
             return False
         return all(switch_round_uses(p.request.size, self.switch_slots) <= MAX_SWITCH_ROUND_USES for p in batch)
 
@@ -249,10 +237,11 @@ class GrantService:
             if group.at_switch:
                 if self._switch_next is None:
                     self._switch_next = self._switch_floor() + SWITCH_ROUND_MARGIN
-                self._switch_groups[group.group] = self._switch_next
-                self._switch_parts[group.group] = [[p.request.update_id, p.request.rank, p.request.version]
-                                                   for p in batch if p.decision is not None
-                                                   and p.decision.group == group.group]
+                parts = [[p.request.update_id, p.request.rank, p.request.version]
+                         for p in batch if p.decision is not None and p.decision.group == group.group]
+                self._switch_grants[group.group] = {
+                    "members": wire.members_of(rank for _, rank, _ in parts), "round": self._switch_next & 0xFFFF,
+                    "leader": group.aggregator, "parts": parts}
                 self._switch_next += switch_round_uses(group.size, self.switch_slots)
             self._busy_until[group.aggregator] = group.slot.end
             self.stats.groups += 1

@@ -34,6 +34,17 @@ def _configs(switch, num_workers: int, replicas: int = 0) -> list:
             for s, f in zip(on_switch, fabric, strict=True)]
 
 
+def _start(configs, **summer_options) -> tuple[list, list, list, list]:
+    """The model initialised at the PS; per rank: a SwitchSummer, a gradient (10**rank), a report, an outcome."""
+    boot = FabricClient.from_config(configs[0])
+    boot.hello()
+    boot.init(np.zeros(SIZE, np.float32))
+    boot.close()
+    summers = [SwitchSummer(c, rto_initial=0.01, **summer_options) for c in configs]
+    grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(len(configs))]
+    return summers, grads, [WorkerReport(r) for r in range(len(configs))], [None] * len(configs)
+
+
 def _run_group(configs, server, grads, ranks, summers, reports, outcomes, skip=()):
     """Ranks ask at once (bandwidths injected: 100 kB/s each, 0.1 s per update); ``skip`` are granted but
     never take part (a member that died after its grant)."""
@@ -68,15 +79,9 @@ def test_queued_updates_are_summed_in_the_switch_and_applied_as_one(loss):
     with testing.LoopbackSwitch(**faults) as switch:
         configs = _configs(switch, 3)
         server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0).start()
-        summers = [SwitchSummer(c, rto_initial=0.01) for c in configs]
-        grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(3)]
-        reports = [WorkerReport(r) for r in range(3)]
-        outcomes: list = [None] * 3
+        summers: list = []
         try:
-            boot = FabricClient.from_config(configs[0])
-            boot.hello()
-            boot.init(np.zeros(SIZE, np.float32))
-            boot.close()
+            summers, grads, reports, outcomes = _start(configs)
             _run_group(configs, server, grads, range(3), summers, reports, outcomes)
             scheduler = server.grants.stats
             assert scheduler.batches == 1 and scheduler.groups == 1
@@ -106,15 +111,9 @@ def test_a_member_that_never_takes_part_makes_the_others_send_their_own():
     with testing.LoopbackSwitch() as switch:
         configs = _configs(switch, 3)
         server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0).start()
-        summers = [SwitchSummer(c, progress_timeout=1.0, rto_initial=0.01) for c in configs]
-        grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(3)]
-        reports = [WorkerReport(r) for r in range(3)]
-        outcomes: list = [None] * 3
+        summers: list = []
         try:
-            boot = FabricClient.from_config(configs[0])
-            boot.hello()
-            boot.init(np.zeros(SIZE, np.float32))
-            boot.close()
+            summers, grads, reports, outcomes = _start(configs, progress_timeout=1.0)
             _run_group(configs, server, grads, range(3), summers, reports, outcomes, skip={1})
             assert server.grants.stats.groups == 1
             # Rank 0's subset round never completes (rank 1 is silent): it pushes its own update instead.
@@ -133,15 +132,9 @@ def test_after_a_failover_the_new_primary_starts_its_subset_rounds_past_the_old_
         configs = _configs(switch, 3, replicas=1)
         replica = FabricServer(configs[0], replica=0, lr=1.0, batch_window=1.0, gate_timeout=0).start()
         primary = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0).start()
-        summers = [SwitchSummer(c, rto_initial=0.01) for c in configs]
-        grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(3)]
-        reports = [WorkerReport(r) for r in range(3)]
-        outcomes: list = [None] * 3
+        summers: list = []
         try:
-            boot = FabricClient.from_config(configs[0])
-            boot.hello()
-            boot.init(np.zeros(SIZE, np.float32))
-            boot.close()
+            summers, grads, reports, outcomes = _start(configs)
             _run_group(configs, primary, grads, range(3), summers, reports, outcomes)
             assert primary.grants.stats.groups == 1 and reports[0].switch_led == 1
             used = SWITCH_ROUND_MARGIN + switch_round_uses(SIZE * 4, SLOTS)
