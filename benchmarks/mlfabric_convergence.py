@@ -100,8 +100,9 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
                           str(args.rate_mbit)] if dist_paths else []
             if kind.startswith("mlfabric"):
                 model_args += ["--batch-window", str(args.batch_window)]
+            lr = args.lr if kind != "sync" else args.sync_lr if args.sync_lr is not None else args.lr * args.workers
             ps = subprocess.Popen(cluster.host_command(cluster.ps_host, [*PS_COMMAND, "--config", str(paths[0]),
-                                                                         "--lr", str(args.lr), *model_args]),
+                                                                         "--lr", str(lr), *model_args]),
                                   stdout=out, stderr=subprocess.STDOUT, env=env, cwd=dp.REPO_ROOT)
         procs.append(ps)
         deadline = time.monotonic() + 30
@@ -118,7 +119,7 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         workers = [subprocess.Popen(cluster.host_command(host, [
             *WORKER_COMMAND, "--config", str(path), "--steps", str(args.max_steps), "--hidden", str(args.hidden),
             "--compute-delay", str(plan.compute_delay_ms.get(host, 0.0) / 1e3),
-            *(["--model-config", str(dist_paths[rank])] if dist_paths else [])]),
+            *(["--model-config", str(dist_paths[rank]), "--local-wait", str(args.local_wait)] if dist_paths else [])]),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                     cwd=dp.REPO_ROOT)
                    for rank, (host, path) in enumerate(zip(hosts, paths))]
@@ -148,6 +149,9 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
                            / 1e6, 1),
         "ps_in_mb": round(stats.get("push_bytes", 0) / 1e6, 1),
         "pulls": sum(r.get("pulls", 0) for r in reports),
+        # Per worker: seconds getting models, computing, waiting for grants, sending (training.PHASES).
+        "phases": [{k: round(v, 1) for k, v in (r.get("phase_seconds") or {}).items()} for r in reports],
+        "steps": [r.get("steps", 0) for r in reports],
         "bandwidth": {k: round(v / 1e3, 1) for k, v in (scheduler.get("bandwidth") or {}).items()},
     }
 
@@ -175,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the cluster's dynamics")
     parser.add_argument("--delay-bound", type=int, default=4)
     parser.add_argument("--target-loss", type=float, default=0.2)
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.0125,
+                        help="the PS's step per gradient (async kinds: w -= lr * g; default 0.0125)")
+    parser.add_argument("--sync-lr", type=float, help="sync's step on the mean of a round (default: --lr x workers, "
+                        "the same step per gradient)")
+    parser.add_argument("--local-wait", type=float, default=1.0, help="multicast kinds: how long a worker waits for "
+                        "a version through the switch before it pulls")
     parser.add_argument("--max-seconds", type=float, default=90.0, help="give up on a run after this long")
     parser.add_argument("--max-steps", type=int, default=400, help="steps per worker at most")
     parser.add_argument("--repeats", type=int, default=1)
@@ -200,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                             background_mbit=args.background_mbit)
     print(f"emulated cluster: {args.workers} workers + PS host, soft switch, {spec.rate_mbit} Mbit/s and "
           f"{spec.delay_ms} ms per link, {dynamics}; "
-          f"MLP hidden {args.hidden}, delay bound {args.delay_bound}, lr {args.lr}, target loss {args.target_loss}; "
+          f"MLP hidden {args.hidden}, delay bound {args.delay_bound}, lr {args.lr} per gradient "
+          f"(sync: {args.sync_lr or args.lr * args.workers} on the mean), target loss {args.target_loss}; "
           f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="netagg-mlfabric-") as tmp, EmulatedCluster(Path(tmp), spec) as cluster:

@@ -88,7 +88,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         report = run_worker(client, grad_fn, flatten(like), steps=args.steps, schedule=config.schedule,
                             compute_delay=args.compute_delay, max_seconds=args.max_seconds, switch=switch,
-                            distribution=distribution)
+                            distribution=distribution, local_wait=args.local_wait)
         result = asdict(report)
         if args.final_accuracy:
             _, model = client.stats(model=True)
@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP (wider: a larger model)")
     parser.add_argument("--model-config", help="this worker's rank in the job's distribution job: start steps "
                         "from model versions the PS sends through the switch")
+    parser.add_argument("--local-wait", type=float, default=0.05, help="with --model-config: how long a step waits "
+                        "for a version through the switch before it pulls (about one model's transfer time)")
     parser.add_argument("--failover-timeout", type=float, default=30.0)
     parser.add_argument("--monitor", action="store_true", help="watch the loss and halt the job at the target")
     parser.add_argument("--steps", type=int, default=200)

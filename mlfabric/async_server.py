@@ -233,7 +233,9 @@ class FabricServer:
             self.grants = GrantService(scheduler or Scheduler(self.delay_bound, default_bandwidth=default_bandwidth),
                                        lambda: self.version, batch_window=batch_window,
                                        switch_slots=config.slot_count if config.switch_aggregation else 0,
-                                       switch_floor=lambda: self.switch_floor)
+                                       switch_floor=lambda: self.switch_floor,
+                                       # multicast versions: one switch group per batch serves every worker
+                                       gang=distribution is not None)
         #: Past the subset rounds of the primary's switch groups, as of the last update it applied (replicated).
         self.switch_floor = 0
         self.model: np.ndarray | None = None

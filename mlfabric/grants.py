@@ -15,6 +15,11 @@ that took over as primary starts ``SWITCH_ROUND_MARGIN`` past the rounds of the 
 aggregate it applied (``switch_floor``, replicated with the updates), so that its first subset
 rounds are new to the switch even if some of the old primary's groups were never applied
 (the primary replicates :attr:`switch_next` with every update it applies).
+
+With ``gang`` as well (the PS multicasts its versions), every batch is one switch group (the
+scheduler's item 6): a batch is not planned while a switch group is in flight, and a deferred
+request stays pending, planned again with the next batch (which is due once a request that
+was not deferred arrived, or once the oldest deferred one waited the scheduler's ``max_defer``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from netagg import wire
 from netagg.hoststack.transport import subset_round_uses
 from netagg.mlfabric.scheduler import (
     AGGREGATE,
+    DEFER,
     DROP,
     AggregateGroup,
     BandwidthEstimator,
@@ -51,6 +57,8 @@ def switch_round_uses(size: int, slot_count: int) -> int:
 class _Pending:
     request: TransferRequest
     decision: Decision | None = None
+    #: Deferred by an earlier batch (gang mode).
+    deferred: bool = False
 
 
 @dataclass
@@ -59,6 +67,8 @@ class GrantStats:
 
     batches: int = 0
     sent: int = 0
+    #: Requests deferred to a later batch (counted once per batch that deferred them).
+    deferred: int = 0
     aggregated: int = 0
     groups: int = 0
     dropped: int = 0
@@ -72,7 +82,7 @@ class GrantService:
 
     def __init__(self, scheduler: Scheduler, version: Callable[[], int], *, batch_window: float = 0.01,
                  grace: float = 2.0, keep_slots: int = 10_000, switch_slots: int = 0,
-                 switch_floor: Callable[[], int] = lambda: 0) -> None:
+                 switch_floor: Callable[[], int] = lambda: 0, gang: bool = False) -> None:
         self.scheduler = scheduler
         self.clock = scheduler.clock
         self.version = version
@@ -90,6 +100,7 @@ class GrantService:
         self._busy_until: dict[int, float] = {}
         self._link_free_at = 0.0
         self.switch_slots = switch_slots
+        self.gang = gang and switch_slots > 0
         self._switch_floor = switch_floor
         #: Round base of the next subset round (None: not yet decided, see the module docstring).
         self._switch_next: int | None = None
@@ -178,11 +189,19 @@ class GrantService:
         if not self._pending:
             return self.batch_window
         self._expire()
+        if self.gang and self._switch_fits(self._pending):
+            if self._switch_grants:  # one round at a time: wait until its group is applied or expired
+                return self.batch_window
+            if all(p.deferred for p in self._pending):  # nothing new since they were deferred
+                oldest = min(p.request.arrival for p in self._pending)
+                return oldest + self.scheduler.max_defer - self.clock()
         busy = {rank for _, rank, _ in self._in_flight.values()}
         asking = {p.request.rank for p in self._pending}
         if not (self._registered - busy - asking):
             return 0.0
-        oldest = min(p.request.arrival for p in self._pending)
+        # The window runs from the first request not deferred (a deferred one has had its window).
+        oldest = min((p.request.arrival for p in self._pending if not p.deferred),
+                     default=min(p.request.arrival for p in self._pending))
         return oldest + self.batch_window - self.clock()
 
     def _expire(self) -> None:
@@ -198,10 +217,13 @@ class GrantService:
             if group not in self._groups or not any(m in self._in_flight for m in self._groups[group].members):
                 del self._switch_grants[group]  # applied, dropped or expired: the switch's slots are free
 
+    def _switch_fits(self, batch: list[_Pending]) -> bool:
+        """The job has switch slots and every update of ``batch`` fits a subset exchange."""
+        return bool(self.switch_slots) and all(
+            switch_round_uses(p.request.size, self.switch_slots) <= MAX_SWITCH_ROUND_USES for p in batch)
+
     def _switch_possible(self, batch: list[_Pending]) -> bool:
-        if not self.switch_slots or self._switch_grants:
-            return False
-        return all(switch_round_uses(p.request.size, self.switch_slots) <= MAX_SWITCH_ROUND_USES for p in batch)
+        return not self._switch_grants and self._switch_fits(batch)
 
     def _plan(self) -> None:
         batch, self._pending = self._pending, []
@@ -213,12 +235,18 @@ class GrantService:
         plan = self.scheduler.plan([p.request for p in batch], server_version=self.version(),
                                    in_flight=sum(c for c, _, _ in self._in_flight.values()),
                                    bandwidth=self.bandwidth.snapshot(), idle=idle,
-                                   link_free_at=self._link_free_at, switch=self._switch_possible(batch))
+                                   link_free_at=self._link_free_at, switch=self._switch_possible(batch),
+                                   gang=self.gang)
         self._link_free_at = plan.link_free_at
         self.stats.batches += 1
         slots = []
         for entry in batch:
             decision = plan.decision(entry.request.update_id)
+            if decision.action == DEFER:
+                entry.deferred = True
+                self._pending.append(entry)
+                self.stats.deferred += 1
+                continue
             entry.decision = decision
             if decision.action == DROP:
                 self.stats.dropped += 1

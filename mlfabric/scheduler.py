@@ -25,6 +25,12 @@ senders' measured bandwidths, the PS's version and its link's backlog, and the t
    of exactly those members. They send at once, each on its own link; the sum is ready when
    the slowest arrived and reaches every member, and the fastest member (the **leader**)
    pushes it in the aggregate's slot. Switch and idle-worker options compete on the same cost.
+6. **Gang** (``gang=True`` with ``switch=True``: the PS multicasts every version, so one version per
+   batch serves every worker): the batch is summed in the switch as one group of the ``k >= 2``
+   fastest kept requests, ``k`` maximising gradients per second of the round, ``k / (t_k + p)``
+   (``t_k``: the k-th fastest transfer, ``p``: the fastest member's push of the sum). Every other
+   kept request is **deferred** to the next batch while its delay still fits the bound after
+   this group, else dropped; one that waited ``max_defer`` seconds is sent to the PS after the group.
 
 The class keeps no state but the clock and a group counter; the caller
 (:class:`~netagg.mlfabric.grants.GrantService`) carries ``link_free_at`` and the
@@ -38,7 +44,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-SEND, AGGREGATE, DROP = "send", "aggregate", "drop"
+SEND, AGGREGATE, DROP, DEFER = "send", "aggregate", "drop", "defer"
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,8 @@ class Decision:
     """What one request may do.
 
     ``send``: to the PS in ``slot`` (PS link). ``aggregate``: to worker ``aggregator`` in
-    ``slot`` (the aggregator's link), as part of ``group``. ``drop``: not at all.
+    ``slot`` (the aggregator's link), as part of ``group``. ``drop``: not at all. ``defer``:
+    nothing yet, planned again with the next batch (gang mode).
     """
 
     update_id: str
@@ -143,9 +150,11 @@ class Scheduler:
     """Plans batches of transfer requests (see the module docstring)."""
 
     def __init__(self, delay_bound: int | None, *, default_bandwidth: float = 1.25e6, aggregate: bool = True,
-                 min_aggregate: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
+                 min_aggregate: int = 2, max_defer: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if min_aggregate < 2:
             raise ValueError("an aggregate needs at least 2 members")
+        self.max_defer = max_defer
         self.delay_bound = delay_bound
         self.default_bandwidth = default_bandwidth
         self.aggregate = aggregate
@@ -155,13 +164,14 @@ class Scheduler:
 
     def plan(self, requests: Sequence[TransferRequest], *, server_version: int, in_flight: int = 0,
              bandwidth: Mapping[int, float] | None = None, idle: Sequence[int] = (),
-             link_free_at: float = 0.0, switch: bool = False) -> Plan:
+             link_free_at: float = 0.0, switch: bool = False, gang: bool = False) -> Plan:
         """Decide every request of the batch.
 
         ``server_version``: the PS's version now; ``in_flight``: gradients granted earlier
         and not applied yet; ``bandwidth``: bytes/s per rank (default ``default_bandwidth``);
         ``idle``: ranks that may aggregate; ``link_free_at``: end of the last granted slot;
-        ``switch``: a subset round in the switch may be formed.
+        ``switch``: a subset round in the switch may be formed; ``gang``: with ``switch``, plan the
+        batch as one switch group (item 6 of the module docstring).
         """
         now = self.clock()
         rates = dict(bandwidth or {})
@@ -174,8 +184,9 @@ class Scheduler:
         drops: list[Decision] = []
         kept: list[TransferRequest] = []
         ahead = 0
+        gang = gang and switch
         for req in order:
-            delay = base + ahead - req.version
+            delay = base + (0 if gang else ahead) - req.version  # a gang's members all apply at ``base``
             if self.delay_bound is not None and delay > self.delay_bound:
                 drops.append(Decision(req.update_id, req.rank, DROP, predicted_version=base + ahead,
                                       predicted_delay=delay,
@@ -184,6 +195,8 @@ class Scheduler:
                 kept.append(req)
                 ahead += req.count
         start = max(now, link_free_at)
+        if gang and kept:
+            return self._gang(kept, rate, now, start, base, drops, link_free_at)
         durations = [req.size / rate(req.rank) for req in kept]
         direct = self._direct(kept, durations, start, base)
         best_cost, best = self._cost(direct), (direct, ())
@@ -211,6 +224,51 @@ class Scheduler:
         return Plan(tuple(decisions) + tuple(drops), tuple(groups), max([link_free_at, *ends]), ahead)
 
     # -- internals -------------------------------------------------------------
+    def _gang(self, kept: list[TransferRequest], rate: Callable[[int], float], now: float, start: float, base: int,
+              drops: list[Decision], link_free_at: float) -> Plan:
+        """The fastest ``k`` of ``kept`` in one switch group; the others deferred, sent after it, or dropped."""
+        by_speed = sorted(kept, key=lambda r: (r.size / rate(r.rank), r.rank, r.update_id))
+        best_k, best_rate = 0, 0.0
+        leader = by_speed[0].rank
+        for k in range(self.min_aggregate, len(by_speed) + 1):
+            ready = by_speed[k - 1].size / rate(by_speed[k - 1].rank)
+            push = max(r.size for r in by_speed[:k]) / rate(leader)
+            if (throughput := k / (ready + push)) > best_rate + 1e-12:
+                best_k, best_rate = k, throughput
+        members = by_speed[:best_k]
+        ahead = sum(r.count for r in members)
+        decisions: list[Decision] = []
+        groups: tuple[AggregateGroup, ...] = ()
+        cursor = start
+        if members:
+            group_id = next(self._groups)
+            ready = now + max(r.size / rate(r.rank) for r in members)
+            size = max(r.size for r in members)
+            slot = Slot(max(ready, start), max(ready, start) + size / rate(leader))
+            cursor = slot.end
+            groups = (AggregateGroup(group_id, leader, tuple(r.update_id for r in members), slot, size, ahead,
+                                     base, True),)
+            decisions = [Decision(r.update_id, r.rank, AGGREGATE, Slot(now, now + r.size / rate(r.rank)), base,
+                                  base - r.version, group_id, leader) for r in members]
+        chosen = {r.update_id for r in members}
+        for req in kept:
+            if req.update_id in chosen:
+                continue
+            delay = base + ahead - req.version
+            if self.delay_bound is not None and delay > self.delay_bound:
+                drops.append(Decision(req.update_id, req.rank, DROP, predicted_version=base + ahead,
+                                      predicted_delay=delay, reason=f"not in this round's switch group; predicted "
+                                                                    f"delay {delay} > bound {self.delay_bound}"))
+            elif now - req.arrival < self.max_defer:
+                decisions.append(Decision(req.update_id, req.rank, DEFER, predicted_version=base + ahead,
+                                          predicted_delay=delay, reason="waits for the next round's switch group"))
+            else:  # deferred long enough: straight to the PS after the group
+                slot = Slot(cursor, cursor + req.size / rate(req.rank))
+                cursor = slot.end
+                decisions.append(Decision(req.update_id, req.rank, SEND, slot, base + ahead, delay))
+                ahead += req.count
+        return Plan(tuple(decisions) + tuple(drops), groups, max(link_free_at, cursor), ahead)
+
     @staticmethod
     def _direct(kept: list[TransferRequest], durations: list[float], start: float, base: int) -> list[Decision]:
         out, cursor, ahead = [], start, 0

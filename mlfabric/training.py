@@ -35,6 +35,9 @@ from netagg.mlfabric.protocol import Connection, FabricError, Unreachable, to_bl
 from netagg.mlfabric.switch_sum import SwitchAggregationFailed, SwitchSummer
 from netagg.mlfabric.worker import FabricClient, Unavailable
 
+#: Where a worker's time goes (:attr:`WorkerReport.phase_seconds`).
+PHASES = ("model", "compute", "grant", "send")
+
 GradFn = Callable[[np.ndarray, int], tuple[float, np.ndarray]]
 
 
@@ -64,6 +67,8 @@ class WorkerReport:
     halted: bool = False
     seconds: float = 0.0
     last_loss: float = float("nan")
+    #: Seconds spent getting models (pull or delivered version), computing, waiting for grants, sending.
+    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     acked: list[str] = field(default_factory=list)
     delays: list[int] = field(default_factory=list)
     error_messages: list[str] = field(default_factory=list)
@@ -85,6 +90,7 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
         for step in range(steps):
             if max_seconds is not None and time.monotonic() - started > max_seconds:
                 break
+            phase_start = time.monotonic()
             local = None
             if cache is not None and step:
                 floor = max(version, report.ps_version - local_slack)
@@ -104,6 +110,7 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
                 if halted:
                     report.halted = True
                     break
+            report.phase_seconds["model"] += time.monotonic() - phase_start
             if not _step(client, report, grad_fn, schedule, switch, compute_delay, on_step, step, version, params):
                 break
     finally:
@@ -118,11 +125,14 @@ def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule:
           compute_delay: float, on_step: Callable[[int, dict[str, Any]], None] | None, step: int, version: int,
           params: np.ndarray) -> bool:
     """Compute and send one gradient; False once the PS says the job is halted."""
+    began = time.monotonic()
     loss, grad = grad_fn(params, step)
     grad = np.ascontiguousarray(grad, np.float32)
     report.last_loss = float(loss)
     if compute_delay:
         time.sleep(compute_delay)
+    computed = time.monotonic()
+    report.phase_seconds["compute"] += computed - began
     update_id = f"{client.rank}:{step}"
     report.steps = step + 1
     try:
@@ -133,6 +143,8 @@ def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule:
         report.errors += 1
         report.error_messages = [*report.error_messages[-9:], str(err)]
         return True
+    finally:
+        report.phase_seconds["send"] += time.monotonic() - computed
     if outcome is None:  # dropped by the scheduler (whose answer may say the job is halted)
         return not report.halted
     report.pushed += 1
@@ -157,7 +169,11 @@ def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: 
     """Push ``grad`` (asking the scheduler first with ``schedule: mlfabric``); None if the scheduler dropped it."""
     if schedule != "mlfabric":
         return client.push(update_id, version, grad)
+    asked = time.monotonic()
     decision = client.request(update_id, version, grad.nbytes, float(np.linalg.norm(grad)))
+    waited = time.monotonic() - asked
+    report.phase_seconds["grant"] += waited
+    report.phase_seconds["send"] -= waited  # counted in "send" by the caller
     action = decision["action"]
     if decision.get("halted"):
         report.halted = True

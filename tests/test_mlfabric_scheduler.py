@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netagg.mlfabric.grants import GrantService
-from netagg.mlfabric.scheduler import AGGREGATE, DROP, SEND, BandwidthEstimator, Scheduler, TransferRequest
+from netagg.mlfabric.scheduler import AGGREGATE, DEFER, DROP, SEND, BandwidthEstimator, Scheduler, TransferRequest
 
 MB = 1_000_000
 
@@ -221,3 +221,79 @@ def test_queued_updates_are_summed_in_the_switch_all_at_once_and_the_fastest_mem
     assert group.count == 3 and plan.granted_gradients == 4
     assert plan.link_free_at == pytest.approx(12.0)  # against 13.25 for the four direct transfers
     assert direct.link_free_at == pytest.approx(13.25)
+
+
+def test_gang_sums_the_fastest_requests_in_one_switch_group_and_defers_the_straggler():
+    # Ranks 0-2 at 4 MB/s (0.25 s per MB), rank 3 at 1 MB/s (1 s): gradients per second of the round are
+    # 2/0.5, 3/0.5 and 4/1.25, so the group is ranks 0-2; rank 3 waits for the next batch.
+    clock = FakeClock(10.0)
+    sched = Scheduler(8, clock=clock)
+    requests = [TransferRequest(r, f"{r}:0", 5, MB, arrival=10.0) for r in range(4)]
+    rates = {0: 4 * MB, 1: 4 * MB, 2: 4 * MB, 3: MB}
+    plan = sched.plan(requests, server_version=5, bandwidth=rates, switch=True, gang=True)
+    (group,) = plan.groups
+    assert group.at_switch and set(group.members) == {"0:0", "1:0", "2:0"} and group.aggregator == 0
+    assert (group.slot.start, group.slot.end) == pytest.approx((10.25, 10.5))
+    for member in group.members:  # all applied at once, at the version they were computed on
+        assert plan.decision(member).action == AGGREGATE and plan.decision(member).predicted_delay == 0
+    straggler = plan.decision("3:0")
+    assert straggler.action == DEFER and straggler.slot is None and straggler.predicted_delay == 3
+    assert plan.granted_gradients == 3 and plan.link_free_at == pytest.approx(10.5)
+    # Without gang the same batch is planned by cost: the head goes direct.
+    assert sched.plan(requests, server_version=5, bandwidth=rates, switch=True).decision("0:0").action == SEND
+
+
+def test_gang_drops_what_the_group_would_make_too_late_and_sends_what_waited_too_long():
+    clock = FakeClock(10.0)
+    sched = Scheduler(2, clock=clock, max_defer=1.0)
+    rates = {0: 4 * MB, 1: 4 * MB, 2: MB, 3: MB}
+    requests = [TransferRequest(0, "0:1", 5, MB, arrival=10.0), TransferRequest(1, "1:1", 5, MB, arrival=10.0),
+                TransferRequest(2, "2:1", 4, MB, arrival=10.0),  # after the group and rank 3: delay 4 > 2
+                TransferRequest(3, "3:1", 5, MB, arrival=8.5)]  # deferred since 8.5: sent after the group
+    plan = sched.plan(requests, server_version=5, bandwidth=rates, switch=True, gang=True)
+    assert set(plan.groups[0].members) == {"0:1", "1:1"}
+    assert plan.decision("2:1").action == DROP and plan.decision("2:1").predicted_delay == 4
+    late = plan.decision("3:1")
+    assert late.action == SEND and late.predicted_delay == 2
+    assert late.slot.start == pytest.approx(plan.groups[0].slot.end) and late.slot.end == pytest.approx(11.5)
+    assert plan.granted_gradients == 3 and plan.link_free_at == pytest.approx(11.5)
+    # A single fresh request cannot form a group: it waits for the next batch.
+    alone = sched.plan([TransferRequest(0, "0:2", 7, MB, arrival=10.0)], server_version=7, switch=True, gang=True)
+    assert alone.decisions[0].action == DEFER and not alone.groups
+
+
+def test_gang_grant_service_waits_for_the_group_in_flight_and_groups_the_deferred_with_the_next_batch():
+    service = GrantService(Scheduler(None, default_bandwidth=1e9, max_defer=30.0), lambda: 0,
+                           batch_window=0.05, switch_slots=64, gang=True)
+    for rank in range(3):
+        service.register(rank)
+    decisions: dict[str, object] = {}
+
+    def ask(rank: int, step: int) -> threading.Thread:
+        def run() -> None:
+            decisions[f"{rank}:{step}"] = service.request(
+                TransferRequest(rank, f"{rank}:{step}", 0, 1000, arrival=service.clock()), timeout=20)
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    first = [ask(0, 0), ask(1, 0)]
+    for t in first:
+        t.join(10)
+    # Rank 2 never asked: the batch was due after the window; ranks 0 and 1 form the group.
+    assert {d.action for d in decisions.values()} == {AGGREGATE} and service.stats.groups == 1
+    grant = service.switch_grant(decisions["0:0"].group)
+    assert grant["members"] == 0b011 and {p[0] for p in grant["parts"]} == {"0:0", "1:0"}
+    late = ask(2, 0)  # arrives while the group is in flight: not planned until the group settles
+    late.join(0.3)
+    assert late.is_alive() and service.stats.batches == 1
+    service.settled(["0:0", "1:0"])
+    late.join(1.0)
+    # Alone in its batch it cannot form a group: deferred, then summed with the next requests.
+    assert late.is_alive() and service.stats.deferred >= 1
+    again = [ask(0, 1), ask(1, 1)]
+    for t in [late, *again]:
+        t.join(10)
+    assert {decisions[k].action for k in ("2:0", "0:1", "1:1")} == {AGGREGATE}
+    assert decisions["2:0"].group == decisions["0:1"].group == decisions["1:1"].group
+    assert service.stats.groups == 2 and service.stats.sent == 0
