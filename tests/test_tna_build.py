@@ -14,7 +14,8 @@ from netagg.bmv2.tna_build import (
 )
 from netagg.p4info import load_p4info
 
-#: 32 value pairs; slot owner, two pools' rounds, bitmap, count and exponent.
+#: 32 value pairs; slot owner, two pools' rounds, bitmap (paired with the round's members: subset
+#: rounds add no ALU), count and exponent.
 EXPECTED_STATEFUL_ALUS = 32 + 6
 
 

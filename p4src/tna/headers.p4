@@ -63,15 +63,18 @@ struct ingress_metadata_t {
     bit<16> slot_room;         /* slot_count - slot: positive iff the slot is in range (slot < NUM_SLOTS) */
     bit<1> slot_out_of_range;
     bit<1> rank_mismatch;
+    worker_mask_t member_bit;  /* members & worker_mask */
+    bit<1> not_member;         /* a subset round's packet from a worker outside its members */
     bit<16> slot_index;            /* absolute slot: slot_base + slot */
     pool_reg_index_t pool_index;   /* pool * NUM_SLOTS + absolute slot (TNA layout) */
     bit<1> stale;
     bit<16> round_ahead;       /* round - round_current (serial arithmetic) */
     bit<16> round_behind;      /* round - 1: the other pool's round when a slot is taken over */
+    worker_mask_t bitmap_before;   /* the round's bitmap before this packet; 0: other members */
     worker_mask_t sender_seen;     /* bitmap_before & worker_mask */
     bit<1> first;
     bit<1> fresh;
-    bit<8> count_before;
+    bit<32> count_before;
     bit<1> complete;
     bit<1> late;
     bit<1> bad_shape;          /* lengths or fragment bits wrong for a netagg packet */
@@ -80,6 +83,13 @@ struct ingress_metadata_t {
     bit<1> to_group;
     bit<8> pair_op;            /* what the value pairs do in this pass (from the recirc header) */
     bit<1> update_checksum;
+    bit<1> reject;             /* counted in job_rejects */
+    /* MemberCount: set bits of each byte of members (0 and 2 end up holding sums). */
+    bit<8> member_byte_0;
+    bit<8> member_byte_1;
+    bit<8> member_byte_2;
+    bit<8> member_byte_3;
+    bit<32> expected;          /* contributions the round expects: num_workers, or the members' number */
 }
 
 struct egress_metadata_t {

@@ -19,6 +19,7 @@
 #include "tna/control/worker_lookup.p4"
 #include "tna/control/slot_owner.p4"
 #include "tna/control/round_check.p4"
+#include "tna/control/member_count.p4"
 #include "tna/control/bitmap_check.p4"
 #include "tna/control/worker_count.p4"
 #include "tna/control/exponent_max.p4"
@@ -47,6 +48,7 @@ control NetaggIngress(inout tna_headers_t hdr,
     WorkerLookup() worker_lookup;
     SlotOwner() slot_owner;
     RoundCheck() round_check;
+    MemberCount() member_count;
     BitmapCheck() bitmap_check;
     WorkerCount() worker_count;
     ExponentMax() exponent_max;
@@ -56,6 +58,19 @@ control NetaggIngress(inout tna_headers_t hdr,
     Recirculate() recirculate;
     ResultRelease() result_release;
     Ipv4Forward() ipv4_forward;
+
+    /* The sender's bit as it was before this packet (0: fresh). A table, so that the compiler
+     * does not fold the AND into the test of its result (a gateway cannot AND two fields). */
+    action take_sender_bit() {
+        meta.sender_seen = meta.bitmap_before & meta.worker_mask;
+    }
+    table sender_bit {
+        actions = {
+            take_sender_bit;
+        }
+        const default_action = take_sender_bit();
+        size = 1;
+    }
 
     apply {
         hdr.bridge.setValid();
@@ -85,6 +100,7 @@ control NetaggIngress(inout tna_headers_t hdr,
             source_guard.apply(hdr, ig_intr_md.ingress_port, meta);
             worker_lookup.apply(hdr, ig_intr_md.ingress_port, meta);
             recirc_prepare.apply(hdr, meta, ig_intr_md.ingress_port);
+            member_count.apply(hdr, meta);
             meta.round_behind = hdr.netagg.round - 1;
             meta.exponent_key = ((bit<8>)hdr.netagg.exponent) + 8w0x80;
             if (hdr.ipv4.total_len != NETAGG_IPV4_TOTAL_LENGTH || hdr.udp.length != NETAGG_UDP_LENGTH) {
@@ -126,19 +142,23 @@ control NetaggIngress(inout tna_headers_t hdr,
             } else if (meta.worker_hit == 0) {
                 meta.drop_reason = DROP_UNKNOWN_WORKER;
                 ig_dprsr_md.drop_ctl = 1;
-                job_rejects.count(job);
+                meta.reject = 1;
             } else if (meta.slot_out_of_range == 1) {
                 meta.drop_reason = DROP_SLOT_OUT_OF_RANGE;
                 ig_dprsr_md.drop_ctl = 1;
-                job_rejects.count(job);
+                meta.reject = 1;
             } else if (hdr.netagg.pool[7:1] != 0) {
                 meta.drop_reason = DROP_BAD_POOL;
                 ig_dprsr_md.drop_ctl = 1;
-                job_rejects.count(job);
+                meta.reject = 1;
             } else if (meta.rank_mismatch == 1) {
                 meta.drop_reason = DROP_RANK_MISMATCH;
                 ig_dprsr_md.drop_ctl = 1;
-                job_rejects.count(job);
+                meta.reject = 1;
+            } else if (meta.not_member == 1) {
+                meta.drop_reason = DROP_NOT_A_MEMBER;
+                ig_dprsr_md.drop_ctl = 1;
+                meta.reject = 1;
             } else {
                 slot_owner.apply(meta);
                 round_check.apply(hdr, meta);
@@ -147,36 +167,50 @@ control NetaggIngress(inout tna_headers_t hdr,
                     job_duplicates.count(job);
                     ig_dprsr_md.drop_ctl = 1;
                 } else {
-                    bitmap_check.apply(meta);
-                    worker_count.apply(meta);
-                    if (meta.fresh == 1 && meta.late == 0) {
-                        job_contributions.count(job);
-                        if (meta.first == 1) {
-                            meta.value_op = OP_WRITE;
-                        } else {
-                            meta.value_op = OP_MERGE;
-                        }
-                        if (meta.complete == 1) {
-                            meta.to_group = 1;
-                            job_results.count(job);
-                        }
-                    } else if (meta.fresh == 0 && meta.complete == 1) {
-                        meta.value_op = OP_READ;
-                        job_retransmit_results.count(job);
-                    } else {
-                        job_duplicates.count(job);
+                    bitmap_check.apply(hdr, meta);
+                    sender_bit.apply();
+                    if (meta.sender_seen == 0) {
+                        meta.fresh = 1;
                     }
-                    if (meta.value_op == OP_NONE) {
-                        /* A duplicate of an incomplete round, or late: nothing leaves. */
+                    if (meta.first == 0 && meta.bitmap_before == 0) {
+                        /* Other members than the round started with: nothing changed. */
+                        meta.drop_reason = DROP_MEMBERS_MISMATCH;
                         ig_dprsr_md.drop_ctl = 1;
+                        meta.reject = 1;
                     } else {
-                        exponent_max.apply(hdr, meta);
-                        recirculate.apply(hdr, meta, ig_intr_md, ig_tm_md);
+                        worker_count.apply(meta);
+                        if (meta.fresh == 1 && meta.late == 0) {
+                            job_contributions.count(job);
+                            if (meta.first == 1) {
+                                meta.value_op = OP_WRITE;
+                            } else {
+                                meta.value_op = OP_MERGE;
+                            }
+                            if (meta.complete == 1) {
+                                meta.to_group = 1;
+                                job_results.count(job);
+                            }
+                        } else if (meta.fresh == 0 && meta.complete == 1) {
+                            meta.value_op = OP_READ;
+                            job_retransmit_results.count(job);
+                        } else {
+                            job_duplicates.count(job);
+                        }
+                        if (meta.value_op == OP_NONE) {
+                            /* A duplicate of an incomplete round, or late: nothing leaves. */
+                            ig_dprsr_md.drop_ctl = 1;
+                        } else {
+                            exponent_max.apply(hdr, meta);
+                            recirculate.apply(hdr, meta, ig_intr_md, ig_tm_md);
+                        }
                     }
                 }
             }
             if (meta.drop_reason != DROP_NONE) {
                 drop_reasons.count((drop_index_t)meta.drop_reason);
+            }
+            if (meta.reject == 1) {
+                job_rejects.count(job);
             }
         }
     }

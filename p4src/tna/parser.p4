@@ -29,11 +29,14 @@ parser NetaggIngressParser(packet_in packet,
         meta.slot_room = 0;
         meta.slot_out_of_range = 0;
         meta.rank_mismatch = 0;
+        meta.member_bit = 0;
+        meta.not_member = 0;
         meta.slot_index = 0;
         meta.pool_index = 0;
         meta.stale = 0;
         meta.round_ahead = 0;
         meta.round_behind = 0;
+        meta.bitmap_before = 0;
         meta.sender_seen = 0;
         meta.first = 0;
         meta.fresh = 0;
@@ -46,6 +49,12 @@ parser NetaggIngressParser(packet_in packet,
         meta.to_group = 0;
         meta.pair_op = 0;
         meta.update_checksum = 0;
+        meta.reject = 0;
+        meta.member_byte_0 = 0;
+        meta.member_byte_1 = 0;
+        meta.member_byte_2 = 0;
+        meta.member_byte_3 = 0;
+        meta.expected = 0;
         packet.extract(ig_intr_md);
         packet.advance(PORT_METADATA_SIZE);
         transition select(ig_intr_md.ingress_port[6:0]) {

@@ -4,7 +4,8 @@
  * slot's room); the ingress's decision chain turns misses and mismatches into drop reasons.
  * The range test is a subtraction whose sign a gateway reads (a gateway compares two fields
  * for equality, not order); with slot < NUM_SLOTS (which the controller's slot_base +
- * slot_count <= NUM_SLOTS implies) 16 bits hold it. Registers are indexed pool * NUM_SLOTS +
+ * slot_count <= NUM_SLOTS implies) 16 bits hold it. A subset round's sender outside its members
+ * is flagged (meta.not_member) from members & worker_mask, taken in the worker table's action. Registers are indexed pool * NUM_SLOTS +
  * slot here (v1model: slot * NUM_POOLS + pool): that layout needs no shift. */
 #ifndef _NETAGG_TNA_WORKER_LOOKUP_P4_
 #define _NETAGG_TNA_WORKER_LOOKUP_P4_
@@ -40,6 +41,7 @@ control WorkerLookup(in tna_headers_t hdr, in port_t ingress_port, inout ingress
         meta.worker_hit = 1;
         meta.rank = rank;
         meta.worker_mask = worker_mask;
+        meta.member_bit = hdr.netagg.members & worker_mask;
     }
 
     action unknown_worker() {
@@ -69,6 +71,9 @@ control WorkerLookup(in tna_headers_t hdr, in port_t ingress_port, inout ingress
         }
         if (hdr.netagg.rank != meta.rank) {
             meta.rank_mismatch = 1;
+        }
+        if (hdr.netagg.members != 0 && meta.member_bit == 0) {
+            meta.not_member = 1;
         }
         meta.pool_index = hdr.netagg.pool[0:0] ++ meta.slot_index[11:0];
     }
