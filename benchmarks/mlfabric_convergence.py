@@ -98,8 +98,9 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         with open(log, "wb") as out:
             model_args = ["--model-config", str(dist_paths[-1]), "--model-rate-mbit",
                           str(args.rate_mbit)] if dist_paths else []
-            if kind.startswith("mlfabric"):
-                model_args += ["--batch-window", str(args.batch_window)]
+            if kind.startswith("mlfabric"):  # an unmeasured sender is assumed at the link's rate
+                model_args += ["--batch-window", str(args.batch_window), "--default-bandwidth",
+                               str(args.rate_mbit * 1e6 / 8)]
             lr = args.lr if kind != "sync" else args.sync_lr if args.sync_lr is not None else args.lr * args.workers
             ps = subprocess.Popen(cluster.host_command(cluster.ps_host, [*PS_COMMAND, "--config", str(paths[0]),
                                                                          "--lr", str(lr), *model_args]),
@@ -153,6 +154,8 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         "phases": [{k: round(v, 1) for k, v in (r.get("phase_seconds") or {}).items()} for r in reports],
         "steps": [r.get("steps", 0) for r in reports],
         "bandwidth": {k: round(v / 1e3, 1) for k, v in (scheduler.get("bandwidth") or {}).items()},
+        "hints": {k: round(v / 1e3, 1) for k, v in (scheduler.get("hints") or {}).items()},
+        "deferred": scheduler.get("deferred", 0),
     }
 
 

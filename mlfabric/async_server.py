@@ -635,6 +635,11 @@ class FabricServer:
                                   norm=float(header.get("norm", 0.0)), arrival=self.grants.clock())
         if request.size <= 0 or not math.isfinite(request.norm):
             raise ValueError(f"request: size {request.size} and norm {request.norm} must be > 0 and finite")
+        if "rate" in header:
+            rate = header["rate"]
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+                raise ValueError(f"request: rate {rate!r} must be a positive number of bytes/s")
+            self.grants.hint(request.rank, float(rate))
         try:
             decision = self.grants.request(request, timeout=self.pull_timeout)
         except TimeoutError as err:

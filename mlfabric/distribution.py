@@ -36,6 +36,8 @@ from netagg.jobconfig import WorkerConfig
 
 #: Versions kept for repairs at the PS, and assembled at once at a worker.
 KEEP_VERSIONS = 4
+#: A version that arrived faster than this gives no rate sample (too short to time).
+MIN_RATE_SECONDS = 0.01
 _VERSION_BITS = 16
 _BLOCK_MASK = (1 << 16) - 1
 _STRIDE = 512
@@ -219,6 +221,9 @@ class ModelCache:
         self.source = resolve(config.aggregator)
         self._parts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()  # version -> (blocks, got)
         self._latest: tuple[int, np.ndarray] | None = None
+        #: version -> when its first block arrived; and the rate the versions arrived at (bytes/s, a mean).
+        self._first_seen: dict[int, float] = {}
+        self._rate: float | None = None
         self._known = -1  # the newest version seen, to widen 16-bit version numbers
         self._cond = threading.Condition()
         self._stop = False
@@ -280,6 +285,8 @@ class ModelCache:
 
     def _complete(self, version: int) -> None:
         blocks, _ = self._parts.pop(version)
+        for older in [v for v in self._first_seen if v <= version]:
+            del self._first_seen[older]
         for older in [v for v in self._parts if v < version]:
             del self._parts[older]
             self.stats.versions_abandoned += 1
@@ -350,14 +357,30 @@ class ModelCache:
                 if entry is None:
                     entry = (np.zeros((layout.blocks, wire.K), np.float32), np.zeros(layout.blocks, bool))
                     self._parts[version] = entry
+                    self._first_seen[version] = time.monotonic()
                     while len(self._parts) > KEEP_VERSIONS:
-                        self._parts.popitem(last=False)
+                        dropped, _ = self._parts.popitem(last=False)
+                        self._first_seen.pop(dropped, None)
                         self.stats.versions_abandoned += 1
                 mine = lows == low
                 entry[0][blocks[mine]] = values[mine].view(np.float32)
                 entry[1][blocks[mine]] = True
                 if entry[1].all():
+                    self._measure(version)
                     self._complete(version)
+
+    def _measure(self, version: int) -> None:
+        """A version arrived whole through the switch: one sample of this worker's receiving rate."""
+        seconds = time.monotonic() - self._first_seen.pop(version, time.monotonic())
+        if seconds >= MIN_RATE_SECONDS:
+            sample = self.layout.size * 4 / seconds
+            self._rate = sample if self._rate is None else 0.5 * self._rate + 0.5 * sample
+
+    @property
+    def rate(self) -> float | None:
+        """Model bytes per second at which versions arrived lately (None before one arrived in full)."""
+        with self._cond:
+            return self._rate
 
     def _widen(self, low: int) -> int:
         """The version whose low 16 bits are ``low``, nearest to the newest seen."""

@@ -90,6 +90,8 @@ class GrantService:
         self.grace = grace
         self.keep_slots = keep_slots
         self.bandwidth = BandwidthEstimator(scheduler.default_bandwidth)
+        #: Rates workers report for themselves (:meth:`hint`): gang rounds plan with these where known.
+        self.hints: dict[int, float] = {}
         self.stats = GrantStats()
         self._registered: set[int] = set()
         self._aggregators: set[int] = set()
@@ -120,6 +122,7 @@ class GrantService:
         """The decision counters, granted PS-link slots and bandwidth estimates, copied under the lock."""
         with self._cond:
             return {**asdict(self.stats), "bandwidth": {str(k): v for k, v in self.bandwidth.snapshot().items()},
+                    "hints": {str(k): v for k, v in self.hints.items()},
                     "in_flight": len(self._in_flight)}
 
     def group_members(self, group: int) -> tuple[str, ...]:
@@ -130,6 +133,12 @@ class GrantService:
     def observe(self, rank: int, nbytes: int, seconds: float) -> None:
         with self._cond:
             self.bandwidth.observe(rank, nbytes, seconds)
+
+    def hint(self, rank: int, rate: float) -> None:
+        """``rank`` received the model through the switch at ``rate`` bytes/s lately. In gang rounds only the
+        leader pushes to the PS, so pushes measure the leaders; the members' own hints cover the others."""
+        with self._cond:
+            self.hints[rank] = rate
 
     def settled(self, update_ids: list[str]) -> None:
         """These updates were applied or dropped at the PS: no longer in flight."""
@@ -234,7 +243,8 @@ class GrantService:
                       and r not in {rank for _, rank, _ in self._in_flight.values()})
         plan = self.scheduler.plan([p.request for p in batch], server_version=self.version(),
                                    in_flight=sum(c for c, _, _ in self._in_flight.values()),
-                                   bandwidth=self.bandwidth.snapshot(), idle=idle,
+                                   bandwidth={**self.bandwidth.snapshot(), **self.hints} if self.gang
+                                   else self.bandwidth.snapshot(), idle=idle,
                                    link_free_at=self._link_free_at, switch=self._switch_possible(batch),
                                    gang=self.gang)
         self._link_free_at = plan.link_free_at

@@ -111,7 +111,9 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
                     report.halted = True
                     break
             report.phase_seconds["model"] += time.monotonic() - phase_start
-            if not _step(client, report, grad_fn, schedule, switch, compute_delay, on_step, step, version, params):
+            rate = cache.rate if cache is not None else None
+            if not _step(client, report, grad_fn, schedule, switch, compute_delay, on_step, step, version, params,
+                         rate):
                 break
     finally:
         if cache is not None:
@@ -123,7 +125,7 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
 
 def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule: str, switch: SwitchSummer | None,
           compute_delay: float, on_step: Callable[[int, dict[str, Any]], None] | None, step: int, version: int,
-          params: np.ndarray) -> bool:
+          params: np.ndarray, rate: float | None = None) -> bool:
     """Compute and send one gradient; False once the PS says the job is halted."""
     began = time.monotonic()
     loss, grad = grad_fn(params, step)
@@ -136,7 +138,7 @@ def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule:
     update_id = f"{client.rank}:{step}"
     report.steps = step + 1
     try:
-        outcome = _send(client, report, schedule, update_id, version, grad, switch)
+        outcome = _send(client, report, schedule, update_id, version, grad, switch, rate)
     except Unavailable:
         raise
     except FabricError as err:
@@ -165,12 +167,12 @@ def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule:
 
 
 def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: str, version: int,
-          grad: np.ndarray, switch: SwitchSummer | None = None) -> dict[str, Any] | None:
+          grad: np.ndarray, switch: SwitchSummer | None = None, rate: float | None = None) -> dict[str, Any] | None:
     """Push ``grad`` (asking the scheduler first with ``schedule: mlfabric``); None if the scheduler dropped it."""
     if schedule != "mlfabric":
         return client.push(update_id, version, grad)
     asked = time.monotonic()
-    decision = client.request(update_id, version, grad.nbytes, float(np.linalg.norm(grad)))
+    decision = client.request(update_id, version, grad.nbytes, float(np.linalg.norm(grad)), rate=rate)
     waited = time.monotonic() - asked
     report.phase_seconds["grant"] += waited
     report.phase_seconds["send"] -= waited  # counted in "send" by the caller

@@ -101,10 +101,14 @@ class FabricClient:
             fields["parts"] = parts
         return self.call("push", fields, to_blob(update), timeout=timeout)[0]
 
-    def request(self, update_id: str, version: int, size: int, norm: float, timeout: float = 40.0) -> dict[str, Any]:
-        """Ask the scheduler to send an update; returns when granted (or dropped)."""
-        return self.call("request", {"update_id": update_id, "version": version, "size": size, "norm": norm},
-                         timeout=timeout)[0]
+    def request(self, update_id: str, version: int, size: int, norm: float, timeout: float = 40.0,
+                rate: float | None = None) -> dict[str, Any]:
+        """Ask the scheduler to send an update; returns when granted (or dropped). ``rate``: bytes/s at which
+        this worker received the model lately (a hint for the scheduler; see GrantService.hint)."""
+        header = {"update_id": update_id, "version": version, "size": size, "norm": norm}
+        if rate is not None:
+            header["rate"] = rate
+        return self.call("request", header, timeout=timeout)[0]
 
     def model_blocks(self, version: int, ranges: list[tuple[int, int]]) -> np.ndarray | None:
         """Blocks ``[start, end)`` of a version the PS sent through the switch ((n, K) float32); None if gone."""
