@@ -26,9 +26,10 @@ senders' measured bandwidths, the PS's version and its link's backlog, and the t
    the slowest arrived and reaches every member, and the fastest member (the **leader**)
    pushes it in the aggregate's slot. Switch and idle-worker options compete on the same cost.
 6. **Gang** (``gang=True`` with ``switch=True``: the PS multicasts every version, so one version per
-   batch serves every worker): the batch is summed in the switch as one group of the ``k >= 2``
-   fastest kept requests, ``k`` maximising gradients per second of the round, ``k / (t_k + p)``
-   (``t_k``: the k-th fastest transfer, ``p``: the fastest member's push of the sum). Every other
+   batch serves every worker): the batch's ``k`` fastest kept requests are summed in the switch as
+   one group, ``k`` maximising gradients per second of the round, ``k / (t_k + p)`` (``t_k``: the
+   k-th fastest transfer, ``p``: the fastest member's push of the sum; ties: the larger ``k``);
+   ``k = 1`` (``1 / t_1``) means the fastest pushes its own update to the PS. Every other
    kept request is **deferred** to the next batch while its delay still fits the bound after
    this group, else dropped; one that waited ``max_defer`` seconds is sent to the PS after the group.
 
@@ -228,18 +229,23 @@ class Scheduler:
               drops: list[Decision], link_free_at: float) -> Plan:
         """The fastest ``k`` of ``kept`` in one switch group; the others deferred, sent after it, or dropped."""
         by_speed = sorted(kept, key=lambda r: (r.size / rate(r.rank), r.rank, r.update_id))
-        best_k, best_rate = 0, 0.0
         leader = by_speed[0].rank
+        best_k, best_rate = 1, 1.0 / (by_speed[0].size / rate(leader))  # k = 1: the fastest pushes its own
         for k in range(self.min_aggregate, len(by_speed) + 1):
             ready = by_speed[k - 1].size / rate(by_speed[k - 1].rank)
             push = max(r.size for r in by_speed[:k]) / rate(leader)
-            if (throughput := k / (ready + push)) > best_rate + 1e-12:
+            if (throughput := k / (ready + push)) >= best_rate - 1e-12:  # ties: the larger group
                 best_k, best_rate = k, throughput
-        members = by_speed[:best_k]
-        ahead = sum(r.count for r in members)
         decisions: list[Decision] = []
         groups: tuple[AggregateGroup, ...] = ()
         cursor = start
+        if best_k == 1:
+            first = by_speed[0]
+            decisions.append(Decision(first.update_id, first.rank, SEND, Slot(start, start + first.size / rate(leader)),
+                                      base, base - first.version))
+            cursor = decisions[0].slot.end
+        members = by_speed[:best_k] if best_k > 1 else []
+        ahead = first.count if best_k == 1 else sum(r.count for r in members)
         if members:
             group_id = next(self._groups)
             ready = now + max(r.size / rate(r.rank) for r in members)
@@ -250,7 +256,7 @@ class Scheduler:
                                      base, True),)
             decisions = [Decision(r.update_id, r.rank, AGGREGATE, Slot(now, now + r.size / rate(r.rank)), base,
                                   base - r.version, group_id, leader) for r in members]
-        chosen = {r.update_id for r in members}
+        chosen = {r.update_id for r in by_speed[:best_k]}
         for req in kept:
             if req.update_id in chosen:
                 continue

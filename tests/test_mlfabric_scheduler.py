@@ -257,16 +257,20 @@ def test_gang_drops_what_the_group_would_make_too_late_and_sends_what_waited_too
     assert late.action == SEND and late.predicted_delay == 2
     assert late.slot.start == pytest.approx(plan.groups[0].slot.end) and late.slot.end == pytest.approx(11.5)
     assert plan.granted_gradients == 3 and plan.link_free_at == pytest.approx(11.5)
-    # A single fresh request cannot form a group: it waits for the next batch.
+    # Alone in its batch, or with a much slower one, the fastest pushes its own update (k = 1).
     alone = sched.plan([TransferRequest(0, "0:2", 7, MB, arrival=10.0)], server_version=7, switch=True, gang=True)
-    assert alone.decisions[0].action == DEFER and not alone.groups
+    assert alone.decisions[0].action == SEND and not alone.groups
+    pair = sched.plan([TransferRequest(0, "0:3", 7, MB, arrival=10.0), TransferRequest(2, "2:3", 7, MB, arrival=10.0)],
+                      server_version=7, bandwidth=rates, switch=True, gang=True)  # 1/0.25 s against 2/1.25 s
+    assert pair.decision("0:3").action == SEND and pair.decision("2:3").action == DEFER and not pair.groups
 
 
 def test_gang_grant_service_waits_for_the_group_in_flight_and_groups_the_deferred_with_the_next_batch():
-    service = GrantService(Scheduler(None, default_bandwidth=1e9, max_defer=30.0), lambda: 0,
+    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=30.0), lambda: 0,
                            batch_window=0.05, switch_slots=64, gang=True)
     for rank in range(3):
         service.register(rank)
+    service.hint(2, 1e4)  # rank 2 says it is slow: 0.1 s for its 1000 bytes, against 1 ms
     decisions: dict[str, object] = {}
 
     def ask(rank: int, step: int) -> threading.Thread:
@@ -278,22 +282,23 @@ def test_gang_grant_service_waits_for_the_group_in_flight_and_groups_the_deferre
         return thread
 
     first = [ask(0, 0), ask(1, 0)]
+    late = ask(2, 0)
     for t in first:
         t.join(10)
-    # Rank 2 never asked: the batch was due after the window; ranks 0 and 1 form the group.
-    assert {d.action for d in decisions.values()} == {AGGREGATE} and service.stats.groups == 1
+    # One batch of all three: ranks 0 and 1 form the group, the slow rank 2 is deferred.
+    assert {decisions["0:0"].action, decisions["1:0"].action} == {AGGREGATE} and service.stats.groups == 1
     grant = service.switch_grant(decisions["0:0"].group)
     assert grant["members"] == 0b011 and {p[0] for p in grant["parts"]} == {"0:0", "1:0"}
-    late = ask(2, 0)  # arrives while the group is in flight: not planned until the group settles
     late.join(0.3)
-    assert late.is_alive() and service.stats.batches == 1
+    assert late.is_alive() and service.stats.deferred == 1
+    service.hint(2, 1e6)  # as fast as the others now
+    again = [ask(0, 1), ask(1, 1)]  # while the group is in flight: nothing is planned
+    for t in again:
+        t.join(0.3)
+    assert all(t.is_alive() for t in again) and service.stats.batches == 1
     service.settled(["0:0", "1:0"])
-    late.join(1.0)
-    # Alone in its batch it cannot form a group: deferred, then summed with the next requests.
-    assert late.is_alive() and service.stats.deferred >= 1
-    again = [ask(0, 1), ask(1, 1)]
     for t in [late, *again]:
         t.join(10)
     assert {decisions[k].action for k in ("2:0", "0:1", "1:1")} == {AGGREGATE}
     assert decisions["2:0"].group == decisions["0:1"].group == decisions["1:1"].group
-    assert service.stats.groups == 2 and service.stats.sent == 0
+    assert service.stats.groups == 2 and service.stats.sent == 0 and service.snapshot()["hints"] == {"2": 1e6}
