@@ -27,9 +27,10 @@ senders' measured bandwidths, the PS's version and its link's backlog, and the t
    pushes it in the aggregate's slot. Switch and idle-worker options compete on the same cost.
 6. **Gang** (``gang=True`` with ``switch=True``: the PS multicasts every version, so one version per
    batch serves every worker): the batch's ``k`` fastest kept requests are summed in the switch as
-   one group, ``k`` maximising gradients per second of the round, ``k / (t_k + p)`` (``t_k``: the
-   k-th fastest transfer, ``p``: the fastest member's push of the sum; ties: the larger ``k``);
-   ``k = 1`` (``1 / t_1``) means the fastest pushes its own update to the PS. Every other
+   one group, ``k`` maximising gradients per second of the round, ``k / (t_k + 2p)`` (``t_k``: the
+   k-th fastest transfer, ``p``: the fastest member's push of the sum, and about as long the new
+   model's send; ties: the larger ``k``); ``k = 1`` (``1 / 2t_1``) means the fastest pushes its
+   own update to the PS. So a member up to twice as slow as the fastest joins it. Every other
    kept request is **deferred** to the next batch while its delay still fits the bound after
    this group, else dropped; one that waited ``max_defer`` seconds is sent to the PS after the group.
 
@@ -230,11 +231,13 @@ class Scheduler:
         """The fastest ``k`` of ``kept`` in one switch group; the others deferred, sent after it, or dropped."""
         by_speed = sorted(kept, key=lambda r: (r.size / rate(r.rank), r.rank, r.update_id))
         leader = by_speed[0].rank
-        best_k, best_rate = 1, 1.0 / (by_speed[0].size / rate(leader))  # k = 1: the fastest pushes its own
+        # A round ends with the new model's send through the switch: about one push of the fastest (``p``).
+        push = by_speed[0].size / rate(leader)
+        best_k, best_rate = 1, 1.0 / (push + push)  # k = 1: the fastest pushes its own
         for k in range(self.min_aggregate, len(by_speed) + 1):
             ready = by_speed[k - 1].size / rate(by_speed[k - 1].rank)
             push = max(r.size for r in by_speed[:k]) / rate(leader)
-            if (throughput := k / (ready + push)) >= best_rate - 1e-12:  # ties: the larger group
+            if (throughput := k / (ready + push + push)) >= best_rate - 1e-12:  # ties: the larger group
                 best_k, best_rate = k, throughput
         decisions: list[Decision] = []
         groups: tuple[AggregateGroup, ...] = ()

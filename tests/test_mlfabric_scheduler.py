@@ -225,7 +225,7 @@ def test_queued_updates_are_summed_in_the_switch_all_at_once_and_the_fastest_mem
 
 def test_gang_sums_the_fastest_requests_in_one_switch_group_and_defers_the_straggler():
     # Ranks 0-2 at 4 MB/s (0.25 s per MB), rank 3 at 1 MB/s (1 s): gradients per second of the round are
-    # 2/0.5, 3/0.5 and 4/1.25, so the group is ranks 0-2; rank 3 waits for the next batch.
+    # 1/0.5 (rank 0 alone), 2/0.75, 3/0.75 and 4/1.5, so the group is ranks 0-2; rank 3 waits for the next.
     clock = FakeClock(10.0)
     sched = Scheduler(8, clock=clock)
     requests = [TransferRequest(r, f"{r}:0", 5, MB, arrival=10.0) for r in range(4)]
@@ -246,7 +246,7 @@ def test_gang_sums_the_fastest_requests_in_one_switch_group_and_defers_the_strag
 def test_gang_drops_what_the_group_would_make_too_late_and_sends_what_waited_too_long():
     clock = FakeClock(10.0)
     sched = Scheduler(2, clock=clock, max_defer=1.0)
-    rates = {0: 4 * MB, 1: 4 * MB, 2: MB, 3: MB}
+    rates = {0: 4 * MB, 1: 4 * MB, 2: MB // 2, 3: MB // 2}  # groups: 2 / (0.25 + 0.5) s beats 4 / (2 + 0.5) s
     requests = [TransferRequest(0, "0:1", 5, MB, arrival=10.0), TransferRequest(1, "1:1", 5, MB, arrival=10.0),
                 TransferRequest(2, "2:1", 4, MB, arrival=10.0),  # after the group and rank 3: delay 4 > 2
                 TransferRequest(3, "3:1", 5, MB, arrival=8.5)]  # deferred since 8.5: sent after the group
@@ -255,13 +255,13 @@ def test_gang_drops_what_the_group_would_make_too_late_and_sends_what_waited_too
     assert plan.decision("2:1").action == DROP and plan.decision("2:1").predicted_delay == 4
     late = plan.decision("3:1")
     assert late.action == SEND and late.predicted_delay == 2
-    assert late.slot.start == pytest.approx(plan.groups[0].slot.end) and late.slot.end == pytest.approx(11.5)
-    assert plan.granted_gradients == 3 and plan.link_free_at == pytest.approx(11.5)
+    assert late.slot.start == pytest.approx(plan.groups[0].slot.end) and late.slot.end == pytest.approx(12.5)
+    assert plan.granted_gradients == 3 and plan.link_free_at == pytest.approx(12.5)
     # Alone in its batch, or with a much slower one, the fastest pushes its own update (k = 1).
     alone = sched.plan([TransferRequest(0, "0:2", 7, MB, arrival=10.0)], server_version=7, switch=True, gang=True)
     assert alone.decisions[0].action == SEND and not alone.groups
     pair = sched.plan([TransferRequest(0, "0:3", 7, MB, arrival=10.0), TransferRequest(2, "2:3", 7, MB, arrival=10.0)],
-                      server_version=7, bandwidth=rates, switch=True, gang=True)  # 1/0.25 s against 2/1.25 s
+                      server_version=7, bandwidth=rates, switch=True, gang=True)  # 1 / 0.5 s against 2 / 2.5 s
     assert pair.decision("0:3").action == SEND and pair.decision("2:3").action == DEFER and not pair.groups
 
 
