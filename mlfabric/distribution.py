@@ -265,6 +265,7 @@ class ModelCache:
                 at += n
             self.stats.versions_repaired += 1
             self.stats.blocks_repaired += at
+            self._measure(version)  # the rate a version reaches this worker, repair included
             self._complete(version)
             return (self._latest[0], self._latest[1].copy()) if self._latest and self._latest[0] > after else None
 
@@ -370,7 +371,7 @@ class ModelCache:
                     self._complete(version)
 
     def _measure(self, version: int) -> None:
-        """A version arrived whole through the switch: one sample of this worker's receiving rate."""
+        """A version is whole (through the switch, or repaired): one sample of this worker's receiving rate."""
         seconds = time.monotonic() - self._first_seen.pop(version, time.monotonic())
         if seconds >= MIN_RATE_SECONDS:
             sample = self.layout.size * 4 / seconds

@@ -2,7 +2,8 @@
 
 A worker's ``request`` blocks in :meth:`GrantService.request` until its batch is
 planned (when every registered worker that has nothing in flight has asked, or after
-``batch_window`` seconds) and then until its slot starts: the answer *is* the grant,
+``batch_window`` seconds; in gang rounds, every such worker at least half as fast as the
+fastest) and then until its slot starts: the answer *is* the grant,
 so a worker sends only when granted. An aggregator's ``agg_grant`` waits for the
 aggregate's slot the same way. The PS reports each applied or dropped update
 (:meth:`settled`) and each measured transfer (:meth:`observe`); a grant whose update
@@ -206,12 +207,22 @@ class GrantService:
                 return oldest + self.scheduler.max_defer - self.clock()
         busy = {rank for _, rank, _ in self._in_flight.values()}
         asking = {p.request.rank for p in self._pending}
-        if not (self._registered - busy - asking):
+        if not (self._expected() - busy - asking):
             return 0.0
         # The window runs from the first request not deferred (a deferred one has had its window).
         oldest = min((p.request.arrival for p in self._pending if not p.deferred),
                      default=min(p.request.arrival for p in self._pending))
         return oldest + self.batch_window - self.clock()
+
+    def _expected(self) -> set[int]:
+        """The workers a batch waits for: all registered ones; in gang rounds those at least half as fast as the
+        fastest (a slower one would not join the group: see the scheduler's item 6)."""
+        if not self.gang:
+            return self._registered
+        rates = {**self.bandwidth.snapshot(), **self.hints}
+        rate = {r: rates.get(r, self.scheduler.default_bandwidth) for r in self._registered}
+        fastest = max(rate.values(), default=0.0)
+        return {r for r, v in rate.items() if v >= fastest / 2}
 
     def _expire(self) -> None:
         now = self.clock()

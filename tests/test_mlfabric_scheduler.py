@@ -266,8 +266,9 @@ def test_gang_drops_what_the_group_would_make_too_late_and_sends_what_waited_too
 
 
 def test_gang_grant_service_waits_for_the_group_in_flight_and_groups_the_deferred_with_the_next_batch():
+    # A 30 s window: every batch below is planned because every worker it waits for asked.
     service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=30.0), lambda: 0,
-                           batch_window=0.05, switch_slots=64, gang=True)
+                           batch_window=30.0, switch_slots=64, gang=True)
     for rank in range(3):
         service.register(rank)
     service.hint(2, 1e4)  # rank 2 says it is slow: 0.1 s for its 1000 bytes, against 1 ms
@@ -281,8 +282,10 @@ def test_gang_grant_service_waits_for_the_group_in_flight_and_groups_the_deferre
         thread.start()
         return thread
 
-    first = [ask(0, 0), ask(1, 0)]
     late = ask(2, 0)
+    late.join(0.2)
+    assert late.is_alive() and service.stats.batches == 0  # the batch waits for ranks 0 and 1
+    first = [ask(0, 0), ask(1, 0)]
     for t in first:
         t.join(10)
     # One batch of all three: ranks 0 and 1 form the group, the slow rank 2 is deferred.
@@ -300,5 +303,13 @@ def test_gang_grant_service_waits_for_the_group_in_flight_and_groups_the_deferre
     for t in [late, *again]:
         t.join(10)
     assert {decisions[k].action for k in ("2:0", "0:1", "1:1")} == {AGGREGATE}
+    assert service.stats.batches == 2  # not one for rank 2 alone: the batch waited for the others
     assert decisions["2:0"].group == decisions["0:1"].group == decisions["1:1"].group
     assert service.stats.groups == 2 and service.stats.sent == 0 and service.snapshot()["hints"] == {"2": 1e6}
+    # Slow again: a batch no longer waits for rank 2 (its 30 s window would otherwise run out first).
+    service.hint(2, 1e4)
+    service.settled(["2:0", "0:1", "1:1"])
+    third = [ask(0, 2), ask(1, 2)]
+    for t in third:
+        t.join(10)
+    assert not any(t.is_alive() for t in third) and service.stats.groups == 3
