@@ -145,6 +145,7 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         "switch_aggregated": sum(r.get("switch_aggregated", 0) for r in reports),
         "switch_fallbacks": sum(r.get("switch_fallbacks", 0) for r in reports),
         "local_models": sum(r.get("local_models", 0) for r in reports),
+        "applied_locally": sum(r.get("applied_locally", 0) for r in reports),
         # The PS's link: model bytes out (pulls, and versions sent through the switch) and update bytes in.
         "ps_out_mb": round((stats.get("pull_bytes", 0) + (final.get("distribution") or {}).get("bytes_sent", 0))
                            / 1e6, 1),

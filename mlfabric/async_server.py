@@ -196,7 +196,8 @@ class FabricServer:
                  batch_window: float = 0.01, default_bandwidth: float = 1.25e6, scheduler: Scheduler | None = None,
                  frame_timeout: float = 30.0, outcome_window: int = 1024, log_size: int = 100_000,
                  joining: bool = False, chain_members: Sequence[tuple[str, int]] | None = None,
-                 distribution: ModelSender | None = None) -> None:
+                 distribution: ModelSender | None = None, gang: bool | None = None) -> None:
+        """``gang``: plan gang rounds (scheduler item 6); default: when this node sends versions (``distribution``)."""
         if config.ps is None:
             raise ConfigError("ps: an MLfabric job needs the parameter server's endpoint")
         if replica is not None and not 0 <= replica < len(config.replicas):
@@ -235,7 +236,7 @@ class FabricServer:
                                        switch_slots=config.slot_count if config.switch_aggregation else 0,
                                        switch_floor=lambda: self.switch_floor,
                                        # multicast versions: one switch group per batch serves every worker
-                                       gang=distribution is not None)
+                                       gang=distribution is not None if gang is None else gang)
         #: Past the subset rounds of the primary's switch groups, as of the last update it applied (replicated).
         self.switch_floor = 0
         self.model: np.ndarray | None = None
@@ -575,6 +576,8 @@ class FabricServer:
             self.stats.replication_stalls += 1
             raise ValueError(f"not applied: {err}") from None
         outcome = {"outcome": APPLIED, "delays": delays, "version": self.version, "seq": seq}
+        if self.update_mode == "async":  # the step (w -= lr * g): a switch group's members apply its sum too
+            outcome["lr"] = float(self.lr)
         self._remember(parts, outcome)
         self._publish(seq)
         self._cond.notify_all()

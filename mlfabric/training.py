@@ -60,6 +60,9 @@ class WorkerReport:
     errors: int = 0
     #: Steps that started from a version received through the switch, and from a pull over TCP.
     local_models: int = 0
+    #: Steps that started from a version this worker computed itself: its switch group's sum applied to the
+    #: model the group's updates were computed on, when the PS applied the group right on top of it.
+    applied_locally: int = 0
     pulls: int = 0
     #: The newest PS version this worker heard of (pulls, push outcomes).
     ps_version: int = -1
@@ -86,13 +89,19 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
     client.init(np.asarray(initial, np.float32))
     cache = ModelCache(distribution, int(np.asarray(initial).size)) if distribution is not None else None
     version = -1
+    #: (version, model) the last switch group's outcome lets this worker compute (see _switch_aggregate).
+    ahead: tuple[int, np.ndarray] | None = None
     try:
         for step in range(steps):
             if max_seconds is not None and time.monotonic() - started > max_seconds:
                 break
             phase_start = time.monotonic()
             local = None
-            if cache is not None and step:
+            if ahead is not None and ahead[0] >= max(version, report.ps_version - local_slack):
+                local, ahead = ahead, None
+                report.applied_locally += 1
+                report.local_models -= 1  # counted below
+            elif cache is not None and step:
                 floor = max(version, report.ps_version - local_slack)
                 try:
                     local = cache.newest(floor - 1) or cache.newest(version, local_wait, client.model_blocks)
@@ -112,9 +121,11 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
                     break
             report.phase_seconds["model"] += time.monotonic() - phase_start
             rate = cache.rate if cache is not None else None
+            outcome: dict[str, Any] = {}
             if not _step(client, report, grad_fn, schedule, switch, compute_delay, on_step, step, version, params,
-                         rate):
+                         rate, outcome):
                 break
+            ahead = outcome.get("ahead")
     finally:
         if cache is not None:
             cache.close()
@@ -125,8 +136,9 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
 
 def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule: str, switch: SwitchSummer | None,
           compute_delay: float, on_step: Callable[[int, dict[str, Any]], None] | None, step: int, version: int,
-          params: np.ndarray, rate: float | None = None) -> bool:
-    """Compute and send one gradient; False once the PS says the job is halted."""
+          params: np.ndarray, rate: float | None = None, out: dict[str, Any] | None = None) -> bool:
+    """Compute and send one gradient; False once the PS says the job is halted. ``out["ahead"]``: the next
+    model, when this worker can compute it from its switch group's sum."""
     began = time.monotonic()
     loss, grad = grad_fn(params, step)
     grad = np.ascontiguousarray(grad, np.float32)
@@ -139,6 +151,10 @@ def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule:
     report.steps = step + 1
     try:
         outcome = _send(client, report, schedule, update_id, version, grad, switch, rate)
+        if outcome is not None and (total := outcome.pop("_sum", None)) is not None:
+            parts = outcome.pop("_parts")
+            if out is not None:
+                out["ahead"] = _apply_sum(outcome, parts, version, params, total)
     except Unavailable:
         raise
     except FabricError as err:
@@ -200,6 +216,19 @@ def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: 
         conn.close()
 
 
+def _apply_sum(outcome: dict[str, Any], parts: int, version: int, params: np.ndarray,
+               total: np.ndarray) -> tuple[int, np.ndarray] | None:
+    """The PS's model after a switch group, computed here: when the PS applied the group's sum (``parts``
+    gradients) right on top of ``version`` (the outcome's version is ``version + parts``), its model is
+    ``params - lr * total`` in float32, the PS's own arithmetic, bit for bit. None otherwise."""
+    if outcome.get("outcome") != "applied" or "lr" not in outcome or int(outcome.get("version", -1)) != version + parts:
+        return None
+    lr = np.float32(outcome["lr"])
+    model = np.array(params, np.float32)
+    model += (-lr * total).astype(np.float32)
+    return version + parts, model
+
+
 def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: SwitchSummer | None,
                       grant: dict[str, Any], update_id: str, version: int, grad: np.ndarray) -> dict[str, Any]:
     """Sum ``grad`` with the group's in the switch; the leader pushes the sum, the others get its outcome."""
@@ -211,10 +240,11 @@ def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: Switch
         report.switch_fallbacks += 1
         return client.push(update_id, version, grad)
     report.switch_aggregated += 1
+    summed = {"_sum": total, "_parts": len(grant["parts"])}
     if int(grant["leader"]) == client.rank:
         report.switch_led += 1
         try:
-            return client.push(update_id, version, total, parts=grant["parts"])
+            return {**client.push(update_id, version, total, parts=grant["parts"]), **summed}
         except Unavailable:
             raise
         except FabricError:  # e.g. a member already pushed its own: every member falls back to its own
@@ -222,6 +252,6 @@ def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: Switch
             return client.push(update_id, version, grad)
     outcome = client.call("outcome", {"update_id": update_id, "timeout": 20.0}, timeout=30.0)[0]
     if outcome.get("known"):
-        return outcome
+        return {**outcome, **summed}
     report.switch_fallbacks += 1
     return client.push(update_id, version, grad)

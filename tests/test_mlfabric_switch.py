@@ -13,7 +13,7 @@ from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.grants import SWITCH_ROUND_MARGIN, switch_round_uses
 from netagg.mlfabric.switch_sum import SwitchSummer
 from netagg.mlfabric.testing import loopback_configs
-from netagg.mlfabric.training import WorkerReport, _send
+from netagg.mlfabric.training import WorkerReport, _apply_sum, _send, _step
 from netagg.mlfabric.worker import FabricClient
 
 testing = pytest.importorskip("netagg.softswitch.testing")
@@ -154,3 +154,58 @@ def test_after_a_failover_the_new_primary_starts_its_subset_rounds_past_the_old_
             replica.stop()
             for s in summers:
                 s.close()
+
+
+def test_gang_members_compute_the_next_model_from_the_sum_bit_for_bit():
+    with testing.LoopbackSwitch() as switch:
+        configs = _configs(switch, 3)
+        server = FabricServer(configs[0], lr=0.37, batch_window=5.0, gate_timeout=0, gang=True).start()
+        rng = np.random.default_rng(7)
+        initial = rng.standard_normal(SIZE).astype(np.float32)
+        grads = [rng.standard_normal(SIZE).astype(np.float32) for _ in range(3)]
+        summers = [SwitchSummer(c, rto_initial=0.01) for c in configs]
+        clients = [FabricClient.from_config(c, failover_timeout=20) for c in configs]
+        reports = [WorkerReport(r) for r in range(3)]
+        ahead: list[dict] = [{} for _ in range(3)]
+        try:
+            clients[0].hello()
+            clients[0].init(initial)
+            for client in clients[1:]:
+                client.hello()
+
+            def step(rank: int) -> None:
+                version, params, _ = clients[rank].pull()
+                _step(clients[rank], reports[rank], lambda p, s: (0.0, grads[rank]), "mlfabric", summers[rank], 0.0,
+                      None, 0, version, params, None, ahead[rank])
+
+            threads = [threading.Thread(target=step, args=(r,)) for r in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            # One batch, one group of all three (equally fast): no direct send, one version of three gradients.
+            assert server.grants.stats.groups == 1 and server.grants.stats.sent == 0
+            assert server.version == 3 and server.stats.applies == 1
+            assert [r.switch_aggregated for r in reports] == [1, 1, 1] and sum(r.switch_led for r in reports) == 1
+            for rank in range(3):  # every member holds the PS's version 3 without receiving it
+                version, model = ahead[rank]["ahead"]
+                assert version == 3
+                assert np.array_equal(model.view(np.uint32), server.model.view(np.uint32))
+            np.testing.assert_allclose(server.model, initial - np.float32(0.37) * sum(grads), rtol=1e-4, atol=1e-4)
+        finally:
+            server.stop()
+            for s in summers:
+                s.close()
+            for c in clients:
+                c.close()
+
+
+def test_a_member_computes_the_next_model_only_when_its_group_was_applied_right_on_top_of_its_version():
+    params = np.arange(4, dtype=np.float32)
+    total = np.ones(4, np.float32)
+    applied = {"outcome": "applied", "version": 7, "lr": 0.5}
+    version, model = _apply_sum(applied, 2, 5, params, total)
+    assert version == 7 and np.array_equal(model, params - np.float32(0.5))
+    assert _apply_sum({**applied, "version": 8}, 2, 5, params, total) is None  # another update came between
+    assert _apply_sum({**applied, "outcome": "dropped"}, 2, 5, params, total) is None
+    assert _apply_sum({"outcome": "applied", "version": 7}, 2, 5, params, total) is None  # no step: a sync PS
