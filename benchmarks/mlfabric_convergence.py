@@ -43,7 +43,12 @@ KINDS = {
     "mlfabric-switch": ["--sync", "async", "--schedule", "mlfabric", "--switch-aggregation"],
     # And every model version sent once through the switch (a distribution job: mlfabric/distribution.py).
     "mlfabric-mcast": ["--sync", "async", "--schedule", "mlfabric", "--switch-aggregation"],
+    # Gang rounds (one switch group per batch, the scheduler's item 6) without sending the versions: members
+    # compute the next model from their group's sum, the others pull.
+    "mlfabric-gang": ["--sync", "async", "--schedule", "mlfabric", "--switch-aggregation"],
 }
+#: Kinds whose PS plans gang rounds (with MULTICAST: by default).
+GANG = {"mlfabric-gang"}
 #: Kinds whose PS sends the model through the switch.
 MULTICAST = {"mlfabric-mcast"}
 
@@ -100,7 +105,7 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
                           str(args.rate_mbit)] if dist_paths else []
             if kind.startswith("mlfabric"):  # an unmeasured sender is assumed at the link's rate
                 model_args += ["--batch-window", str(args.batch_window), "--default-bandwidth",
-                               str(args.rate_mbit * 1e6 / 8)]
+                               str(args.rate_mbit * 1e6 / 8), *(["--gang"] if kind in GANG else [])]
             lr = args.lr if kind != "sync" else args.sync_lr if args.sync_lr is not None else args.lr * args.workers
             ps = subprocess.Popen(cluster.host_command(cluster.ps_host, [*PS_COMMAND, "--config", str(paths[0]),
                                                                          "--lr", str(lr), *model_args]),
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         times = [r["time_to_target"] for r in rows if r["kind"] == kind]
         if times and all(t is not None for t in times):
             means[kind] = sum(times) / len(times)
-    for fabric in ("mlfabric", "mlfabric-switch", "mlfabric-mcast"):
+    for fabric in ("mlfabric", "mlfabric-switch", "mlfabric-mcast", "mlfabric-gang"):
         if fabric not in means:
             continue
         for other in ("sync", "async"):

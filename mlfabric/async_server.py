@@ -977,6 +977,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="pace of those sends (the PS link's rate; default 10)")
     parser.add_argument("--batch-window", type=float, default=0.01,
                         help="scheduler: how long a batch of requests waits for the others after its first")
+    parser.add_argument("--gang", action=argparse.BooleanOptionalAction, default=None,
+                        help="scheduler: gang rounds, one switch group per batch (default: with --model-config)")
     parser.add_argument("--default-bandwidth", type=float, default=1.25e6,
                         help="scheduler: bytes/s assumed for a sender not measured yet")
     args = parser.parse_args(argv)
@@ -990,7 +992,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = FabricServer(config, lr=args.lr, replica=args.replica, distribution=distribution,
                               bind=resolve(args.bind) if args.bind is not None else None, max_lag=args.max_lag,
                               default_bandwidth=args.default_bandwidth, outcome_window=args.outcome_window,
-                              batch_window=args.batch_window,
+                              batch_window=args.batch_window, gang=args.gang,
                               log_size=args.log_size, joining=args.join is not None)
     except (ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
