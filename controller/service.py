@@ -235,7 +235,7 @@ class JobService:
                             bind=Endpoint(worker.ip, worker.udp_port), ps=ps, tenant=job.tenant,
                             update_mode=job.update_mode, delay_bound=job.delay_bound, schedule=job.schedule,
                             replicas=tuple(Endpoint(r.ip, r.udp_port) for r in job.replicas), secret=job.secret,
-                            switch_aggregation=job.switch_aggregation)
+                            switch_aggregation=job.switch_aggregation, senders=job.senders)
 
     def reap_expired(self, now: float | None = None) -> list[int]:
         """Delete every job whose lease ran out; returns their ids."""

@@ -1,7 +1,8 @@
 """Model distribution through the switch: the PS sends each model version once, the switch copies it.
 
 A *distribution job* on the switch has the MLfabric job's workers (each on a port of its own,
-its distribution endpoint) plus the PS as its last rank. The PS sends a version as one-member
+its distribution endpoint) plus the PS as its last rank, or the PS chain (primary, then replicas)
+as its last ranks (``senders``): whichever node is primary sends, as itself. The PS sends a version as one-member
 subset rounds (``members`` = its own bit, docs/protocol.md): every packet completes its round
 at once and the switch multicasts it to the job's group. The values are the model's float32
 bit patterns (a one-member sum is the value itself), so every copy is exact.
@@ -212,9 +213,11 @@ class ModelCache:
         """``batched``: receive with recvmmsg (default: where available), else one datagram per call."""
         self.config = config
         self.batched = mmsg.AVAILABLE if batched is None else batched
-        #: The PS is the distribution job's last rank; only its one-member rounds are versions. Another
-        #: worker of the job cannot forge them: the switch drops a sender outside a round's members.
-        self.sender_members = 1 << (config.num_workers - 1)
+        #: The PS chain are the distribution job's last ranks (``senders``; 0: the last rank alone), and only
+        #: their one-member rounds are versions: a promoted replica sends as itself. A worker of the job
+        #: cannot forge them: in a one-way job the switch takes no packet from a receiver.
+        senders = max(config.senders, 1)
+        self.sender_members = ((1 << senders) - 1) << (config.num_workers - senders)
         self.layout = DistributionLayout(size, config.slot_count)
         self.stats = CacheStats()
         self.sock = udp_socket(resolve(config.bind))
@@ -338,7 +341,8 @@ class ModelCache:
         hdr = np.ascontiguousarray(rows[:, :wire.HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
         valid = from_switch & (lengths == wire.NETAGG_BYTES) & (hdr["version"] == wire.VERSION) \
             & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == self.config.job_id) \
-            & (hdr["members"] == self.sender_members)
+            & ((hdr["members"] & ~np.uint32(self.sender_members)) == 0) & (hdr["members"] != 0) \
+            & ((hdr["members"] & (hdr["members"] - np.uint32(1))) == 0)  # one sender of the chain
         seqs = hdr["seq"].astype(np.int64)
         blocks = seqs & _BLOCK_MASK
         valid &= blocks < layout.blocks

@@ -82,6 +82,9 @@ class WorkerConfig:
     #: among the group's members) instead of at an idle worker; the job's multicast group must be its
     #: workers (mode allreduce), who receive the sums.
     switch_aggregation: bool = False
+    #: A one-way job (mode allreduce): its last ``senders`` ranks only send, the others only receive
+    #: (0: every rank both). A model distribution job's senders are its PS chain (docs/mlfabric.md).
+    senders: int = 0
     #: The job's shared secret (written by the controller; "" = none): every request to the job's
     #: parameter servers and aggregators carries it, and a request without it is refused.
     secret: str = ""
@@ -118,6 +121,11 @@ class WorkerConfig:
         if self.switch_aggregation and (self.schedule != "mlfabric" or self.mode != "allreduce"):
             raise ConfigError("switch_aggregation: needs schedule mlfabric and mode allreduce (the sums go back "
                               "to the group's members)")
+        if not isinstance(self.senders, int) or isinstance(self.senders, bool) or \
+                not 0 <= self.senders < self.num_workers:
+            raise ConfigError(f"senders: expected an integer in 0..{self.num_workers - 1}, got {self.senders!r}")
+        if self.senders and self.mode != "allreduce":
+            raise ConfigError("senders: a one-way job needs mode allreduce")
         if not isinstance(self.replicas, tuple) or not all(isinstance(r, Endpoint) for r in self.replicas):
             raise ConfigError(f"replicas: expected a tuple of endpoints, got {self.replicas!r}")
         if not isinstance(self.secret, str) or any(c.isspace() for c in self.secret) or len(self.secret) > 256:

@@ -92,7 +92,8 @@ class LoopbackSwitch:
         aggregator = ps if mode == "fallback" else self.aggregator
         assert aggregator is not None, "fallback mode needs a PS endpoint"
         return [WorkerConfig(job_id=job.job_id, rank=w.rank, num_workers=num_workers, slot_count=slot_count,
-                             mode=mode, aggregator=aggregator, bind=Endpoint(w.ip, w.udp_port), ps=ps)
+                             mode=mode, aggregator=aggregator, bind=Endpoint(w.ip, w.udp_port), ps=ps,
+                             senders=senders)
                 for w in job.workers]
 
     def remove_job(self, job_id: int) -> None:

@@ -48,6 +48,9 @@ def test_worker_config_carries_the_mlfabric_options_and_old_yaml_still_loads(tmp
         ({"mode": "allreduce", "ps": None}, "async or replicated job needs the parameter server"),
         ({"switch_aggregation": True}, "switch_aggregation: needs schedule mlfabric and mode allreduce"),
         ({"switch_aggregation": "yes"}, "switch_aggregation: expected true or false"),
+        ({"senders": -1}, r"senders: expected an integer in 0\.\."),
+        ({"senders": True}, r"senders: expected an integer in 0\.\."),
+        ({"senders": 1}, "senders: a one-way job needs mode allreduce"),
     ]:
         with pytest.raises(ConfigError, match=message):
             WorkerConfig.from_dict({**data, **change}, "w.yaml")
@@ -193,6 +196,9 @@ def test_a_one_way_job_lets_its_senders_send_and_its_receivers_receive(capsys, s
         workers_of_job = [e for e in reader.read_entries(dp.TABLE_WORKERS) if e.match["job_id"] == job["job_id"]]
     assert sorted(rid for _, rid in group) == [1, 2, 3]  # ranks 0..2 receive; rank 3 only sends
     assert [e.params["rank"] for e in workers_of_job] == [3]  # and only rank 3 may send
+    code, out, err = _cli(capsys, soft_controller, "job", "config", str(job["job_id"]), "--rank", "0")
+    assert code == 0, err
+    assert WorkerConfig.from_dict(yaml.safe_load(out)).senders == 1  # a receiver knows which ranks send
     for args, message in ((["--senders", "4"], "senders must be an integer in 0..3"),
                           (["--senders", "1", "--mode", "ps", "--ps", "ps0"], "--senders needs --mode allreduce")):
         code, _, err = _cli(capsys, soft_controller, "job", "create", "--workers", workers, "--slots", "4",

@@ -42,9 +42,10 @@ def test_rounds_grow_with_the_version_in_every_slot_and_seq_names_version_and_bl
         DistributionLayout(wire.K * 65537, SLOTS)
 
 
-def _distribution_job(switch, receivers: int):
-    """Receivers are ranks 0..n-1 of a job on the switch; the PS sends as its last rank, outside the group."""
-    return switch.add_job(receivers + 1, slot_count=SLOTS, senders=1)
+def _distribution_job(switch, receivers: int, senders: int = 1):
+    """Receivers are ranks 0..n-1 of a job on the switch; the PS (chain) sends as its last rank(s), outside the
+    group."""
+    return switch.add_job(receivers + senders, slot_count=SLOTS, senders=senders)
 
 
 @pytest.mark.parametrize("loss", [0.0, 0.1])
@@ -170,3 +171,38 @@ def test_a_repair_request_is_checked_before_anything_is_copied():
         finally:
             client.close()
             server.stop()
+
+
+def test_after_a_failover_the_promoted_replica_sends_the_versions_as_itself():
+    with testing.LoopbackSwitch() as switch:
+        dist = _distribution_job(switch, 2, senders=2)  # ranks 2 and 3: the primary and its replica
+        fabric = loopback_configs(2, update_mode="async", delay_bound=8, replicas=1)
+        replica = FabricServer(fabric[0], replica=0, lr=0.5, gate_timeout=0,
+                               distribution=ModelSender(dist[3], rate=20e6)).start()
+        primary = FabricServer(fabric[0], lr=0.5, gate_timeout=0, distribution=ModelSender(dist[2], rate=20e6)).start()
+        caches = [ModelCache(dist[r], SIZE) for r in range(2)]
+        clients = [FabricClient.from_config(fabric[r], failover_timeout=20) for r in range(2)]
+        try:
+            clients[0].hello()
+            clients[1].hello()
+            clients[0].init(np.zeros(SIZE, np.float32))
+            grad = np.linspace(-1, 1, SIZE).astype(np.float32)
+            assert clients[0].push("0:0", 0, grad)["outcome"] == "applied"
+            before = [c.newest(0, wait=5.0) for c in caches]
+            assert all(b is not None and b[0] == 1 for b in before)  # version 1, from the primary
+            primary.stop()
+            # Rank 1's push fails over to the replica, which is promoted and sends version 2 as rank 3.
+            assert clients[1].push("1:0", 1, grad)["outcome"] == "applied" and clients[1].failovers == 1
+            assert replica.role == "primary" and replica.version == 2
+            for cache in caches:
+                version, model = cache.newest(1, wait=5.0)
+                assert version == 2 and np.array_equal(model.view(np.uint32), replica.model.view(np.uint32))
+            assert replica.distribution.stats.versions_sent >= 1
+            assert switch.counters(dist[0].job_id)["rejects"] == 0
+        finally:
+            for c in clients:
+                c.close()
+            for c in caches:
+                c.close()
+            primary.stop()
+            replica.stop()
