@@ -54,7 +54,7 @@ from netagg import jobsecret
 from netagg.hoststack.packets import resolve
 from netagg.jobconfig import ConfigError, WorkerConfig, endpoint_arg
 from netagg.mlfabric.distribution import ModelSender, rate_of
-from netagg.mlfabric.grants import GrantService
+from netagg.mlfabric.grants import STALE, GrantService
 from netagg.mlfabric.protocol import (
     Connection,
     FabricError,
@@ -649,6 +649,8 @@ class FabricServer:
             raise ValueError(str(err)) from None
         response: dict[str, Any] = {"ok": True, "action": decision.action, "reason": decision.reason,
                                     "predicted_delay": decision.predicted_delay, "halted": self.halted}
+        if decision.reason.startswith(STALE) and decision.predicted_version is not None:
+            response["version"] = decision.predicted_version  # gang round: the next step starts from this
         if decision.action == AGGREGATE and decision.group is not None and self.grants.switch_slots:
             switch = self.grants.switch_grant(decision.group)
             if switch is not None:  # summed in the switch: a subset round of the group's members

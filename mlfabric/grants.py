@@ -21,6 +21,9 @@ With ``gang`` as well (the PS multicasts its versions), every batch is one switc
 scheduler's item 6): a batch is not planned while a switch group is in flight, and a deferred
 request stays pending, planned again with the next batch (which is due once a request that
 was not deferred arrived, or once the oldest deferred one waited the scheduler's ``max_defer``).
+A gang round sums gradients of one version: a request computed on an older version than the
+newest in its batch is dropped as ``stale`` (its worker starts again from the newest), and while
+the window is open the batch waits for that worker's fresh request (:meth:`_drop_stale`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from netagg.mlfabric.scheduler import (
 
 #: How far past the replicated floor a new primary starts its subset rounds (< 2**15: still "ahead").
 SWITCH_ROUND_MARGIN = 1 << 14
+#: The reason that starts a drop of a gang round's stale request: the worker starts again from the newest version.
+STALE = "stale"
 #: Updates whose subset exchange would use more rounds per slot than this go direct or to a worker.
 MAX_SWITCH_ROUND_USES = 1 << 12
 
@@ -70,6 +75,8 @@ class GrantStats:
     sent: int = 0
     #: Requests deferred to a later batch (counted once per batch that deferred them).
     deferred: int = 0
+    #: Gang rounds: requests dropped as computed on an older version than the round's (their workers refresh).
+    refreshed: int = 0
     aggregated: int = 0
     groups: int = 0
     dropped: int = 0
@@ -245,9 +252,39 @@ class GrantService:
     def _switch_possible(self, batch: list[_Pending]) -> bool:
         return not self._switch_grants and self._switch_fits(batch)
 
+    def _drop_stale(self, batch: list[_Pending], now: float) -> list[_Pending] | None:
+        """Gang rounds sum gradients of one version: where the batch has requests computed on the newest
+        (``base``), the older ones are dropped, their workers told to start from ``base``. If such a worker is
+        one the batch waits for and the window is still open, the others wait for its fresh request (returns
+        None: nothing else is planned now); else returns the batch without the dropped ones."""
+        base = self.version() + sum(c for c, _, _ in self._in_flight.values())
+        fresh = [p for p in batch if p.request.version >= base]
+        stale = [p for p in batch if p.request.version < base and not p.deferred]
+        if not fresh or not stale:
+            return batch
+        for entry in stale:
+            delay = base - entry.request.version
+            entry.decision = Decision(entry.request.update_id, entry.request.rank, DROP, predicted_version=base,
+                                      predicted_delay=delay, reason=f"{STALE}: computed on version "
+                                      f"{entry.request.version}, this round sums version {base}")
+            self.stats.dropped += 1
+            self.stats.refreshed += 1
+        rest = [p for p in batch if p not in stale]
+        oldest = min(p.request.arrival for p in fresh)
+        if {p.request.rank for p in stale} & self._expected() and oldest + self.batch_window > now:
+            self._pending = rest + self._pending
+            self._cond.notify_all()
+            return None
+        return rest
+
     def _plan(self) -> None:
         batch, self._pending = self._pending, []
         now = self.clock()
+        if self.gang and self._switch_fits(batch):
+            kept = self._drop_stale(batch, now)
+            if kept is None:
+                return
+            batch = kept
         asking = {p.request.rank for p in batch}
         idle = sorted(r for r in self._aggregators
                       if r not in asking and self._busy_until.get(r, 0.0) <= now

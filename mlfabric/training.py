@@ -104,7 +104,9 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
             elif cache is not None and step:
                 floor = max(version, report.ps_version - local_slack)
                 try:
-                    local = cache.newest(floor - 1) or cache.newest(version, local_wait, client.model_blocks)
+                    # the newest version the PS reported (within the slack), else any newer than the last
+                    local = cache.newest(floor - 1, local_wait if floor > version else 0.0, client.model_blocks) \
+                        or cache.newest(version, 0.0 if floor > version else local_wait, client.model_blocks)
                 except Unavailable:
                     raise
                 except FabricError:  # the repair was refused: pull instead
@@ -197,6 +199,7 @@ def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: 
         report.halted = True
     if action == "drop":
         report.scheduler_dropped += 1
+        report.ps_version = max(report.ps_version, int(decision.get("version", -1)))
         return None
     if action == "send":
         return client.push(update_id, version, grad)

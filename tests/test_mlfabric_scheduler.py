@@ -313,3 +313,36 @@ def test_gang_grant_service_waits_for_the_group_in_flight_and_groups_the_deferre
     for t in third:
         t.join(10)
     assert not any(t.is_alive() for t in third) and service.stats.groups == 3
+
+
+def test_gang_drops_a_stale_request_and_waits_for_its_fresh_one_while_the_window_is_open():
+    version = {"now": 4}
+    service = GrantService(Scheduler(None, default_bandwidth=1e6), lambda: version["now"], batch_window=30.0,
+                           switch_slots=64, gang=True)
+    for rank in range(3):
+        service.register(rank)
+    decisions: dict[str, object] = {}
+
+    def ask(rank: int, step: int, on: int) -> threading.Thread:
+        def run() -> None:
+            decisions[f"{rank}:{step}"] = service.request(
+                TransferRequest(rank, f"{rank}:{step}", on, 1000, arrival=service.clock()), timeout=20)
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    fresh = [ask(0, 0, 4), ask(1, 0, 4)]
+    stale = ask(2, 0, 1)  # computed on version 1: the round sums version 4
+    stale.join(10)
+    drop = decisions["2:0"]
+    assert drop.action == DROP and drop.reason.startswith("stale") and drop.predicted_version == 4
+    for t in fresh:
+        t.join(0.3)
+    assert all(t.is_alive() for t in fresh) and service.stats.groups == 0  # they wait for rank 2's fresh one
+    again = ask(2, 1, 4)
+    for t in [*fresh, again]:
+        t.join(10)
+    assert {decisions[k].action for k in ("0:0", "1:0", "2:1")} == {AGGREGATE}
+    assert service.stats.groups == 1 and service.stats.refreshed == 1
+    group = decisions["0:0"].group
+    assert set(service.switch_grant(group)["parts"][i][0] for i in range(3)) == {"0:0", "1:0", "2:1"}
