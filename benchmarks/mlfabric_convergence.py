@@ -230,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
             for kind in args.kinds:
                 try:
                     row = run(cluster, kind, args, plan)
-                except Exception as err:  # one failed run is reported, the sweep goes on
-                    row = {"kind": kind, "time_to_target": None, "error": str(err)[-600:], "applied": 0,
+                except Exception as err:  # one failed run is reported (with the PS's last words), the sweep goes on
+                    ps_log = cluster.workdir / f"mlfabric-ps-{kind}.log"
+                    ps_tail = ps_log.read_text(errors="replace")[-1500:] if ps_log.exists() else ""
+                    row = {"kind": kind, "time_to_target": None, "error": str(err)[-600:], "ps_log": ps_tail,
+                           "applied": 0,
                            "dropped": 0, "scheduler_dropped": 0, "aggregated_members": 0, "switch_aggregated": 0,
                            "max_delay": None}
                 row["repeat"] = repeat

@@ -14,6 +14,7 @@ operations are listed in docs/mlfabric.md.
 from __future__ import annotations
 
 import contextlib
+import logging
 import select
 import socket
 import threading
@@ -34,6 +35,8 @@ from netagg.hoststack.psproto import (
     recv_frame,
     send_frame,
 )
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["Connection", "FabricError", "Frame", "Refused", "Unreachable", "accept_loop",
            "from_blob", "listen", "serve", "to_blob"]
@@ -99,7 +102,9 @@ def serve(conn: socket.socket, handle: Handler, stop: threading.Event, *, frame_
     """Serve one connection until the peer closes it or ``stop`` is set.
 
     ``handle`` returns ``(response, blob)``; a ``ValueError``/``KeyError``/``TypeError`` it
-    raises becomes ``{"ok": false, "error": ...}`` (``on_error`` is told). A frame that is
+    raises becomes ``{"ok": false, "error": ...}`` (``on_error`` is told); any other exception
+    too, as an ``internal error`` logged with its traceback (a fault of the server must not
+    look like a broken connection, which clients fail over from). A frame that is
     not one (garbage, oversize, cut off, slower than ``frame_timeout``) closes the
     connection (``on_malformed`` is told); the server keeps serving everyone else.
     ``on_close`` runs when the connection ends, however it ends.
@@ -140,6 +145,12 @@ def _serve(conn: socket.socket, handle: Handler, stop: threading.Event, frame_ti
                 response, data = handle(frame)
             except (KeyError, TypeError, ValueError) as err:
                 message = f"{type(err).__name__}: {err}"
+                if on_error is not None:
+                    on_error(message)
+                response, data = {"ok": False, "error": message}, b""
+            except Exception as err:  # a fault of the server's own: answered and logged, the connection kept
+                _log.exception("request %r failed", header.get("op"))
+                message = f"internal error: {type(err).__name__}: {err}"
                 if on_error is not None:
                     on_error(message)
                 response, data = {"ok": False, "error": message}, b""

@@ -308,3 +308,33 @@ def test_bad_input_gets_a_clear_error_or_a_counted_drop_and_the_ps_keeps_serving
             dead.pull()
     finally:
         server.stop()
+
+
+def test_a_fault_inside_a_handler_is_answered_and_the_connection_keeps_serving():
+    # A server's own fault must not look like a broken connection: clients fail over from those, retrying
+    # into the same fault. It is answered as an internal error, told to on_error, and the next request works.
+    from netagg.mlfabric.protocol import accept_loop, listen
+
+    errors: list[str] = []
+
+    def handle(frame):
+        if frame.header.get("op") == "boom":
+            raise RuntimeError("a bug")
+        return {"ok": True, "echo": frame.header.get("n")}, b""
+
+    stop_event = threading.Event()
+    sock = listen(("127.0.0.1", 0))
+    thread = threading.Thread(target=accept_loop, args=(sock, lambda: (handle, None), stop_event, "test"),
+                              kwargs={"on_error": errors.append}, daemon=True)
+    thread.start()
+    conn = Connection(sock.getsockname(), timeout=5)
+    try:
+        with pytest.raises(Refused, match="internal error: RuntimeError: a bug"):
+            conn.call({"op": "boom"})
+        assert conn.call({"op": "echo", "n": 7})[0]["echo"] == 7  # the same connection, still served
+        assert errors == ["internal error: RuntimeError: a bug"]
+    finally:
+        conn.close()
+        stop_event.set()
+        thread.join(5)
+        sock.close()
