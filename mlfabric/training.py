@@ -16,8 +16,13 @@ With ``distribution`` (the worker's rank in the job's distribution job), the PS 
 model version through the switch once, and a step after the first starts from the newest
 version the worker received instead of pulling the model over the PS's link: at once if that
 version is at most ``local_slack`` behind the newest the PS reported (in a push's outcome) and
-not older than the worker's last; otherwise it waits up to ``local_wait`` seconds for a newer
-one (:class:`ModelCache`, repairing a nearly complete one over TCP) and else pulls as before.
+not older than the worker's last; otherwise it waits up to ``local_wait`` seconds for that one
+(:class:`ModelCache`, repairing a nearly complete one over TCP), then takes any newer than its
+last, and else pulls as before.
+
+A member of a switch group whose sum the PS applied right on top of the version it computed on
+starts its next step from the model it computes itself: that version plus ``-lr * sum`` in
+float32, the PS's own arithmetic (``applied_locally``; the outcome carries ``lr``).
 """
 
 from __future__ import annotations
@@ -96,22 +101,11 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
             if max_seconds is not None and time.monotonic() - started > max_seconds:
                 break
             phase_start = time.monotonic()
-            local = None
-            if ahead is not None and ahead[0] >= max(version, report.ps_version - local_slack):
-                local, ahead = ahead, None
+            floor = max(version, report.ps_version - local_slack)
+            if ahead is not None and ahead[0] >= floor:  # computed from the last switch group's sum
+                (version, params), ahead = ahead, None
                 report.applied_locally += 1
-                report.local_models -= 1  # counted below
-            elif cache is not None and step:
-                floor = max(version, report.ps_version - local_slack)
-                try:
-                    # the newest version the PS reported (within the slack), else any newer than the last
-                    local = cache.newest(floor - 1, local_wait if floor > version else 0.0, client.model_blocks) \
-                        or cache.newest(version, 0.0 if floor > version else local_wait, client.model_blocks)
-                except Unavailable:
-                    raise
-                except FabricError:  # the repair was refused: pull instead
-                    local = None
-            if local is not None:
+            elif (local := _delivered(client, cache, step, version, floor, local_wait)) is not None:
                 version, params = local
                 report.local_models += 1
             else:
@@ -134,6 +128,21 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
     report.failovers = client.failovers
     report.seconds = time.monotonic() - started
     return report
+
+
+def _delivered(client: FabricClient, cache: ModelCache | None, step: int, version: int, floor: int,
+               local_wait: float) -> tuple[int, np.ndarray] | None:
+    """A version the switch delivered to start from: the newest the PS reported (``floor``, waiting up to
+    ``local_wait`` for it when it is newer than the last), else any newer than the last; None: pull."""
+    if cache is None or not step:
+        return None
+    try:
+        return cache.newest(floor - 1, local_wait if floor > version else 0.0, client.model_blocks) \
+            or cache.newest(version, 0.0 if floor > version else local_wait, client.model_blocks)
+    except Unavailable:
+        raise
+    except FabricError:  # the repair was refused: pull instead
+        return None
 
 
 def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule: str, switch: SwitchSummer | None,
