@@ -83,18 +83,19 @@ def run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pla
 def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Plan) -> dict:
     hosts = cluster.worker_hosts[:args.workers]
     options = KINDS[kind] + (["--delay-bound", str(args.delay_bound)] if kind != "sync" else [])
+    if kind in MULTICAST:  # the job's distribution job: receivers on other ports of the worker hosts, the PS
+        # sending from another port of its host (the controller creates it with the job, and deletes it with it)
+        receivers = cluster.worker_ports(hosts, offset=100)
+        sender = cluster.worker_ports([cluster.ps_host], offset=200)[0]
+        options += ["--distribution", ",".join(f"{h}:{p}" for h, p in zip(hosts, receivers)),
+                    "--distribution-ps", f"{cluster.ps_host}:{sender}"]
     job_id, paths = create_job(cluster, hosts, options, f"mlfabric-{kind}", args.slots)
-    dist_id, dist_paths = None, []
-    if kind in MULTICAST:  # receivers on other ports of the worker hosts; the PS sends as the last rank
-        ports = [*cluster.worker_ports(hosts, offset=100), cluster.worker_ports([cluster.ps_host], offset=200)[0]]
-        members = [*hosts, cluster.ps_host]
-        created = json.loads(cluster.cli("--json", "job", "create", "--name", f"dist-{kind}", "--slots",
-                                         str(args.slots), "--mode", "allreduce", "--senders", "1", "--workers",
-                                         ",".join(f"{h}:{p}" for h, p in zip(members, ports))))
-        dist_id = created["job"]["job_id"]
-        for rank in range(len(members)):
-            path = cluster.workdir / f"dist-job{dist_id}-rank{rank}.yaml"
-            cluster.cli("job", "config", str(dist_id), "--rank", str(rank), "-o", str(path))
+    dist_paths: list[Path] = []
+    if kind in MULTICAST:  # each worker's rank, then the PS's (the last rank)
+        for rank in range(len(hosts) + 1):
+            path = cluster.workdir / f"mlfabric-job{job_id}-distribution-rank{rank}.yaml"
+            which = ["--rank", str(rank)] if rank < len(hosts) else ["--ps-node", "0"]
+            cluster.cli("job", "config", str(job_id), "--distribution", *which, "-o", str(path))
             dist_paths.append(path)
     log = cluster.workdir / f"mlfabric-ps-{kind}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -135,9 +136,7 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
     finally:
         for proc in procs:
             stop(proc)
-        cluster.cli("job", "delete", str(job_id))
-        if dist_id is not None:
-            cluster.cli("job", "delete", str(dist_id))
+        cluster.cli("job", "delete", str(job_id))  # and its distribution job
     stats = final["stats"]
     scheduler = final.get("scheduler") or {}
     return {"curve": curve,

@@ -34,6 +34,10 @@ class ApiError(Exception):
         self.code = code
 
 
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
 def _dispatch(service: JobService, caller: Caller, op: str, args: dict[str, Any]) -> Any:
     handlers: dict[str, Callable[[], Any]] = {
         "create": lambda: service.create_job(caller, **args),
@@ -41,7 +45,9 @@ def _dispatch(service: JobService, caller: Caller, op: str, args: dict[str, Any]
         "show": lambda: service.show_job(caller, int(args["job_id"])),
         "delete": lambda: service.delete_job(caller, int(args["job_id"])),
         "renew": lambda: service.renew_job(caller, int(args["job_id"])),
-        "config": lambda: service.worker_config(caller, int(args["job_id"]), int(args["rank"])).to_yaml(),
+        "config": lambda: service.worker_config(
+            caller, int(args["job_id"]), _optional_int(args.get("rank")),
+            distribution=args.get("distribution", False), ps_node=_optional_int(args.get("ps_node"))).to_yaml(),
         "ping": lambda: {"tenant": caller.tenant, "admin": caller.is_admin},
     }
     if op not in handlers:

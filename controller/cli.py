@@ -68,6 +68,15 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--replicas", type=int, help="PS replicas (chain replication); default: as many as named")
     create.add_argument("--replica-ps", help="comma-separated replica endpoints: configured names or HOST:UDP_PORT "
                         "(default: the first configured parameter servers other than --ps)")
+    create.add_argument("--distribution", metavar="ENDPOINTS",
+                        help="async with --ps: also create the job's model distribution job (the PS chain sends "
+                        "every version once through the switch): comma-separated HOST:UDP_PORT per worker, in rank "
+                        "order, where it receives the versions (docs/mlfabric.md)")
+    create.add_argument("--distribution-ps", metavar="ENDPOINTS",
+                        help="with --distribution: comma-separated HOST:UDP_PORT per PS node, the primary first, "
+                        "then the replicas in order, where it sends the versions from")
+    create.add_argument("--distribution-slots", type=int,
+                        help="with --distribution: the distribution job's slots (default: --slots)")
     job.add_parser("list", help="jobs you can see")
     for name, text in (("show", "a job with its live counters"), ("delete", "remove a job, free its slots"),
                        ("renew", "extend a job's lease")):
@@ -77,7 +86,11 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--once", action="store_true", help="print one view and exit")
     config = job.add_parser("config", help="write a worker's configuration (YAML)")
     config.add_argument("job_id", type=int)
-    config.add_argument("--rank", type=int, required=True)
+    config.add_argument("--rank", type=int, help="the worker's rank (required but with --distribution --ps-node)")
+    config.add_argument("--distribution", action="store_true",
+                        help="the config of the job's distribution job (--model-config of the worker or PS)")
+    config.add_argument("--ps-node", type=int, help="with --distribution, instead of --rank: the PS node's config "
+                        "(0: the primary, then the replicas in order; the distribution job's rank workers + N)")
     config.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     return parser
 
@@ -97,6 +110,11 @@ def _format_job(job: dict[str, Any]) -> str:
         lines.append(f"  updates {job.get('update_mode', 'sync')} schedule={job.get('schedule', 'fifo')} "
                      f"delay_bound={'-' if bound is None else bound} replicas {replicas}"
                      + (" switch-aggregation" if job.get("switch_aggregation") else ""))
+    if job.get("distribution") is not None:
+        lines.append(f"  distribution job {job['distribution']} (model versions through the switch)")
+    if job.get("distribution_of") is not None:
+        lines.append(f"  distribution job of job {job['distribution_of']} (its last {job.get('senders', 1)} "
+                     "rank(s) the PS chain)")
     if job.get("note"):
         lines.append(f"  admitted {job['note']}")
     if "counters" in job:
@@ -112,6 +130,13 @@ def _print(result: Any, args: argparse.Namespace) -> None:
         print(f"created job {result['job']['job_id']}: admission {result['admission']} ({result['reason']})")
         print(_format_job(result["job"]))
         print(f"worker configs: netagg job config {result['job']['job_id']} --rank R")
+        if "distribution" in result:
+            dist = result["distribution"]
+            print(f"created its distribution job {dist['job']['job_id']}: admission {dist['admission']} "
+                  f"({dist['reason']})")
+            print(_format_job(dist["job"]))
+            print(f"distribution configs: netagg job config {result['job']['job_id']} --distribution "
+                  "--rank R (a worker) or --ps-node N (0: the primary PS, then the replicas)")
     elif args.action == "list":
         if not result:
             print("no jobs")
@@ -120,8 +145,12 @@ def _print(result: Any, args: argparse.Namespace) -> None:
         print(_format_job(result))
     elif args.action == "delete":
         print(f"deleted job {result['job_id']} ({result['reason']}); released {result['released_slots']} slots")
+        if "distribution" in result:
+            dist = result["distribution"]
+            print(f"deleted its distribution job {dist['job_id']}; released {dist['released_slots']} slots")
     elif args.action == "renew":
-        print(f"renewed job {result['job_id']}")
+        print(f"renewed job{'s' if len(result.get('renewed', [])) > 1 else ''} "
+              + ", ".join(str(i) for i in result.get("renewed", [result["job_id"]])))
     else:
         print(result)
 
@@ -240,11 +269,24 @@ def _job_command(args: argparse.Namespace) -> int:
             request["replicas"] = args.replicas
         if args.replica_ps:
             request["replica_ps"] = [r.strip() for r in args.replica_ps.split(",") if r.strip()]
+        if args.distribution is not None:
+            request["distribution"] = [d.strip() for d in args.distribution.split(",") if d.strip()]
+        if args.distribution_ps is not None:
+            request["distribution_ps"] = [d.strip() for d in args.distribution_ps.split(",") if d.strip()]
+        if args.distribution_slots is not None:
+            request["distribution_slots"] = args.distribution_slots
         result = client.call("create", **request)
     elif args.action == "list":
         result = client.call("list")
     elif args.action == "config":
-        text = client.call("config", job_id=args.job_id, rank=args.rank)
+        request = {"job_id": args.job_id}
+        if args.rank is not None:
+            request["rank"] = args.rank
+        if args.distribution:
+            request["distribution"] = True
+        if args.ps_node is not None:
+            request["ps_node"] = args.ps_node
+        text = client.call("config", **request)
         if args.output:
             write_private(args.output, text)  # owner-only: it holds the job's secret
             print(f"wrote {args.output}")

@@ -110,7 +110,8 @@ class JobService:
                    tenant: str | None = None, update_mode: str = "sync", delay_bound: int | None = None,
                    schedule: str = "fifo", replicas: int | None = None,
                    replica_ps: Sequence[str] | None = None, switch_aggregation: bool = False,
-                   senders: int = 0) -> dict:
+                   senders: int = 0, distribution: Sequence[str] | None = None,
+                   distribution_ps: Sequence[str] | None = None, distribution_slots: int | None = None) -> dict:
         """Admit a job (best effort) and program the switch; returns the job and how it was admitted.
 
         ``update_mode``, ``delay_bound``, ``schedule``, ``replicas``/``replica_ps`` are the MLfabric
@@ -120,6 +121,12 @@ class JobService:
         ``senders``: a one-way job (mode allreduce): the last that many workers only send (left out of
         the job's multicast group), the others only receive (left out of the workers table): a PS
         distributing the model through the switch (docs/mlfabric.md).
+        ``distribution`` (an async job with a PS): one endpoint per worker, in rank order, where it receives
+        model versions, and ``distribution_ps`` one per PS node (the primary, then the replicas), where it
+        sends them from: the controller also creates the job's *distribution job*, a one-way job of those
+        endpoints (the PS nodes its last ranks, its senders) with ``distribution_slots`` slots (default
+        ``slots``), linked to this one: created, renewed and deleted with it, or not at all. The answer
+        then has a ``distribution`` entry: that job and how it was admitted.
         """
         owner = self._owner_for(caller, tenant)
         endpoints = self._parse_workers(workers)
@@ -141,13 +148,17 @@ class JobService:
                                "allreduce (the group's sums go back to its members)")
         if mode in ("ps", "fallback") and ps_endpoint is None:
             raise ServiceError("invalid_argument", f"mode {mode} needs --ps")
-        if slots < 1:
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise ServiceError("invalid_argument", f"slots must be >= 1, got {slots}")
+        dist_members = self._distribution_members(endpoints, ps_endpoint, replica_endpoints, update_mode, senders,
+                                                  distribution, distribution_ps, distribution_slots)
+        dist_slots = slots if distribution_slots is None else distribution_slots
         lease = self.config.default_lease_seconds if lease_seconds is None else lease_seconds
         if lease <= 0:
             raise ServiceError("invalid_argument", "lease must be > 0 seconds")
         with self._lock:
             job_id = self._free_job_id()
+            dist_id = None if dist_members is None else self._free_job_id(exclude={job_id})
             admission, reason = "full", f"{slots} slots as asked"
             taken: SlotRange | None = None
             if mode != "fallback":
@@ -169,7 +180,23 @@ class JobService:
                     reason = f"{taken.count} of {slots} slots (largest free range); fewer packets in flight"
             else:
                 reason = "fallback mode asked for"
+            dist_taken, dist_admission, dist_reason = None, "full", f"{dist_slots} slots as asked"
+            if dist_members is not None:
+                # The versions go through the switch or not at all: no fallback, and without slots no job either.
+                dist_taken = self.allocator.allocate(dist_slots, min(self.config.min_slots, dist_slots))
+                if dist_taken is None:
+                    if taken:
+                        self.allocator.release(taken)
+                    self.admissions["refused"] += 1
+                    raise ServiceError("capacity_exhausted", (
+                        f"no range of {min(self.config.min_slots, dist_slots)}+ free slots for the distribution "
+                        f"job (largest free: {self.allocator.largest_free()}); neither job was created"))
+                if dist_taken.count < dist_slots:
+                    dist_admission = "partial"
+                    dist_reason = (f"{dist_taken.count} of {dist_slots} slots (largest free range); fewer packets "
+                                   "in flight")
             now = time.time()
+            created: list[tuple[JobRecord, SlotRange | None]] = []
             try:
                 with self.store.transaction() as conn:
                     job = JobRecord(
@@ -179,29 +206,61 @@ class JobService:
                         ps=ps_endpoint, lease_seconds=lease, lease_expires=now + lease, created=now,
                         note=f"{admission}: {reason}", update_mode=update_mode, delay_bound=delay_bound,
                         schedule=schedule, replicas=replica_endpoints, secret=jobsecret.new_secret(),
-                        switch_aggregation=switch_aggregation, senders=senders,
+                        switch_aggregation=switch_aggregation, senders=senders, distribution=dist_id,
                     )
                     self.store.insert(conn, job)
+                    created.append((job, taken))
+                    if dist_members is not None:
+                        assert dist_id is not None and dist_taken is not None
+                        dist = JobRecord(
+                            job_id=dist_id, tenant=owner, name=f"{name}-distribution", mode="allreduce",
+                            state="installing", slot_base=dist_taken.base, slot_count=dist_taken.count,
+                            slots_wanted=dist_slots, generation=self.store.next_generation(conn),
+                            workers=dist_members, ps=None, lease_seconds=lease, lease_expires=now + lease,
+                            created=now, note=f"{dist_admission}: {dist_reason}", secret=jobsecret.new_secret(),
+                            senders=1 + len(replica_endpoints), distribution_of=job_id,
+                        )
+                        self.store.insert(conn, dist)
+                        created.append((dist, dist_taken))
             except BaseException:
-                if taken:
-                    self.allocator.release(taken)
+                for one in (taken, dist_taken):
+                    if one:
+                        self.allocator.release(one)
                 raise
-            try:
-                self.programmer.install_job(job)
-            except P4RuntimeError as err:
-                self._abort_create(job, taken)
-                raise ServiceError("switch_error", f"switch refused job {job_id}: {err}") from None
-            job = self._activate(job)
+            for one, _ in created:
+                try:
+                    self.programmer.install_job(one)
+                except P4RuntimeError as err:
+                    for undo, its_slots in created:  # both or neither
+                        self._abort_create(undo, its_slots)
+                    raise ServiceError("switch_error", f"switch refused job {one.job_id}: {err}") from None
+            activated = [self._activate(one) for one, _ in created]
             self.admissions[admission] += 1
-            return {"job": self._view(job), "admission": admission, "reason": reason}
+            result = {"job": self._view(activated[0]), "admission": admission, "reason": reason}
+            if len(activated) > 1:
+                self.admissions[dist_admission] += 1
+                result["distribution"] = {"job": self._view(activated[1]), "admission": dist_admission,
+                                          "reason": dist_reason}
+            return result
 
     def delete_job(self, caller: Caller, job_id: int, reason: str = "deleted") -> dict:
+        """Delete a job (with its distribution job, if it has one); a distribution job goes only with its job."""
         with self._lock:
             job = self._owned(caller, job_id)
-            self.store.set_state(job.job_id, "deleting")
+            served = self._served_job(job)
+            if served is not None:
+                raise ServiceError("invalid_argument", f"job {job_id} is the distribution job of job "
+                                   f"{served.job_id}: delete job {served.job_id} (that deletes both)")
+            dist = self._distribution_job(job)
+            self.store.set_state(job.job_id, "deleting", *([dist.job_id] if dist else []))
+            result: dict = {"job_id": job.job_id, "released_slots": job.slot_count, "reason": reason}
+            if dist is not None:  # both are marked deleting: a crash in between, and recover finishes both
+                self._finish_delete(dist)
+                result["distribution"] = {"job_id": dist.job_id, "released_slots": dist.slot_count}
             self._finish_delete(job)
-            log.info("job %d (%s) %s", job.job_id, job.tenant, reason)
-            return {"job_id": job.job_id, "released_slots": job.slot_count, "reason": reason}
+            log.info("job %d (%s) %s%s", job.job_id, job.tenant, reason,
+                     f", with its distribution job {dist.job_id}" if dist else "")
+            return result
 
     def list_jobs(self, caller: Caller) -> list[dict]:
         return [self._view(j) for j in self.store.all() if caller.is_admin or j.tenant == caller.tenant]
@@ -218,15 +277,62 @@ class JobService:
         return view
 
     def renew_job(self, caller: Caller, job_id: int) -> dict:
+        """Extend a job's lease; a job and its distribution job are renewed together (either id will do)."""
         with self._lock:
             job = self._owned(caller, job_id)
-            return {"job_id": job.job_id, "lease_expires": self.store.renew(job.job_id)}
+            main = self._served_job(job) or job
+            dist = self._distribution_job(main)
+            now = time.time()
+            renewed = [main.job_id, *([dist.job_id] if dist else [])]
+            expires = {one: self.store.renew(one, now) for one in renewed}
+            return {"job_id": job.job_id, "lease_expires": expires[job.job_id], "renewed": renewed}
 
-    def worker_config(self, caller: Caller, job_id: int, rank: int) -> WorkerConfig:
+    def worker_config(self, caller: Caller, job_id: int, rank: int | None, distribution: bool = False,
+                      ps_node: int | None = None) -> WorkerConfig:
+        """Rank ``rank``'s config of the job; with ``distribution``, of its distribution job: a worker's
+        (``rank``, the same rank as in the job) or a PS node's (``ps_node``: 0 the primary, then the
+        replicas in order; the distribution job's rank ``workers + ps_node``)."""
+        def bad(message: str) -> ServiceError:
+            return ServiceError("invalid_argument", message)
+
+        if not isinstance(distribution, bool):
+            raise bad(f"distribution must be true or false, got {distribution!r}")
+        for what, value in (("rank", rank), ("ps node", ps_node)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise bad(f"{what} must be an integer, got {value!r}")
         job = self._owned(caller, job_id)
+        if not distribution:
+            if ps_node is not None:
+                raise bad("--ps-node needs --distribution (the PS nodes are ranks of the distribution job)")
+            if rank is None:
+                raise bad("a worker config needs --rank")
+            return self._config_of(job, rank)
+        dist = self._distribution_job(job)
+        if dist is None:
+            served = self._served_job(job)
+            raise ServiceError("not_found", f"job {job_id} has no distribution job" + (
+                f" (it is the distribution job of job {served.job_id}: ask for its ranks directly, or "
+                f"`job config {served.job_id} --distribution`)" if served else
+                " (create the job with --distribution)"))
+        if (rank is None) == (ps_node is None):
+            raise bad("--distribution needs one of --rank (a worker) or --ps-node (a PS node)")
+        nodes = dist.senders
+        receivers = len(dist.workers) - nodes
+        if ps_node is not None:
+            if not 0 <= ps_node < nodes:
+                raise ServiceError("not_found", f"job {job_id} has PS nodes 0..{nodes - 1} (0: the primary, "
+                                   f"then the replicas), got {ps_node}")
+            return self._config_of(dist, receivers + ps_node)
+        if not 0 <= rank < receivers:
+            raise ServiceError("not_found", f"job {job_id} has no worker rank {rank} (ranks 0..{receivers - 1}; "
+                               "the PS nodes' configs: --ps-node)")
+        return self._config_of(dist, rank)
+
+    def _config_of(self, job: JobRecord, rank: int) -> WorkerConfig:
         worker = next((w for w in job.workers if w.rank == rank), None)
         if worker is None:
-            raise ServiceError("not_found", f"job {job_id} has no rank {rank} (ranks 0..{len(job.workers) - 1})")
+            raise ServiceError("not_found", f"job {job.job_id} has no rank {rank} "
+                               f"(ranks 0..{len(job.workers) - 1})")
         ps = Endpoint(job.ps.ip, job.ps.udp_port) if job.ps else None
         aggregator = ps if job.mode == "fallback" else Endpoint(self.config.aggregator_ip,
                                                                   self.config.aggregator_port)
@@ -238,12 +344,21 @@ class JobService:
                             switch_aggregation=job.switch_aggregation, senders=job.senders)
 
     def reap_expired(self, now: float | None = None) -> list[int]:
-        """Delete every job whose lease ran out; returns their ids."""
+        """Delete every job whose lease ran out; returns their ids.
+
+        A distribution job goes with its job (their leases are renewed together)."""
         reaped = []
         for job in self.store.expired(time.time() if now is None else now):
+            if self.store.get(job.job_id) is None:
+                continue  # went with its job a moment ago
+            served = self._served_job(job)
+            if served is not None:  # goes with its job (renewed with it, so expiring with it)
+                continue
             try:
-                self.delete_job(Caller(None), job.job_id, reason="lease expired")
+                deleted = self.delete_job(Caller(None), job.job_id, reason="lease expired")
                 reaped.append(job.job_id)
+                if "distribution" in deleted:
+                    reaped.append(deleted["distribution"]["job_id"])
             except (ServiceError, P4RuntimeError) as err:
                 log.warning("could not reclaim job %d: %s", job.job_id, err)
         return reaped
@@ -277,8 +392,8 @@ class JobService:
         if job.uses_switch:
             self.allocator.release(SlotRange(job.slot_base, job.slot_count))
 
-    def _free_job_id(self) -> int:
-        used = {j.job_id for j in self.store.all()}
+    def _free_job_id(self, exclude: set[int] | frozenset[int] = frozenset()) -> int:
+        used = {j.job_id for j in self.store.all()} | exclude
         for job_id in range(FIRST_JOB_ID, self.max_jobs or 1024):
             if job_id not in used:
                 return job_id
@@ -379,6 +494,82 @@ class JobService:
         if len(set(addresses)) != len(addresses):
             raise bad("the primary and its replicas must be distinct endpoints")
         return named
+
+    def _distribution_members(self, workers: list[WorkerEndpoint], ps: PsEndpoint | None,
+                              replicas: list[PsEndpoint], update_mode: str, senders: int,
+                              distribution: Sequence[str] | None, distribution_ps: Sequence[str] | None,
+                              distribution_slots: int | None) -> list[WorkerEndpoint] | None:
+        """Check the distribution options; returns the distribution job's ranks (the workers' endpoints,
+        then the PS chain's), or None without ``distribution``."""
+        def bad(message: str) -> ServiceError:
+            return ServiceError("invalid_argument", message)
+
+        def names(value: object, what: str) -> list[str]:
+            if isinstance(value, str) or not isinstance(value, list | tuple) or \
+                    not all(isinstance(v, str) for v in value):
+                raise bad(f"{what}: expected a list of HOST:UDP_PORT, got {value!r}")
+            return list(value)
+
+        if distribution is None:
+            for option, value in (("--distribution-ps", distribution_ps), ("--distribution-slots", distribution_slots)):
+                if value is not None:
+                    raise bad(f"{option} needs --distribution (the workers' endpoints for model versions)")
+            return None
+        receivers = names(distribution, "distribution")
+        if update_mode != "async" or ps is None:
+            raise bad("--distribution needs --sync async and --ps (the PS chain sends the model versions)")
+        if senders:
+            raise bad("--distribution and --senders do not go together (the distribution job is the one-way job)")
+        chain = [ps, *replicas]
+        chain_text = "the primary" + (f", then its {len(replicas)} replica(s)" if replicas else "")
+        if len(receivers) != len(workers):
+            raise bad(f"--distribution names {len(receivers)} endpoint(s) for {len(workers)} worker(s): "
+                      "one per worker, in rank order")
+        if distribution_ps is None:
+            raise bad(f"--distribution needs --distribution-ps: one endpoint per PS node ({chain_text}), "
+                      "where it sends the versions from")
+        sending = names(distribution_ps, "distribution ps")
+        if len(sending) != len(chain):
+            raise bad(f"--distribution-ps names {len(sending)} endpoint(s) for {len(chain)} PS node(s) "
+                      f"({chain_text})")
+        if distribution_slots is not None and (not isinstance(distribution_slots, int)
+                                               or isinstance(distribution_slots, bool) or distribution_slots < 1):
+            raise bad(f"distribution slots must be an integer >= 1, got {distribution_slots!r}")
+        if len(receivers) + len(sending) > wire.MAX_WORKERS:
+            raise bad(f"the distribution job would have {len(receivers) + len(sending)} ranks (workers and PS "
+                      f"nodes), more than {wire.MAX_WORKERS}")
+        members: list[WorkerEndpoint] = []
+        for index, (text, owner) in enumerate([*zip(receivers, workers), *zip(sending, chain)]):
+            node = index - len(receivers)
+            what = f"distribution endpoint of worker {index}" if node < 0 else \
+                f"distribution endpoint of PS node {node}"
+            host, ip, port = self._endpoint(text, what)
+            if ip != owner.ip:  # the worker receives (the PS sends) the versions itself, from its own host
+                raise bad(f"{what} ({ip}:{port}) is not on its host ({owner.ip})")
+            members.append(WorkerEndpoint(index, host, ip, port))
+        addresses = [(m.ip, m.udp_port) for m in members]
+        if len(set(addresses)) != len(addresses):
+            raise bad("two distribution endpoints share an address and UDP port")
+        taken = {(w.ip, w.udp_port) for w in workers} | {(p.ip, p.udp_port) for p in chain}
+        for member in members:
+            if (member.ip, member.udp_port) in taken:
+                raise bad(f"distribution endpoint {member.ip}:{member.udp_port} is already one of the job's "
+                          "(a worker's or a PS's UDP port)")
+        return members
+
+    def _distribution_job(self, job: JobRecord) -> JobRecord | None:
+        """The job's distribution job (only if it links back: ids are reused once a job is gone)."""
+        if job.distribution is None:
+            return None
+        dist = self.store.get(job.distribution)
+        return dist if dist is not None and dist.distribution_of == job.job_id else None
+
+    def _served_job(self, job: JobRecord) -> JobRecord | None:
+        """The job whose distribution job this one is (only if it links back)."""
+        if job.distribution_of is None:
+            return None
+        served = self.store.get(job.distribution_of)
+        return served if served is not None and served.distribution == job.job_id else None
 
     def _view(self, job: JobRecord) -> dict:
         view = job.to_dict()

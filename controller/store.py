@@ -49,6 +49,8 @@ MIGRATIONS = (
     ("secret", "TEXT NOT NULL DEFAULT ''"),
     ("switch_aggregation", "INTEGER NOT NULL DEFAULT 0"),
     ("senders", "INTEGER NOT NULL DEFAULT 0"),
+    ("distribution", "INTEGER"),
+    ("distribution_of", "INTEGER"),
 )
 
 
@@ -103,6 +105,11 @@ class JobRecord:
     #: A one-way job: its last ``senders`` ranks only send (not in its group), the others only receive
     #: (not in the workers table): a PS distributing the model (docs/mlfabric.md). 0: every rank does both.
     senders: int = 0
+    #: MLfabric model distribution (docs/mlfabric.md): the id of the one-way job the controller made with
+    #: this one (its PS chain sends every version through it), and on that job the id of the job it serves.
+    #: The two are created, renewed and deleted together; None where there is no such link.
+    distribution: int | None = None
+    distribution_of: int | None = None
 
     @property
     def uses_switch(self) -> bool:
@@ -128,6 +135,7 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
         update_mode=row["update_mode"], delay_bound=row["delay_bound"], schedule=row["schedule"],
         replicas=[PsEndpoint(**r) for r in json.loads(row["replicas"])], secret=row["secret"],
         switch_aggregation=bool(row["switch_aggregation"]), senders=row["senders"],
+        distribution=row["distribution"], distribution_of=row["distribution_of"],
     )
 
 
@@ -175,18 +183,21 @@ class JobStore:
         conn.execute(
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
             " workers, ps, lease_seconds, lease_expires, created, counter_base, note,"
-            " update_mode, delay_bound, schedule, replicas, secret, switch_aggregation, senders)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " update_mode, delay_bound, schedule, replicas, secret, switch_aggregation, senders, distribution,"
+            " distribution_of) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
              job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
              json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
              job.created, json.dumps(job.counter_base), job.note, job.update_mode, job.delay_bound, job.schedule,
-             json.dumps([asdict(r) for r in job.replicas]), job.secret, int(job.switch_aggregation), job.senders),
+             json.dumps([asdict(r) for r in job.replicas]), job.secret, int(job.switch_aggregation), job.senders,
+             job.distribution, job.distribution_of),
         )
 
-    def set_state(self, job_id: int, state: str) -> None:
+    def set_state(self, job_id: int, state: str, *more: int) -> None:
+        """Set the state of ``job_id`` and of the ``more`` job ids, in one transaction."""
         with self.transaction() as conn:
-            conn.execute("UPDATE jobs SET state = ? WHERE job_id = ?", (state, job_id))
+            for one in (job_id, *more):
+                conn.execute("UPDATE jobs SET state = ? WHERE job_id = ?", (state, one))
 
     def set_counter_base(self, job_id: int, base: dict[str, int]) -> None:
         with self.transaction() as conn:

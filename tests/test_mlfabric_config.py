@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 
 import numpy as np
 import pytest
@@ -83,6 +84,7 @@ def test_an_old_database_gains_the_new_columns_and_keeps_its_jobs(tmp_path):
     assert old is not None and old.name == "old"
     assert (old.update_mode, old.delay_bound, old.schedule, old.replicas) == ("sync", None, "fifo", [])
     assert old.switch_aggregation is False
+    assert (old.distribution, old.distribution_of, old.senders) == (None, None, 0)  # no link: a job on its own
     assert old.secret == ""  # made before secrets: its servers keep accepting requests without one
     with store.transaction() as conn:
         store.insert(conn, JobRecord(
@@ -90,7 +92,13 @@ def test_an_old_database_gains_the_new_columns_and_keeps_its_jobs(tmp_path):
             slots_wanted=8, generation=store.next_generation(conn),
             workers=[WorkerEndpoint(0, "local", "127.0.0.1", 40001)], ps=PsEndpoint("local", "127.0.0.1", 29001),
             lease_seconds=60, lease_expires=1e12, created=2, update_mode="async", delay_bound=4,
-            schedule="mlfabric", replicas=[PsEndpoint("local", "127.0.0.1", 29002)], secret="s3cret-of-job-2"))
+            schedule="mlfabric", replicas=[PsEndpoint("local", "127.0.0.1", 29002)], secret="s3cret-of-job-2",
+            distribution=3))
+        store.insert(conn, JobRecord(
+            job_id=3, tenant="alice", name="new-distribution", mode="allreduce", state="active", slot_base=16,
+            slot_count=8, slots_wanted=8, generation=store.next_generation(conn),
+            workers=[WorkerEndpoint(0, "local", "127.0.0.1", 40101), WorkerEndpoint(1, "local", "127.0.0.1", 40201)],
+            ps=None, lease_seconds=60, lease_expires=1e12, created=2, senders=1, distribution_of=2))
     store.close()
     reopened = JobStore(path)  # the migration runs again and finds nothing to do
     new = reopened.get(2)
@@ -99,6 +107,7 @@ def test_an_old_database_gains_the_new_columns_and_keeps_its_jobs(tmp_path):
     assert new.secret == "s3cret-of-job-2"  # survives a restart: configs written before stay valid
     assert "secret" not in new.to_dict() and "s3cret" not in repr(new)
     assert reopened.get(1).update_mode == "sync"
+    assert (new.distribution, reopened.get(3).distribution_of, reopened.get(3).senders) == (3, 2, 1)
     reopened.close()
 
 
@@ -204,3 +213,145 @@ def test_a_one_way_job_lets_its_senders_send_and_its_receivers_receive(capsys, s
         code, _, err = _cli(capsys, soft_controller, "job", "create", "--workers", workers, "--slots", "4",
                             *(["--mode", "allreduce"] if "--mode" not in args else []), *args)
         assert code == EXIT_CODES["invalid_argument"] and message in err, err
+
+
+def _switch_view(switch, job_id: int) -> tuple[list[int] | None, list[int]]:
+    """A job's multicast group (replica ids, sorted; None without one) and the ranks in its workers table."""
+    with P4RuntimeClient(switch.grpc_address, device_id=1, election_id=(0, 1), p4info_path=dp.P4INFO_PATH) as reader:
+        reader.connect()
+        group = reader.read_multicast_groups().get(job_id)
+        ranks = [e.params["rank"] for e in reader.read_entries(dp.TABLE_WORKERS) if e.match["job_id"] == job_id]
+    return (None if group is None else sorted(rid for _, rid in group)), sorted(ranks)
+
+
+def test_an_mlfabric_job_with_distribution_creates_and_owns_its_distribution_job(capsys, soft_controller,
+                                                                                  soft_switch):
+    worker_ports = [free_udp_port() for _ in range(3)]
+    receive_ports = [free_udp_port() for _ in range(3)]
+    replica_port, *send_ports = (free_udp_port() for _ in range(3))
+    code, out, err = _cli(capsys, soft_controller, "job", "create", "--name", "fab", "--slots", "4",
+                          "--workers", ",".join(f"local:{p}" for p in worker_ports), "--mode", "ps", "--ps", "ps0",
+                          "--sync", "async", "--replica-ps", f"local:{replica_port}",
+                          "--distribution", ",".join(f"local:{p}" for p in receive_ports),
+                          "--distribution-ps", ",".join(f"local:{p}" for p in send_ports),
+                          "--distribution-slots", "8")
+    assert code == 0, err
+    created = json.loads(out)
+    job, dist = created["job"], created["distribution"]["job"]
+    assert created["distribution"]["admission"] == "full"
+    assert (job["distribution"], job["distribution_of"]) == (dist["job_id"], None)
+    assert (dist["distribution_of"], dist["distribution"]) == (job["job_id"], None)
+    assert (dist["name"], dist["mode"], dist["senders"], dist["slot_count"]) == ("fab-distribution", "allreduce", 2, 8)
+    assert [w["udp_port"] for w in dist["workers"]] == [*receive_ports, *send_ports]  # workers, then the PS chain
+    assert "secret" not in dist
+    # The workers only receive (the group), the primary and its replica only send (the workers table).
+    assert _switch_view(soft_switch, dist["job_id"]) == ([1, 2, 3], [3, 4])
+
+    configs = {}
+    for option in (["--rank", "0"], ["--rank", "2"], ["--ps-node", "0"], ["--ps-node", "1"]):
+        code, out, err = _cli(capsys, soft_controller, "job", "config", str(job["job_id"]), "--distribution", *option)
+        assert code == 0, (option, err)
+        configs[" ".join(option)] = WorkerConfig.from_dict(yaml.safe_load(out))
+    for key, rank, port in (("--rank 0", 0, receive_ports[0]), ("--rank 2", 2, receive_ports[2]),
+                            ("--ps-node 0", 3, send_ports[0]), ("--ps-node 1", 4, send_ports[1])):
+        config = configs[key]
+        assert (config.job_id, config.rank, config.num_workers, config.senders) == (dist["job_id"], rank, 5, 2), key
+        assert (config.mode, config.slot_count, config.bind, config.ps) == ("allreduce", 8,
+                                                                          Endpoint("127.0.0.1", port), None), key
+    # A rank of the job's own config is untouched by the distribution job.
+    code, out, _ = _cli(capsys, soft_controller, "job", "config", str(job["job_id"]), "--rank", "2")
+    assert code == 0 and WorkerConfig.from_dict(yaml.safe_load(out)).bind == Endpoint("127.0.0.1", worker_ports[2])
+    for option, status, message in (
+            (["--distribution", "--ps-node", "2"], "not_found", "has PS nodes 0..1"),
+            (["--distribution", "--rank", "3"], "not_found", "has no worker rank 3 (ranks 0..2"),
+            (["--distribution", "--rank", "0", "--ps-node", "0"], "invalid_argument", "one of --rank"),
+            (["--distribution"], "invalid_argument", "one of --rank"),
+            (["--ps-node", "0"], "invalid_argument", "--ps-node needs --distribution"),
+            ([], "invalid_argument", "needs --rank")):
+        code, _, err = _cli(capsys, soft_controller, "job", "config", str(job["job_id"]), *option)
+        assert code == EXIT_CODES[status] and message in err, (option, err)
+    code, _, err = _cli(capsys, soft_controller, "job", "config", str(dist["job_id"]), "--distribution", "--rank", "0")
+    assert code == EXIT_CODES["not_found"] and f"the distribution job of job {job['job_id']}" in err
+
+    # Shown with its link; owned by its job: not deleted on its own, renewed with it.
+    assert main(["--config", str(soft_controller.config), "--token", TOKENS["alice"], "job", "show",
+                 str(job["job_id"])]) == 0
+    assert f"distribution job {dist['job_id']} " in capsys.readouterr().out
+    assert main(["--config", str(soft_controller.config), "--token", TOKENS["alice"], "job", "list"]) == 0
+    assert f"distribution job of job {job['job_id']}" in capsys.readouterr().out
+    code, _, err = _cli(capsys, soft_controller, "job", "delete", str(dist["job_id"]))
+    assert code == EXIT_CODES["invalid_argument"] and f"delete job {job['job_id']}" in err
+    code, out, err = _cli(capsys, soft_controller, "job", "renew", str(dist["job_id"]))
+    assert code == 0 and json.loads(out)["renewed"] == [job["job_id"], dist["job_id"]], err
+
+    code, out, err = _cli(capsys, soft_controller, "job", "delete", str(job["job_id"]))
+    assert code == 0, err
+    deleted = json.loads(out)
+    assert deleted["distribution"] == {"job_id": dist["job_id"], "released_slots": 8}
+    code, out, _ = _cli(capsys, soft_controller, "job", "list")
+    assert code == 0 and json.loads(out) == []
+    assert _switch_view(soft_switch, dist["job_id"]) == (None, [])
+    # Both jobs' slots are free again: the whole capacity (64) goes to one job.
+    code, out, err = _cli(capsys, soft_controller, "job", "create", "--workers", f"local:{free_udp_port()}",
+                          "--slots", "64")
+    assert code == 0 and json.loads(out)["admission"] == "full", err
+
+
+def test_distribution_goes_with_its_job_or_not_at_all(capsys, soft_controller):
+    # No slots left for the distribution job: the job is not created either, and its slots are free again.
+    code, _, err = _cli(capsys, soft_controller, "job", "create", "--workers", f"local:{free_udp_port()}",
+                        "--slots", "64", "--mode", "ps", "--ps", "ps0", "--sync", "async",
+                        "--distribution", f"local:{free_udp_port()}", "--distribution-ps", f"local:{free_udp_port()}")
+    assert code == EXIT_CODES["capacity_exhausted"] and "for the distribution job" in err, err
+    code, out, _ = _cli(capsys, soft_controller, "job", "list")
+    assert code == 0 and json.loads(out) == []
+    # Its lease covers both: a lapsed lease takes the pair.
+    code, out, err = _cli(capsys, soft_controller, "job", "create", "--workers", f"local:{free_udp_port()}",
+                          "--slots", "4", "--mode", "ps", "--ps", "ps0", "--sync", "async", "--lease", "1",
+                          "--distribution", f"local:{free_udp_port()}", "--distribution-ps", f"local:{free_udp_port()}")
+    assert code == 0, err
+    assert json.loads(out)["distribution"]["job"]["lease_seconds"] == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        code, out, _ = _cli(capsys, soft_controller, "job", "list")
+        if json.loads(out) == []:
+            break
+        time.sleep(0.2)
+    assert json.loads(out) == []
+    code, out, err = _cli(capsys, soft_controller, "job", "create", "--workers", f"local:{free_udp_port()}",
+                          "--slots", "64")
+    assert code == 0 and json.loads(out)["admission"] == "full", err
+
+
+def test_bad_distribution_options_are_refused_with_a_clear_message(capsys, soft_controller):
+    worker, other, port = (f"local:{free_udp_port()}" for _ in range(3))
+    async_job = ["--mode", "ps", "--ps", "ps0", "--sync", "async"]
+    for args, message in [
+        (["--mode", "ps", "--ps", "ps0", "--distribution", other, "--distribution-ps", port],
+         "--distribution needs --sync async and --ps"),
+        (["--distribution", other, "--distribution-ps", port], "--distribution needs --sync async and --ps"),
+        ([*async_job, "--distribution", f"{other},{port}", "--distribution-ps", port],
+         "--distribution names 2 endpoint(s) for 1 worker(s)"),
+        ([*async_job, "--distribution", other], "--distribution needs --distribution-ps: one endpoint per PS node"),
+        ([*async_job, "--replica-ps", f"local:{free_udp_port()}", "--distribution", other, "--distribution-ps", port],
+         "--distribution-ps names 1 endpoint(s) for 2 PS node(s) (the primary, then its 1 replica(s))"),
+        ([*async_job, "--distribution", other, "--distribution-ps", other],
+         "two distribution endpoints share an address and UDP port"),
+        ([*async_job, "--distribution", other, "--distribution-ps", "local:29001"],
+         "distribution endpoint 127.0.0.1:29001 is already one of the job's"),
+        ([*async_job, "--distribution", worker, "--distribution-ps", port], "is already one of the job's"),
+        ([*async_job, "--distribution", "nowhere:5", "--distribution-ps", port],
+         "distribution endpoint of worker 0: unknown host 'nowhere'"),
+        ([*async_job, "--distribution", other, "--distribution-ps", "local"],
+         "distribution endpoint of PS node 0: expected HOST:UDP_PORT"),
+        ([*async_job, "--distribution", other, "--distribution-ps", port, "--distribution-slots", "0"],
+         "distribution slots must be an integer >= 1"),
+        ([*async_job, "--distribution-ps", port], "--distribution-ps needs --distribution"),
+        ([*async_job, "--distribution-slots", "4"], "--distribution-slots needs --distribution"),
+    ]:
+        code, _, err = _cli(capsys, soft_controller, "job", "create", "--workers", worker, "--slots", "4", *args)
+        assert code == EXIT_CODES["invalid_argument"], (args, err)
+        assert message in err, (args, err)
+        assert "Traceback" not in err
+    code, out, _ = _cli(capsys, soft_controller, "job", "list")
+    assert code == 0 and json.loads(out) == []  # nothing was created
