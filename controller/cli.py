@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--once", action="store_true", help="print one view and exit")
     config = job.add_parser("config", help="write a worker's configuration (YAML)")
     config.add_argument("job_id", type=int)
-    config.add_argument("--rank", type=int, help="the worker's rank (required but with --distribution --ps-node)")
+    config.add_argument("--rank", type=int, help="the worker's rank (with --distribution the same rank; or --ps-node)")
     config.add_argument("--distribution", action="store_true",
                         help="the config of the job's distribution job (--model-config of the worker or PS)")
     config.add_argument("--ps-node", type=int, help="with --distribution, instead of --rank: the PS node's config "

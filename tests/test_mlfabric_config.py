@@ -16,6 +16,7 @@ from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord, JobStore, PsEndpoint, WorkerEndpoint
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
 from netagg.mlfabric.async_server import FabricServer
+from netagg.mlfabric.distribution import ModelCache, ModelSender
 from netagg.mlfabric.worker import FabricClient
 
 from conftest import TOKENS, free_udp_port
@@ -258,6 +259,19 @@ def test_an_mlfabric_job_with_distribution_creates_and_owns_its_distribution_job
         assert (config.job_id, config.rank, config.num_workers, config.senders) == (dist["job_id"], rank, 5, 2), key
         assert (config.mode, config.slot_count, config.bind, config.ps) == ("allreduce", 8,
                                                                           Endpoint("127.0.0.1", port), None), key
+    # What the controller wrote is all the PS and its workers need: a version sent once reaches the receivers.
+    model = np.arange(1000, dtype=np.float32) - 500.5
+    caches = [ModelCache(configs[key], model.size) for key in ("--rank 0", "--rank 2")]
+    sender = ModelSender(configs["--ps-node 0"], rate=20e6)
+    try:
+        sender.publish(1, model)
+        for cache in caches:
+            got = cache.newest(0, wait=3.0, repair=sender.blocks)
+            assert got is not None and got[0] == 1 and got[1].tobytes() == model.tobytes()
+    finally:
+        sender.close()
+        for cache in caches:
+            cache.close()
     # A rank of the job's own config is untouched by the distribution job.
     code, out, _ = _cli(capsys, soft_controller, "job", "config", str(job["job_id"]), "--rank", "2")
     assert code == 0 and WorkerConfig.from_dict(yaml.safe_load(out)).bind == Endpoint("127.0.0.1", worker_ports[2])
