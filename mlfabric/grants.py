@@ -226,10 +226,14 @@ class GrantService:
         fastest (a slower one would not join the group: see the scheduler's item 6)."""
         if not self.gang:
             return self._registered
-        rates = {**self.bandwidth.snapshot(), **self.hints}
+        rates = self._rates()
         rate = {r: rates.get(r, self.scheduler.default_bandwidth) for r in self._registered}
         fastest = max(rate.values(), default=0.0)
         return {r for r, v in rate.items() if v >= fastest / 2}
+
+    def _rates(self) -> dict[int, float]:
+        """Bytes/s per rank to plan with: measured pushes, and in gang rounds the workers' own hints over them."""
+        return {**self.bandwidth.snapshot(), **self.hints} if self.gang else self.bandwidth.snapshot()
 
     def _expire(self) -> None:
         now = self.clock()
@@ -291,8 +295,7 @@ class GrantService:
                       and r not in {rank for _, rank, _ in self._in_flight.values()})
         plan = self.scheduler.plan([p.request for p in batch], server_version=self.version(),
                                    in_flight=sum(c for c, _, _ in self._in_flight.values()),
-                                   bandwidth={**self.bandwidth.snapshot(), **self.hints} if self.gang
-                                   else self.bandwidth.snapshot(), idle=idle,
+                                   bandwidth=self._rates(), idle=idle,
                                    link_free_at=self._link_free_at, switch=self._switch_possible(batch),
                                    gang=self.gang)
         self._link_free_at = plan.link_free_at
