@@ -3,12 +3,20 @@
 ``benchmarks/native/limit_probe.c`` is compiled on first use (``build/native/limit_probe``).
 A user-space switch or host stack on the kernel's socket path cannot do better than a
 native reflector that does nothing but echo: ``udp_round_trips`` measures that ceiling on
-loopback UDP, ``raw_round_trips`` on AF_PACKET sockets at the two ends of a veth pair.
+loopback UDP, ``veth_udp_round_trips`` with UDP sockets in two namespaces joined by a veth
+pair, ``raw_round_trips`` on AF_PACKET sockets at the two ends of a veth pair.
 ``netagg-drive`` (``drive_switch_udp`` / ``drive_switch_raw``) drives a switch with
 SwitchML-style rounds, so the Python load generator is not what a benchmark measures, and
 ``netagg_reflector`` is a zero-cost 1-worker aggregator (it echoes with the RESULT flag set).
 
-``python -m benchmarks.limit_probe`` prints both ceilings.
+The UDP ceilings come in two modes: per datagram (sendmmsg/recvmmsg, the default) and
+``gso=True``: UDP GSO sends (``UDP_SEGMENT``, up to 64 equal-size datagrams a send) and UDP
+GRO receives (``UDP_GRO``: one coalesced buffer, split by its segment size), the reflector
+echoing each coalesced buffer with one GSO send (``netagg_reflector(gro=True)``,
+``drive_switch_udp(..., gso=True)``). The clients check a sequence number and a hash of it in
+every echoed payload, so a kernel that corrupts GSO sends shows as ``payload_errors``.
+
+``python -m benchmarks.limit_probe`` prints every ceiling, per datagram and with GSO/GRO.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ from pathlib import Path
 
 from netagg import dataplane as dp
 from netagg import wire
-from netagg.bmv2.netns import VethRig, can_create_namespaces, ns_exec
+from netagg.bmv2.netns import SWITCH_MAC, Topology, VethRig, can_create_namespaces, ns_exec
+from netagg.bmv2.netns import run as netns_run
 
 SOURCE = Path(__file__).resolve().parent / "native" / "limit_probe.c"
 BINARY = dp.BUILD_DIR / "native" / "limit_probe"
@@ -105,18 +114,63 @@ def reflector(args: Sequence[str], namespace: str | None = None) -> Iterator[Ref
 
 
 @contextlib.contextmanager
-def netagg_reflector(bind: tuple[str, int] = ("127.0.0.1", 0)) -> Iterator[tuple[str, int]]:
-    """A zero-cost 1-worker aggregator on UDP: every datagram goes back to its sender as a RESULT."""
-    with reflector(["udp-reflect", "--bind", f"{bind[0]}:{bind[1]}", "--netagg"]) as running:
+def netagg_reflector(bind: tuple[str, int] = ("127.0.0.1", 0), gro: bool = False) -> Iterator[tuple[str, int]]:
+    """A zero-cost 1-worker aggregator on UDP: every datagram goes back to its sender as a RESULT.
+
+    ``gro``: receive with UDP_GRO and echo each coalesced buffer with one UDP_SEGMENT send.
+    """
+    args = ["udp-reflect", "--bind", f"{bind[0]}:{bind[1]}", "--netagg", *(["--gro"] if gro else [])]
+    with reflector(args) as running:
         host, port = running.address.rsplit(":", 1)
         yield host, int(port)
 
 
-def udp_round_trips(size: int = wire.NETAGG_BYTES, window: int = 64, seconds: float = 2.0) -> dict:
-    """Round trips/s of ``window`` datagrams of ``size`` bytes in flight through a loopback UDP reflector."""
-    with reflector(["udp-reflect", "--bind", "127.0.0.1:0"]) as running:
-        result = _run(["udp-client", "--target", running.address, "--size", str(size), "--window", str(window),
-                       "--seconds", str(seconds)], timeout=seconds + 30)
+def udp_client(target: str, size: int = wire.NETAGG_BYTES, window: int = 64, seconds: float = 2.0,
+               gso: bool = False, namespace: str | None = None) -> dict:
+    """``udp-client`` against ``target`` ("IP:PORT"): ``window`` datagrams of ``size`` bytes in flight."""
+    args = ["udp-client", "--target", target, "--size", str(size), "--window", str(window),
+            "--seconds", str(seconds), *(["--gso"] if gso else [])]
+    return _run(args, namespace, timeout=seconds + 30)
+
+
+def udp_round_trips(size: int = wire.NETAGG_BYTES, window: int = 64, seconds: float = 2.0,
+                    gso: bool = False) -> dict:
+    """Round trips/s of ``window`` datagrams of ``size`` bytes in flight through a loopback UDP reflector.
+
+    ``gso``: the client sends with UDP_SEGMENT and receives with UDP_GRO, the reflector runs with --gro.
+    """
+    with reflector(["udp-reflect", "--bind", "127.0.0.1:0", *(["--gro"] if gso else [])]) as running:
+        result = udp_client(running.address, size, window, seconds, gso)
+    result["reflector"] = running.stats
+    return result
+
+
+def veth_udp_round_trips(size: int = wire.NETAGG_BYTES, window: int = 64, seconds: float = 2.0,
+                         gso: bool = False) -> dict | str:
+    """The same across a veth pair between two namespaces; "skipped: why" without namespaces.
+
+    The reflector runs in the switch namespace of a one-host ``Topology`` (at its aggregator address),
+    the client in the host's namespace. Per datagram the veth's offloads are off (as ``Topology`` sets
+    them); ``gso`` turns tx/rx checksumming, TSO and GSO on at both ends, so the veth carries GSO packets
+    unsegmented to the GRO reflector.
+    """
+    ok, why = can_create_namespaces()
+    if not ok:
+        return f"skipped: {why}"
+    build_probe()
+    with Topology(f"lv{os.getpid() % 100000}", 1, subnet=89) as topo:
+        host, switch = topo.hosts[0], topo.switch_namespace
+        netns_run(ns_exec(switch, ["ip", "link", "set", host.switch_ifname, "address", SWITCH_MAC]))
+        netns_run(ns_exec(switch, ["ip", "addr", "add", f"{topo.aggregator_ip}/24", "dev", host.switch_ifname]))
+        netns_run(ns_exec(switch, ["ip", "neigh", "replace", host.ip, "lladdr", host.mac, "dev", host.switch_ifname,
+                                   "nud", "permanent"]))
+        if gso and shutil.which("ethtool"):  # without ethtool the veth keeps its defaults: offloads on
+            for namespace, ifname in ((switch, host.switch_ifname), (host.namespace, host.ifname)):
+                netns_run(ns_exec(namespace, ["ethtool", "-K", ifname, "tx", "on", "rx", "on", "tso", "on",
+                                              "gso", "on"]))
+        bind = ["udp-reflect", "--bind", f"{topo.aggregator_ip}:0", *(["--gro"] if gso else [])]
+        with reflector(bind, switch) as running:
+            result = udp_client(running.address, size, window, seconds, gso, host.namespace)
     result["reflector"] = running.stats
     return result
 
@@ -146,10 +200,16 @@ def _timeout(seconds: float, rounds: int | None) -> float:
 
 
 def drive_switch_udp(target: tuple[str, int], bind_ports: Sequence[int], *, job_id: int = 1, slots: int = 32,
-                     seconds: float = 2.0, rounds: int | None = None, rto_ms: float = 20.0) -> dict:
-    """netagg-drive over loopback UDP: one worker per port in ``bind_ports`` (rank = index)."""
+                     seconds: float = 2.0, rounds: int | None = None, rto_ms: float = 20.0,
+                     gso: bool = False) -> dict:
+    """netagg-drive over loopback UDP: one worker per port in ``bind_ports`` (rank = index).
+
+    ``gso``: each worker sends its queued contributions as UDP_SEGMENT sends (up to 64 a send) and
+    receives results with UDP_GRO.
+    """
     args = ["netagg-drive", "--udp", "--workers", str(len(bind_ports)), "--target", f"{target[0]}:{target[1]}",
-            "--bind-ports", ",".join(map(str, bind_ports)), *_drive_limits(job_id, slots, seconds, rounds, rto_ms)]
+            "--bind-ports", ",".join(map(str, bind_ports)), *_drive_limits(job_id, slots, seconds, rounds, rto_ms),
+            *(["--gso"] if gso else [])]
     return _run(args, timeout=_timeout(seconds, rounds))
 
 
@@ -165,14 +225,25 @@ def drive_switch_raw(ifnames: Sequence[str], src_ips: Sequence[str], src_macs: S
     return _run(args, namespace, timeout=_timeout(seconds, rounds))
 
 
-def describe(result: dict | str) -> str:
+def describe(result: dict | str, unit: str = "round trips") -> str:
     """One line for a probe result."""
     if isinstance(result, str):
         return result
     reflector_cpu = result["reflector"].get("cpu_seconds", 0.0) / max(result["reflector"].get("seconds", 1.0), 1e-9)
     client_cpu = result["cpu_seconds"] / result["seconds"]
-    return (f"{result['round_trips_per_s']:,.0f} round trips/s (client CPU {client_cpu:.0%}, "
-            f"reflector CPU {reflector_cpu:.0%}, {result['timeouts']} timeouts)")
+    extra = ""
+    if "payload_errors" in result:
+        extra = (f", {result['payload_errors']} payload errors, {result['datagrams_per_send']:.1f} datagrams/send, "
+                 f"{result['datagrams_per_receive']:.1f}/receive")
+    return (f"{result['round_trips_per_s']:,.0f} {unit}/s (client CPU {client_cpu:.0%}, "
+            f"reflector CPU {reflector_cpu:.0%}, {result['timeouts']} timeouts{extra})")
+
+
+def ratio(gso: dict | str, per_datagram: dict | str) -> str:
+    """GSO/GRO round trips/s over per-datagram ones, as "N.Nx per datagram" ("n/a" when either is missing)."""
+    if isinstance(gso, str) or isinstance(per_datagram, str) or not per_datagram["round_trips_per_s"]:
+        return "n/a"
+    return f"{gso['round_trips_per_s'] / per_datagram['round_trips_per_s']:.1f}x per datagram"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,10 +252,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=64, help="packets in flight")
     args = parser.parse_args(argv)
     build_probe()
-    print(f"UDP loopback, {wire.NETAGG_BYTES}-byte datagrams, window {args.window}: "
-          f"{describe(udp_round_trips(wire.NETAGG_BYTES, args.window, args.seconds))}")
-    print(f"AF_PACKET on a veth pair, {wire.FRAME_BYTES}-byte frames, window {args.window}: "
-          f"{describe(raw_round_trips(wire.FRAME_BYTES, args.window, args.seconds))}")
+    size, window, seconds = wire.NETAGG_BYTES, args.window, args.seconds
+    for title, measure in ((f"UDP loopback, {size}-byte datagrams, window {window}", udp_round_trips),
+                           (f"UDP across a veth pair between namespaces, {size}-byte datagrams, window {window}",
+                            veth_udp_round_trips)):
+        per_datagram = measure(size, window, seconds, gso=False)
+        gso = measure(size, window, seconds, gso=True)
+        print(f"{title}:")
+        print(f"  per datagram (sendmmsg/recvmmsg): {describe(per_datagram, 'datagrams')}")
+        print(f"  UDP_SEGMENT + UDP_GRO:            {describe(gso, 'datagrams')}; {ratio(gso, per_datagram)}")
+    raw = raw_round_trips(wire.FRAME_BYTES, window, seconds)
+    print(f"AF_PACKET on a veth pair, {wire.FRAME_BYTES}-byte frames, window {window} (per frame, no GSO mode): "
+          f"{describe(raw, 'frames')}")
     return 0
 
 

@@ -8,10 +8,13 @@ rounds, retransmission after 20 ms). Targets: the software target in its loopbac
 software target and BMv2 (when ``simple_switch_grpc`` is installed).
 
 The same run measures the ceilings: the probe's round trips/s through a native reflector
-with the same number of packets in flight (UDP loopback for the loopback figure, AF_PACKET
-on veth for the veth figures), and netagg-drive against a zero-cost aggregator (the
-``--netagg`` reflector) to show the driver is not the bottleneck; each row also prints the
-driver's CPU share.
+with the same number of packets in flight, one datagram per message (UDP loopback for the
+loopback figures, AF_PACKET on veth for the veth figures) and with UDP GSO/GRO (loopback,
+and UDP across a veth pair between namespaces), and netagg-drive against a zero-cost
+aggregator (the ``--netagg`` reflector), per datagram and with ``--gso``, to show the driver
+is not the bottleneck. The software target's loopback port is driven both ways: per
+datagram (what a host without GSO sends) and with GSO/GRO (what netagg's host stack sends).
+Each row is a ratio to both ceilings of its own run and prints the driver's CPU share.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from benchmarks.limit_probe import (
     netagg_reflector,
     raw_round_trips,
     udp_round_trips,
+    veth_udp_round_trips,
 )
 from netagg import dataplane as dp
 from netagg import wire
@@ -77,8 +81,9 @@ def _install_job(grpc_address: str, device_config: bytes, hosts: list[dict], wor
     return client, job.job_id
 
 
-def measure_loopback(seconds: float, rounds: int | None, log_dir: Path) -> dict:
-    """The embedded default: the software target process in loopback UDP mode, workers on UDP sockets."""
+def measure_loopback(seconds: float, rounds: int | None, log_dir: Path, gso: bool = False) -> dict:
+    """The embedded default: the software target process in loopback UDP mode, workers on UDP sockets
+    (``gso``: the workers send with UDP_SEGMENT and receive with UDP_GRO, as the host stack does)."""
     ports = free_ports(WORKERS + 1)
     switch = start_target("soft", {}, log_dir / "bench-loopback.log", loopback=f"127.0.0.1:{ports[-1]}")
     try:
@@ -87,17 +92,17 @@ def measure_loopback(seconds: float, rounds: int | None, log_dir: Path) -> dict:
         client, job_id = _install_job(switch.grpc_address, b"", hosts, workers, ports[-1])
         try:
             return drive_switch_udp(("127.0.0.1", ports[-1]), ports[:WORKERS], job_id=job_id, slots=SLOTS,
-                                    seconds=seconds, rounds=rounds)
+                                    seconds=seconds, rounds=rounds, gso=gso)
         finally:
             client.close()
     finally:
         switch.stop()
 
 
-def measure_driver_ceiling(seconds: float) -> dict:
+def measure_driver_ceiling(seconds: float, gso: bool = False) -> dict:
     """netagg-drive against the zero-cost aggregator: same workers, slots and per-contribution work."""
-    with netagg_reflector() as address:
-        return drive_switch_udp(address, free_ports(WORKERS), slots=SLOTS, seconds=seconds)
+    with netagg_reflector(gro=gso) as address:
+        return drive_switch_udp(address, free_ports(WORKERS), slots=SLOTS, seconds=seconds, gso=gso)
 
 
 def inner(target: str, seconds: float, rounds: int | None, prefix: str) -> None:
@@ -160,9 +165,16 @@ def main(argv: list[str] | None = None) -> int:
           f"K={wire.K} values/packet ({wire.NETAGG_BYTES}-byte datagrams, {wire.FRAME_BYTES}-byte frames); "
           "driver: native netagg-drive")
     udp_probe = udp_round_trips(wire.NETAGG_BYTES, WINDOW, args.seconds)
+    gso_probe = udp_round_trips(wire.NETAGG_BYTES, WINDOW, args.seconds, gso=True)
     raw_probe = raw_round_trips(wire.FRAME_BYTES, WINDOW, args.seconds)
+    veth_probe = veth_udp_round_trips(wire.NETAGG_BYTES, WINDOW, args.seconds)
+    veth_gso_probe = veth_udp_round_trips(wire.NETAGG_BYTES, WINDOW, args.seconds, gso=True)
     driver = measure_driver_ceiling(args.seconds)
-    rows: dict[str, dict | str] = {"soft, loopback UDP": measure_loopback(args.seconds, args.rounds, log_dir)}
+    driver_gso = measure_driver_ceiling(args.seconds, gso=True)
+    rows: dict[str, dict | str] = {
+        "soft, loopback UDP": measure_loopback(args.seconds, args.rounds, log_dir),
+        "soft, loopback UDP GSO": measure_loopback(args.seconds, args.rounds, log_dir, gso=True),
+    }
     ok, why = can_create_namespaces()
     for target in ("soft", "bmv2"):
         name = f"{target}, veth raw frames"
@@ -173,25 +185,37 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rows[name] = measure_on_veth(target, args.seconds, args.rounds, log_dir)
 
-    print(f"\nceilings, same run ({WINDOW} packets in flight, native client and reflector):")
-    print(f"  udp probe  (loopback UDP reflector)        {udp_probe['round_trips_per_s']:>10,.0f} round trips/s")
-    raw_text = raw_probe if isinstance(raw_probe, str) else f"{raw_probe['round_trips_per_s']:>10,.0f} round trips/s"
-    print(f"  raw probe  (AF_PACKET reflector, veth)     {raw_text}")
-    print(f"  netagg-drive vs zero-cost aggregator (UDP) {driver['contributions_per_s']:>10,.0f} contributions/s "
-          f"= {_ratio(driver['contributions_per_s'], udp_probe, 'round_trips_per_s')} udp probe, "
-          f"driver CPU {driver['cpu_share']:.0%}")
+    def rate(result: dict | str) -> str:
+        return result if isinstance(result, str) else f"{result['round_trips_per_s']:>10,.0f} datagrams/s"
+
+    print(f"\nceilings, same run ({WINDOW} packets in flight, native client and reflector, one direction's rate):")
+    print(f"  udp probe      (loopback, one datagram per message)   {rate(udp_probe)}")
+    print(f"  udp-gso probe  (loopback, UDP_SEGMENT + UDP_GRO)      {rate(gso_probe)}")
+    print(f"  veth probe     (UDP across veth, per datagram)        {rate(veth_probe)}")
+    print(f"  veth-gso probe (UDP across veth, UDP_SEGMENT + GRO)   {rate(veth_gso_probe)}")
+    print(f"  raw probe      (AF_PACKET reflector on veth)          {rate(raw_probe)}")
+    for name, result, probe in (("", driver, udp_probe), (" --gso", driver_gso, gso_probe)):
+        print(f"  netagg-drive{name} vs zero-cost aggregator{'' if name else '      '} "
+              f"{result['contributions_per_s']:>10,.0f} contributions/s = "
+              f"{_ratio(result['contributions_per_s'], probe, 'round_trips_per_s')} of its probe, "
+              f"driver CPU {result['cpu_share']:.0%}")
     base = rows.get("soft, veth raw frames")
-    print(f"\n{'target':<24} {'contributions/s':>16} {'vs probe':>15} {'vs soft (veth)':>15} "
-          f"{'retransmissions':>16} {'driver CPU':>11}")
+    print(f"\n{'target':<24} {'contributions/s':>16} {'vs per-datagram':>16} {'vs GSO probe':>13} "
+          f"{'vs soft (veth)':>15} {'retransmissions':>16} {'driver CPU':>11}")
     for name, row in rows.items():
         if isinstance(row, str):
             print(f"{name:<24} {row}")
             continue
-        rate = row["contributions_per_s"]
-        probe, probe_name = (udp_probe, "udp") if "loopback" in name else (raw_probe, "raw")
-        vs_probe = f"{_ratio(rate, probe, 'round_trips_per_s')} {probe_name}"
-        print(f"{name:<24} {rate:>16,.0f} {vs_probe:>15} {_ratio(rate, base, 'contributions_per_s'):>15} "
-              f"{row['retransmissions']:>16,} {row['cpu_share']:>11.0%}")
+        value = row["contributions_per_s"]
+        if "loopback" in name:
+            per_datagram, gso = f"{_ratio(value, udp_probe, 'round_trips_per_s')} udp", \
+                f"{_ratio(value, gso_probe, 'round_trips_per_s')}"
+        else:
+            per_datagram, gso = f"{_ratio(value, raw_probe, 'round_trips_per_s')} raw", \
+                f"{_ratio(value, veth_gso_probe, 'round_trips_per_s')}"
+        print(f"{name:<24} {value:>16,.0f} {per_datagram:>16} {gso:>13} "
+              f"{_ratio(value, base, 'contributions_per_s'):>15} {row['retransmissions']:>16,} "
+              f"{row['cpu_share']:>11.0%}")
     return 0
 
 

@@ -45,12 +45,15 @@ class FaultOptions:
     duplicate: float = 0.0
     reorder: float = 0.0
     seed: int = 1
+    burst: float = 0.0
+    burst_length: int = 64
 
     def args(self) -> list[str]:
-        if not (self.drop or self.duplicate or self.reorder):
+        if not (self.drop or self.duplicate or self.reorder or self.burst):
             return []
         return ["--drop", str(self.drop), "--duplicate", str(self.duplicate),
-                "--reorder", str(self.reorder), "--seed", str(self.seed)]
+                "--reorder", str(self.reorder), "--seed", str(self.seed),
+                "--burst", str(self.burst), "--burst-length", str(self.burst_length)]
 
 
 @dataclass

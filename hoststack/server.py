@@ -516,9 +516,16 @@ def _hot_set_response(table: TableState, hot: HotSet, known_version: int) -> tup
 
 
 def _bind_pair(address: tuple[str, int], attempts: int = 20) -> tuple[socket.socket, socket.socket]:
-    """A UDP and a listening TCP socket on the same port; port 0 picks one free for both."""
+    """A UDP and a listening TCP socket on the same port; port 0 picks one free for both.
+
+    A named port is tried once: OSError (errno kept) naming the port and the protocol that failed.
+    """
+    host, port = address
     for attempt in range(attempts):
-        udp = udp_socket(address)
+        try:
+            udp = udp_socket(address)
+        except OSError as err:
+            raise OSError(err.errno, f"the PS cannot bind UDP {host}:{port}: {err.strerror}") from err
         tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -527,11 +534,15 @@ def _bind_pair(address: tuple[str, int], attempts: int = 20) -> tuple[socket.soc
             tcp.settimeout(_POLL_SECONDS)
             return udp, tcp
         except OSError as err:
+            bound = udp.getsockname()[1]
             udp.close()
             tcp.close()
             # An ephemeral UDP port may be some TCP connection's local port: try another one.
-            if address[1] != 0 or err.errno != errno.EADDRINUSE or attempt == attempts - 1:
-                raise
+            if port == 0 and err.errno == errno.EADDRINUSE and attempt < attempts - 1:
+                continue
+            tried = f" (UDP port 0 gave {bound}; {attempt + 1} tries)" if port == 0 else ""
+            raise OSError(err.errno, f"the PS cannot bind TCP {host}:{bound}, the port of its UDP socket"
+                                     f"{tried}: {err.strerror}") from err
     raise AssertionError("unreachable")
 
 

@@ -39,13 +39,19 @@ a decrease, a worker could hold only blocks that another worker cannot send unti
 gets the lower block this worker is holding back (a deadlock). With that rule the lowest
 unfinished block is always sent by every worker.
 
-I/O is batched. Every group of packets sent at once (a window refill, the retransmissions due
-at one moment) is built in the preallocated rows by one pass (``fill_packets``) and leaves with
-one ``sendmmsg`` whose iovecs point at those rows. Results are read with ``recvmmsg``, up to 64
-per call, and checked and applied by one pass over the batch (``accept_results``): compiled
-with numba (:mod:`~netagg.hoststack.transport_kernels`) or its numpy reference here, with the
-same effects. Without ``recvmmsg``/``sendmmsg`` (``mmsg.AVAILABLE`` false) one ``send`` or
-``recvfrom_into`` per packet feeds the same batches.
+I/O is batched through the kernel. Every group of packets sent at once (a window refill, the
+retransmissions due at one moment) is built in the preallocated rows by one pass
+(``fill_packets``) and leaves with one ``sendmmsg`` whose messages are UDP GSO sends of up to 64
+equal-size segments each (:mod:`netagg.udpgso`; iovecs point at the rows), so the kernel's
+socket and IP layers are crossed once per 64 packets. Results are read with ``recvmmsg`` on a
+``UDP_GRO`` socket, a coalesced buffer split by its segment size into receive rows (up to
+:data:`_RECV_ROWS` per call), and checked and applied by one pass over the batch
+(``accept_results``): compiled with numba (:mod:`~netagg.hoststack.transport_kernels`) or its
+numpy reference here, with the same effects. Where the kernel refuses segmentation or GRO
+the same batches go one datagram per message (``sendmmsg``/``recvmmsg``, one log line says
+why), and without those calls (``mmsg.AVAILABLE`` false) one ``send`` or ``recvfrom_into``
+per packet. Losing one segmented send loses up to 64 consecutive packets at once (a burst);
+their timers fire together and they are resent together, a single loss event for the window.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import heapq
+import logging
 import math
 import select
 import socket
@@ -61,7 +68,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from netagg import mmsg, wire
+from netagg import mmsg, udpgso, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.packets import (
     HEADER_DTYPE,
@@ -74,6 +81,8 @@ from netagg.hoststack.packets import (
 )
 from netagg.jobconfig import WorkerConfig
 
+log = logging.getLogger(__name__)
+
 try:  # compiled batch kernels when numba is installed (extra "fast"); same effects, faster
     from netagg.hoststack import transport_kernels as _kernels
 except ImportError:
@@ -83,9 +92,15 @@ K = wire.K
 _NETAGG_BYTES = wire.NETAGG_BYTES
 _HEADER_BYTES = wire.HEADER_BYTES
 _PAYLOAD_BYTES = wire.PAYLOAD_BYTES
-#: Datagrams read per system call (recvmmsg), and read calls per wake-up before the ready slots are refilled.
+#: Datagrams read per receive without GRO (one recvmmsg), and read calls per wake-up before the ready slots
+#: are refilled.
 _RECV_BATCH = mmsg.BATCH
 _RECV_CALLS = 2
+#: ... but while a retransmission timer is due, up to this many: results that waited in the socket while this
+#: worker was descheduled are read before their packets are taken for lost (no retransmission storm).
+_RECV_CALLS_MAX = 64
+#: Receive rows per call with GRO (a few coalesced buffers of up to 64 segments each).
+_RECV_ROWS = 256
 #: Receive buffer row: longer datagrams are cut to this (and so still counted as malformed).
 _RECV_STRIDE = 512
 
@@ -262,19 +277,23 @@ class Transport:
         self._seq = 0
         self._probe_seq = 0
         self._encode = qz._tables(self.num_workers)[:2]
-        # Batched I/O: one sendmmsg per group of packets (iovecs point at the rows above) and one
-        # recvmmsg per _RECV_BATCH datagrams; else one send/recvfrom_into per packet.
+        # Batched I/O (module docstring): segmented sends whose iovecs point at the rows above, coalesced
+        # receives split into rows; else one send/recvfrom_into per packet.
         self._batched = mmsg.AVAILABLE
-        self._tx: mmsg.MsgBatch | None = None
+        self._tx: udpgso.GsoBatch | None = None
+        self._rx_capacity = _RECV_BATCH
         if self._batched:
-            self._rx = mmsg.MsgBatch(_RECV_BATCH, _RECV_STRIDE)
+            if udpgso.enable_gro(self.sock):
+                self._rx: mmsg.MsgBatch | udpgso.GroBatch = udpgso.GroBatch(_RECV_ROWS, _RECV_STRIDE)
+                self._rx_capacity = _RECV_ROWS
+            else:
+                self._rx = mmsg.MsgBatch(_RECV_BATCH, _RECV_STRIDE)
             self._rx_buf, self._rx_names, self._rx_lengths = self._rx.buf, self._rx.names, self._rx.lengths
-            self._tx = mmsg.MsgBatch(self.slot_count, 8)
-            self._tx.tx_iov_words[:, 1] = _NETAGG_BYTES
-            if not connected:
-                self._dest_name = mmsg.sockaddr_in(*self.destination)  # kept alive: the headers point at it
-                self._tx.tx_words[:, 0] = self._dest_name.ctypes.data
-                self._tx.tx_words[:, 1] = self._dest_name.size
+            self._tx = udpgso.GsoBatch(self.slot_count)
+            self._dest_name = mmsg.sockaddr_in(*self.destination)  # kept alive: the headers point at it
+            self._tx_name = (0, 0) if connected else (self._dest_name.ctypes.data, self._dest_name.size)
+            if self._tx.refused is not None:
+                log.info("transport %s: one datagram per message (%s)", self.address, self._tx.refused)
             self._row_addr = np.uint64(self._raw.ctypes.data) + np.arange(self.slot_count, dtype=np.uint64) \
                 * np.uint64(_NETAGG_BYTES)
         else:
@@ -373,7 +392,8 @@ class Transport:
         none = np.zeros(0, np.int64)
         r._fill(none, none, r.blocks, r.local_exp, r.global_exp, r._ahead, 0, 0, r.window, *self._encode,
                 self._raw, self._words, self._next_pool, self._rounds, r.expect, r.sent_at, 0.0, none.copy())
-        outputs = np.zeros(_RECV_BATCH, np.int64), np.zeros(_RECV_BATCH, np.int64), np.zeros(_RECV_BATCH)
+        rows = self._rx_capacity
+        outputs = np.zeros(rows, np.int64), np.zeros(rows, np.int64), np.zeros(rows)
         r._accept(self._rx_buf, self._rx_lengths, self._rx_names, 0, self._allowed, self.config.job_id, 0,
                   r.window, 0, r.expect, r.retries, r.sent_at, self._next_pool, 0.0, r._sums_flat, r.global_exp,
                   *outputs)
@@ -393,12 +413,16 @@ class Transport:
         errors = 0
         for first in range(0, slots.shape[0], tx.capacity):
             chunk = slots[first:first + tx.capacity]
-            tx.tx_iov_words[:chunk.shape[0], 0] = self._row_addr[chunk]
-            errors += tx.send_prepared(self._fd, chunk.shape[0])[1]
+            headers = tx.plan_uniform(self._row_addr[chunk], _NETAGG_BYTES, *self._tx_name)
+            errors += tx.send(self._fd, headers)[1]
         return errors
 
+    def _rx_pending(self) -> bool:
+        """Whether datagrams of a coalesced receive wait in the batch (poll would not report them)."""
+        return isinstance(self._rx, udpgso.GroBatch) and self._rx.pending if self._batched else False
+
     def _receive(self) -> int:
-        """Read up to _RECV_BATCH waiting datagrams into the receive rows; returns how many, or -1
+        """Read up to ``_rx_capacity`` waiting datagrams into the receive rows; returns how many, or -1
         after a socket error (counted; e.g. ICMP port unreachable from an earlier send on loopback)."""
         if self._batched:
             try:
@@ -712,20 +736,23 @@ class _Round:
         buf, names, lengths, allowed = t._rx_buf, t._rx_names, t._rx_lengths, t._allowed
         expect, retries, sent_at, next_pool = self.expect, self.retries, self.sent_at, t._next_pool
         window, seq0, sums, global_exp = self.window, self.seq0, self._sums_flat, self.global_exp
-        acc_slots = np.empty(_RECV_BATCH, np.int64)
-        following = np.empty(_RECV_BATCH, np.int64)
-        rtts = np.empty(_RECV_BATCH)
+        rows = t._rx_capacity
+        acc_slots = np.empty(rows, np.int64)
+        following = np.empty(rows, np.int64)
+        rtts = np.empty(rows)
         while self.remaining:
             now = time.monotonic()
             wake = last_progress + t.progress_timeout
             if self.timers:
                 wake = min(wake, self.timers[0][0])
-            if wake > now:
+            if wake > now and not t._rx_pending():
                 t._poller.poll(math.ceil((wake - now) * 1000))
             ready_slots: list[int] = []
             ready_blocks: list[int] = []
             accepted = 0
-            for _ in range(_RECV_CALLS):
+            calls = 0
+            while calls < _RECV_CALLS_MAX:
+                calls += 1
                 count = t._receive()
                 if count <= 0:
                     if count < 0:
@@ -750,8 +777,8 @@ class _Round:
                     ready = nxt < nb
                     ready_slots += acc_slots[:n_acc][ready].tolist()
                     ready_blocks += nxt[ready].tolist()
-                if count < _RECV_BATCH:
-                    break
+                if calls >= _RECV_CALLS and not (self.timers and self.timers[0][0] <= time.monotonic()):
+                    break  # refill the ready slots first; the rest is read on the next turn
             now = time.monotonic()
             if accepted:
                 stats.results_accepted += accepted

@@ -37,7 +37,7 @@ def loopback_configs(num_workers: int, *, update_mode: str = "async", delay_boun
     The job gets ``secret``, by default a fresh one (as the controller gives every job); "" for none.
     """
     secret = jobsecret.new_secret() if secret is None else secret
-    ports = free_ports(1 + replicas + num_workers, "tcp")
+    ports = free_ports(1 + replicas + num_workers, "both")  # PS nodes listen on TCP; workers may bind either
     ps, chain, binds = Endpoint(LOCALHOST, ports[0]), ports[1:1 + replicas], ports[1 + replicas:]
     return [WorkerConfig(job_id=job_id, rank=rank, num_workers=num_workers, slot_count=1, mode="ps",
                          aggregator=Endpoint(LOCALHOST, 9), bind=Endpoint(LOCALHOST, binds[rank]), ps=ps,

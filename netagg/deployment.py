@@ -209,7 +209,7 @@ class LocalDeployment(Deployment):
         return f"{super().describe()}, loopback UDP port {self.switch.loopback_address[1]}"
 
     def _start(self) -> None:
-        udp_port, ps_port = free_ports(2)
+        udp_port, ps_port = free_ports(2, "both")  # the PS binds UDP and TCP on ps_port
         self.switch = start_target(self.switch_kind, {}, self.workdir / "softswitch.log",
                                    loopback=f"127.0.0.1:{udp_port}")
         hosts = [{"name": self.HOST, "ip": "127.0.0.1", "mac": "02:00:00:00:bb:01", "port": 1}]

@@ -1,11 +1,16 @@
-"""The software target's fast packet loop: batches in (recvmmsg), compiled pipeline, batches out (sendmmsg).
+"""The software target's fast packet loop: batches in, compiled pipeline, batches out.
 
 Same job as :class:`~netagg.softswitch.switch.SoftSwitch` (which stays the loop of the
-reference model and of fault injection), without per-packet Python: each wake-up reads up
-to :data:`~netagg.mmsg.BATCH` frames from a port in one system call, runs them through
+reference model and of fault injection), without per-packet Python: each wake-up reads a
+batch of frames from a port in one system call, runs them through
 :class:`~netagg.softswitch.fastpath.FastPipeline` in one call, and sends what they emit
 with one ``sendmmsg`` per egress port. Frames of a batch are processed in arrival order,
 so the program's semantics (register order between packets of one slot) are unchanged.
+
+The loopback port also batches inside the kernel (:mod:`netagg.udpgso`): it receives with
+``UDP_GRO`` (a host's segmented send arrives as one buffer, split here into datagrams) and
+sends each destination's results as segmented sends of up to 64 datagrams. Where the
+kernel offers neither, it falls back to one datagram per message, saying so once.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from netagg import mmsg, wire
+from netagg import mmsg, udpgso, wire
 from netagg.softswitch import fastpath_kernels as kernels
 from netagg.softswitch.fastpath import FastPipeline
 from netagg.softswitch.ports import LoopbackUdpPort, Port, RawSocketPort
@@ -31,6 +36,11 @@ STRIDE = 9216
 LOOPBACK_HEADROOM = wire.ETH_HEADER_BYTES + wire.IPV4_HEADER_BYTES + wire.UDP_HEADER_BYTES
 #: Batches served from one port before the others get a turn.
 BATCHES_PER_TURN = 8
+#: Datagrams the loopback port takes per receive with UDP_GRO (a few coalesced buffers).
+LOOPBACK_GRO_ROWS = 256
+#: Row of a loopback datagram: a netagg frame is 318 bytes; a longer datagram is cut to the row (and so
+#: still dropped as malformed, as the reference loop does with the whole datagram). Small rows stay in cache.
+LOOPBACK_STRIDE = 2048
 #: Linux's PACKET_IGNORE_OUTGOING (4.20+): a raw socket does not see the frames it sent itself.
 PACKET_IGNORE_OUTGOING = 23
 SOL_PACKET = 263
@@ -77,9 +87,16 @@ class BatchSwitch(PortLoop):
         self._raw_rx = mmsg.MsgBatch(raw_rows, STRIDE)
         self._raw_len = np.zeros(raw_rows, np.int64)
         self._raw_port = np.zeros(raw_rows, np.int64)
-        self._loop_rx = {port.number: mmsg.MsgBatch(mmsg.BATCH, STRIDE, LOOPBACK_HEADROOM) for port in self._loopback}
-        self._loop_len = np.zeros(mmsg.BATCH, np.int64)
-        self._loop_port = {port.number: np.full(mmsg.BATCH, port.number, np.int64) for port in self._loopback}
+        self._loop_rx: dict[int, mmsg.MsgBatch | udpgso.GroBatch] = {}
+        for port in self._loopback:
+            if udpgso.enable_gro(port.sock):
+                self._loop_rx[port.number] = udpgso.GroBatch(LOOPBACK_GRO_ROWS, LOOPBACK_STRIDE, LOOPBACK_HEADROOM)
+            else:
+                log.info("loopback port %d: no UDP_GRO here, one datagram per message", port.number)
+                self._loop_rx[port.number] = mmsg.MsgBatch(mmsg.BATCH, LOOPBACK_STRIDE, LOOPBACK_HEADROOM)
+        loop_rows = LOOPBACK_GRO_ROWS
+        self._loop_len = np.zeros(loop_rows, np.int64)
+        self._loop_port = {port.number: np.full(loop_rows, port.number, np.int64) for port in self._loopback}
         self._loop_ip = {port.number: int.from_bytes(socket.inet_aton(port.address[0]), "big")
                          for port in self._loopback}
         # Egress: raw ports by group (port_slot[number]), the loopback port sent to elsewhere (-2).
@@ -89,9 +106,17 @@ class BatchSwitch(PortLoop):
         for port in self._loopback:
             self._port_slot[port.number] = -2
         self._group_counts = np.zeros(max(1, len(self._raw)), np.int64)
-        self._out = mmsg.MsgBatch(2 * raw_rows + 4 * mmsg.BATCH, STRIDE)
+        self._out = mmsg.MsgBatch(max(2 * raw_rows, 2 * LOOPBACK_GRO_ROWS) + 4 * mmsg.BATCH, STRIDE)
         self._out_len = np.zeros(self._out.capacity, np.int64)
         self._out_port = np.zeros(self._out.capacity, np.int64)
+        # Segmented sends of the loopback port's results (udpgso), with their sorting scratch.
+        self._gso: udpgso.GsoBatch | None = None
+        if self._loopback:
+            self._gso = udpgso.GsoBatch(self._out.capacity)
+            if self._gso.refused is not None:
+                log.info("loopback port: results leave one datagram per message (%s)", self._gso.refused)
+            self._gso_keys = np.zeros(self._out.capacity, np.int64)
+            self._gso_order = np.zeros((self._out.capacity, 2), np.uint64)
 
     def run(self) -> None:
         """Serve until stop()."""
@@ -99,8 +124,12 @@ class BatchSwitch(PortLoop):
         by_fd = {port.fileno(): port for port in self.ports.values()}
         for fd in by_fd:
             poller.register(fd, select.POLLIN)
+        gro = [(port, rx) for port in self._loopback if isinstance(rx := self._loop_rx[port.number], udpgso.GroBatch)]
         while not self._stop.is_set():
-            ready = [by_fd[fd] for fd, _ in poller.poll(100)]
+            # Datagrams of a coalesced buffer left over from the last turn do not wake poll: serve them now.
+            left = [port for port, rx in gro if rx.pending]
+            ready = [by_fd[fd] for fd, _ in poller.poll(0 if left else 100)]
+            ready += [port for port in left if port not in ready]
             try:
                 raw = [port for port in ready if isinstance(port, RawSocketPort)]
                 if raw:
@@ -147,7 +176,20 @@ class BatchSwitch(PortLoop):
     def _transmit(self, emitted: int) -> None:
         out, out_len, out_port = self._out, self._out_len, self._out_port
         handled = 0
+        gso = self._gso
         for port in self._loopback:
+            if gso is not None and gso.segmenting:
+                headers, segments, bad = kernels.loopback_gso_sends(
+                    out.buf, out_len, out_port, emitted, port.number, out.row_addr, out.names, out.name_addr,
+                    gso.hdr_words, gso.iov_words, gso.ctrl_size, gso.iov_addr, gso.ctrl_addr, udpgso.CONTROL_BYTES,
+                    udpgso.MAX_SEGMENTS, udpgso.MAX_SEND_BYTES, self._gso_keys, self._gso_order)
+                handled += segments + bad
+                if headers or bad:
+                    sent, failed = gso.send(port.fileno(), headers) if headers else (0, 0)
+                    port.undeliverable += bad + failed
+                    self.stats.transmitted += sent
+                    self.stats.transmit_failed += bad + failed
+                continue
             prepared, bad = kernels.loopback_sends(out.buf, out_len, out_port, emitted, port.number, out.row_addr,
                                                    out.names, out.name_addr, out.tx_words, out.tx_iov_words)
             handled += prepared + bad
@@ -187,3 +229,11 @@ def warm_up() -> None:
                            out.tx_iov_words)
     kernels.group_sends(out_len, out_port, 0, np.full(2, -1, np.int64), out.row_addr, out.tx_words,
                         out.tx_iov_words, np.zeros(1, np.int64))
+    gso = udpgso.GsoBatch(mmsg.BATCH)
+    kernels.loopback_gso_sends(out.buf, out_len, out_port, 0, 1, out.row_addr, out.names, out.name_addr,
+                               gso.hdr_words, gso.iov_words, gso.ctrl_size, gso.iov_addr, gso.ctrl_addr,
+                               udpgso.CONTROL_BYTES, udpgso.MAX_SEGMENTS, udpgso.MAX_SEND_BYTES,
+                               np.zeros(mmsg.BATCH, np.int64), np.zeros((mmsg.BATCH, 2), np.uint64))
+    udpgso.warm_up()
+    gro = udpgso.GroBatch(4, 128, LOOPBACK_HEADROOM)  # its lengths are contiguous, unlike MsgBatch's view
+    kernels.loopback_frames(gro.buf, gro.lengths, gro.names, 0, LOOPBACK_HEADROOM, 0, np.zeros(4, np.int64))

@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drop", type=_fraction, default=0.0, help="fraction of packets dropped (in and out)")
     parser.add_argument("--duplicate", type=_fraction, default=0.0, help="fraction of packets duplicated")
     parser.add_argument("--reorder", type=_fraction, default=0.0, help="fraction of packets reordered")
+    parser.add_argument("--burst", type=_fraction, default=0.0,
+                        help="fraction of packets that start a burst loss of --burst-length packets (a lost GSO send)")
+    parser.add_argument("--burst-length", type=int, default=64, help="packets lost per burst (default 64)")
     parser.add_argument("--seed", type=int, default=1, help="fault injection seed")
     parser.add_argument("--engine", choices=ENGINES, default="auto",
                         help="fast: compiled batch pipeline (numba); reference: the readable per-packet model; "
@@ -53,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(interfaces) != len(args.interface):
         parser.error("two interfaces share a port number")
     try:
+        faults = Faults(args.drop, args.duplicate, args.reorder, args.seed, args.burst, args.burst_length)
         target = SoftwareTarget(args.grpc_addr, interfaces, args.loopback.as_tuple() if args.loopback else None,
-                                Faults(args.drop, args.duplicate, args.reorder, args.seed), args.device_id,
+                                faults, args.device_id,
                                 engine=args.engine)
         target.start()
     except (OSError, ValueError) as err:

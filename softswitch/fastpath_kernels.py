@@ -86,8 +86,20 @@ def _put32(b, i, v):
 
 
 @njit(cache=True, inline="always")
-def _count(counters, which, index, nbytes):
-    packets, byte_counts = counters[2 * which], counters[2 * which + 1]
+def _copy(dst, d0, src, s0, n):
+    """``dst[d0:d0+n] = src[s0:s0+n]`` as a loop: numba's slice assignment checks for overlap and copies
+    through a temporary array, about 15x slower for a frame."""
+    for j in range(n):
+        dst[d0 + j] = src[s0 + j]
+
+
+@njit(cache=True, inline="always")
+def _bump(packets, byte_counts, index, nbytes):
+    """Count one packet of ``nbytes`` at ``index`` of a counter's (packets, bytes) arrays.
+
+    Callers pick the arrays out of the ``counters`` tuple with literal indices (2 * C_x, 2 * C_x + 1):
+    a computed index into a tuple of arrays makes numba copy the whole tuple onto the stack at every
+    use, which cost more than the rest of a dropped packet's path."""
     if 0 <= index < packets.shape[0]:
         packets[index] += 1
         byte_counts[index] += nbytes
@@ -98,7 +110,7 @@ def _slot_of(key, mask):
     return np.int64((np.uint64(key) * HASH_MULT) >> np.uint64(40)) & mask
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _ipv4_checksum(b):
     """NetaggComputeChecksum: csum16 over the 20-byte header with the checksum field zero."""
     b[IP + 10] = 0
@@ -111,7 +123,7 @@ def _ipv4_checksum(b):
     _put16(b, IP + 10, ~total & 0xFFFF)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _decide(regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, slot, pool, round_, worker_mask,
             num_workers, generation, members):
     """SlotOwner, RoundCheck, MemberCheck, BitmapCheck and WorkerCount (netagg.slots.SlotRegisters.decide).
@@ -169,21 +181,21 @@ def _decide(regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, sl
     return op, False, fresh, complete, late, False
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _emit(work, length, port, out_buf, out_len, out_port, n):
-    out_buf[n, :length] = work[:length]
+    _copy(out_buf[n], 0, work, 0, length)
     out_len[n] = length
     out_port[n] = port
     return n + 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
             job_valid, job_params, w_keys, w_vals, src_keys, src_vals, route_vm, route_out, rep_keys, rep_vals,
             grp_off, grp_items, counters, regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, regs_exps,
             regs_values):
     """One frame through NetaggIngress, the replication engine and NetaggEgress; returns the new output count."""
-    work[:length] = frame[:length]
+    _copy(work, 0, frame, 0, length)
     b = work
     # -- NetaggParser
     error = False
@@ -225,11 +237,11 @@ def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
                     break
                 h = (h + 1) & mask
     if drop != D_NONE:
-        _count(counters, C_DROPS, drop, length)
+        _bump(counters[0], counters[1], drop, length)
         return n
     if not netagg:  # Ipv4Forward
         if b[IP + 8] <= 1:
-            _count(counters, C_DROPS, D_TTL, length)
+            _bump(counters[0], counters[1], D_TTL, length)
             return n
         dst = _u32(b, IP + 16)
         hit = -1
@@ -238,9 +250,9 @@ def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
                 hit = r
                 break
         if hit < 0:
-            _count(counters, C_DROPS, D_NO_ROUTE, length)
+            _bump(counters[0], counters[1], D_NO_ROUTE, length)
             return n
-        b[6:12] = frame[0:6]
+        _copy(b, 6, frame, 0, 6)
         mac = route_out[hit, 1]
         for i in range(6):
             b[i] = (mac >> (8 * (5 - i))) & 0xFF
@@ -258,7 +270,7 @@ def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
     elif b[NA + 1] & FLAG_RESULT:
         drop = D_RESULT_FROM_HOST
     if drop != D_NONE:
-        _count(counters, C_DROPS, drop, length)
+        _bump(counters[0], counters[1], drop, length)
         return n
     # WorkerLookup
     job = _u16(b, NA + 2)
@@ -303,8 +315,8 @@ def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
             slot_index = (slot_base + slot_rel) & 0xFFFFFFFF
     if drop != D_NONE:
         if drop != D_UNKNOWN_JOB:
-            _count(counters, C_REJECTS, job, length)
-        _count(counters, C_DROPS, drop, length)
+            _bump(counters[12], counters[13], job, length)
+        _bump(counters[0], counters[1], drop, length)
         return n
     if slot_index >= regs_owner.shape[0]:
         return n
@@ -312,22 +324,22 @@ def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
         regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, slot_index, pool, _u16(b, NA + 10),
         worker_mask, num_workers, generation, members)
     if mismatch:
-        _count(counters, C_REJECTS, job, length)
-        _count(counters, C_DROPS, D_MEMBERS, length)
+        _bump(counters[12], counters[13], job, length)
+        _bump(counters[0], counters[1], D_MEMBERS, length)
         return n
     if old:
-        _count(counters, C_DUPS, job, length)
+        _bump(counters[8], counters[9], job, length)
         return n
     to_group = False
     if fresh and not late:
-        _count(counters, C_CONTRIB, job, length)
+        _bump(counters[4], counters[5], job, length)
         if complete:
             to_group = True
-            _count(counters, C_RESULTS, job, length)
+            _bump(counters[6], counters[7], job, length)
     elif op == OP_READ:
-        _count(counters, C_RETX, job, length)
+        _bump(counters[10], counters[11], job, length)
     else:
-        _count(counters, C_DUPS, job, length)
+        _bump(counters[8], counters[9], job, length)
     index = slot_index * 2 + pool
     if op != OP_NONE:  # ExponentMax, ValueSum
         exponent = np.int8(b[NA + 8])
@@ -345,16 +357,15 @@ def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
     if not (complete and not late):
         return n
     # ResultDelivery
-    sender_mac = frame[6:12]
-    b[6:12] = frame[0:6]
-    b[IP + 12:IP + 16] = frame[IP + 16:IP + 20]
+    _copy(b, 6, frame, 0, 6)
+    _copy(b, IP + 12, frame, IP + 16, 4)
     _put16(b, UDP, NETAGG_PORT)
     b[IP + 8] = RESULT_TTL
     _put16(b, UDP + 6, 0)
     b[NA + 1] |= FLAG_RESULT
     if not to_group:
-        b[0:6] = sender_mac
-        b[IP + 16:IP + 20] = frame[IP + 12:IP + 16]
+        _copy(b, 0, frame, 6, 6)
+        _copy(b, IP + 16, frame, IP + 12, 4)
         _put16(b, UDP + 2, sport)
         _ipv4_checksum(b)
         if ingress == DROP_PORT:
@@ -375,7 +386,7 @@ def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
                 break
             h = (h + 1) & mask
         if found < 0:
-            _count(counters, C_EGRESS_DROPS, D_NO_REPLICA, 0)
+            _bump(counters[2], counters[3], D_NO_REPLICA, 0)
             continue
         mac = rep_vals[found, 0]
         for i in range(6):
@@ -416,8 +427,11 @@ def loopback_frames(buf, lengths, names, count, headroom, switch_ip, out_len):
         b = buf[i]
         data = np.int64(lengths[i])
         udp_len = 8 + data
-        b[0:6] = (0x02, 0x00, 0x00, 0x00, 0xAA, 0x01)
-        b[6:12] = (0x02, 0x00, 0x00, 0x00, 0xBB, 0x01)
+        for j in range(12):  # switch MAC 02:00:00:00:aa:01, host MAC 02:00:00:00:bb:01
+            b[j] = 0
+        b[0] = b[6] = 0x02
+        b[4], b[5] = 0xAA, 0x01
+        b[10], b[11] = 0xBB, 0x01
         _put16(b, 12, 0x0800)
         b[IP] = 0x45
         b[IP + 1] = 0
@@ -426,10 +440,10 @@ def loopback_frames(buf, lengths, names, count, headroom, switch_ip, out_len):
         _put16(b, IP + 6, 0x4000)
         b[IP + 8] = 64
         b[IP + 9] = 17
-        b[IP + 12:IP + 16] = names[i, 4:8]
+        _copy(b, IP + 12, names[i], 4, 4)
         _put32(b, IP + 16, switch_ip)
         _ipv4_checksum(b)
-        b[UDP:UDP + 2] = names[i, 2:4]
+        _copy(b, UDP, names[i], 2, 2)
         _put16(b, UDP + 2, NETAGG_PORT)
         _put16(b, UDP + 4, udp_len)
         _put16(b, UDP + 6, 0)
@@ -459,8 +473,8 @@ def loopback_sends(out_buf, out_len, out_port, count, port_number, row_addr, nam
         nm = names[m]
         nm[0] = 2  # AF_INET, little-endian
         nm[1] = 0
-        nm[2:4] = b[udp + 2:udp + 4]
-        nm[4:8] = b[IP + 16:IP + 20]
+        _copy(nm, 2, b, udp + 2, 2)
+        _copy(nm, 4, b, IP + 16, 4)
         tx_words[m, 0] = name_addr[m]
         tx_words[m, 1] = 16
         tx_iov_words[m, 0] = row_addr[i] + np.uint64(udp + 8)
@@ -504,3 +518,74 @@ def group_sends(out_len, out_port, count, port_slot, row_addr, tx_words, tx_iov_
         tx_iov_words[m, 0] = row_addr[i]
         tx_iov_words[m, 1] = out_len[i]
     return unknown
+
+
+@njit(cache=True)
+def loopback_gso_sends(out_buf, out_len, out_port, count, port_number, row_addr, names, name_addr, hdr_words,
+                       iov_words, ctrl_size, iov_addr, ctrl_addr, ctrl_bytes, max_segments, max_bytes, keys, order):
+    """:func:`loopback_sends` for segmented sends (``netagg.udpgso.GsoBatch``): the emitted frames to
+    ``port_number`` grouped by destination (IPv4 address and UDP port; each destination's frames in
+    the order they were emitted), and each destination's run cut into headers of up to
+    ``max_segments`` payloads of one length (``max_bytes`` in all). Header ``h`` sends to
+    ``names[h]``; iovec ``j`` is a payload. Returns (headers, segments, undeliverable)."""
+    m = 0
+    bad = 0
+    for i in range(count):
+        if out_port[i] != port_number:
+            continue
+        b = out_buf[i]
+        length = out_len[i]
+        if length < 42 or _u16(b, 12) != 0x0800 or b[IP + 9] != 17:
+            bad += 1
+            continue
+        udp = 14 + (b[IP] & 0x0F) * 4
+        if udp + 8 > length:
+            bad += 1
+            continue
+        keys[m] = (np.int64(_u32(b, IP + 16)) << np.int64(16)) | np.int64(_u16(b, udp + 2))
+        iov_words[m, 0] = row_addr[i] + np.uint64(udp + 8)
+        iov_words[m, 1] = length - udp - 8
+        m += 1
+    if m == 0:
+        return 0, 0, bad
+    perm = np.argsort(keys[:m], kind="mergesort")  # stable: a destination's frames keep their order
+    # iovecs in destination order (through order[] as scratch, then copied back).
+    for j in range(m):
+        order[j, 0] = iov_words[perm[j], 0]
+        order[j, 1] = iov_words[perm[j], 1]
+    headers = 0
+    j = 0
+    while j < m:
+        key = keys[perm[j]]
+        seg = order[j, 1]
+        start = j
+        total = np.uint64(0)
+        while (j < m and keys[perm[j]] == key and order[j, 1] == seg and j - start < max_segments
+               and total + seg <= max_bytes):
+            iov_words[j, 0] = order[j, 0]
+            iov_words[j, 1] = order[j, 1]
+            total += seg
+            j += 1
+        size = j - start
+        nm = names[headers]
+        nm[0] = 2  # AF_INET, little-endian
+        nm[1] = 0
+        nm[2] = (key >> 8) & 0xFF
+        nm[3] = key & 0xFF
+        nm[4] = (key >> 40) & 0xFF
+        nm[5] = (key >> 32) & 0xFF
+        nm[6] = (key >> 24) & 0xFF
+        nm[7] = (key >> 16) & 0xFF
+        hdr_words[headers, 0] = name_addr[headers]
+        hdr_words[headers, 1] = 16
+        hdr_words[headers, 2] = iov_addr + np.uint64(16 * start)
+        hdr_words[headers, 3] = size
+        if size > 1:
+            hdr_words[headers, 4] = ctrl_addr + np.uint64(ctrl_bytes * headers)
+            hdr_words[headers, 5] = ctrl_bytes
+        else:
+            hdr_words[headers, 4] = 0
+            hdr_words[headers, 5] = 0
+        ctrl_size[headers] = seg
+        headers += 1
+    return headers, m, bad

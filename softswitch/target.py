@@ -42,10 +42,15 @@ class Faults:
     duplicate: float = 0.0
     reorder: float = 0.0
     seed: int = 1
+    #: Fraction of packets that start a burst of ``burst_length`` lost packets (a lost GSO send).
+    burst: float = 0.0
+    burst_length: int = 64
 
     def injectors(self) -> tuple[FaultInjector, FaultInjector]:
-        rx = FaultInjector(self.drop, self.duplicate, self.reorder, seed=self.seed)
-        tx = FaultInjector(self.drop, self.duplicate, self.reorder, seed=self.seed + 1)
+        rx = FaultInjector(self.drop, self.duplicate, self.reorder, seed=self.seed, burst=self.burst,
+                           burst_length=self.burst_length)
+        tx = FaultInjector(self.drop, self.duplicate, self.reorder, seed=self.seed + 1, burst=self.burst,
+                           burst_length=self.burst_length)
         return rx, tx
 
 

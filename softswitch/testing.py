@@ -27,9 +27,9 @@ class LoopbackSwitch:
     """The software target on 127.0.0.1 (ephemeral ports), with a primary P4Runtime session."""
 
     def __init__(self, drop: float = 0.0, duplicate: float = 0.0, reorder: float = 0.0, seed: int = 1,
-                 capacity: int = 4096) -> None:
+                 capacity: int = 4096, burst: float = 0.0, burst_length: int = 64) -> None:
         self.target = SoftwareTarget("127.0.0.1:0", loopback=("127.0.0.1", 0),
-                                     faults=Faults(drop, duplicate, reorder, seed))
+                                     faults=Faults(drop, duplicate, reorder, seed, burst, burst_length))
         self.capacity = capacity
         self.client: P4RuntimeClient | None = None
         self._next_slot = 0
@@ -106,9 +106,9 @@ class LoopbackSwitch:
 
     @property
     def fault_stats(self) -> dict[str, int]:
-        """Packets dropped/duplicated/reordered so far, in and out."""
+        """Packets dropped/duplicated/reordered (and bursts started) so far, in and out."""
         rx, tx = self.target.switch.rx_faults, self.target.switch.tx_faults
-        totals = {"dropped": 0, "duplicated": 0, "reordered": 0}
+        totals = {"dropped": 0, "duplicated": 0, "reordered": 0, "bursts": 0}
         for injector in (rx, tx):
             if injector is not None:
                 for key in totals:

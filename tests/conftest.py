@@ -23,7 +23,8 @@ TOKENS = {"alice": "alice-test-token", "bob": "bob-test-token"}
 
 
 def free_udp_port() -> int:
-    return free_ports(1)[0]
+    """A port for a job endpoint: free for UDP and TCP (a PS node on it listens on TCP too)."""
+    return free_ports(1, "both")[0]
 
 
 @pytest.fixture(scope="session")

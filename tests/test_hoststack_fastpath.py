@@ -28,6 +28,7 @@ from netagg.hoststack.testing import (
 )
 from netagg.hoststack.transport import RtoEstimator, Transport, TransportTimeout
 from netagg.jobconfig import Endpoint
+from netagg.localports import free_ports
 
 kernels = tr._kernels
 needs_numba = pytest.mark.skipif(kernels is None, reason="numba is not installed")
@@ -326,9 +327,7 @@ def test_every_path_counts_strangers_and_junk_on_an_unconnected_socket(path):
 
 
 def test_every_path_counts_socket_errors_when_nobody_listens(path):
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as closed:
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
+    port = free_ports(1)[0]  # nobody listens; outside the ephemeral range, so no socket is given it meanwhile
     config = job_configs(1, "allreduce", Endpoint("127.0.0.1", port), None, slot_count=4)[0]
     with Transport(config, progress_timeout=0.3, rto_initial=0.01) as transport:
         with pytest.raises(TransportTimeout):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ def read_line(process: subprocess.Popen, timeout: float = 30.0) -> str:
 
 def test_server_process_serves_a_fallback_job_and_stops_on_sigterm(tmp_path):
     n = 2
-    ps = Endpoint("127.0.0.1", free_ports(1)[0])
+    ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
     configs = job_configs(n, "fallback", ps, ps, slot_count=8, job_id=4)
     paths = []
     for config in configs:
@@ -75,8 +76,24 @@ def test_server_refuses_an_allreduce_job_without_a_ps_but_serves_one_with_a_ps()
         assert server.switch is None and server.aggregator is None
 
 
+def test_a_ps_port_taken_for_one_protocol_is_a_clear_error_naming_port_and_protocol(tmp_path, capsys):
+    port = free_ports(1, "both")[0]
+    ps = Endpoint("127.0.0.1", port)
+    config = job_configs(1, "fallback", ps, ps)[0]
+    config.save(tmp_path / "ps.yaml")
+    for sock_type, protocol in ((socket.SOCK_STREAM, "TCP"), (socket.SOCK_DGRAM, "UDP")):
+        with socket.socket(socket.AF_INET, sock_type) as taken:
+            taken.bind(("127.0.0.1", port))
+            if sock_type == socket.SOCK_STREAM:
+                taken.listen()
+            with pytest.raises(OSError, match=rf"cannot bind {protocol} 127\.0\.0\.1:{port}\b.*in use"):
+                KVServer(config)
+            assert main(["--config", str(tmp_path / "ps.yaml")]) == 2
+            assert f"cannot bind {protocol} 127.0.0.1:{port}" in capsys.readouterr().err
+
+
 def test_a_ps_mode_worker_without_its_ps_fails_at_once():
-    nobody = Endpoint("127.0.0.1", free_ports(1)[0])
+    nobody = Endpoint("127.0.0.1", free_ports(1, "both")[0])
     config = job_configs(1, "ps", Endpoint("127.0.0.1", 9), nobody)[0]
     with pytest.raises(PsError, match="cannot connect to the parameter server"):
         KVWorker(config, ps_timeout=2)

@@ -48,6 +48,27 @@ def test_allreduce_is_bit_identical_under_loss_duplication_and_reordering(loss):
         assert counters["retransmit_results"] > 0
 
 
+def test_allreduce_is_bit_identical_when_whole_gso_sends_are_lost():
+    """A lost UDP GSO packet loses up to 64 consecutive datagrams at once: every block still arrives exactly once."""
+    inputs = make_inputs(size=40_000)
+    expected, _ = expected_allreduce(inputs)
+    slots = 64
+    with testing.LoopbackSwitch(burst=0.004, burst_length=64, seed=11) as switch:
+        configs = switch.add_job(N, slot_count=slots)
+        results = run_workers(configs, lambda w, rank: [w.allreduce(inputs[rank]) for _ in range(2)],
+                              rto_initial=0.01)
+        counters = switch.counters(configs[0].job_id)
+        fault_stats = switch.fault_stats
+    for per_worker in results:
+        for result in per_worker:
+            np.testing.assert_array_equal(result, expected)
+    blocks = -(-inputs[0].size // wire.K)
+    assert counters["results"] == 2 * (blocks + slots)  # every round completed exactly once (probes included)
+    # Bursts took many consecutive packets each (a burst ends early when packets stop arriving back to back).
+    assert fault_stats["bursts"] >= 2 and fault_stats["dropped"] >= 4 * fault_stats["bursts"]
+    assert counters["retransmit_results"] > 0
+
+
 @pytest.mark.parametrize("loss", [0.0, 0.2])
 def test_ps_mode_sum_store_gets_every_block_even_when_the_switch_to_ps_copy_is_lost(loss):
     inputs = make_inputs(size=4_000)
@@ -56,7 +77,7 @@ def test_ps_mode_sum_store_gets_every_block_even_when_the_switch_to_ps_copy_is_l
     expected_second, _ = expected_allreduce(second)
     faults = {"drop": loss, "duplicate": loss / 2, "reorder": loss / 2, "seed": 8} if loss else {}
     with testing.LoopbackSwitch(**faults) as switch:
-        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
         configs = switch.add_job(N, slot_count=SLOTS, mode="ps", ps=ps)
         with KVServer(configs[0]) as server:
             def job(worker, rank):
@@ -79,7 +100,7 @@ def test_ps_mode_sgd_handle_updates_the_weights():
     grads = make_inputs(size=100, seed=4)
     aggregate, _ = expected_allreduce(grads)
     with testing.LoopbackSwitch() as switch:
-        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
         configs = switch.add_job(N, slot_count=SLOTS, mode="ps", ps=ps)
         with KVServer(configs[0], SGD(lr)):
             def job(worker, rank):

@@ -366,7 +366,7 @@ def test_a_join_is_refused_unless_the_target_is_a_caught_up_tail():
             conn.call({"op": "join", "job_id": 1, "endpoint": ["127.0.0.1", "x"]})
         with pytest.raises(Refused, match="this node's own endpoint"):
             conn.call({"op": "join", "job_id": 1, "endpoint": list(ps)})
-        stranger = ["127.0.0.1", free_ports(1)[0]]  # not in the job's config: never gets the model
+        stranger = ["127.0.0.1", free_ports(1, "both")[0]]  # not in the job's config: never gets the model
         with pytest.raises(Refused, match="not an endpoint of this job's PS chain"):
             conn.call({"op": "join", "job_id": 1, "endpoint": stranger})
         assert head.forwarder is None

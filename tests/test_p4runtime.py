@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2 as p4rt
 
 from netagg.controller.p4runtime_client import EntryOp, P4RuntimeClient, P4RuntimeError
+from netagg.localports import free_ports
 from netagg.p4info import (
     P4InfoIndex,
     P4InfoLookupError,
@@ -226,9 +226,7 @@ def test_duplicate_election_id_and_wrong_device_end_the_stream(client: P4Runtime
 
 
 def test_unreachable_server_fails_quickly() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_ports(1, "tcp")[0]  # outside the ephemeral range: no connection's local port takes it meanwhile
     start = time.monotonic()
     with pytest.raises(P4RuntimeError) as info:
         P4RuntimeClient(f"127.0.0.1:{port}", timeout=0.5).connect()

@@ -134,7 +134,7 @@ def _exact(iteration: int, shift: int = 0) -> dict[int, np.ndarray]:
 def _run_job(placement: str, iterations: int, loss: float = 0.0, shift_at: int | None = None, **table_options):
     faults = {"drop": loss, "duplicate": loss / 2, "reorder": loss / 2, "seed": 11} if loss else {}
     with testing.LoopbackSwitch(**faults) as switch:
-        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
         configs = switch.add_job(N, slot_count=SLOTS, ps=ps)
         with KVServer(configs[0]) as server:
             def job(worker, rank):
@@ -231,7 +231,7 @@ def test_hot_set_follows_a_drifting_distribution():
 
 def test_a_worker_on_an_old_hot_set_is_refused_not_mis_summed():
     with testing.LoopbackSwitch() as switch:
-        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
         configs = switch.add_job(N, slot_count=SLOTS, ps=ps)
         with KVServer(configs[0]) as server:
             def job(worker, rank):
@@ -253,7 +253,7 @@ def test_a_worker_on_an_old_hot_set_is_refused_not_mis_summed():
 
 def test_a_worker_that_skips_pulls_syncs_the_hot_set_before_pushing():
     with testing.LoopbackSwitch() as switch:
-        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
         configs = switch.add_job(N, slot_count=SLOTS, ps=ps)
         with KVServer(configs[0]):
             def job(worker, rank):
@@ -270,7 +270,7 @@ def test_a_worker_that_skips_pulls_syncs_the_hot_set_before_pushing():
 
 def test_bad_sparse_requests_get_errors_and_the_ps_keeps_serving():
     with testing.LoopbackSwitch() as switch:
-        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
         configs = switch.add_job(2, slot_count=SLOTS, ps=ps)
         with KVServer(configs[0]) as server:
             client = PsClient(server.address, timeout=5)
@@ -305,7 +305,7 @@ def test_bad_sparse_requests_get_errors_and_the_ps_keeps_serving():
 
 def test_capacity_is_the_slot_budget():
     with testing.LoopbackSwitch() as switch:
-        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
         configs = switch.add_job(1, slot_count=SLOTS, ps=ps)
         with KVServer(configs[0]):
             def job(worker, rank):
@@ -321,7 +321,7 @@ def test_sgd_weights_lose_no_update_when_rows_move_in_and_out_of_the_hot_set(los
     faults = {"drop": loss, "duplicate": loss / 2, "reorder": loss / 2, "seed": 4} if loss else {}
     every_key = np.unique(np.concatenate([zipf_keys(r, it) for r in range(N) for it in range(iterations)]))
     with testing.LoopbackSwitch(**faults) as switch:
-        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
         configs = switch.add_job(N, slot_count=SLOTS, ps=ps)
         with KVServer(configs[0]) as server:
             def job(worker, rank):
@@ -356,7 +356,7 @@ def test_the_switch_exchange_detects_workers_on_different_hot_sets():
 
     keys = np.arange(0, 200, 2)
     with testing.LoopbackSwitch() as switch:
-        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
         configs = switch.add_job(N, slot_count=SLOTS, ps=ps)
         with KVServer(configs[0]):
             def job(worker, rank):
@@ -383,7 +383,7 @@ def test_a_key_space_of_a_hundred_million_rows_costs_only_the_touched_rows():
     grads = [[np.full((k.size, 4), 1.0 + r, np.float32) for r, k in enumerate(step)] for step in touched]
     every = np.unique(np.concatenate([k for step in touched for k in step]))
     with testing.LoopbackSwitch() as switch:
-        ps = Endpoint("127.0.0.1", free_ports(1)[0])
+        ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
         configs = switch.add_job(2, slot_count=SLOTS, ps=ps)
         with KVServer(configs[0]) as server:
             def job(worker, rank):

@@ -1,11 +1,11 @@
 /* limit_probe: ceilings of the kernel's socket path, and a native netagg load generator.
  *
- *   udp-reflect --bind IP:PORT [--netagg]          echo every datagram to its source
- *   udp-client  --target IP:PORT [--size 276] [--window 64] [--seconds 2]
+ *   udp-reflect --bind IP:PORT [--netagg] [--gro]  echo every datagram to its source
+ *   udp-client  --target IP:PORT [--size 276] [--window 64] [--seconds 2] [--gso]
  *   raw-reflect --ifname IF [--netagg]             AF_PACKET: swap the MACs, send the frame back
  *   raw-client  --ifname IF [--size 318] [--window 64] [--seconds 2]
  *   netagg-drive --workers W --slots S [--job 1] [--seconds T | --rounds R] [--rto-ms 20]
- *       --udp --target IP:PORT --bind-ports p1,p2,...
+ *       --udp --target IP:PORT --bind-ports p1,p2,... [--gso]
  *     | --raw --ifnames if1,... --src-ips ip1,... --src-macs mac1,... --dst-ip IP --dst-mac MAC
  *       [--udp-src-base 40000]
  *
@@ -14,6 +14,18 @@
  * Reflectors print "listening ..." on stderr when ready, run until SIGTERM/SIGINT and then
  * print their counts; every command prints one JSON line with its result on stdout.
  * --netagg sets the RESULT flag (byte 1 |= 0x01) of the netagg header before echoing.
+ *
+ * Per-datagram modes (the default) move one datagram per message with sendmmsg/recvmmsg, 64 a call.
+ * --gso/--gro use UDP GSO and GRO instead: a send is one UDP_SEGMENT message of up to 64 equal-size
+ * segments (header + segment <= the route's MTU; the device needs tx checksumming), and a UDP_GRO socket
+ * receives coalesced buffers with a SOL_UDP/UDP_GRO cmsg holding the segment size (absent: one datagram),
+ * split here by it (the last segment may be shorter). udp-reflect --gro echoes each coalesced buffer with
+ * one UDP_SEGMENT send of the same segment size (RESULT set in every segment with --netagg);
+ * udp-client --gso sends its window that way and receives with UDP_GRO; netagg-drive --udp --gso sends
+ * each worker's queued contributions as one UDP_SEGMENT send and receives results with UDP_GRO.
+ * The clients stamp a sequence number and a hash of it into every payload of >= 16 bytes and check them
+ * (and the fill bytes) in the echo, so a corrupting kernel shows as payload_errors, not a silent figure.
+ * Every command reports datagrams per send/receive system call (datagrams_per_send/_receive).
  * Wire format: netagg/wire.py. C11, libc and Linux headers only.
  */
 #define _GNU_SOURCE
@@ -23,6 +35,7 @@
 #include <linux/if_packet.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <netinet/udp.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdint.h>
@@ -37,9 +50,23 @@
 #ifndef PACKET_IGNORE_OUTGOING
 #define PACKET_IGNORE_OUTGOING 23
 #endif
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
 
 enum { BATCH = 64, BUF = 2048, K = 64, NETAGG_VERSION = 2, NETAGG_HDR = 20, NETAGG_BYTES = NETAGG_HDR + 4 * K,
-       L2L4 = 14 + 20 + 8, NETAGG_PORT = 28900, MAX_WORKERS = 32, FLAG_RESULT = 0x01 };
+       L2L4 = 14 + 20 + 8, NETAGG_PORT = 28900, MAX_WORKERS = 32, FLAG_RESULT = 0x01,
+       GSO_MAX_SEGS = 64, UDP_MAX_PAYLOAD = 65535 - 20 - 8, GRO_BATCH = 8, GRO_BUF = 65536, FILL = 0x5a };
+
+/* System calls that moved data (sendmmsg/sendmsg, recvmmsg that returned messages). */
+static uint64_t send_calls, receive_calls;
+static int gso_sends; /* for the error message of a failed UDP_SEGMENT send */
 
 static volatile sig_atomic_t stop_flag;
 static void on_signal(int sig) { (void)sig; stop_flag = 1; }
@@ -109,6 +136,7 @@ static void parse_mac(const char *s, uint8_t mac[6]) {
 static void put16(uint8_t *p, uint32_t v) { p[0] = (uint8_t)(v >> 8); p[1] = (uint8_t)v; }
 static void put32(uint8_t *p, uint32_t v) { put16(p, v >> 16); put16(p + 2, v); }
 static uint32_t get16(const uint8_t *p) { return (uint32_t)p[0] << 8 | p[1]; }
+static uint32_t get32(const uint8_t *p) { return get16(p) << 16 | get16(p + 2); }
 
 static void buffers(int fd) {
     int size = 8 << 20;
@@ -122,6 +150,12 @@ static int udp_socket(const struct sockaddr_in *bind_to) {
     buffers(fd);
     if (bind_to && bind(fd, (const struct sockaddr *)bind_to, sizeof *bind_to) < 0) die("bind");
     return fd;
+}
+
+/* Receive coalesced buffers (UDP GRO) on fd. */
+static void enable_gro(int fd) {
+    int one = 1;
+    if (setsockopt(fd, SOL_UDP, UDP_GRO, &one, sizeof one) < 0) die("setsockopt UDP_GRO (Linux >= 5.0)");
 }
 
 /* An AF_PACKET socket bound to one interface that does not see its own transmissions. */
@@ -183,25 +217,97 @@ static int receive(int fd, struct batch *b) {
     }
     int n = recvmmsg(fd, b->msgs, BATCH, MSG_DONTWAIT, NULL);
     if (n < 0 && errno != EAGAIN && errno != EINTR && errno != ECONNREFUSED) die("recvmmsg");
+    if (n > 0) receive_calls++;
     return n < 0 ? 0 : n;
+}
+
+/* UDP GRO: recvmmsg of coalesced buffers, each with room for the SOL_UDP/UDP_GRO cmsg. */
+union gro_ctl { uint8_t b[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; };
+union gso_ctl { uint8_t b[CMSG_SPACE(sizeof(uint16_t))]; struct cmsghdr align; };
+
+struct gro_batch {
+    struct mmsghdr msgs[GRO_BATCH];
+    struct iovec iov[GRO_BATCH];
+    struct sockaddr_storage names[GRO_BATCH];
+    union gro_ctl ctl[GRO_BATCH];
+    uint8_t buf[GRO_BATCH][GRO_BUF];
+};
+
+static int receive_gro(int fd, struct gro_batch *g) {
+    for (int i = 0; i < GRO_BATCH; i++) {
+        g->iov[i] = (struct iovec){g->buf[i], GRO_BUF};
+        g->msgs[i].msg_hdr = (struct msghdr){.msg_name = &g->names[i], .msg_namelen = sizeof g->names[i],
+                                             .msg_iov = &g->iov[i], .msg_iovlen = 1,
+                                             .msg_control = g->ctl[i].b, .msg_controllen = sizeof g->ctl[i].b};
+    }
+    int n = recvmmsg(fd, g->msgs, GRO_BATCH, MSG_DONTWAIT, NULL);
+    if (n < 0 && errno != EAGAIN && errno != EINTR && errno != ECONNREFUSED) die("recvmmsg");
+    if (n > 0) receive_calls++;
+    return n < 0 ? 0 : n;
+}
+
+/* Segment size of received buffer i: the UDP_GRO cmsg's, else the buffer is one datagram. */
+static unsigned gro_segment(struct gro_batch *g, int i) {
+    struct msghdr *m = &g->msgs[i].msg_hdr;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(m); c; c = CMSG_NXTHDR(m, c))
+        if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+            int seg;
+            memcpy(&seg, CMSG_DATA(c), sizeof seg);
+            if (seg > 0) return (unsigned)seg;
+        }
+    return g->msgs[i].msg_len ? g->msgs[i].msg_len : 1;
+}
+
+/* Segments of buffer i (an empty datagram is one). */
+static unsigned gro_count(struct gro_batch *g, int i, unsigned seg) {
+    unsigned len = g->msgs[i].msg_len;
+    return len ? (len + seg - 1) / seg : 1;
+}
+
+/* Segments one UDP_SEGMENT send may carry: at most 64, and all of them in one IPv4 datagram. */
+static unsigned gso_limit(unsigned seg) {
+    unsigned n = UDP_MAX_PAYLOAD / (seg ? seg : 1);
+    return n < 1 ? 1 : n > GSO_MAX_SEGS ? GSO_MAX_SEGS : n;
+}
+
+/* A message of total bytes from iov, sent as segments of seg bytes (a plain datagram if total <= seg). */
+static void gso_message(struct msghdr *h, struct iovec *iov, size_t iovlen, union gso_ctl *ctl, unsigned seg,
+                        size_t total, void *name, socklen_t namelen) {
+    *h = (struct msghdr){.msg_name = name, .msg_namelen = namelen, .msg_iov = iov, .msg_iovlen = iovlen};
+    if (total <= seg) return;
+    h->msg_control = ctl->b;
+    h->msg_controllen = sizeof ctl->b;
+    struct cmsghdr *c = CMSG_FIRSTHDR(h);
+    c->cmsg_level = SOL_UDP;
+    c->cmsg_type = UDP_SEGMENT;
+    c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+    uint16_t size = (uint16_t)seg;
+    memcpy(CMSG_DATA(c), &size, sizeof size);
 }
 
 static int is_outgoing(const struct batch *b, int i, int raw) {
     return raw && ((const struct sockaddr_ll *)&b->names[i])->sll_pkttype == PACKET_OUTGOING;
 }
 
-/* sendmmsg all n messages (blocking when the socket buffer is full); returns how many went. */
-static int send_all(int fd, struct mmsghdr *msgs, int n) {
+/* sendmmsg all n messages (blocking when the socket buffer is full); returns how many went, each
+ * message counted weights[i] times (datagrams of a UDP_SEGMENT message) or once with weights NULL. */
+static uint64_t send_all(int fd, struct mmsghdr *msgs, int n, const unsigned *weights) {
     int done = 0;
+    uint64_t went = 0;
     while (done < n) {
         int r = sendmmsg(fd, msgs + done, (unsigned)(n - done), 0);
         if (r < 0 && errno == EINTR) continue;
-        if (r < 0 && errno == ECONNREFUSED) { done++; continue; } /* an earlier ICMP error */
-        if (r < 0) die("sendmmsg");
+        if (r < 0 && errno == ECONNREFUSED) r = 1; /* an earlier ICMP error; counted as before */
+        else if (r < 0) die(gso_sends ? "sendmmsg with UDP_SEGMENT (needs tx checksumming on the device, "
+                                        "header + segment <= MTU, <= 64 segments)" : "sendmmsg");
+        else send_calls++;
+        for (int i = done; i < done + r; i++) went += weights ? weights[i] : 1;
         done += r;
     }
-    return done;
+    return went;
 }
+
+static double per(uint64_t datagrams, uint64_t calls) { return calls ? (double)datagrams / (double)calls : 0.0; }
 
 static void install_signals(void) {
     struct sigaction sa = {.sa_handler = on_signal}; /* no SA_RESTART: poll returns EINTR */
@@ -229,40 +335,158 @@ static int reflect(int fd, int raw, int netagg, const char *mode) {
             m++;
         }
         received += (uint64_t)m;
-        sent += (uint64_t)send_all(fd, b->out, m);
+        sent += send_all(fd, b->out, m, NULL);
     }
-    printf("{\"mode\": \"%s\", \"netagg\": %s, \"received\": %llu, \"sent\": %llu, \"seconds\": %.3f, "
-           "\"cpu_seconds\": %.3f}\n", mode, netagg ? "true" : "false", (unsigned long long)received,
-           (unsigned long long)sent, now() - t0, cpu_seconds());
+    printf("{\"mode\": \"%s\", \"netagg\": %s, \"gro\": false, \"gso\": false, \"received\": %llu, "
+           "\"sent\": %llu, \"receive_calls\": %llu, \"send_calls\": %llu, \"datagrams_per_receive\": %.2f, "
+           "\"datagrams_per_send\": %.2f, \"seconds\": %.3f, \"cpu_seconds\": %.3f}\n", mode,
+           netagg ? "true" : "false", (unsigned long long)received, (unsigned long long)sent,
+           (unsigned long long)receive_calls, (unsigned long long)send_calls, per(received, receive_calls),
+           per(sent, send_calls), now() - t0, cpu_seconds());
     return 0;
 }
 
-/* Keep `window` copies of tmpl in flight: one new send per reply; all lost after 100 ms of silence. */
-static int client(int fd, int raw, const uint8_t *tmpl, int size, int window, double seconds, const char *mode) {
-    struct batch *b = calloc(1, sizeof *b);
-    struct mmsghdr tx[BATCH];
-    struct iovec iov = {(void *)tmpl, (size_t)size};
-    for (int i = 0; i < BATCH; i++) tx[i].msg_hdr = (struct msghdr){.msg_iov = &iov, .msg_iovlen = 1};
-    uint64_t round_trips = 0, timeouts = 0;
+/* udp-reflect --gro: each coalesced buffer goes back as UDP_SEGMENT sends of its own segment size. */
+static int reflect_gro(int fd, int netagg) {
+    enum { OUT = 4 * GRO_BATCH };
+    struct gro_batch *g = calloc(1, sizeof *g);
+    struct mmsghdr out[OUT];
+    struct iovec iov[OUT];
+    union gso_ctl ctl[OUT];
+    unsigned weights[OUT];
+    uint64_t received = 0, sent = 0, buffers_in = 0, messages_out = 0;
     struct pollfd p = {fd, POLLIN, 0};
-    double c0 = cpu_seconds(), t0 = now(), deadline = t0 + seconds;
-    int fill = window;
-    while (now() < deadline && !stop_flag) {
-        while (fill > 0) { int k = fill < BATCH ? fill : BATCH; send_all(fd, tx, k); fill -= k; }
-        if (poll(&p, 1, 100) == 0) { timeouts++; fill = window; continue; }
-        int n = receive(fd, b);
+    double t0 = now();
+    enable_gro(fd);
+    gso_sends = 1;
+    while (!stop_flag) {
+        if (poll(&p, 1, 200) <= 0) continue;
+        int n = receive_gro(fd, g), m = 0;
         for (int i = 0; i < n; i++) {
-            if (is_outgoing(b, i, raw) || b->msgs[i].msg_len != (unsigned)size) continue;
-            if (raw && memcmp(b->buf[i] + 6, tmpl, 6) != 0) continue; /* not reflected: src MAC = our dst */
-            round_trips++;
-            fill++;
+            unsigned len = g->msgs[i].msg_len, seg = gro_segment(g, i), segs = gro_count(g, i, seg);
+            unsigned limit = gso_limit(seg);
+            uint8_t *f = g->buf[i];
+            received += segs;
+            if (netagg)
+                for (unsigned off = 0; off < len; off += seg)
+                    if (len - off > 1) f[off + 1] |= FLAG_RESULT;
+            for (unsigned first = 0; first < segs; first += limit) {
+                unsigned k = segs - first < limit ? segs - first : limit;
+                size_t start = (size_t)first * seg, bytes = len - start < (size_t)k * seg ? len - start : (size_t)k * seg;
+                if (m == OUT) { sent += send_all(fd, out, m, weights); m = 0; }
+                iov[m] = (struct iovec){f + start, bytes};
+                gso_message(&out[m].msg_hdr, &iov[m], 1, &ctl[m], seg, bytes, &g->names[i],
+                            g->msgs[i].msg_hdr.msg_namelen);
+                weights[m++] = k;
+                messages_out++;
+            }
+        }
+        buffers_in += (uint64_t)n;
+        if (m) sent += send_all(fd, out, m, weights);
+    }
+    printf("{\"mode\": \"udp-reflect\", \"netagg\": %s, \"gro\": true, \"gso\": true, \"received\": %llu, "
+           "\"sent\": %llu, \"receive_calls\": %llu, \"send_calls\": %llu, \"datagrams_per_receive\": %.2f, "
+           "\"datagrams_per_send\": %.2f, \"buffers_received\": %llu, \"gso_sends\": %llu, "
+           "\"datagrams_per_buffer\": %.2f, \"seconds\": %.3f, \"cpu_seconds\": %.3f}\n",
+           netagg ? "true" : "false", (unsigned long long)received, (unsigned long long)sent,
+           (unsigned long long)receive_calls, (unsigned long long)send_calls, per(received, receive_calls),
+           per(sent, send_calls), (unsigned long long)buffers_in, (unsigned long long)messages_out,
+           per(received, buffers_in), now() - t0, cpu_seconds());
+    return 0;
+}
+
+/* The client's payload check: a sequence number at payload byte 4 and a hash of it in the last 4 bytes of
+ * payloads of >= 16 bytes; the rest is FILL (byte 1 may carry the RESULT flag of a --netagg reflector). */
+static uint32_t mix(uint32_t x) {
+    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+    return x;
+}
+
+static void stamp(uint8_t *f, int off, int size, uint32_t seq) {
+    if (size - off < 16) return;
+    put32(f + off + 4, seq);
+    put32(f + size - 4, mix(seq));
+}
+
+static int bad_payload(const uint8_t *f, int off, unsigned len, int size, uint32_t next_seq) {
+    if (len != (unsigned)size) return 1;
+    if (size - off < 16) return 0;
+    const uint8_t *p = f + off;
+    uint32_t seq = get32(p + 4);
+    return p[0] != FILL || (p[1] & ~FLAG_RESULT) != FILL || p[2] != FILL || p[3] != FILL
+           || get32(p + 8) != 0x5a5a5a5au || seq >= next_seq || get32(f + size - 4) != mix(seq);
+}
+
+struct client_counts { uint64_t received, round_trips, errors; int fill; };
+
+/* One datagram (UDP) or frame (raw) that came back to the client. */
+static void client_reply(struct client_counts *c, int raw, const uint8_t *tmpl, const uint8_t *f, unsigned len,
+                         int size, uint32_t next_seq) {
+    if (raw && (len != (unsigned)size || memcmp(f + 6, tmpl, 6) != 0)) return; /* not reflected: src MAC = our dst */
+    c->received++;
+    c->fill++;
+    if (bad_payload(f, raw ? L2L4 : 0, len, size, next_seq)) c->errors++;
+    else c->round_trips++;
+}
+
+/* Keep `window` datagrams in flight: one new send per reply; all lost after 100 ms of silence. Per datagram:
+ * sendmmsg of up to 64 single-datagram messages; --gso: UDP_SEGMENT messages of up to 64 segments. */
+static int client(int fd, int raw, int gso, const uint8_t *tmpl, int size, int window, double seconds,
+                  const char *mode) {
+    int off = raw ? L2L4 : 0, segs = gso ? (int)gso_limit((unsigned)size) : 1;
+    struct batch *b = gso ? NULL : calloc(1, sizeof *b);
+    struct gro_batch *g = gso ? calloc(1, sizeof *g) : NULL;
+    uint8_t *tx = malloc((size_t)BATCH * (size_t)segs * (size_t)size);
+    for (int i = 0; i < BATCH * segs; i++) memcpy(tx + (size_t)i * (size_t)size, tmpl, (size_t)size);
+    struct mmsghdr out[BATCH];
+    struct iovec iov[BATCH];
+    union gso_ctl ctl[BATCH];
+    struct client_counts c = {0, 0, 0, window};
+    uint64_t sent = 0, timeouts = 0;
+    uint32_t seq = 0;
+    struct pollfd p = {fd, POLLIN, 0};
+    if (gso) enable_gro(fd);
+    gso_sends = gso;
+    double c0 = cpu_seconds(), t0 = now(), deadline = t0 + seconds;
+    while (now() < deadline && !stop_flag) {
+        while (c.fill > 0) {
+            int m = 0, used = 0;
+            while (c.fill > 0 && m < BATCH) {
+                int k = c.fill < segs ? c.fill : segs;
+                uint8_t *first = tx + (size_t)used * (size_t)size;
+                for (int j = 0; j < k; j++) stamp(first + (size_t)j * (size_t)size, off, size, seq++);
+                iov[m] = (struct iovec){first, (size_t)k * (size_t)size};
+                gso_message(&out[m].msg_hdr, &iov[m], 1, &ctl[m], (unsigned)size, iov[m].iov_len, NULL, 0);
+                used += k;
+                c.fill -= k;
+                m++;
+            }
+            send_all(fd, out, m, NULL);
+            sent += (uint64_t)used;
+        }
+        if (poll(&p, 1, 100) == 0) { timeouts++; c.fill = window; continue; }
+        if (gso) {
+            int n = receive_gro(fd, g);
+            for (int i = 0; i < n; i++) {
+                unsigned len = g->msgs[i].msg_len, seg = gro_segment(g, i);
+                for (unsigned o = 0; o < len; o += seg)
+                    client_reply(&c, raw, tmpl, g->buf[i] + o, len - o < seg ? len - o : seg, size, seq);
+            }
+        } else {
+            int n = receive(fd, b);
+            for (int i = 0; i < n; i++)
+                if (!is_outgoing(b, i, raw)) client_reply(&c, raw, tmpl, b->buf[i], b->msgs[i].msg_len, size, seq);
         }
     }
     double el = now() - t0;
-    printf("{\"mode\": \"%s\", \"size\": %d, \"window\": %d, \"seconds\": %.3f, \"round_trips\": %llu, "
-           "\"round_trips_per_s\": %.1f, \"timeouts\": %llu, \"cpu_seconds\": %.3f}\n", mode, size, window, el,
-           (unsigned long long)round_trips, (double)round_trips / el, (unsigned long long)timeouts,
-           cpu_seconds() - c0);
+    printf("{\"mode\": \"%s\", \"gso\": %s, \"size\": %d, \"window\": %d, \"seconds\": %.3f, \"round_trips\": %llu, "
+           "\"round_trips_per_s\": %.1f, \"timeouts\": %llu, \"payload_errors\": %llu, \"sent\": %llu, "
+           "\"received\": %llu, \"send_calls\": %llu, \"receive_calls\": %llu, \"datagrams_per_send\": %.2f, "
+           "\"datagrams_per_receive\": %.2f, \"cpu_seconds\": %.3f}\n", mode, gso ? "true" : "false", size, window,
+           el, (unsigned long long)c.round_trips, (double)c.round_trips / el, (unsigned long long)timeouts,
+           (unsigned long long)c.errors, (unsigned long long)sent, (unsigned long long)c.received,
+           (unsigned long long)send_calls, (unsigned long long)receive_calls, per(sent, send_calls),
+           per(c.received, receive_calls), cpu_seconds() - c0);
     return 0;
 }
 
@@ -275,25 +499,36 @@ struct worker {
     struct cell *cells;
     struct mmsghdr q[BATCH];
     struct iovec qiov[BATCH];
+    union gso_ctl qctl;   /* --gso: the queue goes as one UDP_SEGMENT send of qiov */
     int queued;
 };
 
 struct drive {
-    int workers, slots, raw, hoff, pkt_len, job;
+    int workers, slots, raw, gso, hoff, pkt_len, job;
     uint32_t rounds;      /* 0: run for seconds */
     struct sockaddr_in target;
     struct worker w[MAX_WORKERS];
     uint64_t sent, retransmissions, received, accepted;
+    uint64_t datagrams_out, datagrams_in; /* every datagram sent (resends too) / received */
     double srtt;          /* smoothed round trip of contributions sent once (Karn) */
 };
 
-static void flush(struct worker *w) {
-    if (w->queued) send_all(w->fd, w->q, w->queued);
+static void flush(struct drive *d, struct worker *w) {
+    if (!w->queued) return;
+    if (d->gso) {
+        struct mmsghdr m;
+        gso_message(&m.msg_hdr, w->qiov, (size_t)w->queued, &w->qctl, (unsigned)d->pkt_len,
+                    (size_t)w->queued * (size_t)d->pkt_len, &d->target, sizeof d->target);
+        send_all(w->fd, &m, 1, NULL);
+    } else {
+        send_all(w->fd, w->q, w->queued, NULL);
+    }
+    d->datagrams_out += (uint64_t)w->queued;
     w->queued = 0;
 }
 
 static void enqueue(struct drive *d, struct worker *w, int slot, double t) {
-    if (w->queued == BATCH) flush(w);
+    if (w->queued == BATCH) flush(d, w); /* BATCH = 64: also the segments of one UDP_SEGMENT send */
     w->qiov[w->queued] = (struct iovec){w->pkts + (size_t)slot * (size_t)d->pkt_len, (size_t)d->pkt_len};
     w->q[w->queued].msg_hdr = (struct msghdr){.msg_iov = &w->qiov[w->queued], .msg_iovlen = 1,
                                               .msg_name = d->raw ? NULL : &d->target,
@@ -352,7 +587,9 @@ static int drive(int argc, char **argv) {
     double seconds = atof(opt(argc, argv, "--seconds", d.rounds ? "300" : "2"));
     double rto_min = atof(opt(argc, argv, "--rto-ms", "20")) / 1e3, rto = rto_min;
     d.raw = has_flag(argc, argv, "--raw");
+    d.gso = has_flag(argc, argv, "--gso");
     errno = 0;
+    if (d.raw && d.gso) die("--gso is for --udp");
     if (d.workers < 1 || d.workers > MAX_WORKERS || d.slots < 1 || d.slots > 65536) die("bad --workers/--slots");
     d.hoff = d.raw ? L2L4 : 0;
     d.pkt_len = d.hoff + NETAGG_BYTES;
@@ -385,6 +622,7 @@ static int drive(int argc, char **argv) {
             struct sockaddr_in local = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(ports[r])),
                                         .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
             d.w[r].fd = udp_socket(&local);
+            if (d.gso) enable_gro(d.w[r].fd);
             d.w[r].pkts = calloc((size_t)d.slots, (size_t)d.pkt_len);
         }
     }
@@ -396,11 +634,13 @@ static int drive(int argc, char **argv) {
                 put32(d.w[r].pkts + (size_t)s * (size_t)d.pkt_len + d.hoff + NETAGG_HDR + 4 * k, (uint32_t)(r + 1));
         pfds[r] = (struct pollfd){d.w[r].fd, POLLIN, 0};
     }
-    struct batch *b = calloc(1, sizeof *b);
+    struct batch *b = d.gso ? NULL : calloc(1, sizeof *b);
+    struct gro_batch *g = d.gso ? calloc(1, sizeof *g) : NULL;
+    gso_sends = d.gso;
     double c0 = cpu_seconds(), t0 = now(), deadline = t0 + seconds, t = t0, last_scan = t0;
     for (int r = 0; r < d.workers; r++) {
         for (int s = 0; s < d.slots; s++) next_contribution(&d, r, s, t0);
-        flush(&d.w[r]);
+        flush(&d, &d.w[r]);
     }
     uint64_t target_uses = (uint64_t)d.rounds * (uint64_t)d.slots * (uint64_t)d.workers;
     while (!stop_flag && t < deadline && (!d.rounds || d.accepted < target_uses)) {
@@ -409,10 +649,25 @@ static int drive(int argc, char **argv) {
         for (int r = 0; r < d.workers; r++) {
             if (!(pfds[r].revents & POLLIN)) continue;
             int n;
+            if (d.gso) {
+                do { /* coalesced results: split by the segment size */
+                    n = receive_gro(d.w[r].fd, g);
+                    for (int i = 0; i < n; i++) {
+                        unsigned len = g->msgs[i].msg_len, seg = gro_segment(g, i);
+                        d.datagrams_in += gro_count(g, i, seg);
+                        for (unsigned o = 0; o < len; o += seg)
+                            on_packet(&d, r, g->buf[i] + o, len - o < seg ? len - o : seg, t);
+                    }
+                } while (n == GRO_BATCH);
+                continue;
+            }
             do {
                 n = receive(d.w[r].fd, b);
                 for (int i = 0; i < n; i++)
-                    if (!is_outgoing(b, i, d.raw)) on_packet(&d, r, b->buf[i], b->msgs[i].msg_len, t);
+                    if (!is_outgoing(b, i, d.raw)) {
+                        d.datagrams_in++;
+                        on_packet(&d, r, b->buf[i], b->msgs[i].msg_len, t);
+                    }
             } while (n == BATCH);
         }
         if (t - last_scan >= rto_min / 4) { /* resend the same bytes after rto without a result */
@@ -426,7 +681,7 @@ static int drive(int argc, char **argv) {
                         enqueue(&d, &d.w[r], s, t);
                     }
         }
-        for (int r = 0; r < d.workers; r++) flush(&d.w[r]);
+        for (int r = 0; r < d.workers; r++) flush(&d, &d.w[r]);
     }
     double el = now() - t0, cpu = cpu_seconds() - c0;
     /* contributions/s = accepted results / s: each accepted result acknowledges one contribution of its
@@ -438,14 +693,18 @@ static int drive(int argc, char **argv) {
         for (int r = 0; r < d.workers; r++) m = d.w[r].cells[s].uses < m ? d.w[r].cells[s].uses : m;
         rounds_done += m;
     }
-    printf("{\"mode\": \"netagg-drive\", \"transport\": \"%s\", \"workers\": %d, \"slots\": %d, \"seconds\": %.3f, "
+    printf("{\"mode\": \"netagg-drive\", \"transport\": \"%s\", \"gso\": %s, \"workers\": %d, \"slots\": %d, "
+           "\"seconds\": %.3f, "
            "\"contributions_sent\": %llu, \"retransmissions\": %llu, \"results_received\": %llu, "
            "\"results_accepted\": %llu, \"rounds_completed\": %llu, \"contributions_per_s\": %.1f, "
-           "\"srtt_ms\": %.3f, \"rto_ms\": %.3f, \"cpu_seconds\": %.3f, \"cpu_share\": %.3f}\n",
-           d.raw ? "raw" : "udp", d.workers, d.slots, el,
+           "\"srtt_ms\": %.3f, \"rto_ms\": %.3f, \"send_calls\": %llu, \"receive_calls\": %llu, "
+           "\"datagrams_per_send\": %.2f, \"datagrams_per_receive\": %.2f, "
+           "\"cpu_seconds\": %.3f, \"cpu_share\": %.3f}\n",
+           d.raw ? "raw" : "udp", d.gso ? "true" : "false", d.workers, d.slots, el,
            (unsigned long long)d.sent, (unsigned long long)d.retransmissions, (unsigned long long)d.received,
            (unsigned long long)d.accepted, (unsigned long long)rounds_done, (double)d.accepted / el, d.srtt * 1e3,
-           rto * 1e3, cpu, cpu / el);
+           rto * 1e3, (unsigned long long)send_calls, (unsigned long long)receive_calls,
+           per(d.datagrams_out, send_calls), per(d.datagrams_in, receive_calls), cpu, cpu / el);
     return 0;
 }
 
@@ -469,15 +728,21 @@ int main(int argc, char **argv) {
             char ip[INET_ADDRSTRLEN];
             fprintf(stderr, "listening %s:%d\n", inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof ip), ntohs(sa.sin_port));
         }
+        if (has_flag(argc, argv, "--gro")) {
+            errno = 0;
+            if (raw) die("--gro is for udp-reflect");
+            return reflect_gro(fd, has_flag(argc, argv, "--netagg"));
+        }
         return reflect(fd, raw, has_flag(argc, argv, "--netagg"), cmd);
     }
     if (strcmp(cmd, "udp-client") == 0 || strcmp(cmd, "raw-client") == 0) {
-        int raw = cmd[0] == 'r', fd;
+        int raw = cmd[0] == 'r', gso = has_flag(argc, argv, "--gso"), fd;
         int size = atoi(opt(argc, argv, "--size", raw ? "318" : "276")), window = atoi(opt(argc, argv, "--window", "64"));
         double seconds = atof(opt(argc, argv, "--seconds", "2"));
         errno = 0;
         if (size < (raw ? L2L4 : 1) || size > BUF || window < 1) die("bad --size or --window");
-        memset(tmpl, 0x5a, sizeof tmpl);
+        if (raw && gso) die("--gso is for udp-client");
+        memset(tmpl, FILL, sizeof tmpl);
         if (raw) {
             struct in_addr src = {htonl(0x0a580001)}, dst = {htonl(0x0a5800fe)};
             fd = raw_socket(need(argc, argv, "--ifname"));
@@ -488,7 +753,7 @@ int main(int argc, char **argv) {
             fd = udp_socket(NULL);
             if (connect(fd, (struct sockaddr *)&target, sizeof target) < 0) die("connect");
         }
-        return client(fd, raw, tmpl, size, window, seconds, cmd);
+        return client(fd, raw, gso, tmpl, size, window, seconds, cmd);
     }
     if (strcmp(cmd, "netagg-drive") == 0) return drive(argc, argv);
     fprintf(stderr, "usage: limit_probe udp-reflect|udp-client|raw-reflect|raw-client|netagg-drive [options]\n"
