@@ -14,6 +14,7 @@ plot under ``results/``. Needs root (namespaces); prints why it cannot run other
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import os
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,6 +55,8 @@ class Measurement:
     worker_cpu_share: float
     switch_cpu_share: float
     retransmissions: int
+    #: Packets the workers sent (netagg kinds; 0 for gloo), for retransmissions as a share.
+    packets_sent: int = 0
 
 
 def torch_available() -> bool:
@@ -159,6 +163,7 @@ def finish_kind(cluster: EmulatedCluster, run: RunningKind) -> Measurement:
         worker_cpu_share=max(r["cpu_seconds"] for r in results) / wall,
         switch_cpu_share=(_cpu_seconds(cluster.switch.process.pid) - run.switch_cpu_before) / wall,
         retransmissions=sum(r.get("retransmissions", 0) for r in results),
+        packets_sent=sum(r.get("packets_sent", 0) for r in results),
     )
 
 
@@ -168,13 +173,26 @@ def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, i
     return finish_kind(cluster, start_kind(cluster, kind, num_workers, size, iterations, slots))
 
 
+@contextlib.contextmanager
+def cpu_hog(processes: int) -> Iterator[None]:
+    """``processes`` busy loops at normal priority for the duration of the block (a machine that is not idle)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
 def _table(rows: list[Measurement]) -> str:
     lines = [f"{'kind':<14} {'N':>2} {'MB':>7} {'seconds':>9} {'bound':>8} {'x bound':>8} {'identical':>9} "
-             f"{'worker cpu':>10} {'switch cpu':>10} {'retx':>6}"]
+             f"{'worker cpu':>10} {'switch cpu':>10} {'retx':>6} {'retx %':>6}"]
     for m in rows:
         lines.append(f"{m.kind:<14} {m.workers:>2} {m.megabytes:>7.2f} {m.seconds:>9.3f} {m.bound_seconds:>8.3f} "
                      f"{m.ratio_to_bound:>8.2f} {m.identical_on_all_workers!s:>9} {m.worker_cpu_share:>10.0%} "
-                     f"{m.switch_cpu_share:>10.0%} {m.retransmissions:>6}")
+                     f"{m.switch_cpu_share:>10.0%} {m.retransmissions:>6} "
+                     f"{(f'{m.retransmissions / m.packets_sent:.1%}' if m.packets_sent else '-'):>6}")
     return "\n".join(lines)
 
 
@@ -233,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-mbit", type=float, help="override configs/cluster.yaml's link rate")
     parser.add_argument("--target", choices=("soft", "bmv2"), help="override configs/cluster.yaml's target")
     parser.add_argument("--out", type=Path, default=dp.REPO_ROOT / "results")
+    parser.add_argument("--cpu-hog", type=int, default=0, metavar="K",
+                        help="run K processes that spin on the CPU beside the cluster (a busy machine)")
     args = parser.parse_args(argv)
     ok, why = can_create_namespaces()
     if not ok:
@@ -248,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Measurement] = []
     print(f"emulated cluster: {spec.num_workers} worker hosts + 1 PS host, {spec.target} switch, "
           f"{spec.rate_mbit} Mbit/s and {spec.delay_ms} ms per link, MTU {spec.mtu}; machine: {os.cpu_count()} cores")
-    with tempfile.TemporaryDirectory(prefix="netagg-bench-") as tmp, EmulatedCluster(Path(tmp), spec) as cluster:
+    if args.cpu_hog:
+        print(f"CPU hog: {args.cpu_hog} spinning process(es) beside the cluster")
+    with tempfile.TemporaryDirectory(prefix="netagg-bench-") as tmp, EmulatedCluster(Path(tmp), spec) as cluster, \
+            cpu_hog(args.cpu_hog):
         for n, mb, kind in tqdm(jobs, desc="allreduce", unit="run"):
             size = max(1, int(mb * 1e6 / 4))
             rows.append(run_kind(cluster, kind, n, size, args.iterations, args.slots))

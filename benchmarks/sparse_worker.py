@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--test-size", type=int, default=4000)
     parser.add_argument("--target-accuracy", type=float, default=0.77)
-    parser.add_argument("--rto-min", type=float, default=0.002, help="the transport's smallest timeout (s)")
+    parser.add_argument("--rto-min", type=float, default=0.01, help="the transport's smallest timeout (s)")
     parser.add_argument("--drift-at", type=int, default=-1, help="shift the Zipf ranking from this iteration on")
     args = parser.parse_args(argv)
     config = WorkerConfig.load(args.config)

@@ -32,7 +32,7 @@ from netagg.hoststack.metrics import WorkerExporter, port_from_env
 from netagg.hoststack.packets import resolve
 from netagg.hoststack.psproto import PsClient, PsError
 from netagg.hoststack.sparse import SparseTable
-from netagg.hoststack.transport import SubsetRound, Transport
+from netagg.hoststack.transport import RTO_FLOOR, SubsetRound, Transport
 from netagg.jobconfig import ConfigError, WorkerConfig
 
 __all__ = ["KVWorker", "PsError"]
@@ -51,7 +51,7 @@ class KVWorker:
         progress_timeout: float = 10.0,
         ps_timeout: float = 30.0,
         rto_initial: float = 0.05,
-        rto_min: float = 0.002,
+        rto_min: float = RTO_FLOOR,
         rto_max: float = 1.0,
         max_backoff: int = 2,
         congestion_control: bool = True,
