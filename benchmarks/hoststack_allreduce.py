@@ -3,11 +3,12 @@
 ``python -m benchmarks.hoststack_allreduce one-worker`` (issue 10, item 4's host-stack
 figure): one worker of a 1-worker job allreduces a float32 tensor (``KVWorker.allreduce``)
 through (a) the native ``--netagg`` reflector of ``benchmarks/limit_probe.py``, a zero-cost
-1-worker aggregator, and (b) the software switch (``LoopbackSwitch``, in this process; the
+1-worker aggregator (with ``--gro``: it answers each segmented send with one, as the switch
+does; and per datagram), and (b) the software switch (``LoopbackSwitch``, in this process; the
 worker then runs as its own process, ``benchmarks.allreduce_worker``). It prints goodput
 (tensor MB/s), data packets/s and their ratio to the probe's client round trips/s with
-the same datagrams (``udp_round_trips``, measured before and after in the same run; goal
->= 0.5), then where one allreduce's time goes per packet (a cProfile of the exchange, which
+the same datagrams, one per message and with UDP GSO/GRO (``udp_round_trips``, measured
+before and after in the same run), then where one allreduce's time goes per packet (a cProfile of the exchange, which
 inflates the Python share, and the codec steps around it timed alone).
 
 ``python -m benchmarks.hoststack_allreduce [switch]``: 4 worker processes through the
@@ -48,10 +49,10 @@ def _digest(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array, np.float32).tobytes()).hexdigest()
 
 
-def _probe(windows: list[int], seconds: float) -> dict[int, float]:
+def _probe(windows: list[int], seconds: float, gso: bool = False) -> dict[int, float]:
     from benchmarks.limit_probe import udp_round_trips
 
-    return {w: udp_round_trips(wire.NETAGG_BYTES, w, seconds)["round_trips_per_s"] for w in windows}
+    return {w: udp_round_trips(wire.NETAGG_BYTES, w, seconds, gso=gso)["round_trips_per_s"] for w in windows}
 
 
 def _time_in_process(config: WorkerConfig, data: np.ndarray, iterations: int) -> tuple[list[float], str, dict]:
@@ -73,11 +74,13 @@ def _time_in_worker_process(config: WorkerConfig, size: int, iterations: int, wo
                                                      "smallest_window": result["smallest_window"]}
 
 
-_SEND = {"send_prepared", "<method 'send' of '_socket.socket' objects>",
+_SEND = {"send_prepared", "send", "_send_plain", "<method 'send' of '_socket.socket' objects>",
          "<method 'sendto' of '_socket.socket' objects>"}
 _RECV = {"recv", "<method 'recvfrom_into' of '_socket.socket' objects>"}
 _POLL = {"<method 'poll' of 'select.poll' objects>"}
-_KERNELS = {"accept_results", "fill_packets", "sample_all", "_accept_results_numpy", "_fill_packets_numpy"}
+_KERNELS = {"accept_results", "fill_packets", "sample_all", "_accept_results_numpy", "_fill_packets_numpy",
+            "split", "segment_sizes", "plan_uniform", "_split_reference", "_segment_sizes_reference",
+            "_plan_uniform_reference"}
 
 
 def time_split(config: WorkerConfig, data: np.ndarray) -> dict[str, float]:
@@ -110,10 +113,10 @@ def time_split(config: WorkerConfig, data: np.ndarray) -> dict[str, float]:
 
     send, recv, poll = total(_SEND, 2), total(_RECV, 2), total(_POLL, 2)
     kernels = total(_KERNELS, 3)
-    split["exchange: sendmmsg (send)"] = send
-    split["exchange: recvmmsg (receive)"] = recv
+    split["exchange: sendmmsg, UDP GSO (send)"] = send
+    split["exchange: recvmmsg, UDP GRO (receive)"] = recv
     split["exchange: waiting in poll"] = poll
-    split["exchange: batch kernels (build+quantize, check+copy, RTO)"] = kernels
+    split["exchange: batch kernels (build+quantize, check+copy, RTO, GSO plan, GRO split)"] = kernels
     split["exchange: transport Python"] = exchange - send - recv - poll - kernels
     split["codec: dequantize + unpack"] = decode
     return split
@@ -128,29 +131,39 @@ def one_worker(args: argparse.Namespace) -> int:
     want = _digest(expected_allreduce([data])[0])
     windows = sorted({64, *args.slots})
     before = _probe(windows, args.probe_seconds)
+    before_gso = _probe(windows, args.probe_seconds, gso=True)
     rows: list[tuple[str, int, list[float], bool, dict]] = []
     with tempfile.TemporaryDirectory(prefix="netagg-goodput-") as tmp:
+        with netagg_reflector(gro=True) as (host, port):
+            for slots in args.slots:
+                config = WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=slots, mode="allreduce",
+                                      aggregator=Endpoint(host, port), bind=Endpoint("127.0.0.1", 0))
+                times, digest, extra = _time_in_process(config, data, args.iterations)
+                rows.append(("native reflector, GSO/GRO", slots, times, digest == want, extra))
+            split_config = WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=args.slots[0],
+                                        mode="allreduce", aggregator=Endpoint(host, port),
+                                        bind=Endpoint("127.0.0.1", 0))
+            split = time_split(split_config, data)
         with netagg_reflector() as (host, port):
             for slots in args.slots:
                 config = WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=slots, mode="allreduce",
                                       aggregator=Endpoint(host, port), bind=Endpoint("127.0.0.1", 0))
                 times, digest, extra = _time_in_process(config, data, args.iterations)
-                rows.append(("native reflector", slots, times, digest == want, extra))
-            split_config = WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=args.slots[0],
-                                        mode="allreduce", aggregator=Endpoint(host, port),
-                                        bind=Endpoint("127.0.0.1", 0))
-            split = time_split(split_config, data)
+                rows.append(("native reflector, per datagram", slots, times, digest == want, extra))
         if not args.no_switch:
             rows += _through_software_switch(args.slots, size, args.iterations, want, Path(tmp))
     after = _probe(windows, args.probe_seconds)
+    after_gso = _probe(windows, args.probe_seconds, gso=True)
     probe = {w: (before[w] + after[w]) / 2 for w in windows}
+    probe_gso = {w: (before_gso[w] + after_gso[w]) / 2 for w in windows}
     print(f"1 worker, {args.megabytes} MB float32 tensor ({packets} data packets of {wire.NETAGG_BYTES} bytes), "
           f"median of {args.iterations} allreduces after a warm-up")
     for window in windows:
-        print(f"  probe (native UDP client, {wire.NETAGG_BYTES}-byte datagrams, window {window}): "
-              f"{probe[window]:,.0f} round trips/s (before {before[window]:,.0f}, after {after[window]:,.0f})")
+        print(f"  probe (native UDP client, {wire.NETAGG_BYTES}-byte datagrams, window {window}): per datagram "
+              f"{probe[window]:,.0f} round trips/s (before {before[window]:,.0f}, after {after[window]:,.0f}); "
+              f"GSO/GRO {probe_gso[window]:,.0f} (before {before_gso[window]:,.0f}, after {after_gso[window]:,.0f})")
     print(f"  {'aggregator':<32}{'slots':>6}{'MB/s':>8}{'packets/s':>11}{'/probe64':>10}{'/probe(slots)':>15}"
-          f"{'exact':>7}{'resent':>8}")
+          f"{'/gso-probe(slots)':>19}{'exact':>7}{'resent':>8}")
     for name, slots, times, exact, extra in rows:
         if not times:
             print(f"  {name:<32}{slots:>6}  unavailable: {extra.get('error', '?')}")
@@ -158,9 +171,9 @@ def one_worker(args: argparse.Namespace) -> int:
         seconds = statistics.median(times)
         pps = packets / seconds
         print(f"  {name:<32}{slots:>6}{args.megabytes / seconds:>8.1f}{pps:>11,.0f}{pps / probe[64]:>10.2f}"
-              f"{pps / probe[slots]:>15.2f}{exact!s:>7}{extra['retransmissions']:>8}")
-    print(f"  where one allreduce's time goes (native reflector, {args.slots[0]} slots; µs per data packet; "
-          "the exchange under cProfile):")
+              f"{pps / probe[slots]:>15.2f}{pps / probe_gso[slots]:>19.2f}{exact!s:>7}{extra['retransmissions']:>8}")
+    print(f"  where one allreduce's time goes (native reflector with GSO/GRO, {args.slots[0]} slots; "
+          "µs per data packet; the exchange under cProfile):")
     unprofiled = split.pop("(exchange without the profiler)")
     for step, seconds in split.items():
         print(f"    {step:<58}{seconds / packets * 1e6:>7.2f}")
@@ -195,7 +208,7 @@ def four_workers(args: argparse.Namespace) -> int:
     slots = args.slots[0]
     with tempfile.TemporaryDirectory(prefix="netagg-goodput-") as tmp:
         workdir = Path(tmp)
-        switch_pps = measure_loopback(5.0, None, workdir)["contributions_per_s"]
+        switch_pps = measure_loopback(5.0, None, workdir, gso=True)["contributions_per_s"]  # driven as workers send
         ports = free_ports(WORKERS + 1)
         switch = start_target("soft", {}, workdir / "switch.log", loopback=f"127.0.0.1:{ports[-1]}")
         try:
@@ -224,7 +237,8 @@ def four_workers(args: argparse.Namespace) -> int:
     print(f"{WORKERS} workers, {args.megabytes} MB tensors, {slots} slots, software target on loopback")
     print(f"  allreduce: {seconds:.3f} s  ->  goodput {goodput:.2f} MB/s per worker "
           f"(identical results: {len({r['digest'] for r in results}) == 1})")
-    print(f"  switch alone: {switch_pps:,.0f} contributions/s  ->  ceiling {ceiling:.2f} MB/s per worker")
+    print(f"  switch alone (native driver, GSO/GRO): {switch_pps:,.0f} contributions/s  ->  ceiling {ceiling:.2f} MB/s "
+          "per worker")
     print(f"  goodput / ceiling: {goodput / ceiling:.2f}")
     return 0
 
