@@ -17,6 +17,7 @@ What ``pull`` returns depends on the mode:
 from __future__ import annotations
 
 import itertools
+import socket
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,15 +57,17 @@ class KVWorker:
         max_backoff: int = 2,
         congestion_control: bool = True,
         metrics_port: int | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
         """``metrics_port`` (or ``NETAGG_METRICS_PORT``): serve the transport's counters to Prometheus
-        on that port (0: any free one; see ``metrics_address``); default: no exporter."""
+        on that port (0: any free one; see ``metrics_address``); default: no exporter. ``sock``: a UDP
+        socket already bound to the config's port (see :class:`Transport`)."""
         self.config = config if config is not None else config_from_env()
         self.mode = self.config.mode
         self.num_workers = self.config.num_workers
         self.transport = Transport(self.config, progress_timeout=progress_timeout, rto_initial=rto_initial,
                                    rto_min=rto_min, rto_max=rto_max, max_backoff=max_backoff,
-                                   congestion_control=congestion_control)
+                                   congestion_control=congestion_control, sock=sock)
         self.ps_timeout = ps_timeout
         self._ps: PsClient | None = None
         self._exporter: WorkerExporter | None = None

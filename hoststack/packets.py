@@ -46,15 +46,21 @@ def resolve(endpoint: Endpoint) -> tuple[str, int]:
         raise ConfigError(f"cannot resolve {endpoint.host!r}: {err}") from None
 
 
-def udp_socket(bind: tuple[str, int]) -> socket.socket:
-    """A non-blocking UDP socket bound to ``bind`` with large buffers."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+def udp_socket(bind: tuple[str, int], bound: socket.socket | None = None) -> socket.socket:
+    """A non-blocking UDP socket bound to ``bind`` with large buffers.
+
+    ``bound``: a UDP socket the caller already bound (and kept, so no other socket could take its
+    port meanwhile) to use instead; its port must be ``bind``'s (ValueError otherwise)."""
+    sock = bound if bound is not None else socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-        sock.bind(bind)
+        if bound is None:
+            sock.bind(bind)
+        elif bind[1] and sock.getsockname()[1] != bind[1]:
+            raise ValueError(f"the socket given is bound to port {sock.getsockname()[1]}, the config says {bind[1]}")
         sock.setblocking(False)
-    except OSError:
+    except (OSError, ValueError):
         sock.close()
         raise
     return sock

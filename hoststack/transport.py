@@ -234,7 +234,10 @@ class Transport:
         rto_max: float = 1.0,
         max_backoff: int = 2,
         congestion_control: bool = True,
+        sock: socket.socket | None = None,
     ) -> None:
+        """``sock``: a UDP socket already bound to ``config.bind``'s port, to use instead of binding one
+        (a caller that held the port since it reported it, so nothing else could take it)."""
         self.config = config
         self.num_workers = config.num_workers
         self.slot_count = slot_count_of(config)
@@ -245,7 +248,7 @@ class Transport:
         if config.mode == "ps" and config.ps is not None:
             sources.add(resolve(config.ps))  # the PS reflects the switch's results as our clock
         self.sources = frozenset(sources)
-        self.sock = udp_socket(resolve(config.bind))
+        self.sock = udp_socket(resolve(config.bind), sock)
         self.address: tuple[str, int] = self.sock.getsockname()
         self._fd = self.sock.fileno()
         connected = len(self.sources) == 1

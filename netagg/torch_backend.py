@@ -108,7 +108,7 @@ def _worker_ip() -> str:
 
 
 def _bind_port(host: str) -> socket.socket:
-    """A UDP socket on a free port of ``host``, held until the worker binds the same port."""
+    """A UDP socket on a free port of ``host``, held and then handed to the worker (never closed and rebound)."""
     try:
         ipaddress.IPv4Address(host)
         bind_host = host
@@ -180,10 +180,12 @@ class NetaggProcessGroup(dist.ProcessGroup):
                 raise NetaggBackendError(f"netagg backend (rank 0 could not start the job): {plan['error']}")
             self.info = plan
             text = self._store.get(f"netagg/config/{rank}").decode() if plan["mode"] != "gloo" else ""
+            if text:  # the worker takes the socket it reported: its port was never free for another one
+                self.worker = KVWorker(WorkerConfig.from_dict(yaml.safe_load(text), f"netagg job {plan['job_id']}"),
+                                       sock=held)
         finally:
-            held.close()  # the worker binds the same port right below
-        if text:
-            self.worker = KVWorker(WorkerConfig.from_dict(yaml.safe_load(text), f"netagg job {plan['job_id']}"))
+            if self.worker is None:
+                held.close()
         if rank == 0 and plan.get("message"):
             log.warning("%s", plan["message"])
 

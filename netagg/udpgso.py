@@ -184,7 +184,7 @@ class GsoBatch:
                      max_segments: int = MAX_SEGMENTS) -> int:
         """Headers for ``addresses`` (uint64, each ``length`` bytes) to one destination, in order:
         runs of up to ``max_segments`` (and :data:`MAX_SEND_BYTES`); returns the header count."""
-        per = max(1, min(max_segments, MAX_SEND_BYTES // max(length, 1))) if self.refused is None else 1
+        per = max(1, min(max_segments, MAX_SEND_BYTES // max(length, 1))) if self.refused is None and length else 1
         return self._plan(addresses, length, per, name_addr, name_len, self.iov_words, self.hdr_words,
                           self.ctrl_size, self.iov_addr, self.ctrl_addr, CONTROL_BYTES)
 
@@ -360,18 +360,18 @@ def _segment_sizes_reference(ctrl: np.ndarray, words32: np.ndarray, count: int, 
     ``msg_controllen`` in ``words32[m, 10]``), or its whole length ``words32[m, 14]`` (at least 1) without one."""
     for m in range(count):
         length = int(words32[m, 14])
-        used = int(words32[m, 10])
+        used = min(int(words32[m, 10]), ctrl.shape[1])  # never read past the buffer, whatever it says
         size = max(length, 1)
         offset = 0
         while offset + 16 <= used:
             cmsg_len = int(ctrl[m, offset:offset + 8].view("<u8")[0])
             level, kind = ctrl[m, offset + 8:offset + 16].view("<i4").tolist()
-            if level == SOL_UDP and kind == UDP_GRO and cmsg_len >= 20:
+            if level == SOL_UDP and kind == UDP_GRO and 20 <= cmsg_len <= used - offset:
                 value = int(ctrl[m, offset + 16:offset + 20].view("<i4")[0])
                 if value > 0:
                     size = value
                 break
-            if cmsg_len < 16:
+            if cmsg_len < 16 or cmsg_len > used - offset:
                 break
             offset += (cmsg_len + 7) & ~7
         sizes[m] = size

@@ -48,7 +48,7 @@ def segment_sizes(ctrl, words32, count, sizes):  # pragma: no cover - compiled
     """See ``udpgso._segment_sizes_reference``."""
     for m in range(count):
         length = np.int64(words32[m, 14])
-        used = np.int64(words32[m, 10])
+        used = min(np.int64(words32[m, 10]), np.int64(ctrl.shape[1]))
         size = max(length, np.int64(1))
         offset = 0
         while offset + 16 <= used:
@@ -60,13 +60,13 @@ def segment_sizes(ctrl, words32, count, sizes):  # pragma: no cover - compiled
                 | (np.int64(c[offset + 11]) << 24)
             kind = np.int64(c[offset + 12]) | (np.int64(c[offset + 13]) << 8) | (np.int64(c[offset + 14]) << 16) \
                 | (np.int64(c[offset + 15]) << 24)
-            if level == _SOL_UDP and kind == _UDP_GRO and cmsg_len >= 20:
+            if level == _SOL_UDP and kind == _UDP_GRO and 20 <= cmsg_len <= used - offset:
                 value = np.int64(c[offset + 16]) | (np.int64(c[offset + 17]) << 8) \
                     | (np.int64(c[offset + 18]) << 16) | (np.int64(c[offset + 19]) << 24)
-                if value > 0:
+                if 0 < value < 0x80000000:  # the reference reads a signed int: negatives are ignored
                     size = value
                 break
-            if cmsg_len < 16:
+            if cmsg_len < 16 or cmsg_len > used - offset:
                 break
             offset += (cmsg_len + 7) & ~np.int64(7)
         sizes[m] = size
