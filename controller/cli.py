@@ -1,7 +1,8 @@
 """``netagg``: the operator's command line (controller daemon and one command per job action).
 
 Exit status: 0 ok, 1 internal error, 2 bad usage/argument/config, 3 unknown job,
-4 permission denied, 5 capacity exhausted, 6 switch error, 7 controller unreachable.
+4 permission denied, 5 capacity exhausted, 6 switch error (or the switch is away: the
+controller is reconnecting), 7 controller unreachable.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from netagg.jobconfig import ConfigError, write_private
 
 EXIT_CODES = {
     "ok": 0, "internal": 1, "invalid_argument": 2, "not_found": 3, "permission_denied": 4,
-    "capacity_exhausted": 5, "switch_error": 6, "unreachable": 7,
+    "capacity_exhausted": 5, "switch_error": 6, "switch_unavailable": 6, "unreachable": 7,
 }
 DEFAULT_CONFIG = dp.REPO_ROOT / "configs" / "controller.yaml"
 
@@ -221,7 +222,7 @@ def _top(args: argparse.Namespace, client: ApiClient) -> int:
                 try:
                     jobs.append(client.call("show", job_id=job["job_id"]))
                 except ApiError as err:
-                    if err.code == "switch_error":  # counters unreadable: show the job without them
+                    if err.code in ("switch_error", "switch_unavailable"):  # no counters: the job without them
                         jobs.append(job)
                     elif err.code != "not_found":  # not_found: deleted between list and show
                         raise

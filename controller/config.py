@@ -62,6 +62,9 @@ class ControllerConfig:
     parameter_servers: dict[str, PsConfig] = field(default_factory=dict)
     #: ``host:port`` of the Prometheus endpoint (docs/operations.md); None: no endpoint.
     metrics_address: str | None = None
+    #: How long ``controller run`` waits for an unreachable switch at start before it gives up (exit 6);
+    #: None: forever (it serves the API meanwhile and connects when the switch appears).
+    startup_wait_seconds: float | None = None
 
     def host_by_ip(self, ip: str) -> HostConfig | None:
         return next((h for h in self.hosts.values() if h.ip == ip), None)
@@ -69,7 +72,8 @@ class ControllerConfig:
 
 _SCHEMA: dict[str, set[str]] = {
     "": {"switch", "slots", "jobs", "controller", "tenants", "hosts", "parameter_servers"},
-    "switch": {"grpc_address", "device_id", "election_id", "p4info", "bmv2_json", "aggregator"},
+    "switch": {"grpc_address", "device_id", "election_id", "p4info", "bmv2_json", "aggregator",
+               "startup_wait_seconds"},
     "switch.aggregator": {"ip", "mac", "udp_port"},
     "slots": {"capacity", "min_per_job"},
     "jobs": {"lease_seconds"},
@@ -191,6 +195,9 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         raise r.fail("switch.p4info", f"no such file {p4info}")
     bmv2_json_value = r.value("switch.bmv2_json", str, None)
     bmv2_json = _relative(base, bmv2_json_value) if bmv2_json_value else None
+    startup_wait = r.value("switch.startup_wait_seconds", float, None)
+    if startup_wait is not None and startup_wait < 0:
+        raise r.fail("switch.startup_wait_seconds", "must be >= 0 (or left out: wait forever)")
     r.section("switch.aggregator")
     aggregator_ip = _ip(r, "switch.aggregator.ip", r.value("switch.aggregator.ip", str))
     aggregator_mac = _mac(r, "switch.aggregator.mac", r.value("switch.aggregator.mac", str, "02:00:00:00:00:fe"))
@@ -264,4 +271,5 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         aggregator_port=aggregator_port, slot_capacity=capacity, min_slots=min_slots,
         default_lease_seconds=lease, database=database, api_socket=api_socket, admin_token=admin_token,
         tenants=tenants, hosts=hosts, parameter_servers=servers, metrics_address=metrics_address,
+        startup_wait_seconds=startup_wait,
     )

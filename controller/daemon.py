@@ -1,23 +1,39 @@
-"""``netagg controller run``: connect, recover, serve the API (and metrics), reclaim expired leases."""
+"""``netagg controller run``: connect, recover, serve the API (and metrics), reclaim expired leases,
+and watch the switch (``switch_watch.py``: reconnect and re-install everything when it comes back).
+
+The daemon does not need the switch to start: if it cannot be reached (or is not primary), the
+daemon says so, serves the API anyway (job requests that need the switch are refused with
+``switch_unavailable``) and connects when the switch appears; ``switch.startup_wait_seconds`` bounds
+that wait (0: exit at once, status 6, as before the watch existed).
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+import time
 
 from netagg.controller.api import ApiServer
 from netagg.controller.config import ControllerConfig
 from netagg.controller.metrics import ControllerCollector
-from netagg.controller.p4runtime_client import P4RuntimeClient
+from netagg.controller.p4runtime_client import P4RuntimeClient, P4RuntimeError
 from netagg.controller.service import JobService, ServiceError
 from netagg.controller.store import JobStore
+from netagg.controller.switch_watch import SwitchWatch
 from netagg.metrics_http import MetricsServer
 
 log = logging.getLogger("netagg.controller")
 
 #: How often expired leases are looked for.
 REAP_INTERVAL_SECONDS = 1.0
+#: How long the first attempt at start waits for the switch to accept the connection.
+STARTUP_CONNECT_TIMEOUT = 2.0
+
+
+def _retryable(err: Exception) -> bool:
+    """Whether waiting may help: not a pipeline the switch refuses or a request the client cannot build."""
+    return not (isinstance(err, P4RuntimeError) and err.code == "INVALID_ARGUMENT")
 
 
 class ControllerDaemon:
@@ -29,6 +45,8 @@ class ControllerDaemon:
         self.client = P4RuntimeClient(config.grpc_address, device_id=config.device_id,
                                       election_id=(0, config.election_id))
         self.service = JobService(config, self.store, self.client)
+        self.watch = SwitchWatch(self.service)
+        self._started = time.monotonic()
         self.api: ApiServer | None = None
         self.metrics: MetricsServer | None = None
         #: Jobs reclaimed because their lease ran out (``netagg_lease_expiries_total``).
@@ -36,14 +54,22 @@ class ControllerDaemon:
         self._stop = threading.Event()
 
     def start(self) -> None:
-        """Connect and recover; raises ServiceError/P4RuntimeError when that is impossible."""
-        pipeline = self.service.connect_switch()
-        report = self.service.recover()
-        log.info("switch %s: %s; reconcile inserted %d, modified %d, deleted %d entries, "
-                 "set %d and deleted %d groups", self.config.grpc_address, pipeline, report.inserted,
-                 report.modified, report.deleted, report.groups_set, report.groups_deleted)
+        """Load the database, try the switch once, serve; raises ServiceError/P4RuntimeError when that is
+        impossible (a bad configuration, a pipeline the switch refuses, an unreachable switch with
+        ``switch.startup_wait_seconds: 0``)."""
+        self.service.load()
+        self._started = time.monotonic()
+        try:
+            self.watch.sync_first(STARTUP_CONNECT_TIMEOUT)
+        except (P4RuntimeError, ServiceError) as err:
+            if not _retryable(err) or self.config.startup_wait_seconds == 0:
+                raise
+            limit = self.config.startup_wait_seconds
+            log.warning("switch %s unavailable at start (%s): serving the API without it, job create/delete/show "
+                        "are refused until it is reached; retrying with backoff up to %g s%s", self.config.grpc_address,
+                        err, self.watch.backoff_max, f" for {limit:g} s (switch.startup_wait_seconds)" if limit else "")
         if self.config.metrics_address is not None:
-            collector = ControllerCollector(self.service, lambda: self.lease_expiries)
+            collector = ControllerCollector(self.service, lambda: self.lease_expiries, watch=self.watch)
             try:
                 self.metrics = MetricsServer.at(self.config.metrics_address, collector)
             except OSError as err:
@@ -52,11 +78,17 @@ class ControllerDaemon:
             log.info("metrics on http://%s:%d/metrics", *self.metrics.address)
         self.api = ApiServer(self.config.api_socket, self.service, self.config.tenants, self.config.admin_token)
         self.api.start()
+        self.watch.start()
         log.info("controller ready: api on %s, %d jobs", self.config.api_socket, len(self.store.all()))
 
     def serve(self) -> None:
-        """Reap expired leases until stopped (SIGINT/SIGTERM)."""
+        """Reap expired leases until stopped (SIGINT/SIGTERM); give up on a switch never reached within
+        ``switch.startup_wait_seconds``."""
+        limit = self.config.startup_wait_seconds
         while not self._stop.wait(REAP_INTERVAL_SECONDS):
+            if limit is not None and not self.watch.ever_synced and time.monotonic() - self._started > limit:
+                raise P4RuntimeError("UNAVAILABLE", f"the switch at {self.config.grpc_address} was not reached "
+                                     f"within {limit:g} s (switch.startup_wait_seconds)")
             for job_id in self.service.reap_expired():
                 self.lease_expiries += 1
                 log.info("job %d reclaimed: lease expired", job_id)
@@ -65,6 +97,7 @@ class ControllerDaemon:
         self._stop.set()
 
     def close(self) -> None:
+        self.watch.stop()
         if self.metrics is not None:
             self.metrics.stop()
         if self.api is not None:

@@ -23,6 +23,7 @@ from netagg.p4info import P4InfoIndex, load_p4info
 
 if TYPE_CHECKING:
     from netagg.controller.service import JobService
+    from netagg.controller.switch_watch import SwitchWatch
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,11 @@ class ControllerCollector(Collector):
     """Builds every controller metric from current state on each scrape."""
 
     def __init__(self, service: JobService, lease_expiries: Callable[[], int] = lambda: 0,
-                 timeout: float = SWITCH_READ_TIMEOUT) -> None:
+                 timeout: float = SWITCH_READ_TIMEOUT, watch: SwitchWatch | None = None) -> None:
         self.service = service
         self.timeout = timeout
+        #: The daemon's switch watch (restarts, outages); None: only this scrape's read says whether it is up.
+        self.watch = watch
         self.index = P4InfoIndex(load_p4info(service.config.p4info))
         #: How many jobs the daemon reclaimed because their lease ran out.
         self.lease_expiries = lease_expiries
@@ -98,12 +101,32 @@ class ControllerCollector(Collector):
         config = self.service.config
         jobs = [j for j in self.service.store.all() if j.state != "deleting"]
         on_switch = [j for j in jobs if j.uses_switch]
-        counters = self._read_switch([j.job_id for j in on_switch])
+        in_sync = self.watch is None or self.watch.up
+        # A switch the watch knows is away is not read (no deadline to wait out on every scrape).
+        counters = self._read_switch([j.job_id for j in on_switch]) if in_sync else None
 
-        up = GaugeMetricFamily("netagg_switch_up", "1 if the switch answered this scrape's counter read, else 0",
+        up = GaugeMetricFamily("netagg_switch_up", "1 if the controller's session with the switch is up and in "
+                               "sync with the jobs, and the switch answered this scrape's counter read, else 0",
                                labels=["grpc_address"])
         up.add_metric([config.grpc_address], 1.0 if counters is not None else 0.0)
         yield up
+        if self.watch is not None:
+            address = [config.grpc_address]
+            restarts = CounterMetricFamily("netagg_switch_restarts", "Times the switch came back without the "
+                                           "pipeline it had (restarted): pipeline and every job re-installed",
+                                           labels=["grpc_address"])
+            restarts.add_metric(address, self.watch.restarts)
+            yield restarts
+            reconnects = CounterMetricFamily("netagg_switch_reconnects", "Times the controller re-established its "
+                                             "session with the switch after losing it (restarts included)",
+                                             labels=["grpc_address"])
+            reconnects.add_metric(address, self.watch.reconnects)
+            yield reconnects
+            away = CounterMetricFamily("netagg_switch_unavailable_seconds", "Seconds since the controller started "
+                                       "during which the switch was not in sync (unreachable, or reached but not yet "
+                                       "re-installed); the ongoing outage included", labels=["grpc_address"])
+            away.add_metric(address, self.watch.unavailable_seconds)
+            yield away
 
         per_job = {short: CounterMetricFamily(f"netagg_job_{short}", help_text, labels=JOB_LABELS)
                    for short, help_text in (

@@ -52,6 +52,14 @@ _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _U64 = (1 << 64) - 1
 #: How long to wait for an answer to an arbitration with an unchanged id (PI sends none).
 _REPEAT_ARBITRATION_WAIT = 0.5
+#: gRPC's own reconnection backoff of a channel whose server went away (its defaults: 1 s growing to
+#: 120 s): a restarted switch is reached within a fraction of a second, and never after more than 5 s.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+]
 
 
 # --------------------------------------------------------------------------- errors
@@ -114,6 +122,13 @@ def _update_errors(err: grpc.RpcError) -> tuple[int, list[UpdateError]]:
 
 def _client_error(message: str) -> P4RuntimeError:
     return P4RuntimeError("INVALID_ARGUMENT", f"(client) {message}")
+
+
+def _closed_channel_error(err: ValueError, address: str) -> P4RuntimeError:
+    """gRPC's ValueError for an RPC on a channel that another thread closed (a reconnect) as UNAVAILABLE."""
+    if "closed channel" not in str(err):
+        raise err
+    return P4RuntimeError("UNAVAILABLE", f"the channel to {address} was closed (reconnecting)")
 
 
 # --------------------------------------------------------------------------- entries
@@ -239,6 +254,8 @@ class P4RuntimeClient:
         self._stream: grpc.Future | None = None
         self._reader: threading.Thread | None = None
         self._cond = threading.Condition()
+        #: Counts connect()s: a reader thread of an older session leaves the current one's state alone.
+        self._session = 0
         self._reset_stream_state()
 
     def _reset_stream_state(self) -> None:
@@ -253,24 +270,30 @@ class P4RuntimeClient:
 
     # ---- connection
 
-    def connect(self) -> P4RuntimeClient:
-        """Open the channel and StreamChannel, arbitrate, and learn whether this client is primary."""
+    def connect(self, timeout: float | None = None) -> P4RuntimeClient:
+        """Open the channel and StreamChannel, arbitrate, and learn whether this client is primary.
+
+        ``timeout``: how long to wait for the server to accept the connection (default: the
+        client's RPC timeout).
+        """
         if self._channel is not None:
             return self
-        self._reset_stream_state()
-        self._channel = grpc.insecure_channel(self.address, options=[
-            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-        ])
+        with self._cond:
+            self._session += 1
+            session = self._session
+            self._reset_stream_state()
+        self._channel = grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        wait = self.timeout if timeout is None else timeout
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=self.timeout)
+            grpc.channel_ready_future(self._channel).result(timeout=wait)
         except grpc.FutureTimeoutError:
             self.close()
             raise P4RuntimeError("UNAVAILABLE", f"cannot reach the P4Runtime server at "
-                                 f"{self.address} within {self.timeout:g} s") from None
+                                 f"{self.address} within {wait:g} s") from None
         self._stub = p4runtime_pb2_grpc.P4RuntimeStub(self._channel)
-        self._stream = self._stub.StreamChannel(self._request_iter())
-        self._reader = threading.Thread(target=self._read_stream, daemon=True,
+        # The iterator gets this session's queue: a later session's requests never go to an old stream.
+        self._stream = self._stub.StreamChannel(self._request_iter(self._requests))
+        self._reader = threading.Thread(target=self._read_stream, args=(self._stream, session), daemon=True,
                                         name=f"p4rt-client-{self.address}")
         self._reader.start()
         try:
@@ -306,6 +329,35 @@ class P4RuntimeClient:
                     "UNAVAILABLE", f"the StreamChannel to {self.address} closed during arbitration")
             return self._primary
 
+    def reconnect(self, timeout: float | None = None) -> P4RuntimeClient:
+        """Drop the channel and stream (if any) and connect again: a fresh channel, StreamChannel and
+        arbitration with the same election id (after the server restarted, or the stream broke)."""
+        self.close()
+        return self.connect(timeout)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the StreamChannel is open (False before connect, after close, or once the server ended it)."""
+        with self._cond:
+            return self._stream is not None and not self._stream_ended
+
+    @property
+    def stream_error(self) -> P4RuntimeError | None:
+        """Why the StreamChannel ended (None while it is open, or when it was closed by this client)."""
+        with self._cond:
+            return self._stream_error
+
+    def wait_disconnected(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the StreamChannel to end; True if it has ended (or never opened)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._stream is not None and not self._stream_ended:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
     @property
     def is_primary(self) -> bool:
         """Whether the last arbitration update from the server says this client is primary."""
@@ -318,35 +370,41 @@ class P4RuntimeClient:
         with self._cond:
             return self._primary_election_id
 
-    def _request_iter(self) -> Iterator[p4rt.StreamMessageRequest]:
+    @staticmethod
+    def _request_iter(requests: queue.Queue[p4rt.StreamMessageRequest | None],
+                      ) -> Iterator[p4rt.StreamMessageRequest]:
         while True:
-            request = self._requests.get()
+            request = requests.get()
             if request is None:
                 return
             yield request
 
-    def _read_stream(self) -> None:
-        assert self._stream is not None
+    def _read_stream(self, stream: grpc.Future, session: int) -> None:
         try:
-            for response in self._stream:  # type: ignore[attr-defined]
+            for response in stream:  # type: ignore[attr-defined]
                 kind = response.WhichOneof("update")
                 if kind == "arbitration":
-                    self._on_arbitration(response.arbitration)
+                    self._on_arbitration(response.arbitration, session)
                 elif kind == "error":
                     with self._cond:
-                        self.stream_errors.append(response.error)
+                        if session == self._session:
+                            self.stream_errors.append(response.error)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
                 with self._cond:
-                    self._stream_error = P4RuntimeError.from_rpc_error(e, "StreamChannel")
+                    if session == self._session:
+                        self._stream_error = P4RuntimeError.from_rpc_error(e, "StreamChannel")
         finally:
             with self._cond:
-                self._stream_ended = True
-                self._primary = False
+                if session == self._session:
+                    self._stream_ended = True
+                    self._primary = False
                 self._cond.notify_all()
 
-    def _on_arbitration(self, update: p4rt.MasterArbitrationUpdate) -> None:
+    def _on_arbitration(self, update: p4rt.MasterArbitrationUpdate, session: int) -> None:
         with self._cond:
+            if session != self._session:
+                return
             self._arbitrations += 1
             self._primary = update.status.code == code_pb2.OK
             if update.HasField("election_id"):
@@ -360,7 +418,9 @@ class P4RuntimeClient:
             self._reader.join(timeout=1.0)
         if self._stream is not None:
             self._stream.cancel()
-            self._stream = None
+            with self._cond:
+                self._stream = None
+                self._cond.notify_all()
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -405,6 +465,8 @@ class P4RuntimeClient:
             self.stub.Write(request, timeout=self.timeout)
         except grpc.RpcError as e:
             raise P4RuntimeError.from_rpc_error(e, f"Write to {self.address}") from None
+        except ValueError as e:
+            raise _closed_channel_error(e, self.address) from None
 
     def read(self, entities: Iterable[p4rt.Entity]) -> list[p4rt.Entity]:
         """One Read RPC; all entities of all responses."""
@@ -414,6 +476,8 @@ class P4RuntimeClient:
                     for e in response.entities]
         except grpc.RpcError as e:
             raise P4RuntimeError.from_rpc_error(e, f"Read from {self.address}") from None
+        except ValueError as e:
+            raise _closed_channel_error(e, self.address) from None
 
     def capabilities(self) -> str:
         """The server's P4Runtime API version."""
@@ -427,21 +491,50 @@ class P4RuntimeClient:
 
     def set_pipeline(self, p4info: str | Path | p4info_pb2.P4Info | None = None,
                      device_config: bytes | None = None,
-                     action: int = p4rt.SetForwardingPipelineConfigRequest.VERIFY_AND_COMMIT) -> None:
-        """Install a pipeline (VERIFY_AND_COMMIT by default) from a P4Info path or message."""
+                     action: int = p4rt.SetForwardingPipelineConfigRequest.VERIFY_AND_COMMIT,
+                     cookie: int | None = None) -> None:
+        """Install a pipeline (VERIFY_AND_COMMIT by default) from a P4Info path or message.
+
+        ``cookie``: a 64-bit tag stored with the pipeline and returned by GetForwardingPipelineConfig
+        (``get_pipeline_cookie``): whoever set it can later tell its own pipeline from any other.
+        """
         source = p4info if p4info is not None else self._p4info_path
         if source is None:
             raise _client_error("set_pipeline needs a P4Info (argument or p4info_path)")
         message = source if isinstance(source, p4info_pb2.P4Info) else load_p4info(source)
+        config = p4rt.ForwardingPipelineConfig(p4info=message, p4_device_config=device_config or b"")
+        if cookie is not None:
+            config.cookie.cookie = cookie & _U64
         request = p4rt.SetForwardingPipelineConfigRequest(
-            device_id=self.device_id, election_id=self._uint128(), action=action,
-            config=p4rt.ForwardingPipelineConfig(p4info=message, p4_device_config=device_config or b""))
+            device_id=self.device_id, election_id=self._uint128(), action=action, config=config)
         try:
             self.stub.SetForwardingPipelineConfig(request, timeout=self.timeout)
         except grpc.RpcError as e:
             raise P4RuntimeError.from_rpc_error(e, f"SetForwardingPipelineConfig on "
                                                 f"{self.address}") from None
         self.index = P4InfoIndex(message)
+
+    def get_pipeline_cookie(self, timeout: float | None = None) -> int | None:
+        """The installed pipeline's cookie (0 when it was set without one), or None if no pipeline is set.
+
+        GetForwardingPipelineConfig with COOKIE_ONLY: the cheapest question a switch answers, and
+        one that tells a switch which restarted (no pipeline, or another cookie) from one which did not.
+        """
+        request = p4rt.GetForwardingPipelineConfigRequest(
+            device_id=self.device_id, response_type=p4rt.GetForwardingPipelineConfigRequest.COOKIE_ONLY)
+        try:
+            response = self.stub.GetForwardingPipelineConfig(
+                request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no pipeline yet
+                return None
+            raise P4RuntimeError.from_rpc_error(e, f"GetForwardingPipelineConfig on "
+                                                f"{self.address}") from None
+        except ValueError as e:
+            raise _closed_channel_error(e, self.address) from None
+        if not response.HasField("config"):
+            return None
+        return response.config.cookie.cookie if response.config.HasField("cookie") else 0
 
     def get_pipeline_p4info(self) -> p4info_pb2.P4Info | None:
         """The installed P4Info, or None if no pipeline is set; adopted if the client has none."""

@@ -3,10 +3,16 @@
 All mutations run under one lock; each writes the database before it touches
 the switch, so :meth:`JobService.recover` can finish any interrupted step after
 a crash (see ``store.py`` for the row states).
+
+The switch can go away and come back (``switch_watch.py``): from the moment it is
+lost until :meth:`JobService.resync` has put everything back (under the same lock),
+requests that need it (create, delete, show) are refused with ``switch_unavailable``
+and change nothing; the service never queues them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import threading
@@ -14,6 +20,8 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from p4.config.v1 import p4info_pb2
 
 from netagg import jobsecret, wire
 from netagg.controller.allocator import SlotAllocator, SlotRange
@@ -28,6 +36,22 @@ log = logging.getLogger(__name__)
 
 #: Job ids index the per-job counters (size MAX_JOBS in the P4 program).
 FIRST_JOB_ID = 1
+
+
+def pipeline_cookie(p4info: p4info_pb2.P4Info, device_config: bytes) -> int:
+    """The cookie the controller pushes its pipeline with: 64 bits of a hash of the program (never 0)."""
+    digest = hashlib.sha256(p4info.SerializeToString(deterministic=True) + b"\0" + device_config).digest()
+    return int.from_bytes(digest[:8], "big") or 1
+
+
+@dataclass(frozen=True)
+class SwitchSync:
+    """What one resync found and did: the pipeline, whether the switch had lost its state, the reconcile."""
+
+    pipeline: str
+    lost_state: bool
+    report: ReconcileReport
+    jobs: int
 
 
 class ServiceError(Exception):
@@ -62,11 +86,21 @@ class JobService:
         #: Admission decisions since start (full, partial, fallback, refused), for the metrics endpoint.
         self.admissions: Counter[str] = Counter()
         self._lock = threading.RLock()
+        self._program: tuple[p4info_pb2.P4Info, bytes] | None = None
+        self._loaded = False
+        #: The cookie this controller pushes its pipeline with (from the program: the same across restarts).
+        self.pipeline_cookie = 0
+        #: The cookie of the pipeline found or pushed at the last sync (None before the first).
+        self.expected_cookie: int | None = None
+        #: monotonic time since when the switch is unavailable to requests (None: connected and in sync).
+        self._unavailable_since: float | None = time.monotonic()
+        self._unavailable_reason = "not connected yet"
 
-    # -- start-up ------------------------------------------------------------
-    def connect_switch(self) -> str:
-        """Become primary and make sure the switch runs our pipeline (pushing it only if not)."""
-        self.client.connect()
+    # -- start-up and the switch's comings and goings --------------------------
+    def check_program(self) -> None:
+        """Read the program (P4Info, BMv2 JSON) and check the slot capacity against it (once; no switch)."""
+        if self._program is not None:
+            return
         expected = load_p4info(self.config.p4info)
         index = P4InfoIndex(expected)
         registers = {r.name: r.size for r in index.registers}
@@ -75,9 +109,6 @@ class JobService:
             raise ServiceError("invalid_argument", f"{self.config.source}: slots.capacity: "
                                f"{self.config.slot_capacity} exceeds the program's {capacity} slots")
         self.max_jobs = index.counter("NetaggIngress.job_results").size
-        current = self.client.get_pipeline_p4info()
-        if current is not None and not p4info_differences(expected, current):
-            return "kept the pipeline already on the switch"
         device_config = b""
         if self.config.bmv2_json is not None:
             try:
@@ -85,24 +116,130 @@ class JobService:
             except OSError as err:
                 raise ServiceError("invalid_argument", f"{self.config.source}: switch.bmv2_json: "
                                    f"cannot read {self.config.bmv2_json}: {err.strerror}") from None
-        self.client.set_pipeline(self.config.p4info, device_config)
-        return "pushed the pipeline" if current is None else "replaced a different pipeline"
+        self._program = (expected, device_config)
+        self.pipeline_cookie = pipeline_cookie(expected, device_config)
+        if self.client.index is None:  # entries are named through our P4Info, whoever pushed the pipeline
+            self.client.index = index
 
-    def recover(self) -> ReconcileReport:
-        """Rebuild the allocator from the database, finish interrupted steps, reconcile the switch."""
+    def load(self) -> None:
+        """Check the program and rebuild the slot allocator from the database (once; no switch)."""
+        self.check_program()
         with self._lock:
-            jobs = self.store.all()
-            for job in jobs:
+            if self._loaded:
+                return
+            for job in self.store.all():
                 if job.uses_switch:
                     self.allocator.reserve(SlotRange(job.slot_base, job.slot_count))
-            for job in [j for j in jobs if j.state == "deleting"]:
-                self._finish_delete(job)
-            live = [j for j in jobs if j.state != "deleting"]
-            report = self.programmer.reconcile(live)
-            for job in live:
-                if job.state == "installing":
-                    self._activate(job)
+            self._loaded = True
+
+    def connect_switch(self, timeout: float | None = None) -> str:
+        """Become primary and make sure the switch runs our pipeline (pushing it only if not).
+
+        ``timeout``: how long to wait for the switch to accept the connection (default: the client's).
+        """
+        self.check_program()
+        self.client.connect(timeout)
+        return self.ensure_pipeline()[0]
+
+    def ensure_pipeline(self) -> tuple[str, bool]:
+        """Make sure the switch runs our pipeline; returns (what was done, whether the switch lost it).
+
+        One COOKIE_ONLY read when the switch holds the pipeline this controller pushed. Otherwise the
+        P4Info is compared: the same program (pushed by someone else, or preloaded) is kept and its
+        cookie remembered; no pipeline or another program gets ours, with our cookie. *Lost* means the
+        switch no longer held the pipeline seen at the previous call: it restarted (or someone replaced
+        the pipeline), so its tables and counters started from nothing.
+        """
+        self.check_program()
+        assert self._program is not None
+        expected, device_config = self._program
+        before = self.expected_cookie
+        cookie = self.client.get_pipeline_cookie()
+        lost = before is not None and cookie != before
+        if cookie is not None and cookie == self.pipeline_cookie:
+            self.expected_cookie = cookie
+            return "kept the pipeline already on the switch", lost
+        current = self.client.get_pipeline_p4info() if cookie is not None else None
+        if current is not None and not p4info_differences(expected, current):
+            self.expected_cookie = cookie
+            return "kept the pipeline already on the switch", lost
+        self.client.set_pipeline(expected, device_config, cookie=self.pipeline_cookie)
+        self.expected_cookie = self.pipeline_cookie
+        return ("pushed the pipeline" if current is None else "replaced a different pipeline"), lost
+
+    def recover(self) -> ReconcileReport:
+        """Rebuild the allocator from the database, finish interrupted steps, reconcile the switch.
+
+        Needs a connected client (``connect_switch``); marks the switch available."""
+        self.load()
+        with self._lock:
+            report, _ = self._sync_jobs(reset_counters=False)
+            self._unavailable_since = None
             return report
+
+    def resync(self) -> SwitchSync:
+        """After (re)connecting: our pipeline on the switch, then every job as the database has it.
+
+        Runs under the service lock, so no request interleaves: interrupted deletes are finished,
+        the switch is reconciled both ways (what a restarted switch lost is re-installed, strays are
+        removed), jobs caught ``installing`` are activated; if the switch had lost its state, the
+        jobs' counter baselines are read again (its counters restarted from 0). Then the switch is
+        available to requests again. Raises P4RuntimeError/ServiceError when the switch fails it
+        (it stays unavailable; the caller retries).
+        """
+        self.load()
+        with self._lock:
+            pipeline, lost = self.ensure_pipeline()
+            report, jobs = self._sync_jobs(reset_counters=lost)
+            self._unavailable_since = None
+            return SwitchSync(pipeline, lost, report, jobs)
+
+    def _sync_jobs(self, reset_counters: bool) -> tuple[ReconcileReport, int]:
+        jobs = self.store.all()
+        for job in [j for j in jobs if j.state == "deleting"]:
+            self._finish_delete(job)
+        live = [j for j in jobs if j.state != "deleting"]
+        report = self.programmer.reconcile(live)
+        for job in live:
+            if reset_counters and job.uses_switch:
+                self.store.set_counter_base(job.job_id, self.programmer.read_job_counters(job.job_id))
+            if job.state == "installing":
+                self._activate(job)
+        return report, sum(1 for j in live if j.uses_switch)
+
+    def reconnect_switch(self, timeout: float) -> None:
+        """A fresh P4Runtime session (channel, StreamChannel, arbitration); P4RuntimeError unless primary.
+
+        Under the service lock: no request is using the client while its channel is replaced."""
+        with self._lock:
+            self.client.reconnect(timeout)
+        if not self.client.is_primary:
+            primary = self.client.primary_election_id
+            raise P4RuntimeError("PERMISSION_DENIED", f"not primary on {self.config.grpc_address}: another "
+                                 f"controller is (election id {primary[1] if primary else '?'}; ours is "
+                                 f"{self.config.election_id})")
+
+    @property
+    def switch_available(self) -> bool:
+        """Whether the switch is connected and in sync (False from a loss until the next resync)."""
+        return self._unavailable_since is None
+
+    def mark_switch_unavailable(self, reason: str) -> bool:
+        """The switch is gone (or lost its state): refuse switch requests until ``resync``; True if it was up."""
+        was_up = self._unavailable_since is None
+        if was_up:
+            self._unavailable_reason = reason
+            self._unavailable_since = time.monotonic()
+        return was_up
+
+    def _require_switch(self, what: str) -> None:
+        since = self._unavailable_since
+        if since is None:
+            return
+        raise ServiceError("switch_unavailable", (
+            f"cannot {what}: the switch at {self.config.grpc_address} is unavailable "
+            f"({self._unavailable_reason}; for {time.monotonic() - since:.1f} s); the controller is "
+            "reconnecting and re-installs every job when it is back: retry then (nothing was changed)"))
 
     # -- requests ----------------------------------------------------------
     def create_job(self, caller: Caller, name: str, workers: Sequence[str], slots: int, mode: str = "allreduce",
@@ -157,6 +294,7 @@ class JobService:
         if lease <= 0:
             raise ServiceError("invalid_argument", "lease must be > 0 seconds")
         with self._lock:
+            self._require_switch("create a job")
             job_id = self._free_job_id()
             dist_id = None if dist_members is None else self._free_job_id(exclude={job_id})
             admission, reason = "full", f"{slots} slots as asked"
@@ -247,6 +385,7 @@ class JobService:
         """Delete a job (with its distribution job, if it has one); a distribution job goes only with its job."""
         with self._lock:
             job = self._owned(caller, job_id)
+            self._require_switch(f"delete job {job_id}")
             served = self._served_job(job)
             if served is not None:
                 raise ServiceError("invalid_argument", f"job {job_id} is the distribution job of job "
@@ -269,6 +408,7 @@ class JobService:
         job = self._owned(caller, job_id)
         view = self._view(job)
         if job.uses_switch:
+            self._require_switch(f"read the counters of job {job_id}")
             try:
                 current = self.programmer.read_job_counters(job.job_id)
             except P4RuntimeError as err:
@@ -346,7 +486,10 @@ class JobService:
     def reap_expired(self, now: float | None = None) -> list[int]:
         """Delete every job whose lease ran out; returns their ids.
 
-        A distribution job goes with its job (their leases are renewed together)."""
+        A distribution job goes with its job (their leases are renewed together). Nothing is reaped while
+        the switch is unavailable: those jobs go once it is back (deleting needs the switch)."""
+        if not self.switch_available:
+            return []
         reaped = []
         for job in self.store.expired(time.time() if now is None else now):
             if self.store.get(job.job_id) is None:

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+import yaml
 
 from netagg import dataplane as dp
 from netagg import wire
@@ -204,6 +205,11 @@ def test_unreachable_controller_and_switch(capsys, tmp_path):
     code = main(["--config", str(config), "--token", TOKENS["alice"], "job", "list"])
     assert code == EXIT_CODES["unreachable"]
     assert "no controller listening" in capsys.readouterr().err
+    # By default the daemon waits for its switch (tests/test_controller_switch_restart.py); told not to, it
+    # gives up at once.
+    data = yaml.safe_load(config.read_text())
+    data["switch"]["startup_wait_seconds"] = 0
+    config.write_text(yaml.safe_dump(data))
     code = main(["--config", str(config), "controller", "run"])
     err = capsys.readouterr().err
     assert code == EXIT_CODES["switch_error"] and "Traceback" not in err
