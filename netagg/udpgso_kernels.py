@@ -92,14 +92,21 @@ def split(big, words32, sizes, rx_names, count, state, buf, lengths, names, firs
             offset = 0
             continue
         size = sizes[m]
+        src = big[m]
+        name = rx_names[m]
         while offset < end and row < end_row:
             seg = min(size, end - offset)
             copy = min(seg, width)
-            for b in range(copy):  # a loop: numba's slice assignment goes through a temporary array
-                buf[row, headroom + b] = big[m, offset + b]
+            # A loop over views that start at 0: numba's slice assignment goes through a temporary array,
+            # and a loop with offsets on both sides is not vectorized (8x slower either way).
+            dst = buf[row, headroom:headroom + copy]
+            part = src[offset:offset + copy]
+            for b in range(copy):
+                dst[b] = part[b]
             lengths[row] = copy
-            for b in range(rx_names.shape[1]):
-                names[row, b] = rx_names[m, b]
+            out = names[row]
+            for b in range(name.shape[0]):
+                out[b] = name[b]
             row += 1
             offset += seg
         if offset >= end:
