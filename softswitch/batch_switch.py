@@ -24,6 +24,7 @@ import numpy as np
 
 from netagg import mmsg, udpgso, wire
 from netagg.softswitch import fastpath_kernels as kernels
+from netagg.softswitch import packet_ring
 from netagg.softswitch.fastpath import FastPipeline
 from netagg.softswitch.ports import LoopbackUdpPort, Port, RawSocketPort
 from netagg.softswitch.switch import PortLoop
@@ -65,7 +66,9 @@ class BatchSwitch(PortLoop):
 
     Raw ports share one receive batch: every port that is ready when the loop wakes up adds
     its waiting frames (at most :data:`~netagg.mmsg.BATCH` each), the pipeline runs once over
-    all of them, and what they emit leaves with one ``sendmmsg`` per egress port. The loopback
+    all of them, and what they emit leaves with one ``sendmmsg`` per egress port. By default the
+    raw ports are read from packet rings instead, all at once and in arrival order across ports
+    (:mod:`~netagg.softswitch.packet_ring`; ``raw_io`` / ``$NETAGG_RAW_IO`` picks ring or mmsg). The loopback
     port (the embedded default, alone on its switch) has a batch of its own, whose headroom
     takes the frame headers synthesized in front of each datagram.
     """
@@ -75,7 +78,7 @@ class BatchSwitch(PortLoop):
     rx_faults = None
     tx_faults = None
 
-    def __init__(self, pipeline: FastPipeline, ports: Sequence[Port]) -> None:
+    def __init__(self, pipeline: FastPipeline, ports: Sequence[Port], raw_io: str | None = None) -> None:
         reason = enable_batching(ports)
         if reason:
             raise ValueError(reason)
@@ -87,6 +90,8 @@ class BatchSwitch(PortLoop):
         self._raw_rx = mmsg.MsgBatch(raw_rows, STRIDE)
         self._raw_len = np.zeros(raw_rows, np.int64)
         self._raw_port = np.zeros(raw_rows, np.int64)
+        # raw_io (else $NETAGG_RAW_IO): "ring" reads raw ports from packet rings (packet_ring), "mmsg" with recvmmsg.
+        self._rings = packet_ring.open_rings(self._raw, raw_io, max(raw_rows, 256), STRIDE)
         self._loop_rx: dict[int, mmsg.MsgBatch | udpgso.GroBatch] = {}
         for port in self._loopback:
             if udpgso.enable_gro(port.sock):
@@ -140,7 +145,23 @@ class BatchSwitch(PortLoop):
             except Exception:  # a bug must not stop the switch
                 log.exception("a batch from ports %s failed", [port.number for port in ready])
 
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._rings is not None and not (self._thread is not None and self._thread.is_alive()):
+            self._rings.close()  # unmapped before the ports' sockets close
+        super().stop()
+
     def _serve_raw(self, ports: list[RawSocketPort]) -> None:
+        if self._rings is not None:  # every port's ring at once, whichever woke the loop
+            for _ in range(BATCHES_PER_TURN):
+                fill = self._rings.receive()
+                if fill == 0:
+                    return
+                self.stats.received += fill
+                self._process(self._rings.buf, self._rings.lengths, self._rings.ports, fill)
+            return
         rx, in_len, in_port = self._raw_rx, self._raw_len, self._raw_port
         for _ in range(BATCHES_PER_TURN):
             fill = 0
@@ -201,6 +222,12 @@ class BatchSwitch(PortLoop):
         if not self._raw:
             self.stats.unknown_port += emitted - handled
             return
+        if self._rings is not None and self._rings.tx:
+            sent, failed, unknown = self._rings.transmit(out.buf, out_len, out_port, emitted, self._port_slot)
+            self.stats.transmitted += sent
+            self.stats.transmit_failed += failed
+            self.stats.unknown_port += unknown
+            return
         counts = self._group_counts
         self.stats.unknown_port += kernels.group_sends(out_len, out_port, emitted, self._port_slot, out.row_addr,
                                                        out.tx_words, out.tx_iov_words, counts)
@@ -235,5 +262,6 @@ def warm_up() -> None:
                                udpgso.CONTROL_BYTES, udpgso.MAX_SEGMENTS, udpgso.MAX_SEND_BYTES,
                                np.zeros(mmsg.BATCH, np.int64), np.zeros((mmsg.BATCH, 2), np.uint64))
     udpgso.warm_up()
+    packet_ring.warm_up()
     gro = udpgso.GroBatch(4, 128, LOOPBACK_HEADROOM)  # its lengths are contiguous, unlike MsgBatch's view
     kernels.loopback_frames(gro.buf, gro.lengths, gro.names, 0, LOOPBACK_HEADROOM, 0, np.zeros(4, np.int64))
