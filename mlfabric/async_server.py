@@ -22,6 +22,10 @@ the number of worker gradients applied so far.
 * a node that restarted empty, or joins the chain as its new tail (``--join HOST:PORT``,
   the ``join`` op), is brought up to date by a state transfer (``snapshot``) from its
   predecessor, then follows the record stream.
+* with a failure timeout (``--peer-timeout``, default 3 s) the chain keeps itself: a
+  successor without contact for that long is removed (bypassed to its own successor, or cut
+  off), and a node started while the job's chain is running, or a replica left without
+  upstream, finds the live chain's tail and joins it (docs/mlfabric.md, "Replication").
 * update ids are ``rank:step``; the outcomes of each rank's last ``outcome_window`` steps are
   kept to answer a repeated push (``duplicate: true``); a push of an older step is refused
   (``expired_ids``), never applied twice. Memory stays bounded however long the job runs.
@@ -53,6 +57,7 @@ import numpy as np
 from netagg import jobsecret
 from netagg.hoststack.packets import resolve
 from netagg.jobconfig import ConfigError, WorkerConfig, endpoint_arg
+from netagg.mlfabric import chainctl
 from netagg.mlfabric.distribution import ModelSender, rate_of
 from netagg.mlfabric.grants import STALE, GrantService
 from netagg.mlfabric.protocol import (
@@ -63,13 +68,22 @@ from netagg.mlfabric.protocol import (
     from_blob,
     listen,
 )
-from netagg.mlfabric.replication import PRIMARY_REFUSAL, ChainForwarder, ReplicationStalled
+from netagg.mlfabric.replication import (
+    ANOTHER_UPSTREAM,
+    PRIMARY_REFUSAL,
+    ChainForwarder,
+    Endpoint,
+    ReplicationStalled,
+)
 from netagg.mlfabric.scheduler import AGGREGATE, Scheduler, TransferRequest
 from netagg.shutdown import stop_event
 
 log = logging.getLogger(__name__)
 
 APPLIED, DROPPED = "applied", "dropped"
+#: How often a replica checks whether it has an upstream; the backoff of its tries to rejoin (first, most).
+_KEEPER_POLL = 0.1
+_REJOIN_BACKOFF = (0.2, 5.0)
 _WORKER_OPS = ("hello", "init", "pull", "push", "request", "agg_grant", "outcome", "model_blocks", "halt")
 
 
@@ -99,6 +113,14 @@ class ServerStats:
     replication_stalls: int = 0
     #: Successors an operator removed from the chain (``unlink``).
     unlinks: int = 0
+    #: Successors this node declared dead (no contact for ``peer_timeout``) and removed from the chain by
+    #: itself: ``bypasses`` of them by forwarding to the dead node's successor, the others by becoming the tail.
+    successors_lost: int = 0
+    bypasses: int = 0
+    #: Times this node joined a tail by itself (restarted, or left out of the chain while alive).
+    rejoins: int = 0
+    #: ``promote`` requests refused because another chain node is the primary or is further along.
+    promotions_refused: int = 0
     #: Pushes refused because an update id was older than its rank's outcome window.
     expired_ids: int = 0
     #: State transfers this node installed (it restarted empty or joined the chain).
@@ -196,8 +218,15 @@ class FabricServer:
                  batch_window: float = 0.01, default_bandwidth: float = 1.25e6, scheduler: Scheduler | None = None,
                  frame_timeout: float = 30.0, outcome_window: int = 1024, log_size: int = 100_000,
                  joining: bool = False, chain_members: Sequence[tuple[str, int]] | None = None,
-                 distribution: ModelSender | None = None, gang: bool | None = None) -> None:
-        """``gang``: plan gang rounds (scheduler item 6); default: when this node sends versions (``distribution``)."""
+                 distribution: ModelSender | None = None, gang: bool | None = None,
+                 peer_timeout: float = 0.0, probe_timeout: float = 1.0) -> None:
+        """``gang``: plan gang rounds (scheduler item 6); default: when this node sends versions (``distribution``).
+
+        ``peer_timeout`` > 0 makes the chain keep itself (docs/mlfabric.md, "Replication"): a successor
+        without contact for that long is removed, and a replica without upstream for that long (at once if
+        ``joining``) joins the live chain's tail by itself, retrying with backoff. 0: an operator does both.
+        ``probe_timeout``: how long to wait for each chain node asked for its status (promote, rejoin).
+        """
         if config.ps is None:
             raise ConfigError("ps: an MLfabric job needs the parameter server's endpoint")
         if replica is not None and not 0 <= replica < len(config.replicas):
@@ -214,9 +243,11 @@ class FabricServer:
         self.role = "primary" if replica is None and not joining else "replica"
         self.replica_index = replica
         chain = [config.ps, *config.replicas]
+        #: The job's PS chain endpoints in configured order: the nodes asked before a promotion or a rejoin.
+        self.chain: list[Endpoint] = [resolve(e) for e in chain] if chain_members is None else [
+            (str(h), int(p)) for h, p in chain_members]
         #: Endpoints that may join this node as its successor: by default the job config's PS chain.
-        self.chain_members = frozenset(resolve(e) for e in chain) if chain_members is None else frozenset(
-            chain_members)
+        self.chain_members = frozenset(self.chain)
         position = 0 if replica is None else replica + 1
         self.endpoint = chain[position]
         successor = chain[position + 1] if position + 1 < len(chain) and not joining else None
@@ -226,8 +257,21 @@ class FabricServer:
         self.gate_timeout = gate_timeout
         self.pull_timeout = pull_timeout
         self.frame_timeout = frame_timeout
+        if peer_timeout < 0 or probe_timeout <= 0:
+            raise ValueError("peer_timeout must be >= 0 and probe_timeout > 0")
+        if peer_timeout >= ack_timeout:
+            # A node waits up to ack_timeout for its successor: pushes would fail before a dead node is
+            # removed, and a predecessor would declare dead a node that only waits for its own dead successor.
+            raise ValueError(f"peer_timeout ({peer_timeout} s) must be below ack_timeout ({ack_timeout} s)")
+        self.peer_timeout = peer_timeout
+        self.probe_timeout = probe_timeout
+        self._joining = joining
         self.sock = listen(bind or resolve(self.endpoint))
         self.address: tuple[str, int] = self.sock.getsockname()
+        #: This node's endpoints: the configured one (what others know it by) and the bound address.
+        self.own: frozenset[Endpoint] = frozenset({resolve(self.endpoint), tuple(self.address)})
+        #: Counters the forwarder's thread updates (it must not take ``_cond``: an apply may hold it, waiting).
+        self._chain_lock = threading.Lock()
         self.forwarder = self._forwarder(resolve(successor), 0) if successor is not None else None
         self.grants: GrantService | None = None
         if config.schedule == "mlfabric":
@@ -267,7 +311,26 @@ class FabricServer:
 
     def _forwarder(self, successor: tuple[str, int], head: int) -> ChainForwarder:
         return ChainForwarder(successor, self.job_id, head=head, max_lag=self.max_lag, timeout=self.ack_timeout,
-                              snapshot_source=self._snapshot, secret=self.config.secret)
+                              snapshot_source=self._snapshot, secret=self.config.secret,
+                              peer_timeout=self.peer_timeout, own=self.own, on_lost=self._successor_lost)
+
+    def _successor_lost(self, dead: Endpoint, new: Endpoint | None) -> None:
+        """The forwarder removed a dead successor (its thread; see ChainForwarder's ``on_lost``)."""
+        with self._chain_lock:
+            self.stats.successors_lost += 1
+            self.stats.bypasses += new is not None
+            self.stats.last_error = f"successor {dead[0]}:{dead[1]} declared dead" + (
+                f", bypassed to {new[0]}:{new[1]}" if new is not None else ", this node is the tail")
+
+    def _live_forwarder(self) -> ChainForwarder | None:
+        """The forwarder to this node's successor; None if there is none (or it detached: this node is the tail)."""
+        forwarder = self.forwarder
+        return None if forwarder is None or forwarder.detached else forwarder
+
+    def _successor(self) -> list[Any] | None:
+        """The successor as [host, port] (in answers upstream: the node to bypass to if this one dies)."""
+        forwarder = self._live_forwarder()
+        return list(forwarder.successor) if forwarder is not None else None
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> FabricServer:
@@ -279,6 +342,10 @@ class FabricServer:
                                   name="mlfabric-accept", daemon=True)
         thread.start()
         self._threads.append(thread)
+        if self.peer_timeout > 0:
+            keeper = threading.Thread(target=self._keep_in_chain, name="mlfabric-rejoin", daemon=True)
+            keeper.start()
+            self._threads.append(keeper)
         return self
 
     def stop(self) -> None:
@@ -332,7 +399,7 @@ class FabricServer:
     def _dispatch(self, frame: Frame, state: dict[str, bool]) -> tuple[dict[str, Any], bytes]:
         header = frame.header
         op = header.get("op")
-        with self._cond:
+        with self._chain_lock:  # not the apply lock: chain_state must answer while an apply holds that
             self.stats.requests += 1
         if header.get("job_id") != self.job_id:
             raise ValueError(f"request for job {header.get('job_id')!r}; this PS serves job {self.job_id}")
@@ -341,7 +408,8 @@ class FabricServer:
                     "request": self._op_request, "agg_grant": self._op_agg_grant, "outcome": self._op_outcome,
                     "model_blocks": self._op_model_blocks,
                     "halt": self._op_halt,
-                    "stats": self._op_stats, "promote": self._op_promote, "join": self._op_join,
+                    "stats": self._op_stats, "chain_state": self._op_chain_state,
+                    "promote": self._op_promote, "join": self._op_join,
                     "unlink": self._op_unlink}
         if op == "chain_hello":
             return self._op_chain_hello(frame, state)
@@ -590,12 +658,13 @@ class FabricServer:
 
     def _commit(self, meta: dict[str, Any], blob: bytes, apply: Any) -> int:
         """Reserve room in the chain, apply, hand the record to the successor (holding the lock)."""
-        if self.forwarder is not None:
-            self.forwarder.reserve(self.ack_timeout)
+        forwarder = self._live_forwarder()
+        if forwarder is not None:
+            forwarder.reserve(self.ack_timeout)
         apply()
         self.seq += 1
-        if self.forwarder is not None:
-            self.forwarder.submit(self.seq, meta, blob)
+        if forwarder is not None:
+            forwarder.submit(self.seq, meta, blob)
         self._cond.notify_all()
         return self.seq
 
@@ -623,11 +692,17 @@ class FabricServer:
 
     def _await_safe(self, seq: int) -> None:
         """Return once record ``seq`` is acknowledged down the chain; ValueError (not acked) otherwise."""
-        if self.forwarder is not None and not self.forwarder.wait_acked(seq, self.ack_timeout):
-            with self._cond:
-                self.stats.replication_stalls += 1
-            raise ValueError(f"applied at the primary but not acknowledged by the replica within "
-                             f"{self.ack_timeout:.1f} s: not safe, push again with the same update id")
+        deadline = time.monotonic() + self.ack_timeout
+        while (forwarder := self._live_forwarder()) is not None:
+            if forwarder.wait_acked(seq, max(0.0, deadline - time.monotonic())):
+                return
+            if self.forwarder is forwarder or time.monotonic() >= deadline:
+                with self._cond:
+                    self.stats.replication_stalls += 1
+                raise ValueError(f"applied at the primary but not acknowledged by the replica within "
+                                 f"{self.ack_timeout:.1f} s: not safe, push again with the same update id")
+        # No successor (any more): applied here is applied by the whole chain. A forwarder replaced meanwhile
+        # (an unlink, a join) is asked again by the loop.
 
     def _op_request(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         if self.grants is None:
@@ -724,9 +799,11 @@ class FabricServer:
             stats = asdict(self.stats)
             stats["applied_by_rank"] = {str(k): v for k, v in self.stats.applied_by_rank.items()}
             stats["dropped_by_rank"] = {str(k): v for k, v in self.stats.dropped_by_rank.items()}
+            forwarder = self.forwarder
             result: dict[str, Any] = {
                 "ok": True, "role": self.role, "version": self.version, "seq": self.seq, "halted": self.halted,
-                "caught_up": self._caught_up,
+                "caught_up": self._caught_up, "upstream": self._upstream,
+                "superseded": forwarder is not None and forwarder.superseded,
                 "initialized": self.model is not None, "started_at": self.started_at, "stats": stats,
                 "max_delay": self.max_delay,
                 "delay_histogram": {str(d): n for d, n in sorted(self.delay_histogram.items())},
@@ -736,8 +813,7 @@ class FabricServer:
                 result["log"] = [asdict(e) for e in self.log]
             if self.distribution is not None:
                 result["distribution"] = asdict(self.distribution.stats)
-            if self.forwarder is not None:
-                forwarder = self.forwarder
+            if (forwarder := self._live_forwarder()) is not None:
                 snapshots_sent = forwarder.snapshots_sent  # read first: it counts acknowledged transfers
                 result["replication"] = {"successor": list(forwarder.successor), "snapshots_sent": snapshots_sent,
                                          "acked_seq": forwarder.acked_seq, "head": forwarder.head,
@@ -750,19 +826,64 @@ class FabricServer:
 
     # -- chain ops -----------------------------------------------------------------
     def _op_promote(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        """A worker asks this node to take over as primary (see :meth:`_promotable` for the rules)."""
         with self._cond:
             if self.role == "primary":
                 return {"ok": True, "role": self.role, "promoted": False}, b""
-            if self._upstream > 0:
-                raise ValueError("not promoted: the primary is still connected to this replica")
-            if not self._caught_up:
-                raise ValueError("not promoted: this replica has not caught up with the chain (it restarted empty or "
-                                 "joined and its state transfer has not arrived)")
+            self._promotable()
+            seq = self.seq
+        # Ask the other chain nodes (outside the lock: network round trips) ...
+        blocker = self._promotion_blocker(seq)
+        with self._cond:
+            if self.role == "primary":  # another worker's promote got here first
+                return {"ok": True, "role": self.role, "promoted": False}, b""
+            if blocker:
+                self.stats.promotions_refused += 1
+                raise ValueError(f"not promoted: {blocker}")
+            self._promotable()  # ... and check again: an upstream may have connected meanwhile
+            if self.seq != seq:
+                raise ValueError("not promoted: this replica applied records while it was asking the chain")
             self.role = "primary"
             self.started_at = self.started_at or time.monotonic()
             log.warning("promoted to primary at version %d (record %d)", self.version, self.seq)
             self._cond.notify_all()
         return {"ok": True, "role": self.role, "promoted": True}, b""
+
+    def _promotable(self) -> None:
+        """ValueError unless this replica may take over, as far as it knows itself (holding the lock)."""
+        if self._upstream > 0:
+            raise ValueError("not promoted: the primary is still connected to this replica")
+        if not self._caught_up:
+            raise ValueError("not promoted: this replica has not caught up with the chain (it restarted empty or "
+                             "joined and its state transfer has not arrived)")
+
+    def _promotion_blocker(self, seq: int) -> str:
+        """Why another chain node, not this one, is or should be the primary ("" if none that answers is).
+
+        Every other configured chain node that answers is asked for its state: one that is a primary (and
+        not superseded) blocks the promotion; so does another candidate — a caught-up replica without
+        upstream, like this one — that is further along: more records, or as many and an earlier place in
+        the configured chain. So of two candidates asked at once only one accepts (their records do not
+        change: neither has an upstream), and the one accepting has every record the others have.
+        """
+        mine = (seq, -self._chain_index(self.own))
+        for endpoint in self.chain:
+            if endpoint in self.own:
+                continue
+            node = chainctl.node_status(endpoint, self.config, timeout=self.probe_timeout)
+            if not node["reachable"]:
+                continue
+            where = f"{endpoint[0]}:{endpoint[1]}"
+            if node["role"] == "primary" and not node.get("superseded"):
+                return f"{where} is the primary (this replica is not in its chain any more: it rejoins as a tail)"
+            if (node["role"] == "replica" and node["caught_up"] and not node.get("upstream")
+                    and (node["seq"], -self._chain_index({endpoint})) > mine):
+                return (f"{where} has no upstream either and is further along (record {node['seq']}, this "
+                        f"replica {seq}): it takes over")
+        return ""
+
+    def _chain_index(self, endpoints: frozenset[Endpoint] | set[Endpoint]) -> int:
+        return next((i for i, e in enumerate(self.chain) if e in endpoints), len(self.chain))
 
     def _op_chain_hello(self, frame: Frame, state: dict[str, bool]) -> tuple[dict[str, Any], bytes]:
         head = frame.header.get("head")
@@ -770,11 +891,13 @@ class FabricServer:
             if self.role == "primary":
                 raise ValueError(PRIMARY_REFUSAL)
             if not state["upstream"]:
+                if self._upstream > 0:  # a chain has one predecessor per node (the other one reconnects later)
+                    raise ValueError(ANOTHER_UPSTREAM)
                 state["upstream"] = True
                 self._upstream += 1
             if head == self.seq:  # level with the upstream: nothing it had is missing here
                 self._caught_up = True
-            return {"ok": True, "seq": self.seq}, b""
+            return {"ok": True, "seq": self.seq, "successor": self._successor()}, b""
 
     def _op_replicate(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         header = frame.header
@@ -782,8 +905,8 @@ class FabricServer:
         with self._cond:
             if self.role == "primary":
                 raise ValueError("this node was promoted; it takes no more replication records")
-            if seq <= self.seq:
-                return {"ok": True, "seq": self.seq}, b""  # a resend after a reconnect
+            if seq <= self.seq:  # a resend after a reconnect
+                return {"ok": True, "seq": self.seq, "successor": self._successor()}, b""
             if seq != self.seq + 1:
                 raise ValueError(f"record {seq} after {self.seq}: a record is missing")
             if kind == "init":
@@ -811,7 +934,7 @@ class FabricServer:
                 raise ValueError(f"unknown record kind {kind!r}")
             self._caught_up = True  # the record follows on what this node had: it is in sequence
         self._await_safe(committed)
-        return {"ok": True, "seq": committed}, b""
+        return {"ok": True, "seq": committed, "successor": self._successor()}, b""
 
     # -- state transfer and joining the chain ----------------------------------------
     def _snapshot(self, wait: float) -> tuple[dict[str, Any], bytes] | None:
@@ -871,31 +994,33 @@ class FabricServer:
             self.stats.aggregated_applies = int(counters["aggregated_applies"])
             self.stats.snapshots_installed += 1
             self._caught_up = True
-            if self.forwarder is not None:  # this node's successor must now reach the same state
-                self.forwarder.reset(seq)
+            if (forwarder := self._live_forwarder()) is not None:  # its successor must now reach the same state
+                forwarder.reset(seq)
             self._cond.notify_all()
         log.warning("installed a state transfer: record %d, version %d", seq, version)
         self._await_safe(seq)
-        return {"ok": True, "seq": seq}, b""
+        return {"ok": True, "seq": seq, "successor": self._successor()}, b""
 
     def _op_unlink(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         """An operator removes this node's (dead) successor from the chain: the chain gets shorter.
 
         Replication to that node stops; updates applied from now on are acknowledged without it
         (a weaker guarantee, chosen by the operator, instead of a job that stands still). Records
-        applied before and not yet acknowledged stay unacknowledged: their pushes fail as not
-        safe and are recognised by id when the workers push them again. A fresh node can later
-        ``join`` this node, now the tail.
+        applied before and not yet acknowledged count as acknowledged by the shorter chain (pushes
+        still waiting for them are answered; those that already failed are recognised by id when
+        the workers push them again). A fresh node can later ``join`` this node, now the tail.
+        With ``peer_timeout`` the node does this by itself (ChainForwarder's failure detection).
         """
         successor = _endpoint_field(frame.header, "successor", "unlink")
         with self._cond:
-            forwarder = self.forwarder
+            forwarder = self._live_forwarder()
             if forwarder is None:
                 raise ValueError("unlink: this node has no successor (it is the tail of the chain)")
             if forwarder.successor != successor:
                 raise ValueError(f"unlink: this node's successor is {forwarder.successor[0]}:"
                                  f"{forwarder.successor[1]}, not {successor[0]}:{successor[1]}")
-        forwarder.stop()  # outside the lock: it wakes pushes waiting (holding it) for room or acknowledgements
+        forwarder.detach()  # outside the lock: it wakes pushes waiting (holding it) for room or acknowledgements
+        forwarder.stop()
         with self._cond:
             if self.forwarder is forwarder:
                 self.forwarder = None
@@ -917,20 +1042,105 @@ class FabricServer:
         with self._cond:
             if self._stop.is_set():
                 raise ValueError("join: this node is stopping")
-            if successor in (tuple(self.address), resolve(self.endpoint)):
+            if successor in self.own:
                 raise ValueError(f"join: {successor[0]}:{successor[1]} is this node's own endpoint")
-            if self.forwarder is not None:
-                if self.forwarder.successor == successor:  # the successor restarted: its forwarder catches it up
+            if (forwarder := self._live_forwarder()) is not None:
+                if forwarder.successor == successor:  # the successor restarted: its forwarder catches it up
                     return {"ok": True, "role": self.role, "seq": self.seq, "rejoined": True}, b""
                 raise ValueError(f"join refused: this node is not the tail of the chain (it forwards to "
-                                 f"{self.forwarder.successor[0]}:{self.forwarder.successor[1]}); join the tail")
+                                 f"{forwarder.successor[0]}:{forwarder.successor[1]}); join the tail")
             if not self._caught_up:
                 raise ValueError("join refused: this node has not caught up with the chain itself yet (its state "
                                  "transfer has not arrived); join it once it has")
+            if self.forwarder is not None:  # detached from a dead successor: its thread has ended
+                self.forwarder.stop()
             self.forwarder = self._forwarder(successor, self.seq).start()
             seq = self.seq
         log.warning("%s:%d joined the chain as this node's successor at record %d", *successor, seq)
         return {"ok": True, "role": self.role, "seq": seq, "rejoined": False}, b""
+
+    # -- keeping this node in the chain by itself (peer_timeout > 0) -------------------
+    def _keep_in_chain(self) -> None:
+        """A replica without upstream for ``peer_timeout`` (at once if it started joining) joins the tail.
+
+        A replica whose upstream is gone either is the next primary (the workers promote it) or was
+        left out of the chain (its predecessor died and the node before that detached), or it just
+        restarted. Every try asks the chain (:meth:`_rejoin`); while the answer is "wait" (no primary
+        yet, the chain still being repaired, a node forwarding to this one) it tries again with
+        backoff, 0.2 s doubling up to 5 s. A primary, or a replica with an upstream, does nothing.
+        """
+        alone_since = -math.inf if self._joining else None
+        backoff, next_try, waiting = _REJOIN_BACKOFF[0], 0.0, ""
+        while not self._stop.wait(_KEEPER_POLL):
+            settled = self.role == "primary" or self._upstream > 0  # no lock: an apply may hold it, waiting
+            now = time.monotonic()
+            if settled:
+                alone_since, backoff, waiting = None, _REJOIN_BACKOFF[0], ""
+                continue
+            alone_since = now if alone_since is None else alone_since
+            if now - alone_since < self.peer_timeout or now < next_try:
+                continue
+            try:
+                why = self._rejoin()
+            except (FabricError, ConfigError, KeyError, TypeError, ValueError) as err:
+                why = f"{type(err).__name__}: {err}"
+            if not why:  # joined: the tail's forwarder connects and brings this node up to date
+                backoff, next_try, waiting = _REJOIN_BACKOFF[0], now + self.peer_timeout, ""
+                continue
+            if why != waiting:  # once per distinct reason, not once per try
+                log.warning("not in the chain yet: %s; asking again (backoff %.1f s to %.0f s)", why,
+                            _REJOIN_BACKOFF[0], _REJOIN_BACKOFF[1])
+            waiting, next_try = why, time.monotonic() + backoff
+            backoff = min(backoff * 2, _REJOIN_BACKOFF[1])
+
+    def _chain_state(self) -> dict[str, Any]:
+        """This node's place in the chain, read without the lock (see :meth:`_op_chain_state`)."""
+        forwarder, live = self.forwarder, self._live_forwarder()
+        return {"role": self.role, "version": self.version, "seq": self.seq, "caught_up": self._caught_up,
+                "halted": self.halted, "upstream": self._upstream,
+                "superseded": forwarder is not None and forwarder.superseded,
+                "successor": list(live.successor) if live is not None else None,
+                "lag": live.lag if live is not None else None,
+                "last_error": live.last_error if live is not None else "",
+                "successors_lost": self.stats.successors_lost, "bypasses": self.stats.bypasses,
+                "unlinks": self.stats.unlinks, "rejoins": self.stats.rejoins, "peer_timeout": self.peer_timeout}
+
+    def _op_chain_state(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        """Role, record number, upstream, successor, ...: what chain nodes ask each other before a promotion
+        or a rejoin (and ``chainctl status``). Answered without the apply lock, which an apply holds while it
+        waits for a slow or dead successor: a live primary must never look dead to a node deciding to take
+        over. The fields are each current but not read at one instant."""
+        return {"ok": True, **self._chain_state()}, b""
+
+    def _rejoin(self) -> str:
+        """One try at joining the live chain's tail: "" if joined, else why not (yet)."""
+        nodes = {e: chainctl.node_status(e, self.config, timeout=self.probe_timeout)
+                 for e in self.chain if e not in self.own}
+        me = resolve(self.endpoint)
+        with self._cond:
+            if self.role == "primary" or self._upstream > 0:
+                return ""
+            nodes[me] = {"endpoint": list(me), "reachable": True, **self._chain_state()}
+        view = chainctl.live_chain(nodes)
+        if me in view.order:  # its predecessor still forwards to this endpoint: it reconnects and catches it up
+            before = view.order[view.order.index(me) - 1]
+            return f"{before[0]}:{before[1]} forwards to this node (it reconnects)"
+        if view.tail is None:
+            return view.problem
+        with self._cond:
+            if self.role == "primary" or self._upstream > 0:
+                return ""
+            # Left out of the live chain: records acknowledged since may be missing here. Only the tail's
+            # forwarder (a level chain_hello, a record in sequence or a snapshot) makes it caught up again.
+            self._caught_up = False
+            seq = self.seq
+        response = self.join(view.tail, timeout=self.probe_timeout * 5)
+        with self._chain_lock:
+            self.stats.rejoins += 1
+        log.warning("joined the chain as the successor of its tail %s:%d (the tail at record %d, this node at %d; "
+                    "chain %s)", *view.tail, int(response.get("seq", -1)), seq,
+                    " -> ".join(f"{h}:{p}" for h, p in view.order))
+        return ""
 
     def join(self, target: tuple[str, int], timeout: float = 10.0) -> dict[str, Any]:
         """Ask ``target`` (the chain's tail) to take this node as its successor; raises Refused or Unreachable.
@@ -957,6 +1167,24 @@ def _endpoint_field(header: dict[str, Any], key: str, op: str) -> tuple[str, int
     return endpoint[0], endpoint[1]
 
 
+def chain_running(config: WorkerConfig, replica: int | None, timeout: float = 1.0) -> str:
+    """Why the node at chain position ``replica`` (None: the primary's) must join the running chain rather
+    than take its configured place: another chain node that answers is the primary or has applied records
+    ("" if none does: the job is starting, and every node takes its configured place)."""
+    assert config.ps is not None
+    chain = [resolve(e) for e in (config.ps, *config.replicas)]
+    position = 0 if replica is None else replica + 1
+    for i, endpoint in enumerate(chain):
+        if i == position:
+            continue
+        node = chainctl.node_status(endpoint, config, timeout=timeout)
+        if node["reachable"] and node["role"] == "primary" and not node["superseded"]:
+            return f"{endpoint[0]}:{endpoint[1]} is the primary"
+        if node["reachable"] and node["seq"] > 0:
+            return f"{endpoint[0]}:{endpoint[1]} has applied {node['seq']} records"
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one node of a job's MLfabric PS until SIGINT/SIGTERM."""
     parser = argparse.ArgumentParser(prog="python -m netagg.mlfabric.async_server",
@@ -969,6 +1197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--join", type=endpoint_arg, metavar="HOST:PORT",
                         help="start empty and join the chain as the successor of the node at HOST:PORT (its tail; "
                              "e.g. a replica promoted after a failover); it brings this node up to date")
+    parser.add_argument("--peer-timeout", type=float, default=3.0,
+                        help="seconds without contact after which a dead successor is removed from the chain, and "
+                        "a replica without upstream joins the live chain's tail by itself; at start, a node whose "
+                        "chain is already running (another node is the primary or has state) joins its tail "
+                        "instead of taking its configured place (default 3; 0: an operator does it: chainctl)")
     parser.add_argument("--outcome-window", type=int, default=1024,
                         help="steps per rank whose outcomes are kept to answer repeated pushes (default 1024)")
     parser.add_argument("--log-size", type=int, default=100_000,
@@ -988,14 +1221,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = WorkerConfig.load(args.config)
         join_target = resolve(args.join) if args.join is not None else None
+        if args.peer_timeout < 0:
+            raise ValueError(f"--peer-timeout {args.peer_timeout}: must be >= 0")
+        running = ""
+        if join_target is None and args.peer_timeout > 0 and config.ps is not None:
+            running = chain_running(config, args.replica)
         distribution = None
         if args.model_config:
             distribution = ModelSender(WorkerConfig.load(args.model_config), rate_of(args.model_rate_mbit))
         server = FabricServer(config, lr=args.lr, replica=args.replica, distribution=distribution,
                               bind=resolve(args.bind) if args.bind is not None else None, max_lag=args.max_lag,
                               default_bandwidth=args.default_bandwidth, outcome_window=args.outcome_window,
-                              batch_window=args.batch_window, gang=args.gang,
-                              log_size=args.log_size, joining=args.join is not None)
+                              batch_window=args.batch_window, gang=args.gang, peer_timeout=args.peer_timeout,
+                              log_size=args.log_size, joining=args.join is not None or bool(running))
     except (ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -1008,6 +1246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"error: join {args.join.host}:{args.join.port}: {err}", file=sys.stderr)
                 return 2
             print(f"joined the chain after {args.join.host}:{args.join.port} (its record {joined['seq']})", flush=True)
+        if running:
+            print(f"the chain is running ({running}): joining its tail", flush=True)
         print(f"mlfabric PS: job {config.job_id} {server.role} ({config.update_mode}, schedule {config.schedule}, "
               f"delay bound {config.delay_bound}, {len(config.replicas)} replica(s)) on "
               f"{server.address[0]}:{server.address[1]}", flush=True)

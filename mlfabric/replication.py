@@ -25,6 +25,16 @@ sequence number, outcome window, log, counters) taken under the node's apply loc
 after ``S`` follow as usual. While the snapshot is in flight, new records queue up to
 ``max_lag`` and applies wait, as with any slow successor. When idle, the forwarder
 pings (``chain_hello``) so a successor that restarted is noticed and brought back.
+
+**Failure detection** (``peer_timeout`` > 0): every answer of the successor (to a ping, a
+record, a snapshot) counts as contact. If the successor stays unreachable (or another node
+holds it as its successor: :data:`ANOTHER_UPSTREAM`) for ``peer_timeout`` seconds since the
+last contact, it is declared dead and removed from the chain, as ``chainctl unlink`` does:
+if its last answer named its own successor, the forwarder *bypasses* it — it goes on with
+that node, keeping its queue, and resends whatever that node lacks (that node acknowledged
+everything the dead one acknowledged, so nothing is missing) — otherwise the forwarder
+*detaches*: this node becomes the tail, the records it holds count as acknowledged by the
+shorter chain, and later records are acknowledged as soon as they are applied here.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from netagg.mlfabric.protocol import Connection, FabricError, Refused, Unreachable
@@ -45,6 +55,13 @@ _PING_SECONDS = 1.0
 _SNAPSHOT_POLL = 0.05
 #: A primary's answer to ``chain_hello``: a node whose successor says this was replaced (``superseded``).
 PRIMARY_REFUSAL = "this node is a primary; it takes no replication stream"
+#: A node's answer to a ``chain_hello`` while another upstream node is connected to it: one predecessor only.
+ANOTHER_UPSTREAM = "another upstream node forwards to this node"
+
+Endpoint = tuple[str, int]
+#: ``on_lost(dead, new)``: the forwarder removed ``dead`` from the chain; ``new`` is the node it bypasses to,
+#: or None (it detached: this node is the tail now). Called from the forwarder's thread, holding no lock.
+LostCallback = Callable[[Endpoint, "Endpoint | None"], None]
 
 #: ``snapshot_source(wait)``: ``(header, blob)`` of the node's state — the header has its ``seq`` —
 #: taken under the node's apply lock if that lock can be had within ``wait`` seconds (0: only if free
@@ -65,10 +82,24 @@ class ChainForwarder:
     """
 
     def __init__(self, successor: tuple[str, int], job_id: int, *, head: int = 0, max_lag: int = 1,
-                 timeout: float = 5.0, snapshot_source: SnapshotSource | None = None, secret: str = "") -> None:
+                 timeout: float = 5.0, snapshot_source: SnapshotSource | None = None, secret: str = "",
+                 peer_timeout: float = 0.0, own: Iterable[Endpoint] = (), on_lost: LostCallback | None = None) -> None:
+        """``peer_timeout``: seconds without contact after which an unreachable successor is removed from
+        the chain (0: never; an operator unlinks it). ``own``: this node's endpoints (never a bypass target)."""
         if max_lag < 1:
             raise ValueError("max_lag must be >= 1")
+        if peer_timeout < 0:
+            raise ValueError("peer_timeout must be >= 0")
         self.successor = successor
+        self.peer_timeout = peer_timeout
+        self._own = frozenset(own)
+        self._on_lost = on_lost
+        #: The successor's successor, as its last answer said (the node a dead successor is bypassed to).
+        self.next_successor: Endpoint | None = None
+        #: The successor was removed and no other took its place: this node is the tail (acknowledges at once).
+        self.detached = False
+        #: Successors this forwarder declared dead (bypassed or detached).
+        self.successors_lost = 0
         self.job_id = job_id
         self.max_lag = max_lag
         self.timeout = timeout
@@ -96,6 +127,7 @@ class ChainForwarder:
         self._snapshot: tuple[dict[str, Any], bytes] | None = None
 
     def start(self) -> ChainForwarder:
+        self._last_contact = time.monotonic()  # the failure timeout counts from here until a first answer
         self._thread.start()
         return self
 
@@ -107,6 +139,19 @@ class ChainForwarder:
             self._thread.join(timeout=5)
         if self._conn is not None:
             self._conn.close()
+
+    def detach(self) -> None:
+        """Stop forwarding (``unlink``): this node is the tail; what it holds counts as acknowledged."""
+        with self._cond:
+            self.detached = True
+            self._queue.clear()
+            self.acked_seq = max(self.acked_seq, self.head)
+            self._cond.notify_all()
+
+    @property
+    def probe_timeout(self) -> float:
+        """Timeout of a connection attempt or ping: the failure timeout, when that is shorter."""
+        return min(self.timeout, self.peer_timeout) if self.peer_timeout > 0 else self.timeout
 
     @property
     def lag(self) -> int:
@@ -122,7 +167,7 @@ class ChainForwarder:
         """
         def room() -> bool:
             self._serve_snapshot()
-            return len(self._queue) < self.max_lag or self._stop.is_set()
+            return len(self._queue) < self.max_lag or self._stop.is_set() or self.detached
 
         with self._cond:
             if not self._cond.wait_for(room, timeout):
@@ -133,8 +178,11 @@ class ChainForwarder:
     def submit(self, seq: int, header: dict[str, Any], blob: bytes) -> None:
         """Queue the record applied as ``seq`` (call in apply order, after :meth:`reserve`)."""
         with self._cond:
-            self._queue.append((seq, header, blob))
             self.head = seq
+            if self.detached:  # the tail: applied here is applied by the whole (shorter) chain
+                self.acked_seq = seq
+            else:
+                self._queue.append((seq, header, blob))
             self._cond.notify_all()
 
     def reset(self, head: int) -> None:
@@ -159,8 +207,10 @@ class ChainForwarder:
         while not self._stop.is_set():
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self.acked_seq < self.head or self._resync
-                                    or self._stop.is_set() or self._conn is None, _PING_SECONDS / 2)
-                if self._stop.is_set():
+                                    or self._stop.is_set() or self._conn is None or self.detached,
+                                    _PING_SECONDS / 2)
+                if self._stop.is_set() or self.detached:
+                    self._close()
                     return
                 resync, self._resync = self._resync, False
             try:
@@ -180,6 +230,7 @@ class ChainForwarder:
                 response, _ = conn.call({**header, "op": "replicate", "job_id": self.job_id, "seq": seq}, blob,
                                         timeout=self.timeout)
                 acked = int(response["seq"])
+                self._learn(response)
             except (Unreachable, Refused, KeyError, ValueError) as err:
                 self.last_error = str(err)
                 self.superseded = self.superseded or PRIMARY_REFUSAL in self.last_error
@@ -187,12 +238,55 @@ class ChainForwarder:
                     log.warning("replication to %s:%d: %s", *self.successor, err)
                 failing = self.last_error
                 self._close()
+                if self._dead(err):
+                    self._lose_successor()
+                    failing = ""
+                    continue
                 self._stop.wait(_RETRY_SECONDS)
                 continue
             failing = ""
             self._last_contact = time.monotonic()
             self.records_sent += 1
             self._acknowledge(acked)
+
+    def _dead(self, err: Exception) -> bool:
+        """Whether the successor, failing with ``err``, is past the failure timeout (never, without one)."""
+        if self.peer_timeout <= 0 or self._stop.is_set():
+            return False
+        if not (isinstance(err, Unreachable) or ANOTHER_UPSTREAM in str(err)):
+            return False  # it answered: a refusal is not a death (a stale node, a record missing, ...)
+        return time.monotonic() - self._last_contact >= self.peer_timeout
+
+    def _lose_successor(self) -> None:
+        """Remove the dead successor from the chain: bypass it to its own successor, or detach."""
+        silent = time.monotonic() - self._last_contact
+        with self._cond:
+            dead, new = self.successor, self.next_successor
+            self.next_successor = None
+            self.successors_lost += 1
+            if new is not None and new != dead and new not in self._own:
+                self.successor = new  # the queue stays: the new successor gets what it lacks on connection
+                self._last_contact = time.monotonic()
+            else:
+                new = None
+                self.detached = True
+                self._queue.clear()
+                self.acked_seq = max(self.acked_seq, self.head)
+            self._cond.notify_all()
+        if new is not None:
+            log.warning("successor %s:%d unreachable for %.1f s (%s): removed from the chain at record %d; "
+                        "forwarding to its successor %s:%d instead", *dead, silent, self.last_error, self.head, *new)
+        else:
+            log.warning("successor %s:%d unreachable for %.1f s (%s): removed from the chain at record %d; "
+                        "this node is the tail now", *dead, silent, self.last_error, self.head)
+        if self._on_lost is not None:
+            self._on_lost(dead, new)
+
+    def _learn(self, response: dict[str, Any]) -> None:
+        """Remember the successor's successor from its answer (``successor``: [host, port] or null)."""
+        if "successor" in response:
+            nxt = response["successor"]
+            self.next_successor = (str(nxt[0]), int(nxt[1])) if isinstance(nxt, list) and len(nxt) == 2 else None
 
     def _close(self) -> None:
         if self._conn is not None:
@@ -209,14 +303,16 @@ class ChainForwarder:
     def _hello(self, conn: Connection) -> int:
         with self._cond:
             head = self.head
-        response, _ = conn.call({"op": "chain_hello", "job_id": self.job_id, "head": head})
+        response, _ = conn.call({"op": "chain_hello", "job_id": self.job_id, "head": head},
+                                timeout=self.probe_timeout)
         self._last_contact = time.monotonic()
+        self._learn(response)
         return int(response["seq"])
 
     def _connection(self) -> Connection:
         if self._conn is not None:
             return self._conn
-        conn = Connection(self.successor, timeout=self.timeout, secret=self._secret)
+        conn = Connection(self.successor, timeout=self.probe_timeout, secret=self._secret)
         try:
             their_seq = self._hello(conn)
             with self._cond:
@@ -246,6 +342,8 @@ class ChainForwarder:
                     *self.successor, header["seq"], their_seq, len(blob))
         response, _ = conn.call({**header, "op": "snapshot", "job_id": self.job_id}, blob, timeout=self.timeout)
         acked = int(response["seq"])
+        self._last_contact = time.monotonic()
+        self._learn(response)
         self._acknowledge(acked)
         self.snapshots_sent += 1  # after the acknowledgement: who sees it counted sees the acknowledged seq
         return acked

@@ -14,6 +14,7 @@ import pytest
 from benchmarks.mlfabric_worker import load_digits_fast, model_loss
 from examples.mlp_digits import init_params
 from netagg.localports import free_ports
+from netagg.mlfabric import chainctl
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.protocol import Connection, Refused
 from netagg.mlfabric.testing import collect, loopback_configs, start_ps, start_workers, stop, write_configs
@@ -492,3 +493,174 @@ def test_an_operator_unlinks_a_dead_replica_and_the_job_goes_on_then_a_fresh_nod
         for node in (rejoined, primary, replica):
             if node is not None:
                 node.stop()
+
+
+# -- a chain that keeps itself (peer_timeout): docs/mlfabric.md, "Replication (chain) and failover" --------------
+PEER_TIMEOUT = 0.5
+
+
+def _three(peer_timeout: float = PEER_TIMEOUT, **options) -> tuple[list[FabricServer], list]:
+    """A 3-node chain in-process (primary, replica 0, replica 1), started tail first."""
+    configs = loopback_configs(2, update_mode="async", delay_bound=5, replicas=2)
+    nodes = [FabricServer(configs[0], replica=i, gate_timeout=0, peer_timeout=peer_timeout, **options)
+             for i in (1, 0)]
+    nodes.reverse()
+    for node in nodes[::-1]:
+        node.start()
+    primary = FabricServer(configs[0], gate_timeout=0, peer_timeout=peer_timeout, **options).start()
+    return [primary, *nodes], configs
+
+
+def _client(configs, rank: int = 0) -> FabricClient:
+    client = FabricClient.from_config(configs[rank], failover_timeout=10)
+    client.hello()
+    return client
+
+
+def test_a_dead_tail_is_removed_after_the_peer_timeout_and_the_waiting_push_is_acknowledged():
+    (primary, middle, tail), configs = _three(ack_timeout=10)
+    try:
+        client = _client(configs)
+        client.init(np.zeros(3, np.float32))
+        g = np.ones(3, np.float32)
+        assert client.push("0:0", 0, g)["outcome"] == "applied"
+        _same_state(primary, tail)
+        tail.stop()  # as dead as a killed process to its predecessor: connections refused
+        # The push waits (the middle cannot have it acknowledged) until the middle removes its dead successor,
+        # then it is acknowledged by the shorter chain: no error, applied once.
+        assert client.push("0:1", 1, g)["outcome"] == "applied"
+        assert middle.stats.successors_lost == 1 and middle.stats.bypasses == 0 and middle.stats.unlinks == 0
+        assert middle._live_forwarder() is None and primary.forwarder.successor == middle.address
+        assert client.push("0:2", 2, g)["outcome"] == "applied"
+        _same_state(primary, middle)
+        state = chainctl.node_status(middle.address, configs[0])
+        assert state["successor"] is None and state["successors_lost"] == 1
+        client.close()
+    finally:
+        for node in (primary, middle, tail):
+            node.stop()
+
+
+def test_a_dead_middle_node_is_bypassed_to_its_successor_which_gets_only_what_it_lacks():
+    (primary, middle, tail), configs = _three(ack_timeout=10)
+    try:
+        client = _client(configs)
+        client.init(np.zeros(3, np.float32))
+        g = np.ones(3, np.float32)
+        for step in range(3):
+            assert client.push(f"0:{step}", step, g)["outcome"] == "applied"
+        assert primary.forwarder.next_successor == tail.address  # learnt from the middle's answers
+        middle.stop()
+        assert client.push("0:3", 3, g)["outcome"] == "applied"
+        assert primary.stats.successors_lost == primary.stats.bypasses == 1
+        assert primary.forwarder.successor == tail.address and not primary.forwarder.detached
+        assert primary.forwarder.snapshots_sent == 0  # the tail had everything but the last record: resent
+        assert client.push("0:4", 4, g)["outcome"] == "applied"
+        _same_state(primary, tail)
+        assert [e.update_id for e in tail.log] == [f"0:{s}" for s in range(5)]
+        nodes = {tuple(n["endpoint"]): n for n in chainctl.chain_status(configs[0], timeout=1)}
+        view = chainctl.live_chain(nodes)
+        assert view.order == [primary.address, tail.address] and view.tail == tail.address
+        client.close()
+    finally:
+        for node in (primary, middle, tail):
+            node.stop()
+
+
+def test_a_replica_is_not_promoted_while_a_primary_answers_and_of_two_candidates_only_one_is():
+    (primary, middle, tail), configs = _three(peer_timeout=0)
+    try:
+        client = _client(configs)
+        client.init(np.zeros(2, np.float32))
+        assert client.push("0:0", 0, np.ones(2, np.float32))["outcome"] == "applied"
+        # The middle drops the (live) tail: the tail, caught up, has no upstream now, yet a primary answers.
+        chainctl.unlink(configs[0], middle.address, tail.address)
+        _wait_for(lambda: tail._upstream == 0, what="the tail to lose its upstream")
+        to_tail = Connection(tail.address, secret=configs[0].secret)
+        with pytest.raises(Refused, match=r"not promoted: 127.0.0.1:\d+ is the primary"):
+            to_tail.call({"op": "promote", "job_id": 1})
+        assert tail.stats.promotions_refused == 1
+        # The primary dies: the middle and the tail are both candidates, level (same record). Only the one
+        # earlier in the configured chain takes over; the other refuses, whichever is asked first.
+        primary.stop()
+        _wait_for(lambda: middle._upstream == 0, what="the middle to lose its upstream")
+        with pytest.raises(Refused, match=r"has no upstream either and is further along .* it takes over"):
+            to_tail.call({"op": "promote", "job_id": 1})
+        assert Connection(middle.address, secret=configs[0].secret).call(
+            {"op": "promote", "job_id": 1})[0]["promoted"]
+        with pytest.raises(Refused, match="is the primary"):
+            to_tail.call({"op": "promote", "job_id": 1})
+        to_tail.close()
+        client.close()
+    finally:
+        for node in (primary, middle, tail):
+            node.stop()
+
+
+def test_chain_state_answers_while_an_apply_holds_the_lock_waiting_for_a_dead_successor():
+    primary, replica, configs = _chain(ack_timeout=2, max_lag=1)
+    try:
+        client = FabricClient([configs[0].ps.as_tuple()], 1, 0, failover_timeout=10, secret=configs[0].secret)
+        client.hello()
+        client.init(np.zeros(2, np.float32))
+        replica.stop()
+        done: dict = {}
+        pushers = [threading.Thread(target=lambda s=s: done.setdefault(s, _try_push(client, s))) for s in (0, 1)]
+        pushers[0].start()  # applied, waits for an acknowledgement ...
+        _wait_for(lambda: primary.version == 1, what="the first push to be applied")
+        pushers[1].start()  # ... so this one waits for room, holding the apply lock
+        _wait_for(lambda: _held(primary._cond), what="the apply lock to be held")
+        state = chainctl.node_status(configs[0].ps.as_tuple(), configs[0], timeout=1)
+        assert state["reachable"] and state["role"] == "primary" and state["lag"] == 1  # answered, not timed out
+        assert _held(primary._cond)
+        for t in pushers:
+            t.join(10)
+        client.close()
+    finally:
+        primary.stop()
+        replica.stop()
+
+
+def _held(cond: threading.Condition) -> bool:
+    """Whether another thread holds ``cond``'s lock."""
+    if cond.acquire(blocking=False):
+        cond.release()
+        return False
+    return True
+
+
+def _try_push(client: FabricClient, step: int):
+    try:
+        return client.push(f"0:{step}", step, np.ones(2, np.float32))
+    except Refused as err:
+        return str(err)
+
+
+def test_a_replica_left_out_of_the_chain_rejoins_the_tail_by_itself():
+    configs = loopback_configs(2, update_mode="async", delay_bound=5, replicas=1)
+    replica = FabricServer(configs[0], replica=0, gate_timeout=0, peer_timeout=PEER_TIMEOUT).start()
+    primary = FabricServer(configs[0], gate_timeout=0, peer_timeout=PEER_TIMEOUT).start()
+    try:
+        client = _client(configs)
+        client.init(np.zeros(2, np.float32))
+        g = np.ones(2, np.float32)
+        assert client.push("0:0", 0, g)["outcome"] == "applied"
+        # A second upstream is refused: one predecessor per node.
+        other = Connection(replica.address, secret=configs[0].secret)
+        with pytest.raises(Refused, match="another upstream node forwards to this node"):
+            other.call({"op": "chain_hello", "job_id": 1, "head": 0})
+        other.close()
+        # The primary drops its (live) successor, which goes on training alone; the replica, without upstream
+        # for the peer timeout and not in the primary's chain, joins it as its tail and is brought up to date.
+        chainctl.unlink(configs[0], primary.address, replica.address)
+        for step in (1, 2):
+            assert client.push(f"0:{step}", step, g)["outcome"] == "applied"
+        _wait_for(lambda: replica.stats.rejoins == 1 and replica._caught_up and replica.seq == primary.seq,
+                  what="the replica to rejoin and catch up")
+        assert primary._live_forwarder() is not None and primary.forwarder.successor == replica.address
+        assert client.push("0:3", 3, g)["outcome"] == "applied"
+        _same_state(primary, replica)
+        client.close()
+    finally:
+        primary.stop()
+        replica.stop()

@@ -62,6 +62,7 @@ def test_the_primary_refuses_worker_ops_halt_stats_and_join_without_the_secret_a
             ({"op": "hello", "job_id": 1, "rank": 1, "agg": ["127.0.0.1", 9]}, b""),
             ({"op": "halt", "job_id": 1}, b""),
             ({"op": "stats", "job_id": 1, "log": True, "model": True}, b""),
+            ({"op": "chain_state", "job_id": 1}, b""),
             ({"op": "join", "job_id": 1, "endpoint": list(replica_endpoint)}, b""),
             ({"op": "promote", "job_id": 1}, b""),
         ]
