@@ -79,10 +79,19 @@ class SlotRegisters:
         return slot * wire.NUM_POOLS + pool
 
     def round_check(self, slot: int, pool: int, round_: int, stale: bool) -> RoundState:
-        """RoundCheck: SAME, NEW (ahead, serial arithmetic mod 2**16) or OLD."""
+        """RoundCheck: SAME, NEW (ahead, serial arithmetic mod 2**16) or OLD.
+
+        A slot taken over (``stale``: another job's, or a restarted switch's zeroed owner tag)
+        starts a NEW round in this pool and marks the other pool *two* rounds behind the packet:
+        the round just before this one (``round_ - 1``, the other pool's) is then still ahead of
+        it and starts afresh — a worker that lost that round's result can finish it with the
+        others' copies of it — and no packet a host sends carries ``round_ - 2`` in the other
+        pool (whole-job rounds alternate pools with the round number), so none can be SAME with
+        what the other pool's registers hold from before (docs/protocol.md).
+        """
         if stale:
             self.rounds[pool][slot] = round_
-            self.rounds[1 - pool][slot] = (round_ - 1) & 0xFFFF
+            self.rounds[1 - pool][slot] = (round_ - 2) & 0xFFFF
             return RoundState.NEW
         ahead = (round_ - self.rounds[pool][slot]) & 0xFFFF
         if ahead == 0:

@@ -145,3 +145,38 @@ class SlotStateDoesNotLeakAcrossJobs(NetaggTest):
             self.expect_nothing()  # not completed by the old job's bitmap or count
             self.send(old_workers[1].port, packets[1])
             self.expect_on_ports([(w.port, result_for(packets[1], w, [3] * wire.K, -1)) for w in old_workers[:2]])
+
+
+class TakenOverSlotStartsTheRoundBeforeAfresh(NetaggTest):
+    """A slot taken over (new generation, as after a switch restart) by round 2 marks its other pool two rounds
+    behind: round 1 there is then a new round of the new job, not the old job's completed one (one behind, the
+    resend below would have read the old job's sums back), and both rounds complete with their own sums."""
+
+    def runTest(self) -> None:
+        workers = make_workers(2)
+        old = self.add_job(workers, slot_base=110, slot_count=1)
+        first = [contribution(old, w, [500] * wire.K, pool=0, round=1) for w in workers]
+        for w, p in zip(workers, first):
+            self.send(w.port, p)
+        self.expect_on_ports([(w.port, result_for(first[-1], w, [1000] * wire.K, 0)) for w in workers])
+        self.delete_job(old)
+        new = self.add_job(workers, slot_base=110, slot_count=1)
+        before = self.job_counters(new)
+        # Worker 1 is on round 2 (pool 1); worker 0 still resends round 1 (pool 0), as does worker 1's shadow copy.
+        ahead = contribution(new, workers[1], [20] * wire.K, pool=1, seq=2, round=2)
+        self.send(workers[1].port, ahead)
+        self.wait_for_counter(new, "contributions", before["contributions"] + 1)
+        resend = contribution(new, workers[0], [1] * wire.K, pool=0, seq=1, round=1, flags=wire.FLAG_RETRANSMIT)
+        self.send(workers[0].port, resend)
+        self.wait_for_counter(new, "contributions", before["contributions"] + 2)
+        self.expect_nothing()  # it started a new round 1: no answer with the old job's stored result
+        shadow = contribution(new, workers[1], [2] * wire.K, pool=0, seq=1, round=1, flags=wire.FLAG_RETRANSMIT)
+        self.send(workers[1].port, shadow)
+        self.expect_on_ports([(w.port, result_for(shadow, w, [3] * wire.K, 0)) for w in workers])
+        last = contribution(new, workers[0], [10] * wire.K, pool=1, seq=2, round=2)
+        self.send(workers[0].port, last)
+        self.expect_on_ports([(w.port, result_for(last, w, [30] * wire.K, 0)) for w in workers])
+        self.expect_nothing()
+        after = self.job_counters(new)
+        self.assertEqual(after["results"] - before["results"], 2)
+        self.assertEqual(after["contributions"] - before["contributions"], 4)

@@ -334,3 +334,49 @@ def test_every_path_counts_socket_errors_when_nobody_listens(path):
             transport.exchange(np.ones((8, wire.K), np.float32))
         assert transport.stats.socket_errors > 0  # ICMP port unreachable, on a send or a receive
         assert transport.stats.retransmissions > 0
+
+
+def test_every_path_resends_a_slots_previous_or_last_answered_packet_byte_for_byte(path):
+    """The shadow resends (restart ride-through): a slot's previous packet while one is outstanding, else its
+    last one; FLAG_RETRANSMIT set, every other byte as first sent; the same with either fill and either I/O."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sink:
+        sink.bind(("127.0.0.1", 0))
+        sink.settimeout(2.0)
+        config = job_configs(2, "allreduce", Endpoint(*sink.getsockname()), None, slot_count=4)[0]
+        with Transport(config) as t:
+            rng = np.random.default_rng(8)
+            blocks = rng.standard_normal((12, wire.K)).astype(np.float32)
+            r = tr._Round(t, blocks, qz.block_exponents(blocks))
+            r.global_exp[:] = r.local_exp
+
+            def received(count: int) -> dict[int, bytes]:
+                out = {}
+                for _ in range(count):
+                    data = sink.recv(2048)
+                    out[wire.unpack(data)[0].slot] = data
+                return out
+
+            def answered(slot: int) -> None:  # as accept_results does for a matching result
+                r.expect[slot] = -1
+                t._next_pool[slot] ^= 1
+
+            def flagged(data: bytes) -> bytes:
+                return data[:1] + bytes([data[1] | wire.FLAG_RETRANSMIT]) + data[2:]
+
+            r.release([0, 1, 2, 3], [-1] * 4)
+            probes = received(4)
+            r._resend_answered(np.arange(4))  # one packet per slot so far: nothing to resend
+            for slot in (0, 1):
+                answered(slot)
+            r.emit([0, 1], [0, 1])
+            data = received(2)
+            np.testing.assert_array_equal(t._shadow[:2], np.frombuffer(probes[0] + probes[1], np.uint8).reshape(2, -1))
+            r._resend_answered(np.arange(4))  # slots 0 and 1: their probes; 2 and 3 have no previous packet
+            assert received(2) == {0: flagged(probes[0]), 1: flagged(probes[1])}
+            answered(0)  # slot 0's block 0 is answered: its last packet is what another worker may lack
+            r._resend_answered(np.array([0, 1, 2], np.int64))
+            assert received(2) == {0: flagged(data[0]), 1: flagged(probes[1])}
+            assert t.stats.shadow_resends == 4 and t.stats.packets_sent == 6 + 4 and t.stats.retransmissions == 0
+            sink.settimeout(0.2)
+            with pytest.raises(TimeoutError):
+                sink.recv(2048)

@@ -95,3 +95,82 @@ def test_a_one_member_round_completes_at_once():
     regs = SlotRegisters(1)
     d = regs.decide(0, 0, 1, 1 << 31, 32, generation=1, members=1 << 31)
     assert (d.op, d.first, d.complete, d.delivers) == (ValueOp.WRITE, True, True, True)
+
+
+def _round(regs: SlotRegisters, slot: int, pool: int, round_: int, values: dict[int, int], n: int,
+           generation: int) -> list[tuple[int, np.ndarray | None]]:
+    """Each rank of ``values`` sends its packet of the round (values[rank] everywhere); returns, per
+    packet, (rank, the sums it leaves with, or None when nothing leaves)."""
+    out = []
+    for rank, value in values.items():
+        d = regs.decide(slot, pool, round_, 1 << rank, n, generation)
+        sums = regs.sums(regs.pool_index(slot, pool), d.op, _values(value)) if d.op != ValueOp.NONE else None
+        out.append((rank, sums if d.delivers else None))
+    return out
+
+
+def test_a_slot_taken_over_marks_the_other_pool_two_rounds_behind():
+    regs = SlotRegisters(1)
+    d = regs.decide(0, 1, 10, 0b01, 2, generation=3)
+    assert d.round_state == RoundState.NEW and regs.rounds[1][0] == 10 and regs.rounds[0][0] == 8
+    # Round 9 (the other pool's, the round before this one) is still ahead: it starts afresh ...
+    assert regs.decide(0, 0, 9, 0b01, 2, generation=3).round_state == RoundState.NEW
+    # ... and round 7 (behind the mark) is an old copy. Round 8, the mark itself, is never sent in pool 0
+    # (rounds alternate pools), so a taken-over pool is never SAME with what it held before.
+    regs = SlotRegisters(1)
+    regs.decide(0, 1, 10, 0b01, 2, generation=3)
+    assert regs.decide(0, 0, 7, 0b01, 2, generation=3).round_state == RoundState.OLD
+    regs = SlotRegisters(1)
+    regs.decide(0, 1, 0, 0b01, 2, generation=3)  # modulo 2**16
+    assert regs.rounds[0][0] == 0xFFFE and regs.decide(0, 0, 0xFFFF, 0b01, 2, generation=3).first
+
+
+def test_the_round_before_a_takeover_never_reads_the_previous_jobs_registers():
+    """The old job completed round 9 in pool 0 with both bits set; the new job's first packets on the slot are
+    round 10 (pool 1) and then round 9 (pool 0). With the other pool marked one round behind, round 9 would be
+    SAME: rank 0's packet would read the old job's sums back (a retransmission after completion)."""
+    regs = SlotRegisters(1)
+    for rank in (0, 1):
+        regs.decide(0, 0, 9, 1 << rank, 2, generation=1)
+    regs.sums(0, ValueOp.WRITE, _values(666))
+    regs.decide(0, 1, 10, 0b01, 2, generation=2)
+    d = regs.decide(0, 0, 9, 0b01, 2, generation=2)
+    assert (d.round_state, d.op, d.first, d.delivers) == (RoundState.NEW, ValueOp.WRITE, True, False)
+    np.testing.assert_array_equal(regs.sums(0, d.op, _values(1)), _values(1))
+    d = regs.decide(0, 0, 9, 0b10, 2, generation=2)
+    assert d.delivers and d.op == ValueOp.MERGE
+    np.testing.assert_array_equal(regs.sums(0, d.op, _values(2)), _values(3))
+
+
+def test_after_a_register_reset_the_round_a_worker_lost_and_the_next_one_both_complete():
+    """A switch restart (every register zero, the same job and generation re-installed) while ranks 0 and 1
+    have round r-1's result and are on round r, and rank 2 lost that result: the leaders' round r packets
+    arrive first, then every worker's round r-1 (the laggard's resend and the leaders' shadow copies), then
+    the laggard's round r. Both rounds complete, each with its own exact sums, each exactly once."""
+    n, generation, r = 3, 77, 41
+    for first_pool in (0, 1):  # round r in pool 0 or 1
+        for leaders_first in (True, False):
+            regs = SlotRegisters(2)
+            regs.decide(1, first_pool, r, 0b001, n, generation)  # state before the restart: lost anyway
+            regs.reset()
+            previous = {rank: 10 + rank for rank in range(n)}  # round r-1: 10 + 11 + 12 = 33
+            current = {rank: 100 * (rank + 1) for rank in range(n)}  # round r: 600
+            p, q = first_pool, 1 - first_pool
+            out = []
+            if leaders_first:
+                out += _round(regs, 1, p, r, {0: current[0], 1: current[1]}, n, generation)
+                out += _round(regs, 1, q, r - 1, previous, n, generation)
+            else:
+                out += _round(regs, 1, q, r - 1, {2: previous[2]}, n, generation)
+                out += _round(regs, 1, p, r, {0: current[0], 1: current[1]}, n, generation)
+                out += _round(regs, 1, q, r - 1, {0: previous[0], 1: previous[1]}, n, generation)
+            out += _round(regs, 1, p, r, {2: current[2]}, n, generation)
+            delivered = [sums for _, sums in out if sums is not None]
+            assert len(delivered) == 2, (first_pool, leaders_first)
+            np.testing.assert_array_equal(delivered[0], _values(33))
+            np.testing.assert_array_equal(delivered[1], _values(600))
+            # The laggard's resend of round r-1 after its round r packet is an old copy now (r-1 is complete:
+            # answered from storage; a copy of r-2 would be OLD).
+            d = regs.decide(1, q, r - 1, 0b100, n, generation)
+            assert d.op == ValueOp.READ and d.delivers
+            assert regs.decide(1, p, r - 2, 0b100, n, generation).round_state == RoundState.OLD

@@ -172,11 +172,13 @@ TENANT_A = [(r, f"10.0.0.{r + 1}", 40000 + r, 1 + r) for r in range(3)]
 TENANT_B = [(r, f"10.0.1.{r + 1}", 41000 + r, 4 + r) for r in range(2)]
 
 
-def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int, hostile: float) -> list:
+def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int, hostile: float,
+             rounds: dict[tuple[int, int], int] | None = None) -> list:
     """Rounds of contributions per (job, slot), of every worker or of a subset (``members``), with loss,
     duplicates, resends of old rounds, reordering, outsiders and other members in a subset round, plus
-    hostile and malformed frames and plain IPv4 traffic."""
-    rounds: dict[tuple[int, int], int] = {}
+    hostile and malformed frames and plain IPv4 traffic. ``rounds``: each (job, slot)'s last round so far
+    (updated)."""
+    rounds = {} if rounds is None else rounds
     frames: list[tuple[bytes, int]] = []
     while len(frames) < n:
         if rng.random() < hostile:
@@ -270,6 +272,58 @@ def test_random_and_adversarial_sequences_give_identical_frames_counters_and_reg
     assert contributions > 500 and results > 100  # the sequences really aggregate
     drops = twins.ref_state.counter_arrays(dp.COUNTER_DROP_REASONS)[0]
     assert drops[dp.DropReason.NOT_A_MEMBER] > 0 and drops[dp.DropReason.MEMBERS_MISMATCH] > 0
+
+
+def _after_restart(rng: np.random.Generator, jobs: dict[int, tuple[list, int]],
+                   rounds: dict[tuple[int, int], int]) -> list:
+    """What workers send to a restarted switch (registers zero, same tables): per (job, slot), some workers
+    ("leaders") have the last round's result and send the next round, the others lost it and resend the last
+    round; the leaders also resend their copies of the last round (shadow packets), in any order, with
+    duplicates; then the laggards send the next round too. Rounds advance by one."""
+    frames: list[tuple[bytes, int]] = []
+    for (job, slot), last in sorted(rounds.items()):
+        workers = jobs[job][0]
+        leaders = [w for w in workers if rng.random() < 0.6] or workers[:1]
+        laggards = [w for w in workers if w not in leaders]
+        batch = []
+        for rank, ip, udp, port in workers:
+            values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
+            flags = wire.FLAG_RETRANSMIT
+            resend = contribution(job, rank, ip, udp, slot, last % 2, last, 0, values, 0, flags)
+            batch += [(resend, port)] * int(rng.integers(1, 3))
+        for rank, ip, udp, port in leaders:
+            values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
+            batch.append((contribution(job, rank, ip, udp, slot, (last + 1) % 2, last + 1, 1, values), port))
+        rng.shuffle(batch)
+        frames += batch
+        for rank, ip, udp, port in laggards:
+            values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
+            frames.append((contribution(job, rank, ip, udp, slot, (last + 1) % 2, last + 1, 1, values), port))
+        rounds[(job, slot)] = last + 1
+    return frames
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_a_register_reset_mid_job_and_the_ride_through_give_identical_frames_counters_and_registers(seed):
+    """A switch restart: every register back to zero under the same tables (the controller re-pushed the same
+    generation), then what workers send to ride through it (the stale-slot path marks the other pool two rounds
+    behind, so a round one behind the first packet still starts afresh and completes)."""
+    rng = np.random.default_rng(seed)
+    twins = Twins()
+    _setup(twins)
+    twins.add_job(1, TENANT_A, base=0, count=4, gen=100)
+    twins.add_job(2, TENANT_B, base=4, count=3, gen=101)
+    jobs = {1: (TENANT_A, 4), 2: (TENANT_B, 3)}
+    rounds: dict[tuple[int, int], int] = {}
+    twins.run(_traffic(rng, jobs, 600, hostile=0.05, rounds=rounds), rng)
+    for engine in (twins.ref, twins.fast):
+        engine.reset_registers()
+    before = twins.ref_state.counter_total(dp.COUNTER_JOB_RESULTS)
+    twins.run(_after_restart(rng, jobs, rounds), rng)
+    # Every (job, slot) completed two rounds: the one the laggards lost and the next.
+    assert twins.ref_state.counter_total(dp.COUNTER_JOB_RESULTS) - before == 2 * len(rounds)
+    twins.run(_traffic(rng, jobs, 600, hostile=0.05, rounds=rounds), rng)
+    twins.assert_same_state()
 
 
 def test_a_group_larger_than_the_output_batch_is_refused_not_truncated():

@@ -69,7 +69,7 @@ struct ingress_metadata_t {
     pool_reg_index_t pool_index;   /* pool * NUM_SLOTS + absolute slot (TNA layout) */
     bit<1> stale;
     bit<16> round_ahead;       /* round - round_current (serial arithmetic) */
-    bit<16> round_behind;      /* round - 1: the other pool's round when a slot is taken over */
+    bit<16> round_behind;      /* round - 2: the other pool's round when a slot is taken over */
     worker_mask_t bitmap_before;   /* the round's bitmap before this packet; 0: other members */
     worker_mask_t sender_seen;     /* bitmap_before & worker_mask */
     bit<1> first;

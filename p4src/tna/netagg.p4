@@ -101,7 +101,7 @@ control NetaggIngress(inout tna_headers_t hdr,
             worker_lookup.apply(hdr, ig_intr_md.ingress_port, meta);
             recirc_prepare.apply(hdr, meta, ig_intr_md.ingress_port);
             member_count.apply(hdr, meta);
-            meta.round_behind = hdr.netagg.round - 1;
+            meta.round_behind = hdr.netagg.round - 2;
             meta.exponent_key = ((bit<8>)hdr.netagg.exponent) + 8w0x80;
             if (hdr.ipv4.total_len != NETAGG_IPV4_TOTAL_LENGTH || hdr.udp.length != NETAGG_UDP_LENGTH) {
                 meta.bad_shape = 1;

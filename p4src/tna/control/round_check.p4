@@ -4,7 +4,7 @@
  * return round - current (serial arithmetic) from the advancing action; the state follows from
  * its sign (tested where it is used: NEW = stale, or ahead and positive; OLD = not stale and
  * negative; SAME = not stale and zero). A slot taken over writes both registers, one access each: this pool starts at the
- * packet's round, the other one round behind it. */
+ * packet's round, the other two rounds behind it (meta.round_behind; see the v1model twin for why two). */
 #ifndef _NETAGG_TNA_ROUND_CHECK_P4_
 #define _NETAGG_TNA_ROUND_CHECK_P4_
 

@@ -5,8 +5,12 @@
  * arithmetic: equal = SAME round (a contribution, duplicate or resend), ahead = a NEW
  * round (its state starts afresh), behind = an OLD copy (dropped, changes nothing).
  * This is what makes a delayed copy of an earlier round harmless even after every
- * worker has moved on. A slot taken over from another job (meta.stale) starts a NEW
- * round in this pool and marks the other pool one round behind this packet. */
+ * worker has moved on. A slot taken over (meta.stale: from another job, or zeroed by a
+ * switch restart) starts a NEW round in this pool and marks the other pool TWO rounds
+ * behind this packet: the round just before it (round - 1, the other pool's) is then
+ * still ahead and starts afresh (a worker that lost its result after a restart finishes it
+ * with the others' copies), and no host sends round - 2 in the other pool (rounds alternate
+ * pools), so no packet is SAME with the other pool's leftover registers. */
 #ifndef _NETAGG_ROUND_CHECK_P4_
 #define _NETAGG_ROUND_CHECK_P4_
 
@@ -24,7 +28,7 @@ control RoundCheck(in headers_t hdr, inout metadata_t meta) {
         bit<16> ahead = hdr.netagg.round - current;
         if (meta.stale == 1) {
             meta.round_state = ROUND_NEW;
-            bit<16> behind = hdr.netagg.round - 1;
+            bit<16> behind = hdr.netagg.round - 2;
             if (hdr.netagg.pool == 0) {
                 round_tags.write(meta.slot_index, behind ++ hdr.netagg.round);
             } else {
