@@ -28,6 +28,8 @@ _COUNTERS = (
     ("blocks", "blocks", "Blocks of K values aggregated"),
     ("packets_sent", "packets_sent", "Packets sent to the aggregator, retransmissions included"),
     ("retransmissions", "retransmissions", "Packets sent again after their timer fired"),
+    ("shadow_resends", "shadow_resends", "Previous-round packets resent so a round lost with a switch restart "
+                                         "can be re-formed"),
     ("results_accepted", "results_accepted", "Results accepted (one per block and probe)"),
     ("stale_results", "stale_results", "Results that matched no outstanding packet (duplicates, late copies)"),
     ("malformed", "malformed_packets", "Datagrams of the wrong size or version, or not a result of this job"),

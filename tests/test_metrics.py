@@ -90,6 +90,7 @@ def test_controller_and_worker_metrics_during_a_real_job(capsys, metrics_control
         samples = scrape(address[1])
         stats = worker.transport.stats
         return samples, {"retransmissions": stats.retransmissions, "packets_sent": stats.packets_sent,
+                         "shadow_resends": stats.shadow_resends,
                          "results_accepted": stats.results_accepted, "blocks": stats.blocks,
                          "window": worker.transport.window, "smallest_window": stats.smallest_window}
 
@@ -99,6 +100,7 @@ def test_controller_and_worker_metrics_during_a_real_job(capsys, metrics_control
     for rank, (samples, stats) in enumerate(results):
         labels = (("job_id", str(job_id)), ("rank", str(rank)), ("tenant", "alice"))
         assert samples[("netagg_worker_retransmissions_total", labels)] == stats["retransmissions"]
+        assert samples[("netagg_worker_shadow_resends_total", labels)] == stats["shadow_resends"]
         assert samples[("netagg_worker_packets_sent_total", labels)] == stats["packets_sent"]
         assert samples[("netagg_worker_results_accepted_total", labels)] == stats["results_accepted"]
         assert samples[("netagg_worker_goodput_bytes_total", labels)] == stats["blocks"] * 64 * 4
