@@ -78,6 +78,9 @@ def test_every_receiver_gets_the_newest_version_exactly_repairing_what_it_missed
             for cache in caches:
                 got = cache.newest(3, wait=2.0, repair=sender.blocks)
                 assert got is not None and got[1].tobytes() == models[4].tobytes()
+            deadline = time.monotonic() + 10  # counted after the last packet and its pacing pause
+            while sender.stats.versions_sent < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert sender.stats.versions_sent == 4
             with pytest.raises(BlockingIOError):  # the PS sends only: no copy comes back to it
                 sender.sock.recv(2048, socket.MSG_DONTWAIT)
