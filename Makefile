@@ -7,7 +7,7 @@ DEMO_STAMP := $(VENV)/.demo-stamp
 TARGET ?= soft
 PYTEST_ARGS ?=
 
-.PHONY: setup build build-tofino p4info test ptf demo bench bench-switch bench-tenants bench-sparse lint clean
+.PHONY: setup build build-tofino p4info test ptf demo bench bench-switch bench-tenants bench-sparse chaos lint clean
 
 $(VENV)/.created:
 	@scripts/setup-system.sh
@@ -69,6 +69,12 @@ bench-sparse: setup
 ## bench-tenants: two tenant jobs sharing the emulated cluster's links, with and without congestion control (root)
 bench-tenants: setup
 	$(BIN)/python -m benchmarks.cluster_tenants --rate-mbit 2
+
+## chaos: kill -9 the switch, the controller with it, and PS chain nodes at random times while training (120 s
+## in all); prints every injection and what was lost (nothing), exit 1 if anything was. CHAOS_ARGS: e.g.
+## CHAOS_ARGS='--seconds 300 --seed 7 --scenarios switch,chain' (docs/operations.md, "make chaos")
+chaos: setup
+	$(BIN)/python -m benchmarks.chaos $(CHAOS_ARGS)
 
 ## lint: ruff
 lint: setup
