@@ -195,7 +195,9 @@ def test_after_a_failover_the_promoted_replica_sends_the_versions_as_itself():
             assert all(b is not None and b[0] == 1 for b in before)  # version 1, from the primary
             primary.stop()
             # Rank 1's push fails over to the replica, which is promoted and sends version 2 as rank 3.
-            assert clients[1].push("1:0", 1, grad)["outcome"] == "applied" and clients[1].failovers == 1
+            # (The client may go round the endpoint list more than once while the replica makes sure no other
+            # node is primary before it accepts the promotion: seen 3 failovers on a loaded machine.)
+            assert clients[1].push("1:0", 1, grad)["outcome"] == "applied" and clients[1].failovers >= 1
             assert replica.role == "primary" and replica.version == 2
             for cache in caches:
                 version, model = cache.newest(1, wait=5.0)
