@@ -15,6 +15,24 @@ _SOL_UDP = 17
 _UDP_GRO = 104
 
 
+@njit(cache=True, nogil=True, inline="always")
+def gso_header(hdr_words, h, name_addr, name_len, iov_addr, first, size, ctrl_addr, ctrl_bytes, ctrl_size,
+               segment):  # pragma: no cover - compiled
+    """Message header ``h``: ``size`` segments of ``segment`` bytes from iovec ``first`` on, to the name at
+    ``name_addr`` (0: the connected peer), with a UDP_SEGMENT control message when it holds more than one."""
+    hdr_words[h, 0] = name_addr
+    hdr_words[h, 1] = name_len
+    hdr_words[h, 2] = iov_addr + np.uint64(16 * first)
+    hdr_words[h, 3] = size
+    if size > 1:
+        hdr_words[h, 4] = ctrl_addr + np.uint64(ctrl_bytes * h)
+        hdr_words[h, 5] = ctrl_bytes
+    else:
+        hdr_words[h, 4] = 0
+        hdr_words[h, 5] = 0
+    ctrl_size[h] = segment
+
+
 @njit(cache=True, nogil=True)
 def plan_uniform(addresses, length, per, name_addr, name_len, iov_words, hdr_words, ctrl_size, iov_addr,
                  ctrl_addr, ctrl_bytes):  # pragma: no cover - compiled
@@ -27,17 +45,8 @@ def plan_uniform(addresses, length, per, name_addr, name_len, iov_words, hdr_wor
     first = 0
     while first < n:
         size = min(per, n - first)
-        hdr_words[headers, 0] = name_addr
-        hdr_words[headers, 1] = name_len
-        hdr_words[headers, 2] = iov_addr + np.uint64(16 * first)
-        hdr_words[headers, 3] = size
-        if size > 1:
-            hdr_words[headers, 4] = ctrl_addr + np.uint64(ctrl_bytes * headers)
-            hdr_words[headers, 5] = ctrl_bytes
-        else:
-            hdr_words[headers, 4] = 0
-            hdr_words[headers, 5] = 0
-        ctrl_size[headers] = length
+        gso_header(hdr_words, headers, name_addr, name_len, iov_addr, first, size, ctrl_addr, ctrl_bytes,
+                   ctrl_size, length)
         headers += 1
         first += size
     return headers

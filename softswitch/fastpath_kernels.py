@@ -19,6 +19,7 @@ from numba import njit
 
 from netagg import wire
 from netagg.dataplane import DropReason, ValueOp
+from netagg.udpgso_kernels import gso_header
 
 wire.check_compiled_layout(__name__, version=2, header_bytes=20, k=64)  # see check_compiled_layout
 
@@ -454,6 +455,17 @@ def loopback_frames(buf, lengths, names, count, headroom, switch_ip, out_len):
     return headroom
 
 
+@njit(cache=True, inline="always")
+def _udp_payload(b, length):
+    """Where an emitted IPv4/UDP frame's UDP payload starts, or -1 if it is not one (undeliverable on loopback)."""
+    if length < 42 or _u16(b, 12) != 0x0800 or b[IP + 9] != 17:
+        return -1
+    udp = 14 + (b[IP] & 0x0F) * 4
+    if udp + 8 > length:
+        return -1
+    return udp + 8
+
+
 @njit(cache=True)
 def loopback_sends(out_buf, out_len, out_port, count, port_number, row_addr, names, name_addr, tx_words,
                    tx_iov_words):
@@ -466,13 +478,11 @@ def loopback_sends(out_buf, out_len, out_port, count, port_number, row_addr, nam
             continue
         b = out_buf[i]
         length = out_len[i]
-        if length < 42 or _u16(b, 12) != 0x0800 or b[IP + 9] != 17:
+        payload = _udp_payload(b, length)
+        if payload < 0:
             bad += 1
             continue
-        udp = 14 + (b[IP] & 0x0F) * 4
-        if udp + 8 > length:
-            bad += 1
-            continue
+        udp = payload - 8
         nm = names[m]
         nm[0] = 2  # AF_INET, little-endian
         nm[1] = 0
@@ -538,13 +548,11 @@ def loopback_gso_sends(out_buf, out_len, out_port, count, port_number, row_addr,
             continue
         b = out_buf[i]
         length = out_len[i]
-        if length < 42 or _u16(b, 12) != 0x0800 or b[IP + 9] != 17:
+        payload = _udp_payload(b, length)
+        if payload < 0:
             bad += 1
             continue
-        udp = 14 + (b[IP] & 0x0F) * 4
-        if udp + 8 > length:
-            bad += 1
-            continue
+        udp = payload - 8
         keys[m] = (np.int64(_u32(b, IP + 16)) << np.int64(16)) | np.int64(_u16(b, udp + 2))
         iov_words[m, 0] = row_addr[i] + np.uint64(udp + 8)
         iov_words[m, 1] = length - udp - 8
@@ -579,16 +587,7 @@ def loopback_gso_sends(out_buf, out_len, out_port, count, port_number, row_addr,
         nm[5] = (key >> 32) & 0xFF
         nm[6] = (key >> 24) & 0xFF
         nm[7] = (key >> 16) & 0xFF
-        hdr_words[headers, 0] = name_addr[headers]
-        hdr_words[headers, 1] = 16
-        hdr_words[headers, 2] = iov_addr + np.uint64(16 * start)
-        hdr_words[headers, 3] = size
-        if size > 1:
-            hdr_words[headers, 4] = ctrl_addr + np.uint64(ctrl_bytes * headers)
-            hdr_words[headers, 5] = ctrl_bytes
-        else:
-            hdr_words[headers, 4] = 0
-            hdr_words[headers, 5] = 0
-        ctrl_size[headers] = seg
+        gso_header(hdr_words, headers, name_addr[headers], 16, iov_addr, start, size, ctrl_addr, ctrl_bytes,
+                   ctrl_size, seg)
         headers += 1
     return headers, m, bad
