@@ -127,18 +127,26 @@ class MsgBatch:
         Returns (sent, failed): a message the kernel refuses (full socket buffer, an error on
         one destination) is skipped and counted; the protocol's retransmission recovers it.
         """
-        done_total = failed = 0
-        base = self._tx_addr + first * MMSGHDR_DTYPE.itemsize
-        while done_total < count:
-            done = _sendmmsg(fd, base + done_total * MMSGHDR_DTYPE.itemsize, count - done_total, 0)
-            if done > 0:
-                done_total += done
-            elif done < 0 and ctypes.get_errno() == errno.EINTR:
-                continue
-            else:
-                done_total += 1
-                failed += 1
-        return count - failed, failed
+        return send_headers(fd, self._tx_addr + first * MMSGHDR_DTYPE.itemsize, count)
+
+
+def send_headers(fd: int, address: int, count: int) -> tuple[int, int]:
+    """``sendmmsg`` of the ``count`` prepared headers at ``address``, to the end; returns (sent, failed).
+
+    A message the kernel refuses (full socket buffer, an error on one destination) is skipped and
+    counted, and the rest go on; EINTR is retried.
+    """
+    done_total = failed = 0
+    while done_total < count:
+        done = _sendmmsg(fd, address + done_total * MMSGHDR_DTYPE.itemsize, count - done_total, 0)
+        if done > 0:
+            done_total += done
+        elif done < 0 and ctypes.get_errno() == errno.EINTR:
+            continue
+        else:
+            done_total += 1
+            failed += 1
+    return count - failed, failed
 
 
 def sockaddr_in(host: str, port: int) -> np.ndarray:

@@ -227,20 +227,7 @@ class GsoBatch:
         pw = self._plain_words
         pw[first:first + total, 0] = np.repeat(hw[first_header:headers, 0], counts)
         pw[first:first + total, 1] = np.repeat(hw[first_header:headers, 1], counts)
-        sent = failed = 0
-        i = first
-        end = first + total
-        while i < end:
-            done = _sendmmsg(fd, self._plain_addr + i * 64, end - i, 0)
-            if done > 0:
-                sent += done
-                i += done
-            elif done < 0 and ctypes.get_errno() == errno.EINTR:
-                continue
-            else:
-                failed += 1
-                i += 1
-        return sent, failed
+        return mmsg.send_headers(fd, self._plain_addr + first * mmsg.MMSGHDR_DTYPE.itemsize, total)
 
 
 class GroBatch:
