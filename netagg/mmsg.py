@@ -109,16 +109,10 @@ class MsgBatch:
             room = min(room, limit)
         if room <= 0:
             return 0
-        count = _recvmmsg(fd, self._rx_addr + first * MMSGHDR_DTYPE.itemsize, room, MSG_DONTWAIT, None)
-        if count > 0:
+        count = recv_headers(fd, self._rx_addr + first * MMSGHDR_DTYPE.itemsize, room)
+        if count:
             self._rx_words[first:first + count, 2] = NAME_BYTES  # the kernel shortened them to the real length
-            return count
-        if count == 0:
-            return 0
-        err = ctypes.get_errno()
-        if err in _RETRY or err in (errno.ECONNREFUSED, errno.EINTR):
-            return 0
-        raise OSError(err, os.strerror(err))
+        return count
 
     # -- send ------------------------------------------------------------------
     def send_prepared(self, fd: int, count: int, first: int = 0) -> tuple[int, int]:
@@ -128,6 +122,21 @@ class MsgBatch:
         one destination) is skipped and counted; the protocol's retransmission recovers it.
         """
         return send_headers(fd, self._tx_addr + first * MMSGHDR_DTYPE.itemsize, count)
+
+
+def recv_headers(fd: int, address: int, count: int) -> int:
+    """``recvmmsg`` without blocking into the ``count`` prepared headers at ``address``; returns how many.
+
+    Nothing waiting, an interrupted call and an ICMP error queued on the socket (ECONNREFUSED after a
+    send to a closed port, consumed by the call) all read as 0; a real error raises OSError.
+    """
+    got = _recvmmsg(fd, address, count, MSG_DONTWAIT, None)
+    if got >= 0:
+        return got
+    err = ctypes.get_errno()
+    if err in _RETRY or err in (errno.ECONNREFUSED, errno.EINTR):
+        return 0
+    raise OSError(err, os.strerror(err))
 
 
 def send_headers(fd: int, address: int, count: int) -> tuple[int, int]:

@@ -62,9 +62,7 @@ RX_CONTROL_BYTES = 64
 GRO_BUFFER_BYTES = 65536
 #: Errors that mean "this socket or route cannot segment": fall back to one datagram per message.
 _REFUSED = (errno.EIO, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOPROTOOPT, errno.EMSGSIZE)
-_RETRY = (errno.EAGAIN, errno.EWOULDBLOCK)
 _sendmmsg = mmsg._sendmmsg if mmsg.AVAILABLE else None
-_recvmmsg = mmsg._recvmmsg if mmsg.AVAILABLE else None
 
 
 def enable_gro(sock: socket.socket) -> bool:
@@ -297,15 +295,14 @@ class GroBatch:
         words = self._words32
         words[:, 2] = mmsg.NAME_BYTES
         words[:, 10] = RX_CONTROL_BYTES
-        count = _recvmmsg(fd, self._hdr_addr, self.messages, mmsg.MSG_DONTWAIT, None)
-        if count <= 0:
+        try:
+            count = mmsg.recv_headers(fd, self._hdr_addr, self.messages)
+        except OSError:
             self._count = 0
-            if count == 0:
-                return 0
-            err = ctypes.get_errno()
-            if err in _RETRY or err in (errno.ECONNREFUSED, errno.EINTR):
-                return 0
-            raise OSError(err, os.strerror(err))
+            raise
+        if count == 0:
+            self._count = 0
+            return 0
         self.calls += 1
         self._count = count
         self._state[:] = 0
