@@ -15,8 +15,9 @@ A switch reboot or a crashed software target is routine. :class:`SwitchWatch` ru
   ``JobService.resync`` under the service lock: pipeline re-pushed if it is absent or not ours,
   interrupted deletes finished, every live job's entries and multicast groups re-installed (the same
   reconcile as at start, so a switch that kept everything costs a few reads), counter baselines
-  re-read if the switch lost its state. Any failure is logged and retried; nothing here can end the
-  daemon.
+  re-read if the switch lost its state, and every job's PS is told the switch is back (a job
+  that failed over to its PS returns at its next exchange, hoststack/failover.py). Any failure
+  is logged and retried; nothing here can end the daemon.
 
 Figures for the metrics endpoint: ``up``, ``restarts`` (syncs that found the switch had lost the
 pipeline it held before: a restart), ``reconnects`` (sessions re-established after a loss, for any
@@ -31,6 +32,7 @@ import threading
 import time
 
 from netagg.controller.p4runtime_client import P4RuntimeError
+from netagg.controller.ps_notify import tell_parameter_servers
 from netagg.controller.service import JobService, ServiceError, SwitchSync
 
 log = logging.getLogger("netagg.controller")
@@ -209,6 +211,11 @@ class SwitchWatch:
         log.debug("switch %s: attempt %d failed: %s", self.address, self._attempts, text)
 
     def _synced(self, result: SwitchSync) -> None:
+        # Jobs that failed over to their PS while the switch was away may come back now (a thread: a PS that
+        # does not answer must not hold the watch).
+        jobs = self.service.store.all()
+        threading.Thread(target=tell_parameter_servers, args=(jobs, result.lost_state), daemon=True,
+                         name="netagg-ps-notify").start()
         first = not self.ever_synced
         with self._lock:
             since, reason = self._down_since, self._down_reason

@@ -14,6 +14,8 @@
 ``NETAGG_MODE``        ``allreduce`` (default), ``ps`` or ``fallback``
 ``NETAGG_JOB_SECRET``  the job's secret from ``netagg job config`` (optional; the PS refuses
                        requests without it when it has one)
+``NETAGG_FAILOVER_AFTER`` seconds without a result before the workers move the job's
+                       exchanges to the PS (default 5; 0: never; needs a PS)
 =====================  ==========================================================
 """
 
@@ -82,12 +84,18 @@ def config_from_env(environ: Mapping[str, str] | None = None, role: str | None =
         "rank": _int(env, "NETAGG_RANK", 0 if role == "server" else None),
         "slot_count": _int(env, "NETAGG_SLOTS", 0 if mode == "fallback" else None),
     }
+    failover = env.get("NETAGG_FAILOVER_AFTER", "").strip()
+    if failover:
+        try:
+            values["failover_after"] = float(failover)
+        except ValueError:
+            raise ConfigError(f"NETAGG_FAILOVER_AFTER: expected seconds, got {failover!r}") from None
     try:
         return WorkerConfig(mode=mode, aggregator=aggregator, bind=bind, ps=ps,
                             secret=env.get("NETAGG_JOB_SECRET", "").strip(), **values)
     except ConfigError as err:
         names = {"job_id": "NETAGG_JOB_ID", "num_workers": "DMLC_NUM_WORKER", "rank": "NETAGG_RANK",
                  "slot_count": "NETAGG_SLOTS", "mode": "NETAGG_MODE", "ps": "DMLC_PS_ROOT_URI",
-                 "secret": "NETAGG_JOB_SECRET"}
+                 "secret": "NETAGG_JOB_SECRET", "failover_after": "NETAGG_FAILOVER_AFTER"}
         field_name = str(err).split(":", 1)[0]
         raise ConfigError(f"{names.get(field_name, field_name)}: {str(err).split(':', 1)[-1].strip()}") from None

@@ -29,6 +29,7 @@ from netagg import wire
 from netagg.hoststack import blocks as blk
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.envconfig import config_from_env
+from netagg.hoststack.failover import FailoverClient
 from netagg.hoststack.metrics import WorkerExporter, port_from_env
 from netagg.hoststack.packets import resolve
 from netagg.hoststack.psproto import PsClient, PsError
@@ -65,9 +66,15 @@ class KVWorker:
         self.config = config if config is not None else config_from_env()
         self.mode = self.config.mode
         self.num_workers = self.config.num_workers
+        config = self.config
+        #: Failover to the job's PS when the switch stays away (hoststack/failover.py); it waits for the
+        #: other workers' votes as long as an exchange waits for a result.
+        self._failover = FailoverClient(resolve(config.ps), config.job_id, config.rank, config.failover_after,
+                                        progress_timeout, config.secret) \
+            if config.ps is not None and config.mode in ("allreduce", "ps") and config.failover_after > 0 else None
         self.transport = Transport(self.config, progress_timeout=progress_timeout, rto_initial=rto_initial,
                                    rto_min=rto_min, rto_max=rto_max, max_backoff=max_backoff,
-                                   congestion_control=congestion_control, sock=sock)
+                                   congestion_control=congestion_control, sock=sock, failover=self._failover)
         self.ps_timeout = ps_timeout
         self._ps: PsClient | None = None
         self._exporter: WorkerExporter | None = None
@@ -190,6 +197,8 @@ class KVWorker:
         if self._exporter is not None:
             self._exporter.stop()
         self.transport.close()
+        if self._failover is not None:
+            self._failover.close()
         if self._ps is not None:
             self._ps.close()
 

@@ -36,6 +36,9 @@ _COUNTERS = (
     ("foreign", "foreign_packets", "Datagrams from an address that is not the aggregator (or the PS)"),
     ("socket_errors", "socket_errors", "Socket send/receive errors"),
     ("window_decreases", "window_decreases", "Times the congestion window was halved"),
+    ("failovers", "failovers", "Failover decisions applied: the job's exchanges moved to its PS (switch away)"),
+    ("failover_returns", "failover_returns", "Returns of the job's exchanges from the PS to the switch"),
+    ("replayed_exchanges", "replayed_exchanges", "Finished exchanges sent again at the PS after a failover"),
 )
 
 

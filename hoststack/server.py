@@ -11,7 +11,11 @@ for the control protocol of :mod:`~netagg.hoststack.psproto`.
   of data blocks, and when a worker COMMITs a push (layout and global exponents) it
   decodes the aggregate, asks for blocks it missed (REPAIR) and applies the handle per
   key. PULL returns the stored values once a given push is applied.
-* ``allreduce`` mode needs no PS, except for sparse tables.
+* ``allreduce`` mode needs no PS, except for sparse tables and failover.
+* **Failover** (allreduce and ps modes, :mod:`~netagg.hoststack.failover`): when every worker voted
+  that the switch is away, the PS aggregates the job's exchanges with a fresh software aggregator
+  (as in fallback mode; in ps mode it also keeps the results' sums as if the switch had sent them)
+  until the workers return to the switch.
 
 In every mode the PS also serves *sparse tables* (Libra, :mod:`~netagg.hoststack.sparse_store`):
 the workers push the cold rows of each iteration over TCP and pull their aggregate.
@@ -39,6 +43,7 @@ from netagg.hoststack import quantization as qz
 from netagg.hoststack.aggregator import SoftAggregator
 from netagg.hoststack.blocks import blocks_for
 from netagg.hoststack.envconfig import config_from_env
+from netagg.hoststack.failover import RETRY_INITIAL, FailoverCoordinator
 from netagg.hoststack.hotset import COUNT_DTYPE, KEY_DTYPE, HotSet
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, resolve, slot_count_of, udp_socket
 from netagg.hoststack.psproto import ConnectionClosed, ProtocolError, recv_frame, send_frame
@@ -92,6 +97,8 @@ class ServerStats:
     bad_requests: int = 0
     #: Requests without the job's secret (refused before anything else; also in bad_requests).
     bad_secret: int = 0
+    #: Failover (allreduce/ps modes): contributions aggregated here while the job's switch was away.
+    failover_contributions: int = 0
 
 
 @dataclass
@@ -141,6 +148,7 @@ class KVServer:
         commit_grace: float = 0.05,
         pull_timeout: float = 30.0,
         pending_limit: int = 1 << 21,
+        failover_retry: float = RETRY_INITIAL,
     ) -> None:
         if config.ps is None and bind is None:
             raise ConfigError(f"mode: a {config.mode} job without a ps endpoint has no parameter server")
@@ -164,6 +172,11 @@ class KVServer:
             if self.mode == "fallback" else None
         )
         self.switch = resolve(config.aggregator) if self.mode == "ps" else None
+        #: Failover (allreduce and ps modes): the votes and, once decided, this aggregator takes the job's
+        #: contributions (a fresh one per decision).
+        self.failover = FailoverCoordinator(config.num_workers, self._start_failover, retry_initial=failover_retry) \
+            if self.mode in ("allreduce", "ps") else None
+        self.failover_aggregator: SoftAggregator | None = None
         self.workers: dict[int, tuple[str, int]] = {}
         self.store: dict[int, np.ndarray] = {}
         self.stats = ServerStats()
@@ -230,6 +243,8 @@ class KVServer:
                 try:
                     if self.aggregator is not None:
                         self._on_contribution(view[:size], source)
+                    elif self.failover_aggregator is not None and source != self.switch:
+                        self._on_failover_contribution(view[:size], source)
                     else:
                         self._on_switch_result(view[:size], source)
                 except Exception:  # never let one datagram stop the loop
@@ -247,6 +262,26 @@ class KVServer:
             return
         for address in self.aggregator.group() if outcome.to_group else [source]:
             self._send(outcome.packet, address)
+
+    def _on_failover_contribution(self, data: memoryview, source: tuple[str, int]) -> None:
+        aggregator = self.failover_aggregator
+        assert aggregator is not None
+        outcome = aggregator.handle(data, source)
+        self.stats.failover_contributions += 1
+        if outcome is None:
+            return
+        for address in aggregator.group() if outcome.to_group else [source]:
+            self._send(outcome.packet, address)
+        if self.mode == "ps" and outcome.to_group:  # keep the sums as if the switch had sent them
+            seq = wire.HEADER_STRUCT.unpack_from(outcome.packet, 0)[_FIELD["seq"]]
+            if not seq & PROBE_SEQ_BIT:
+                self._store_block(seq, outcome.packet[wire.HEADER_BYTES:])
+
+    def _start_failover(self, epoch: int, addresses: dict[int, tuple[str, int]]) -> None:
+        """A failover decision (FailoverCoordinator.on_decide): a fresh aggregator that knows the voters."""
+        self.failover_aggregator = SoftAggregator(self.config.job_id, self.num_workers, slot_count_of(self.config),
+                                                  workers={address: rank for rank, address in addresses.items()})
+        log.warning("PS job %d: failover epoch %d: aggregating the job's exchanges here", self.config.job_id, epoch)
 
     def _on_switch_result(self, data: memoryview, source: tuple[str, int]) -> None:
         if source != self.switch:
@@ -363,7 +398,9 @@ class KVServer:
         handler = {"hello": self._op_hello, "commit": self._op_commit, "repair": self._op_repair,
                    "pull": self._op_pull, "init": self._op_init, "sparse_open": self._op_sparse_open,
                    "sparse_push": self._op_sparse_push, "sparse_pull": self._op_sparse_pull,
-                   "sparse_sync": self._op_sparse_sync}.get(op)
+                   "sparse_sync": self._op_sparse_sync, "failover_vote": self._op_failover_vote,
+                   "failover_withdraw": self._op_failover_withdraw, "failover_route": self._op_failover_route,
+                   "switch_back": self._op_switch_back}.get(op)
         if handler is None:
             raise ValueError(f"unknown op {op!r}")
         return handler(header, blob)
@@ -379,6 +416,26 @@ class KVServer:
             self.workers[rank] = address
         return {"ok": True, "mode": self.mode, "num_workers": self.num_workers,
                 "slot_count": slot_count_of(self.config)}, b""
+
+    def _coordinator(self) -> FailoverCoordinator:
+        if self.failover is None:
+            raise ValueError(f"a {self.mode} job has no failover (its PS aggregates every exchange already)")
+        return self.failover
+
+    def _op_failover_vote(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        address = resolve(Endpoint(str(header["host"]), int(header["port"])))
+        return {"ok": True, **self._coordinator().vote(int(header["rank"]), int(header["epoch"]),
+                                                       int(header["index"]), address)}, b""
+
+    def _op_failover_withdraw(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        return {"ok": True, **self._coordinator().withdraw(int(header["rank"]), int(header["epoch"]))}, b""
+
+    def _op_failover_route(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        return {"ok": True, **self._coordinator().route(int(header["index"]), int(header["rounds_away"]))}, b""
+
+    def _op_switch_back(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        self._coordinator().switch_back(bool(header.get("fresh", False)))
+        return {"ok": True}, b""
 
     def _op_commit(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
         round_id, seq_start = int(header["round"]), int(header["seq_start"]) & SEQ_MASK

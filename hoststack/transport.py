@@ -89,6 +89,7 @@ import numpy as np
 
 from netagg import mmsg, udpgso, wire
 from netagg.hoststack import quantization as qz
+from netagg.hoststack.failover import FailoverClient
 from netagg.hoststack.packets import (
     HEADER_DTYPE,
     PACKET_DTYPE,
@@ -168,6 +169,29 @@ class TransportStats:
     #: Copies of packets whose result this worker already has (a slot's previous packet, see the module
     #: docstring), sent so that a worker that lost the result can finish the round on a restarted switch.
     shadow_resends: int = 0
+    #: Failover (hoststack/failover.py): decisions applied (exchanges moved to the PS), returns to the switch,
+    #: and exchanges this worker had finished and ran again at the PS.
+    failovers: int = 0
+    failover_returns: int = 0
+    replayed_exchanges: int = 0
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """A transport's round state where an exchange began (restored to run it again at the PS)."""
+
+    seq: int
+    probe_seq: int
+    rounds: np.ndarray
+    next_pool: np.ndarray
+
+
+class _FailedOver(Exception):
+    """Raised out of an exchange by a failover decision: exchanges from ``start`` on run at the PS."""
+
+    def __init__(self, start: int) -> None:
+        super().__init__(start)
+        self.start = start
 
 
 @dataclass
@@ -266,31 +290,34 @@ class Transport:
         max_backoff: int = 2,
         congestion_control: bool = True,
         sock: socket.socket | None = None,
+        failover: FailoverClient | None = None,
     ) -> None:
         """``sock``: a UDP socket already bound to ``config.bind``'s port, to use instead of binding one
-        (a caller that held the port since it reported it, so nothing else could take it)."""
+        (a caller that held the port since it reported it, so nothing else could take it). ``failover``:
+        move the job's exchanges to its PS when the switch stays away (module docstring)."""
         self.config = config
         self.num_workers = config.num_workers
         self.slot_count = slot_count_of(config)
         self.progress_timeout = progress_timeout
         target = config.ps if config.mode == "fallback" else config.aggregator
-        self.destination = resolve(target)
-        sources = {self.destination}
-        if config.mode == "ps" and config.ps is not None:
-            sources.add(resolve(config.ps))  # the PS reflects the switch's results as our clock
-        self.sources = frozenset(sources)
         self.sock = udp_socket(resolve(config.bind), sock)
         self.address: tuple[str, int] = self.sock.getsockname()
         self._fd = self.sock.fileno()
-        connected = len(self.sources) == 1
-        if connected:
-            # One peer: a connected socket sends faster and the kernel drops strangers' datagrams.
-            self.sock.connect(self.destination)
-            self._send = self.sock.send
-        else:
-            destination = self.destination
-            sendto = self.sock.sendto
-            self._send = lambda data: sendto(data, destination)
+        # Failover to the PS (hoststack/failover.py): where the job's exchanges go while the switch is away.
+        self._failover = failover
+        self._switch_address = resolve(target)
+        self._ps_address = resolve(config.ps) if failover is not None and config.ps is not None else None
+        if failover is not None and self._ps_address is None:
+            raise ValueError("failover needs the job's PS endpoint (config.ps)")
+        #: ps mode: the PS reflects the switch's results as our clock, so both may send us results (whichever
+        #: of the two the packets go to); other modes hear from where they send only.
+        self._also_from = frozenset({resolve(config.ps), self._switch_address}) \
+            if config.mode == "ps" and config.ps is not None else frozenset()
+        self._on_ps = False
+        #: Whole-job exchanges so far (the same count on every worker: the failover votes' index) ...
+        self._index = 0
+        #: ... and the last one's inputs and the state it began from (run again at the PS after a failover).
+        self._prev: tuple[np.ndarray, np.ndarray, _Mark] | None = None
         self._poller = select.poll()
         self._poller.register(self._fd, select.POLLIN)
         self.rto = RtoEstimator(rto_initial, rto_min, rto_max, max_backoff=max_backoff)
@@ -340,8 +367,6 @@ class Transport:
                 self._rx = mmsg.MsgBatch(_RECV_BATCH, _RECV_STRIDE)
             self._rx_buf, self._rx_names, self._rx_lengths = self._rx.buf, self._rx.names, self._rx.lengths
             self._tx = udpgso.GsoBatch(self.slot_count)
-            self._dest_name = mmsg.sockaddr_in(*self.destination)  # kept alive: the headers point at it
-            self._tx_name = (0, 0) if connected else (self._dest_name.ctypes.data, self._dest_name.size)
             if self._tx.refused is not None:
                 log.info("transport %s: one datagram per message (%s)", self.address, self._tx.refused)
             self._row_addr = np.uint64(self._raw.ctypes.data) + np.arange(self.slot_count, dtype=np.uint64) \
@@ -354,16 +379,36 @@ class Transport:
             self._rx_lengths = np.zeros(_RECV_BATCH, np.uint32)
             self._rx_rows = [memoryview(row) for row in self._rx_buf]
             self._rx_name_view = memoryview(self._rx_names.reshape(-1))
-            # What recvmmsg would write for a peer (sockaddr_in up to the address); others get zeros.
-            self._source_names = {source: bytes(mmsg.sockaddr_in(*source)[:8]) for source in self.sources}
-        #: The peers as the batch processors compare them: IPv4 << 16 | port.
-        self._allowed = np.array([int.from_bytes(socket.inet_aton(host), "big") << 16 | port
-                                  for host, port in sorted(self.sources)], np.int64)
+        self._set_destination(self._switch_address)
+        #: Per slot: rounds used over the transport's life, and that count when the switch last saw the slot.
+        self._round_count = np.zeros(self.slot_count, np.int64)
+        self._switch_seen = np.zeros(self.slot_count, np.int64)
         self._failed: str | None = None
         #: Set by the first subset exchange: slots' round numbers then follow the subsets' bases, no longer
         #: the job-wide count every worker keeps, so whole-job exchanges are refused from then on.
         self._subset_rounds = False
         self._warm_up()
+
+    def _set_destination(self, destination: tuple[str, int]) -> None:
+        """Send to ``destination`` (the switch, or the PS after a failover) and accept results from it."""
+        self.destination = destination
+        self.sources = frozenset({destination} | self._also_from)
+        if len(self.sources) == 1:
+            # One peer: a connected socket sends faster and the kernel drops strangers' datagrams.
+            self.sock.connect(destination)
+            self._send = self.sock.send
+        else:
+            sendto = self.sock.sendto
+            self._send = lambda data: sendto(data, destination)
+        if self._batched:
+            self._dest_name = mmsg.sockaddr_in(*destination)  # kept alive: the headers point at it
+            self._tx_name = (0, 0) if len(self.sources) == 1 else (self._dest_name.ctypes.data, self._dest_name.size)
+        else:
+            # What recvmmsg would write for a peer (sockaddr_in up to the address); others get zeros.
+            self._source_names = {source: bytes(mmsg.sockaddr_in(*source)[:8]) for source in self.sources}
+        #: The peers as the batch processors compare them: IPv4 << 16 | port.
+        self._allowed = np.array([int.from_bytes(socket.inet_aton(host), "big") << 16 | port
+                                  for host, port in sorted(self.sources)], np.int64)
 
     # -- public ------------------------------------------------------------
     def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -408,9 +453,14 @@ class Transport:
             raise TransportError(f"transport unusable after an earlier failure: {self._failed}")
         if exponents is None:
             exponents = qz.block_exponents(blocks)
-        round_ = _Round(self, blocks, exponents)
+        whole_job = not self._subset_rounds
         try:
-            round_.run()
+            if whole_job and self._on_ps:
+                assert self._failover is not None
+                if not self._failover.on_ps(self._index, self._rounds_away()):
+                    self._back_to_switch()
+            mark = self._mark()
+            sums, global_exp = self._run(blocks, exponents, mark)
         except TransportTimeout as err:
             self._failed = str(err)
             raise
@@ -419,7 +469,77 @@ class Transport:
             raise
         finally:
             self.stats.exchanges += 1
-        return round_.sums, round_.global_exp
+        if whole_job:
+            self._prev = (blocks, exponents, mark)
+            self._index += 1
+        return sums, global_exp
+
+    def _run(self, blocks: np.ndarray, exponents: np.ndarray, mark: _Mark) -> tuple[np.ndarray, np.ndarray]:
+        """Run one exchange; after a failover decision, again at the PS from where the decision says."""
+        while True:
+            round_ = _Round(self, blocks, exponents)
+            try:
+                round_.run()
+                return round_.sums, round_.global_exp
+            except _FailedOver as decision:
+                self._to_ps()
+                if decision.start == self._index - 1 and self._prev is not None:
+                    # Another worker had not finished the previous exchange: send it again (same sums).
+                    prev_blocks, prev_exponents, prev_mark = self._prev
+                    self._restore(prev_mark)
+                    _Round(self, prev_blocks, prev_exponents).run()
+                    self.stats.replayed_exchanges += 1
+                elif decision.start != self._index:
+                    raise TransportError(f"failover decision starts at exchange {decision.start}; this worker is at "
+                                         f"{self._index}: the job's workers do not run the same exchanges") from None
+                self._restore(mark)
+
+    def _mark(self) -> _Mark:
+        return _Mark(self._seq, self._probe_seq, self._rounds.copy(), self._next_pool.copy())
+
+    def _restore(self, mark: _Mark) -> None:
+        self._seq, self._probe_seq = mark.seq, mark.probe_seq
+        self._rounds[:] = mark.rounds
+        self._next_pool[:] = mark.next_pool
+
+    def _failover_armed(self) -> bool:
+        """Whether a stalled exchange votes for the PS (a whole-job exchange on the switch, with a PS)."""
+        return self._failover is not None and not self._on_ps and not self._subset_rounds
+
+    def _vote(self) -> None:
+        """A stalled exchange votes at the PS; raises _FailedOver with the decision, or returns (no decision:
+        keep waiting for the switch)."""
+        assert self._failover is not None
+        start = self._failover.vote(self._index, self.address)
+        if start is not None:
+            raise _FailedOver(start)
+
+    def _to_ps(self) -> None:
+        assert self._ps_address is not None
+        self._switch_seen[:] = self._round_count  # the switch saw (at most) every round sent so far
+        self._on_ps = True
+        self._set_destination(self._ps_address)
+        self._uses[:] = 0  # no shadow resends of packets sent to the switch
+        self.stats.failovers += 1
+        log.warning("job %d rank %d: switch %s:%d away; exchanges from %d run at the PS %s:%d",
+                    self.config.job_id, self.config.rank, *self._switch_address, self._index, *self._ps_address)
+
+    def _back_to_switch(self) -> None:
+        self._on_ps = False
+        self._set_destination(self._switch_address)
+        self._uses[:] = 0
+        self.stats.failover_returns += 1
+        log.info("job %d rank %d: exchanges from %d go to the switch %s:%d again", self.config.job_id,
+                 self.config.rank, self._index, *self._switch_address)
+
+    def _rounds_away(self) -> int:
+        """The most rounds a slot ran since the switch last saw it."""
+        return int((self._round_count - self._switch_seen).max())
+
+    @property
+    def on_ps(self) -> bool:
+        """Whether the job's exchanges run at the PS (a failover) rather than at the switch."""
+        return self._on_ps
 
     @property
     def next_seq(self) -> int:
@@ -725,6 +845,7 @@ class _Round:
         # the slot's shadow (the same for both fill implementations: the copy is made here, before either).
         t._shadow[slots] = t._raw[slots]
         t._uses[slots] += 1
+        t._round_count[slots] += 1
         if t._members:
             t._packets["hdr"]["members"][slots] = t._members
         if self._fill(slots, block_ids, self.blocks, self.local_exp, self.global_exp, self._ahead, self.seq0,
@@ -836,9 +957,11 @@ class _Round:
         acc_slots = np.empty(rows, np.int64)
         following = np.empty(rows, np.int64)
         rtts = np.empty(rows)
+        failover = t._failover if t._failover_armed() else None
+        vote_at = last_progress + failover.after if failover is not None else math.inf
         while self.remaining:
             now = time.monotonic()
-            wake = last_progress + t.progress_timeout
+            wake = min(last_progress + t.progress_timeout, vote_at)
             if self.timers:
                 wake = min(wake, self.timers[0][0])
             if wake > now and not t._rx_pending():
@@ -880,6 +1003,13 @@ class _Round:
                 stats.results_accepted += accepted
                 last_progress = now
                 t._on_results(accepted)
+                if failover is not None:
+                    vote_at = now + failover.after
+            elif now >= vote_at:
+                t._vote()  # the switch may be away: raises _FailedOver once every worker voted
+                vote_at = time.monotonic() + failover.after  # no decision: ride on, vote again later
+                if time.monotonic() - last_progress >= t.progress_timeout:
+                    self._timeout(time.monotonic() - last_progress)
             elif now - last_progress >= t.progress_timeout:
                 self._timeout(now - last_progress)
             if ready_slots or self.waiting:

@@ -88,6 +88,10 @@ class WorkerConfig:
     #: The job's shared secret (written by the controller; "" = none): every request to the job's
     #: parameter servers and aggregators carries it, and a request without it is refused.
     secret: str = ""
+    #: Seconds without a result on the switch path after which the workers vote, at the job's PS, to
+    #: move the job's exchanges to the PS (a switch that stays away); 0: never, ride through only. Needs
+    #: ``ps`` and mode allreduce or ps (docs/protocol.md, "Failover to the PS").
+    failover_after: float = 5.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -130,6 +134,9 @@ class WorkerConfig:
             raise ConfigError(f"replicas: expected a tuple of endpoints, got {self.replicas!r}")
         if not isinstance(self.secret, str) or any(c.isspace() for c in self.secret) or len(self.secret) > 256:
             raise ConfigError("secret: expected a string of at most 256 characters without whitespace")
+        if isinstance(self.failover_after, bool) or not isinstance(self.failover_after, int | float) \
+                or not 0 <= self.failover_after < 86400:
+            raise ConfigError(f"failover_after: expected seconds in [0, 86400), got {self.failover_after!r}")
         if (self.update_mode == "async" or self.replicas) and self.ps is None:
             raise ConfigError("ps: an async or replicated job needs the parameter server's endpoint")
 
