@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,10 +41,19 @@ def _torchrun(deployment, nproc: int, save: Path, backend: str = "netagg", devic
 
     environment = {**os.environ, "NETAGG_CONFIG": str(deployment.config_path), "NETAGG_TOKEN": TENANT_TOKEN,
                    "NETAGG_WORKER_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1", **env}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                             str(nproc), str(EXAMPLE), "--backend", backend, "--steps", str(STEPS), "--save",
-                             str(save), "--device", device],
-                            capture_output=True, text=True, env=environment, cwd=dp.REPO_ROOT, timeout=240)
+    # In a session of its own, so that a timeout kills the ranks too (orphaned ranks would hold ports and CPU).
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                str(nproc), str(EXAMPLE), "--backend", backend, "--steps", str(STEPS), "--save",
+                                str(save), "--device", device],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+                               cwd=dp.REPO_ROOT, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"torchrun with {nproc} ranks did not finish in 240 s:\n{stderr[-4000:]}")
+    result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((save / f"rank{r}.json").read_text()) for r in range(nproc)], result.stderr
 
