@@ -70,8 +70,8 @@ bench-sparse: setup
 bench-tenants: setup
 	$(BIN)/python -m benchmarks.cluster_tenants --rate-mbit 2
 
-## chaos: kill -9 the switch, the controller with it, and PS chain nodes at random times while training (120 s
-## in all); prints every injection and what was lost (nothing), exit 1 if anything was. CHAOS_ARGS: e.g.
+## chaos: kill -9 the switch (briefly, and past the failover bound), the controller with it, and PS chain nodes
+## at random times while training (160 s in all); prints every injection and what was lost (nothing), exit 1 if anything was. CHAOS_ARGS: e.g.
 ## CHAOS_ARGS='--seconds 300 --seed 7 --scenarios switch,chain' (docs/operations.md, "make chaos")
 chaos: setup
 	$(BIN)/python -m benchmarks.chaos $(CHAOS_ARGS)

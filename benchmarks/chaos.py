@@ -1,6 +1,6 @@
 """``make chaos``: the fault scenarios of the restart and chain tests, in a bounded loop with seeded random timing.
 
-``python -m benchmarks.chaos [--seconds 120] [--seed N] [--scenarios switch,both,chain] [--injections K]``
+``python -m benchmarks.chaos [--seconds 160] [--seed N] [--scenarios switch,both,away,chain] [--injections K]``
 
 Each scenario is set up once, trains, and gets faults injected at random (seeded) times until its share of
 ``--seconds`` (split evenly between the scenarios; setup and teardown not counted) runs out:
@@ -12,6 +12,9 @@ Each scenario is set up once, trains, and gets faults injected at random (seeded
   port; the controller re-pushes the pipeline and the job, the workers ride through.
 * ``both``: the same setup; ``kill -9`` of the controller and the switch at once, both started again (in a
   random order); afterwards the job list (jobs, leases, slots) must be what it was before.
+* ``away``: the same setup, the job's PS running and the workers' ``failover_after`` at 1 s; ``kill -9``
+  of the switch for 2-4 s: the job fails over to its PS and returns once the controller has put it back
+  on the restarted switch (docs/operations.md, "When the switch stays away").
 * ``chain``: a 3-node MLfabric PS chain (:mod:`netagg.mlfabric.testing`) and 3 training worker processes;
   ``kill -9`` of the node at a chain position (each position in turn, in a seeded order), restarted either
   at once or once the chain has repaired itself without it. At the end the job is halted and every node
@@ -30,6 +33,7 @@ left in ``--workdir`` (a temporary directory, removed after a clean run unless `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import shutil
@@ -59,7 +63,7 @@ from netagg.mlfabric.testing import collect, loopback_configs, start_ps, start_w
 from netagg.mlfabric.worker import FabricClient
 from netagg.shutdown import sigterm_as_interrupt
 
-SCENARIOS = ("switch", "both", "chain")
+SCENARIOS = ("switch", "both", "away", "chain")
 #: Allreduce jobs: workers, slots, values per allreduce.
 WORKERS, SLOTS, SIZE = 3, 32, 4096
 #: A worker's allreduce fails only after this long without progress: far longer than any outage here.
@@ -67,8 +71,11 @@ PROGRESS_TIMEOUT = 30.0
 #: Seconds between the recovery of one injection and the next (uniform), and how long the switch stays dead.
 GAP = (0.5, 3.0)
 DOWN = (0.0, 2.0)
+#: ``away``: the workers' failover bound, and how long the switch stays dead (always past the bound).
+AWAY_FAILOVER = 1.0
+AWAY_DOWN = (2.0, 4.0)
 #: How much of a scenario's time must be left to make one more injection (its recovery, generously).
-RESERVE = {"switch": 10.0, "both": 15.0, "chain": 12.0}
+RESERVE = {"switch": 10.0, "both": 15.0, "away": 15.0, "chain": 12.0}
 #: Teardown: how long in-flight exchanges may take to finish once a scenario's time is up.
 DRAIN = 30.0
 #: MLfabric chain: workers, delay bound, and the versions applied before the first fault / after a rejoin.
@@ -181,6 +188,7 @@ class AllreduceTraffic:
         self.rounds = 0  # rounds started
         self.completed = [0] * len(configs)
         self.last_done = [0.0] * len(configs)  # monotonic time of each rank's last completed allreduce
+        self.transport_stats: list[Any] = [None] * len(configs)
         self.wrong: list[str] = []
         self.timeouts: list[str] = []
         self.errors: list[str] = []
@@ -201,6 +209,7 @@ class AllreduceTraffic:
     def _work(self, rank: int) -> None:
         try:
             with KVWorker(self.configs[rank], progress_timeout=PROGRESS_TIMEOUT) as worker:
+                self.transport_stats[rank] = worker.transport.stats
                 while True:
                     self._barrier.wait()
                     if not self._go:
@@ -316,7 +325,7 @@ class SwitchChaos:
                 self.restart_switch()
             what = f"kill -9 controller + switch, restarted {order}"
         else:
-            down = self.rng.uniform(*DOWN)
+            down = self.rng.uniform(*(AWAY_DOWN if self.outcome.name == "away" else DOWN))
             time.sleep(down)
             self.restart_switch()
             what = f"kill -9 switch, down {down:.2f} s, restarted on the same addresses"
@@ -344,6 +353,9 @@ def run_switch_scenario(name: str, seconds: float, rng: random.Random, seed: int
     with LocalDeployment(workdir) as deployment:
         created = deployment.create_job(deployment.worker_hosts[:WORKERS], SLOTS, name=f"chaos-{name}")
         configs = [WorkerConfig.load(path) for path in created["config_paths"]]
+        if name == "away":  # the job's PS, where its exchanges go while the switch is away
+            deployment.start_ps(created["config_paths"][0], deployment.ps_host)
+            configs = [dataclasses.replace(config, failover_after=AWAY_FAILOVER) for config in configs]
         jobs_before = job_list(deployment)
         traffic = AllreduceTraffic(configs, seed)
         chaos = SwitchChaos(deployment, traffic, outcome, rng, workdir)
@@ -380,6 +392,12 @@ def run_switch_scenario(name: str, seconds: float, rng: random.Random, seed: int
         else:
             outcome.notes.append("job list (jobs, leases, slots) the same as before the first fault")
         log = (workdir / "controller.log").read_text(errors="replace")
+        if name == "away":
+            stats = [s for s in traffic.transport_stats if s is not None]
+            outcome.notes.append(f"failovers to the PS per worker {[s.failovers for s in stats]}, returns to the "
+                                 f"switch {[s.failover_returns for s in stats]}")
+            if any(s.failovers < len(outcome.injections) for s in stats):
+                outcome.failures.append("a switch away past the failover bound did not move the job to its PS")
         outcome.notes.append(f"switch started {chaos.switch_starts}x, controller {chaos.controller_starts}x; "
                              f"controller log: {log.count(' lost: ')}x 'switch ... lost', "
                              f"{log.count('pushed the pipeline') - 1}x pipeline and job pushed again")
@@ -576,7 +594,7 @@ def summary(outcomes: list[Outcome]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=120.0,
+    parser.add_argument("--seconds", type=float, default=160.0,
                         help="training time in all, split evenly between the scenarios (setup/teardown extra)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the timing and choices (default: random)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {','.join(SCENARIOS)}")

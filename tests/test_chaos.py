@@ -17,9 +17,9 @@ from netagg import dataplane as dp
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_short_chaos_run_injects_every_fault_and_loses_nothing(tmp_path):
-    # 20 s of training per scenario: room for one injection and its recovery in each (chaos.RESERVE).
+    # 20 s of training per scenario (4): room for one injection and its recovery in each (chaos.RESERVE).
     marker = f"chaos-test-{os.getpid()}-{tmp_path.name}"  # inherited by every process it starts
-    result = subprocess.run([sys.executable, "-m", "benchmarks.chaos", "--seconds", "60", "--seed", "11",
+    result = subprocess.run([sys.executable, "-m", "benchmarks.chaos", "--seconds", "80", "--seed", "11",
                              "--injections", "1", "--workdir", str(tmp_path / "chaos")],
                             capture_output=True, text=True, cwd=dp.REPO_ROOT, timeout=280,
                             env={**os.environ, "NETAGG_CHAOS_TEST": marker})
@@ -33,10 +33,12 @@ def test_a_short_chaos_run_injects_every_fault_and_loses_nothing(tmp_path):
         assert len(lines) == 1 and "recovered in" in lines[0], summary
     assert "kill -9 switch, down" in summary and "kill -9 controller + switch, restarted" in summary
     assert re.search(r"kill -9 PS (primary|middle|tail) :\d+", summary)
-    for name in ("switch", "both"):
+    for name in ("switch", "both", "away"):
         line = next(line for line in summary.splitlines() if line.startswith(f"  {name:<6} 1 injection in"))
         done = int(re.search(r"allreduces done (\d+)", line).group(1))
         assert done > 0 and "wrong sums 0, timeouts 0" in line, line
+    failovers = re.search(r"failovers to the PS per worker \[([\d, ]+)\]", summary)
+    assert failovers and all(int(n) >= 1 for n in failovers.group(1).split(",")), summary
     line = next(line for line in summary.splitlines() if line.startswith("  chain  1 injection in"))
     assert int(re.search(r"pushes acknowledged (\d+)", line).group(1)) > 0 and "lost 0, duplicated 0" in line
     assert "FAILED" not in out
