@@ -18,18 +18,18 @@ $(VENV)/.created:
 # benchmarks add their tools. The fast path's kernels are compiled once here, into numba's cache.
 $(DEMO_STAMP): pyproject.toml $(VENV)/.created
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[demo,fast]'
-	$(BIN)/python -m netagg.warmup
+	$(BIN)/python -m netagg.apps.warmup
 	@touch $@
 
 $(STAMP): pyproject.toml $(VENV)/.created
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,demo,bench,fast]'
-	$(BIN)/python -m netagg.warmup
+	$(BIN)/python -m netagg.apps.warmup
 	@touch $(STAMP) $(DEMO_STAMP)
 
 ## setup: create .venv and install netagg with its test and benchmark tools
 setup: $(STAMP)
 
-## build: compile p4src/netagg.p4 with p4c-bm2-ss into build/ (skips, saying so, without p4c)
+## build: compile p4src/v1model/netagg.p4 with p4c-bm2-ss into build/ (skips, saying so, without p4c)
 build: setup
 	$(BIN)/python -m netagg.bmv2.p4build
 
@@ -52,7 +52,7 @@ ptf: build
 
 ## demo: switch + controller + 4 workers train an MLP through the switch (TARGET=soft: embedded default; bmv2)
 demo: $(DEMO_STAMP)
-	$(BIN)/python -m netagg.demo --target $(TARGET)
+	$(BIN)/python -m netagg.apps.demo --target $(TARGET)
 
 ## bench-switch: aggregated packets/s of the software target (and BMv2 where installed)
 bench-switch: build

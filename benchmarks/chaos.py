@@ -5,7 +5,7 @@
 Each scenario is set up once, trains, and gets faults injected at random (seeded) times until its share of
 ``--seconds`` (split evenly between the scenarios; setup and teardown not counted) runs out:
 
-* ``switch``: the software target, the controller (as processes, :class:`netagg.deployment.LocalDeployment`)
+* ``switch``: the software target, the controller (as processes, :class:`netagg.bmv2.deployment.LocalDeployment`)
   and an allreduce job whose workers (:class:`~netagg.hoststack.kv.KVWorker` in threads) allreduce in a loop,
   every result compared with :func:`~netagg.hoststack.testing.expected_allreduce` (bit for bit). Fault:
   ``kill -9`` of the switch, a random time down, the same command on the same P4Runtime address and UDP
@@ -52,8 +52,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from netagg.bmv2.deployment import ADMIN_TOKEN, LocalDeployment
 from netagg.bmv2.targets import start_target
-from netagg.deployment import ADMIN_TOKEN, LocalDeployment
 from netagg.hoststack.kv import KVWorker
 from netagg.hoststack.testing import expected_allreduce
 from netagg.hoststack.transport import TransportTimeout

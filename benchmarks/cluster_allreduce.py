@@ -29,8 +29,8 @@ from pathlib import Path
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
+from netagg.bmv2.deployment import json_result
 from netagg.bmv2.netns import can_create_namespaces
-from netagg.deployment import json_result
 
 WORKER = [sys.executable, "-m", "benchmarks.allreduce_worker"]
 GLOO_PORT = 29500

@@ -78,7 +78,7 @@ _SEND = {"send_prepared", "send", "_send_plain", "<method 'send' of '_socket.soc
          "<method 'sendto' of '_socket.socket' objects>"}
 _RECV = {"recv", "<method 'recvfrom_into' of '_socket.socket' objects>"}
 _POLL = {"<method 'poll' of 'select.poll' objects>"}
-_KERNELS = {"accept_results", "fill_packets", "sample_all", "_accept_results_numpy", "_fill_packets_numpy",
+_KERNELS = {"accept_results", "fill_packets", "sample_all",
             "split", "segment_sizes", "plan_uniform", "_split_reference", "_segment_sizes_reference",
             "_plan_uniform_reference"}
 

@@ -2,7 +2,7 @@
 
 All send to a local UDP sink that nobody reads (the kernel drops what overflows its
 buffer, so no side is clocked by a receiver). The send path is the transport's own code
-for a window refill (``_Round.emit``): quantize a batch of blocks into their slots'
+for a window refill (``Exchange.emit``): quantize a batch of blocks into their slots'
 preallocated packets and fill the headers in one pass, send the batch with one
 ``sendmmsg`` (one ``send`` per packet without it), set the expectations and arm the batch's
 retransmission timer. Prints ``ratio = send path pps / bare sendto pps`` (goal >= 0.8), and
@@ -22,7 +22,7 @@ import numpy as np
 
 from netagg import mmsg, wire
 from netagg.hoststack import quantization as qz
-from netagg.hoststack.transport import Transport, _Round
+from netagg.hoststack.transport import Exchange, Transport
 from netagg.jobconfig import Endpoint, WorkerConfig
 
 
@@ -61,12 +61,12 @@ def bare_sendmmsg(sock: socket.socket, count: int, window: int) -> float:
 
 
 def send_path(transport: Transport, count: int) -> float:
-    """Packets/s of the transport's window refill (``_Round.emit``) over ``count`` blocks."""
+    """Packets/s of the transport's window refill (``Exchange.emit``) over ``count`` blocks."""
     slots = transport.slot_count
     rng = np.random.default_rng(0)
     blocks = rng.standard_normal((count, wire.K)).astype(np.float32)
     exponents = qz.block_exponents(blocks)
-    round_ = _Round(transport, blocks, exponents)
+    round_ = Exchange(transport, blocks, exponents)
     round_.global_exp[:] = exponents  # as if the switch had answered with these maxima
     batches = [(list(range(slots)), list(range(first, first + slots))) for first in range(0, count, slots)]
     start = time.perf_counter()

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from netagg import dataplane as dp
 from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
+from netagg.bmv2.deployment import json_result
 from netagg.bmv2.dynamics import ClusterDynamics, DynamicsSpec, Plan, make_plan
 from netagg.bmv2.netns import can_create_namespaces
-from netagg.deployment import json_result
 from netagg.jobconfig import WorkerConfig
 from netagg.mlfabric.testing import PS_COMMAND, WORKER_COMMAND, stop
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from netagg import dataplane as dp
 from netagg import wire
+from netagg.bmv2.deployment import Deployment
 from netagg.bmv2.netns import LinkShape, Topology, ns_exec
 from netagg.bmv2.p4build import compile_program
 from netagg.bmv2.targets import start_target
-from netagg.deployment import Deployment
 from netagg.jobconfig import ConfigError, read_yaml
 
 CLUSTER_CONFIG = dp.REPO_ROOT / "configs" / "cluster.yaml"

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from netagg.bmv2.deployment import json_result
 from netagg.bmv2.netns import LinkShape, shape_link
-from netagg.deployment import json_result
 
 if TYPE_CHECKING:
     from netagg.bmv2.cluster import EmulatedCluster

@@ -46,18 +46,24 @@ def _block_exponents(bits: np.ndarray, out: np.ndarray) -> int:
     return bad
 
 
+@njit(cache=True, nogil=True, inline="always")
+def quantize_row(src: np.ndarray, a: np.float32, second: np.float32, dst: np.ndarray, first: int) -> None:
+    """One block: ``dst[first:first + K]`` (uint32 words) = byte-swapped ``rint(src * a (* second))``. The
+    one quantizer of the compiled paths: the codec below and the transport's packet fill
+    (``transport_kernels.fill_packets``) inline it; ``quantization.quantize_scaled`` is its numpy twin."""
+    if second == np.float32(1.0):  # the branch outside the inner loops keeps them vectorized
+        for i in range(_K):
+            dst[first + i] = _bswap32(np.uint32(np.int32(np.rint(src[i] * a))))
+    else:  # an extreme exponent: the scale needs two float32 factors
+        for i in range(_K):
+            dst[first + i] = _bswap32(np.uint32(np.int32(np.rint(src[i] * a * second))))
+
+
 def _quantize(blocks: np.ndarray, exponents: np.ndarray, enc_a: np.ndarray, enc_b: np.ndarray,
               out: np.ndarray) -> None:
     for b in prange(blocks.shape[0]):
         g = np.int32(exponents[b]) + 128
-        a, second = enc_a[g], enc_b[g]
-        src, dst = blocks[b], out[b]
-        if second == np.float32(1.0):  # the branch outside the inner loops keeps them vectorized
-            for i in range(_K):
-                dst[i] = _bswap32(np.uint32(np.int32(np.rint(src[i] * a))))
-        else:  # an extreme exponent: the scale needs two float32 factors
-            for i in range(_K):
-                dst[i] = _bswap32(np.uint32(np.int32(np.rint(src[i] * a * second))))
+        quantize_row(blocks[b], enc_a[g], enc_b[g], out[b], 0)
 
 
 def _dequantize(sums: np.ndarray, exponents: np.ndarray, dec_a: np.ndarray, dec_b: np.ndarray,

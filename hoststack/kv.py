@@ -31,7 +31,7 @@ from netagg.hoststack import quantization as qz
 from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.failover import FailoverClient
 from netagg.hoststack.metrics import WorkerExporter, port_from_env
-from netagg.hoststack.packets import resolve
+from netagg.hoststack.packets import SEQ_MASK, resolve
 from netagg.hoststack.psproto import PsClient, PsError
 from netagg.hoststack.sparse import SparseTable
 from netagg.hoststack.transport import RTO_FLOOR, SubsetRound, Transport
@@ -106,7 +106,7 @@ class KVWorker:
         self._ts = itertools.count()
         self._lock = threading.Lock()
         self._store: dict[int, tuple[np.ndarray, tuple[int, ...]]] = {}
-        self._rounds = 0
+        self._pushes = 0  # ps mode: pushes committed (the PS applies them in this order)
 
     # -- PS-lite API -----------------------------------------------------------
     def push(self, keys: Sequence[int] | int, values: Sequence[Any] | Any) -> int:
@@ -238,15 +238,15 @@ class KVWorker:
     def _commit(self, layout: blk.Layout, seq_start: int, sums: np.ndarray, global_exp: np.ndarray) -> None:
         """Tell the PS the push's layout and exponents; send it any block it missed."""
         assert self._ps is not None
-        round_id = self._rounds
-        self._rounds += 1
+        round_id = self._pushes
+        self._pushes += 1
         base = {"job_id": self.config.job_id, "round": round_id}
         response, _ = self._ps.request({**base, "op": "commit", "seq_start": seq_start, "keys": layout.keys,
                                         "sizes": layout.sizes}, global_exp.astype(np.int8).tobytes())
         missing = response["missing"]
         while missing:
             batch = missing[:_REPAIR_BATCH]
-            blocks = np.array([(s - seq_start) & 0x7FFFFFFF for s in batch], dtype=np.intp)
+            blocks = np.array([(s - seq_start) & SEQ_MASK for s in batch], dtype=np.intp)
             response, _ = self._ps.request({**base, "op": "repair", "seqs": batch},
                                            np.ascontiguousarray(sums[blocks]).tobytes())
             missing = response["missing"]
@@ -255,7 +255,7 @@ class KVWorker:
         if self._ps_store:
             assert self._ps is not None
             response, data = self._ps.request({"op": "pull", "job_id": self.config.job_id, "keys": keys,
-                                               "after_round": self._rounds - 1, "timeout": self.ps_timeout},
+                                               "after_round": self._pushes - 1, "timeout": self.ps_timeout},
                                               timeout=self.ps_timeout + 5)
             flat = np.frombuffer(data, np.float32)
             values, start = [], 0

@@ -71,15 +71,14 @@ def _pow2_tables(num_workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
 
 
 _TABLES: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
-#: Per worker count: table indices below this need the second encode factor.
-_EXTREME_INDEX: dict[int, int] = {}
 
 
-def _tables(num_workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def factor_tables(num_workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per exponent G (index G + 128), float32: encode factors (a, b) and decode factors (c, d) for
+    ``num_workers`` (cached); what :func:`quantize_scaled` and the compiled kernels take."""
     tables = _TABLES.get(num_workers)
     if tables is None:
         tables = _TABLES[num_workers] = _pow2_tables(num_workers)
-        _EXTREME_INDEX[num_workers] = int(np.flatnonzero(tables[1] == 1)[0])
     return tables
 
 
@@ -119,16 +118,25 @@ def quantize(blocks: np.ndarray, exponents: np.ndarray, num_workers: int, out: n
     ``exponents`` are the *global* exponents G (int8, one per block): G must be at least
     each block's own :func:`block_exponents` value, else the values could overflow.
     """
-    enc_a, enc_b, _, _ = _tables(num_workers)
+    enc_a, enc_b, _, _ = factor_tables(num_workers)
     if out is None:
         out = np.empty(blocks.shape, WIRE_DTYPE)
     if out.dtype == WIRE_DTYPE and exponents.dtype == np.int8 and _fused(blocks, out, exponents):
         _kernels.quantize(blocks, exponents, enc_a, enc_b, out.view(np.uint32))
         return out
+    return quantize_scaled(blocks, exponents, enc_a, enc_b, out)
+
+
+def quantize_scaled(blocks: np.ndarray, exponents: np.ndarray, enc_a: np.ndarray, enc_b: np.ndarray,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`quantize` with the encode factors of :func:`factor_tables` given, in numpy (the reference
+    the compiled kernels, ``codec_kernels.quantize_row``, follow operation for operation)."""
+    if out is None:
+        out = np.empty(blocks.shape, WIRE_DTYPE)
     index = exponents.astype(np.intp) + 128
     scaled = np.multiply(blocks, enc_a[index][:, None])
-    if index.size and int(index.min()) < _EXTREME_INDEX[num_workers]:  # rare: G < P - 101 (about -70)
-        extreme = np.flatnonzero(enc_b[index] != 1)
+    extreme = np.flatnonzero(enc_b[index] != 1)  # rare: G < P - 101 (about -70)
+    if extreme.size:
         scaled[extreme] *= enc_b[index[extreme]][:, None]  # scale beyond float32 range: second factor
     np.rint(scaled, out=out, casting="unsafe")
     return out
@@ -143,7 +151,7 @@ def dequantize(
     int32 sum to 24 bits, then an exact power-of-two scaling), float64 if ``out`` is float64.
     A float32 result is ``inf`` only where the exact sum exceeds float32's range.
     """
-    _, _, dec_a, dec_b = _tables(num_workers)
+    _, _, dec_a, dec_b = factor_tables(num_workers)
     if out is None:
         out = np.empty(sums.shape, np.float32)
     fusable = sums.dtype == WIRE_DTYPE and out.dtype == np.float32 and exponents.dtype == np.int8

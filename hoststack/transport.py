@@ -1,5 +1,9 @@
 """The worker's UDP transport: a SwitchML-style self-clocked window over the job's slots.
 
+(Over 500 lines on purpose: :class:`Transport` and :class:`Exchange` share the per-slot rows and obey the
+rules written below, which take a fifth of the file; the batch steps live in ``transport_reference`` and
+``transport_kernels``, the codec in ``quantization``.)
+
 One :meth:`Transport.exchange` call aggregates a ``(blocks, K)`` float32 array with the
 other workers of the job (who make the same calls in the same order) and returns the
 int32 sums and the global exponent of every block; :mod:`~netagg.hoststack.quantization`
@@ -66,7 +70,9 @@ socket and IP layers are crossed once per 64 packets. Results are read with ``re
 ``UDP_GRO`` socket, a coalesced buffer split by its segment size into receive rows (up to
 :data:`_RECV_ROWS` per call), and checked and applied by one pass over the batch
 (``accept_results``): compiled with numba (:mod:`~netagg.hoststack.transport_kernels`) or its
-numpy reference here, with the same effects. Where the kernel refuses segmentation or GRO
+numpy reference (:mod:`~netagg.hoststack.transport_reference`), with the same effects; the values are
+quantized by the codec's one quantizer (``codec_kernels.quantize_row``, or
+``quantization.quantize_scaled`` in numpy). Where the kernel refuses segmentation or GRO
 the same batches go one datagram per message (``sendmmsg``/``recvmmsg``, one log line says
 why), and without those calls (``mmsg.AVAILABLE`` false) one ``send`` or ``recvfrom_into``
 per packet. Losing one segmented send loses up to 64 consecutive packets at once (a burst);
@@ -89,11 +95,10 @@ import numpy as np
 
 from netagg import mmsg, udpgso, wire
 from netagg.hoststack import quantization as qz
+from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.failover import FailoverClient
 from netagg.hoststack.packets import (
-    HEADER_DTYPE,
     PACKET_DTYPE,
-    PROBE_SEQ_BIT,
     SEQ_MASK,
     resolve,
     slot_count_of,
@@ -304,7 +309,7 @@ class Transport:
         self.address: tuple[str, int] = self.sock.getsockname()
         self._fd = self.sock.fileno()
         # Failover to the PS (hoststack/failover.py): where the job's exchanges go while the switch is away.
-        self._failover = failover
+        self.failover = failover
         self._switch_address = resolve(target)
         self._ps_address = resolve(config.ps) if failover is not None and config.ps is not None else None
         if failover is not None and self._ps_address is None:
@@ -318,8 +323,8 @@ class Transport:
         self._index = 0
         #: ... and the last one's inputs and the state it began from (run again at the PS after a failover).
         self._prev: tuple[np.ndarray, np.ndarray, _Mark] | None = None
-        self._poller = select.poll()
-        self._poller.register(self._fd, select.POLLIN)
+        self.poller = select.poll()
+        self.poller.register(self._fd, select.POLLIN)
         self.rto = RtoEstimator(rto_initial, rto_min, rto_max, max_backoff=max_backoff)
         self.stats = TransportStats()
         #: Congestion window (packets outstanding), kept across exchanges; fixed at S without control.
@@ -328,66 +333,66 @@ class Transport:
         self.stats.smallest_window = self.window
         self._last_decrease = -math.inf
         # One preallocated packet per slot; row s is always slot s.
-        self._packets = np.zeros(self.slot_count, PACKET_DTYPE)
-        hdr = self._packets["hdr"]
+        self.packets = np.zeros(self.slot_count, PACKET_DTYPE)
+        hdr = self.packets["hdr"]
         hdr["version"] = wire.VERSION
         hdr["job_id"] = config.job_id
         hdr["rank"] = config.rank
         hdr["slot"] = np.arange(self.slot_count)
-        self._raw = self._packets.view(np.uint8).reshape(self.slot_count, _NETAGG_BYTES)
-        self._words = self._raw.view(np.uint32)
-        self._rows = [memoryview(self._raw[s]) for s in range(self.slot_count)]
+        self.raw = self.packets.view(np.uint8).reshape(self.slot_count, _NETAGG_BYTES)
+        self.words = self.raw.view(np.uint32)
+        self.rows = [memoryview(self.raw[s]) for s in range(self.slot_count)]
         # Per slot: the exact bytes of the packet sent in it before the current one (row s of ``_raw``), kept
         # across exchanges, and how many packets the slot has carried (a shadow exists from 2 on).
-        self._shadow = np.zeros((self.slot_count, _NETAGG_BYTES), np.uint8)
-        self._uses = np.zeros(self.slot_count, np.int64)
+        self.shadow = np.zeros((self.slot_count, _NETAGG_BYTES), np.uint8)
+        self.uses = np.zeros(self.slot_count, np.int64)
         # What the recovery resends are copied into and sent from (module docstring).
-        self._resend = np.zeros((self.slot_count, _NETAGG_BYTES), np.uint8)
-        self._resend_rows = [memoryview(self._resend[s]) for s in range(self.slot_count)]
+        self.resend = np.zeros((self.slot_count, _NETAGG_BYTES), np.uint8)
+        self.resend_rows = [memoryview(self.resend[s]) for s in range(self.slot_count)]
         #: The members a subset exchange writes into each row it fills (0: the whole job).
-        self._members = 0
-        self._next_pool = np.zeros(self.slot_count, np.uint8)
+        self.members = 0
+        self.next_pool = np.zeros(self.slot_count, np.uint8)
         # Per slot: the round number of its latest use (+1 per new packet, mod 2**16), which
         # lets the switch tell a delayed copy of an earlier round from a new one. Every worker
         # of the job uses each slot the same number of times, so their numbers agree.
-        self._rounds = np.zeros(self.slot_count, np.uint16)
-        self._seq = 0
-        self._probe_seq = 0
-        self._encode = qz._tables(self.num_workers)[:2]
+        self.rounds = np.zeros(self.slot_count, np.uint16)
+        self.seq = 0
+        self.probe_seq = 0
+        self.encode = qz.factor_tables(self.num_workers)[:2]
         # Batched I/O (module docstring): segmented sends whose iovecs point at the rows above, coalesced
         # receives split into rows; else one send/recvfrom_into per packet.
         self._batched = mmsg.AVAILABLE
         self._tx: udpgso.GsoBatch | None = None
-        self._rx_capacity = _RECV_BATCH
+        self.rx_capacity = _RECV_BATCH
         if self._batched:
             if udpgso.enable_gro(self.sock):
                 self._rx: mmsg.MsgBatch | udpgso.GroBatch = udpgso.GroBatch(_RECV_ROWS, _RECV_STRIDE)
-                self._rx_capacity = _RECV_ROWS
+                self.rx_capacity = _RECV_ROWS
             else:
                 self._rx = mmsg.MsgBatch(_RECV_BATCH, _RECV_STRIDE)
-            self._rx_buf, self._rx_names, self._rx_lengths = self._rx.buf, self._rx.names, self._rx.lengths
+            self.rx_buf, self.rx_names, self.rx_lengths = self._rx.buf, self._rx.names, self._rx.lengths
             self._tx = udpgso.GsoBatch(self.slot_count)
             if self._tx.refused is not None:
                 log.info("transport %s: one datagram per message (%s)", self.address, self._tx.refused)
-            self._row_addr = np.uint64(self._raw.ctypes.data) + np.arange(self.slot_count, dtype=np.uint64) \
+            self.row_addr = np.uint64(self.raw.ctypes.data) + np.arange(self.slot_count, dtype=np.uint64) \
                 * np.uint64(_NETAGG_BYTES)
-            self._resend_addr = np.uint64(self._resend.ctypes.data) \
+            self.resend_addr = np.uint64(self.resend.ctypes.data) \
                 + np.arange(self.slot_count, dtype=np.uint64) * np.uint64(_NETAGG_BYTES)
         else:
-            self._rx_buf = np.zeros((_RECV_BATCH, _RECV_STRIDE), np.uint8)
-            self._rx_names = np.zeros((_RECV_BATCH, mmsg.NAME_BYTES), np.uint8)
-            self._rx_lengths = np.zeros(_RECV_BATCH, np.uint32)
-            self._rx_rows = [memoryview(row) for row in self._rx_buf]
-            self._rx_name_view = memoryview(self._rx_names.reshape(-1))
+            self.rx_buf = np.zeros((_RECV_BATCH, _RECV_STRIDE), np.uint8)
+            self.rx_names = np.zeros((_RECV_BATCH, mmsg.NAME_BYTES), np.uint8)
+            self.rx_lengths = np.zeros(_RECV_BATCH, np.uint32)
+            self._rx_rows = [memoryview(row) for row in self.rx_buf]
+            self._rx_name_view = memoryview(self.rx_names.reshape(-1))
         self._set_destination(self._switch_address)
         #: Per slot: rounds used over the transport's life, and that count when the switch last saw the slot.
-        self._round_count = np.zeros(self.slot_count, np.int64)
+        self.round_count = np.zeros(self.slot_count, np.int64)
         self._switch_seen = np.zeros(self.slot_count, np.int64)
         self._failed: str | None = None
         #: Set by the first subset exchange: slots' round numbers then follow the subsets' bases, no longer
         #: the job-wide count every worker keeps, so whole-job exchanges are refused from then on.
         self._subset_rounds = False
-        self._warm_up()
+        Exchange.warm_up(self)
 
     def _set_destination(self, destination: tuple[str, int]) -> None:
         """Send to ``destination`` (the switch, or the PS after a failover) and accept results from it."""
@@ -407,7 +412,7 @@ class Transport:
             # What recvmmsg would write for a peer (sockaddr_in up to the address); others get zeros.
             self._source_names = {source: bytes(mmsg.sockaddr_in(*source)[:8]) for source in self.sources}
         #: The peers as the batch processors compare them: IPv4 << 16 | port.
-        self._allowed = np.array([int.from_bytes(socket.inet_aton(host), "big") << 16 | port
+        self.allowed = np.array([int.from_bytes(socket.inet_aton(host), "big") << 16 | port
                                   for host, port in sorted(self.sources)], np.int64)
 
     # -- public ------------------------------------------------------------
@@ -437,16 +442,16 @@ class Transport:
         if uses >= 0x8000:
             raise ValueError(f"{blocks.shape[0]} blocks use {uses} rounds per slot: more than the switch tells apart")
         self._subset_rounds = True
-        self._rounds[:] = subset.round_base & 0xFFFF
-        self._next_pool[:] = subset.round_base & 1  # round r in pool (r - 1) % 2 (SubsetRound)
-        self._seq = self._probe_seq = 0  # rounds are unique per exchange, so block ids may start over
-        # Written into each row as it is filled (_Round._launch), so that every row keeps the bytes it was sent
+        self.rounds[:] = subset.round_base & 0xFFFF
+        self.next_pool[:] = subset.round_base & 1  # round r in pool (r - 1) % 2 (SubsetRound)
+        self.seq = self.probe_seq = 0  # rounds are unique per exchange, so block ids may start over
+        # Written into each row as it is filled (Exchange._launch), so that every row keeps the bytes it was sent
         # with (a shadow copy of it must be the same packet).
-        self._members = members
+        self.members = members
         try:
             return self._exchange(blocks, exponents)
         finally:
-            self._members = 0
+            self.members = 0
 
     def _exchange(self, blocks: np.ndarray, exponents: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         if self._failed is not None:
@@ -456,8 +461,8 @@ class Transport:
         whole_job = not self._subset_rounds
         try:
             if whole_job and self._on_ps:
-                assert self._failover is not None
-                if not self._failover.on_ps(self._index, self._rounds_away()):
+                assert self.failover is not None
+                if not self.failover.on_ps(self._index, self._rounds_away()):
                     self._back_to_switch()
             mark = self._mark()
             sums, global_exp = self._run(blocks, exponents, mark)
@@ -477,17 +482,17 @@ class Transport:
     def _run(self, blocks: np.ndarray, exponents: np.ndarray, mark: _Mark) -> tuple[np.ndarray, np.ndarray]:
         """Run one exchange; after a failover decision, again at the PS from where the decision says."""
         while True:
-            round_ = _Round(self, blocks, exponents)
+            exchange = Exchange(self, blocks, exponents)
             try:
-                round_.run()
-                return round_.sums, round_.global_exp
+                exchange.run()
+                return exchange.sums, exchange.global_exp
             except _FailedOver as decision:
                 self._to_ps()
                 if decision.start == self._index - 1 and self._prev is not None:
                     # Another worker had not finished the previous exchange: send it again (same sums).
                     prev_blocks, prev_exponents, prev_mark = self._prev
                     self._restore(prev_mark)
-                    _Round(self, prev_blocks, prev_exponents).run()
+                    Exchange(self, prev_blocks, prev_exponents).run()
                     self.stats.replayed_exchanges += 1
                 elif decision.start != self._index:
                     raise TransportError(f"failover decision starts at exchange {decision.start}; this worker is at "
@@ -495,31 +500,31 @@ class Transport:
                 self._restore(mark)
 
     def _mark(self) -> _Mark:
-        return _Mark(self._seq, self._probe_seq, self._rounds.copy(), self._next_pool.copy())
+        return _Mark(self.seq, self.probe_seq, self.rounds.copy(), self.next_pool.copy())
 
     def _restore(self, mark: _Mark) -> None:
-        self._seq, self._probe_seq = mark.seq, mark.probe_seq
-        self._rounds[:] = mark.rounds
-        self._next_pool[:] = mark.next_pool
+        self.seq, self.probe_seq = mark.seq, mark.probe_seq
+        self.rounds[:] = mark.rounds
+        self.next_pool[:] = mark.next_pool
 
-    def _failover_armed(self) -> bool:
+    def failover_armed(self) -> bool:
         """Whether a stalled exchange votes for the PS (a whole-job exchange on the switch, with a PS)."""
-        return self._failover is not None and not self._on_ps and not self._subset_rounds
+        return self.failover is not None and not self._on_ps and not self._subset_rounds
 
-    def _vote(self) -> None:
+    def vote(self) -> None:
         """A stalled exchange votes at the PS; raises _FailedOver with the decision, or returns (no decision:
         keep waiting for the switch)."""
-        assert self._failover is not None
-        start = self._failover.vote(self._index, self.address)
+        assert self.failover is not None
+        start = self.failover.vote(self._index, self.address)
         if start is not None:
             raise _FailedOver(start)
 
     def _to_ps(self) -> None:
         assert self._ps_address is not None
-        self._switch_seen[:] = self._round_count  # the switch saw (at most) every round sent so far
+        self._switch_seen[:] = self.round_count  # the switch saw (at most) every round sent so far
         self._on_ps = True
         self._set_destination(self._ps_address)
-        self._uses[:] = 0  # no shadow resends of packets sent to the switch
+        self.uses[:] = 0  # no shadow resends of packets sent to the switch
         self.stats.failovers += 1
         log.warning("job %d rank %d: switch %s:%d away; exchanges from %d run at the PS %s:%d",
                     self.config.job_id, self.config.rank, *self._switch_address, self._index, *self._ps_address)
@@ -527,14 +532,14 @@ class Transport:
     def _back_to_switch(self) -> None:
         self._on_ps = False
         self._set_destination(self._switch_address)
-        self._uses[:] = 0
+        self.uses[:] = 0
         self.stats.failover_returns += 1
         log.info("job %d rank %d: exchanges from %d go to the switch %s:%d again", self.config.job_id,
                  self.config.rank, self._index, *self._switch_address)
 
     def _rounds_away(self) -> int:
         """The most rounds a slot ran since the switch last saw it."""
-        return int((self._round_count - self._switch_seen).max())
+        return int((self.round_count - self._switch_seen).max())
 
     @property
     def on_ps(self) -> bool:
@@ -544,7 +549,7 @@ class Transport:
     @property
     def next_seq(self) -> int:
         """``seq`` of the next exchange's first data block."""
-        return self._seq
+        return self.seq
 
     def close(self) -> None:
         self.sock.close()
@@ -555,30 +560,16 @@ class Transport:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- used by _Round ------------------------------------------------------
-    def _warm_up(self) -> None:
-        """Compile the kernels for this transport's argument types (or load them from numba's cache)
-        now, with empty batches, rather than inside the first exchange's progress timeout."""
-        if _kernels is None:
-            return
-        r = _Round(self, np.zeros((0, K), np.float32), np.zeros(0, np.int8))
-        none = np.zeros(0, np.int64)
-        r._fill(none, none, r.blocks, r.local_exp, r.global_exp, r._ahead, 0, 0, r.window, *self._encode,
-                self._raw, self._words, self._next_pool, self._rounds, r.expect, r.sent_at, 0.0, none.copy())
-        rows = self._rx_capacity
-        outputs = np.zeros(rows, np.int64), np.zeros(rows, np.int64), np.zeros(rows)
-        r._accept(self._rx_buf, self._rx_lengths, self._rx_names, 0, self._allowed, self.config.job_id, 0,
-                  r.window, 0, r.expect, r.retries, r.sent_at, self._next_pool, 0.0, r._sums_flat, r.global_exp,
-                  *outputs)
-        RtoEstimator().sample_all(outputs[2][:0])
-
-    def _transmit(self, slots: np.ndarray, resend_buffer: bool = False) -> int:
+    # -- used by Exchange (one exchange's state and loop; it also reads and writes the per-slot rows and round
+    # state above: ``packets``/``raw``/``words``/``rows``, ``shadow``/``uses``/``resend``, ``rounds``/``next_pool``/
+    # ``round_count``, ``seq``/``probe_seq``, ``members``, and the receive batch ``rx_*``/``allowed``/``poller``) --
+    def transmit(self, slots: np.ndarray, resend_buffer: bool = False) -> int:
         """Send the rows of ``slots`` as they are (one sendmmsg per batch); returns how many failed.
 
         ``resend_buffer``: rows of ``_resend`` (``slots`` are then row numbers there) instead of the packets."""
         tx = self._tx
         if tx is None:
-            errors, rows, send = 0, self._resend_rows if resend_buffer else self._rows, self._send
+            errors, rows, send = 0, self.resend_rows if resend_buffer else self.rows, self._send
             for slot in slots.tolist():
                 try:
                     send(rows[slot])
@@ -586,18 +577,18 @@ class Transport:
                     errors += 1
             return errors
         errors = 0
-        addresses = self._resend_addr if resend_buffer else self._row_addr
+        addresses = self.resend_addr if resend_buffer else self.row_addr
         for first in range(0, slots.shape[0], tx.capacity):
             chunk = slots[first:first + tx.capacity]
             headers = tx.plan_uniform(addresses[chunk], _NETAGG_BYTES, *self._tx_name)
             errors += tx.send(self._fd, headers)[1]
         return errors
 
-    def _rx_pending(self) -> bool:
+    def rx_pending(self) -> bool:
         """Whether datagrams of a coalesced receive wait in the batch (poll would not report them)."""
         return isinstance(self._rx, udpgso.GroBatch) and self._rx.pending if self._batched else False
 
-    def _receive(self) -> int:
+    def receive(self) -> int:
         """Read up to ``_rx_capacity`` waiting datagrams into the receive rows; returns how many, or -1
         after a socket error (counted; e.g. ICMP port unreachable from an earlier send on loopback)."""
         if self._batched:
@@ -610,7 +601,7 @@ class Transport:
                 self.stats.socket_errors += 1
                 return -1
             return count
-        count, rows, names, lengths = 0, self._rx_rows, self._rx_name_view, self._rx_lengths
+        count, rows, names, lengths = 0, self._rx_rows, self._rx_name_view, self.rx_lengths
         known, unknown, recv = self._source_names, bytes(8), self.sock.recvfrom_into
         for _ in range(_RECV_BATCH):
             try:
@@ -625,12 +616,12 @@ class Transport:
             count += 1
         return count
 
-    def _on_results(self, count: int) -> None:
+    def on_results(self, count: int) -> None:
         """Additive increase: one packet per window of accepted results, up to S."""
         if self.congestion_control and self.window < self.slot_count:
             self.window = min(self.window + count / self.window, float(self.slot_count))
 
-    def _on_timeout(self, now: float) -> None:
+    def on_timeout(self, now: float) -> None:
         """Multiplicative decrease, at most once per smoothed round trip (one loss event)."""
         if not self.congestion_control:
             return
@@ -643,120 +634,13 @@ class Transport:
         self.stats.smallest_window = min(self.stats.smallest_window, self.window)
 
 
-def _accept_results_numpy(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, count: int, allowed: np.ndarray,
-                          job_id: int, seq0: int, window: int, num_blocks: int, expect: np.ndarray,
-                          retries: np.ndarray, sent_at: np.ndarray, next_pool: np.ndarray, now: float,
-                          sums: np.ndarray, global_exp: np.ndarray, acc_slots: np.ndarray, following: np.ndarray,
-                          rtts: np.ndarray) -> tuple[int, int, int, int, int, int]:
-    """Check and apply ``count`` received datagrams (``buf[i, :lengths[i]]`` from sockaddr ``names[i]``).
-
-    Per datagram, in order: a sender not in ``allowed`` (IPv4 << 16 | port) is foreign; a size
-    other than NETAGG_BYTES, another version, no RESULT flag or another job is malformed; a
-    slot >= ``len(expect)`` or a (round << 33 | pool << 32 | seq) other than ``expect[slot]`` is
-    stale (so is a second copy of a result in the batch). An accepted result clears
-    ``expect[slot]``, flips ``next_pool[slot]``, yields a round trip ``now - sent_at[slot]``
-    unless the slot was retransmitted (Karn; ``retries[slot]`` is reset), copies a data
-    block's values into ``sums`` (flat bytes) and writes the exponent into ``global_exp`` of
-    the slot's next block, if any (for a probe: block ``slot``). Writes the accepted slots and
-    their next blocks into ``acc_slots``/``following`` and the round trips into ``rtts``; returns
-    (accepted, round trips, foreign, malformed, stale, data blocks done). The compiled
-    ``transport_kernels.accept_results`` does the same in one pass.
-    """
-    name = names[:count].astype(np.int64)
-    source = (name[:, 4] << 40) | (name[:, 5] << 32) | (name[:, 6] << 24) | (name[:, 7] << 16) \
-        | (name[:, 2] << 8) | name[:, 3]
-    known = np.isin(source, allowed)
-    rows = buf[:count]
-    hdr = np.ascontiguousarray(rows[:, :_HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
-    valid = known & (lengths[:count] == _NETAGG_BYTES) & (hdr["version"] == wire.VERSION) \
-        & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == job_id)
-    slot = hdr["slot"].astype(np.int64)
-    seq = hdr["seq"].astype(np.int64)
-    key = (hdr["round"].astype(np.int64) << 33) | (hdr["pool"].astype(np.int64) << 32) | seq
-    candidate = valid & (slot < expect.shape[0])
-    candidate[candidate] = expect[slot[candidate]] == key[candidate]
-    matching = np.flatnonzero(candidate)
-    accepted = np.sort(matching[np.unique(slot[matching], return_index=True)[1]])  # first copy per slot
-    slots = slot[accepted]
-    expect[slots] = -1
-    next_pool[slots] ^= 1
-    fresh = retries[slots] == 0
-    n_rtt = int(fresh.sum())
-    rtts[:n_rtt] = now - sent_at[slots[fresh]]
-    retries[slots] = 0
-    seq = seq[accepted]
-    probe = (seq & PROBE_SEQ_BIT) != 0
-    block = (seq - seq0) & SEQ_MASK
-    data = ~probe
-    sums.reshape(-1, _PAYLOAD_BYTES)[block[data]] = rows[accepted[data], _HEADER_BYTES:_NETAGG_BYTES]
-    nxt = np.where(probe, slots, block + window)
-    ready = nxt < num_blocks
-    global_exp[nxt[ready]] = hdr["exponent"][accepted][ready]
-    n_acc = accepted.shape[0]
-    acc_slots[:n_acc] = slots
-    following[:n_acc] = nxt
-    n_valid = int(valid.sum())
-    return n_acc, n_rtt, count - int(known.sum()), int(known.sum()) - n_valid, n_valid - n_acc, int(data.sum())
-
-
-def _fill_packets_numpy(slots: np.ndarray, block_ids: np.ndarray, blocks: np.ndarray, local_exp: np.ndarray,
-                        global_exp: np.ndarray, ahead: np.ndarray, seq0: int, probe0: int, window: int,
-                        enc_a: np.ndarray, enc_b: np.ndarray, raw: np.ndarray, words: np.ndarray,
-                        next_pool: np.ndarray, rounds: np.ndarray, expect: np.ndarray, sent_at: np.ndarray,
-                        now: float, keys: np.ndarray) -> int:
-    """Build the packets of ``slots`` in their rows of ``raw`` (PACKET_DTYPE bytes; ``words`` is its uint32 view).
-
-    ``block_ids[i]`` is the data block slot ``slots[i]`` carries, or -1 for the slot's probe
-    (zeros, ``seq = PROBE_SEQ_BIT | probe0 + slot``); a data block is quantized with its global
-    exponent and gets ``seq = seq0 + block``; the exponent field is ``ahead`` of the block one
-    window on (a probe: of block ``slot``). Each row gets the slot's pool, its next round
-    (``rounds`` += 1) and flags 0; ``keys``, ``expect`` and ``sent_at`` (``now``) get what its
-    result must echo. Returns -1, with nothing written, if a global exponent is below this
-    worker's (a protocol violation), else 0. ``transport_kernels.fill_packets`` is the compiled twin.
-    """
-    probe = block_ids < 0
-    data = np.flatnonzero(~probe)
-    data_blocks = block_ids[data]
-    g = global_exp[data_blocks]
-    if (g < local_exp[data_blocks]).any():
-        return -1
-    packets = raw.view(PACKET_DTYPE)[:, 0]
-    packets["values"][slots[probe]] = 0
-    if data.size:
-        packets["values"][slots[data]] = _quantize(blocks[data_blocks], g, enc_a, enc_b)
-    seqs = np.where(probe, PROBE_SEQ_BIT | ((probe0 + slots) & SEQ_MASK), (block_ids + seq0) & SEQ_MASK)
-    hdr = packets["hdr"]
-    hdr["seq"][slots] = seqs
-    hdr["exponent"][slots] = np.where(probe, ahead[slots], ahead[block_ids + window])
-    hdr["flags"][slots] = 0
-    pools = next_pool[slots]
-    hdr["pool"][slots] = pools
-    next_rounds = rounds[slots] + np.uint16(1)
-    rounds[slots] = next_rounds
-    hdr["round"][slots] = next_rounds
-    keys[:] = (next_rounds.astype(np.int64) << 33) | (pools.astype(np.int64) << 32) | seqs
-    expect[slots] = keys
-    sent_at[slots] = now
-    return 0
-
-
-def _quantize(blocks: np.ndarray, exponents: np.ndarray, enc_a: np.ndarray, enc_b: np.ndarray) -> np.ndarray:
-    """``quantization.quantize`` with the factor tables given (numpy operations only)."""
-    index = exponents.astype(np.intp) + 128
-    scaled = np.multiply(blocks, enc_a[index][:, None])
-    extreme = np.flatnonzero(enc_b[index] != 1)
-    if extreme.size:
-        scaled[extreme] *= enc_b[index[extreme]][:, None]
-    return np.rint(scaled).astype(qz.WIRE_DTYPE)
-
-
-class _Round:
-    """The state of one exchange: per-slot outstanding packet, timers, received sums."""
+class Exchange:
+    """One exchange (one :meth:`Transport.exchange` call): per-slot outstanding packet, timers, received sums."""
 
     def __init__(self, transport: Transport, blocks: np.ndarray, exponents: np.ndarray) -> None:
         if blocks.ndim != 2 or blocks.shape[1] != K or blocks.dtype != np.float32:
             raise TypeError(f"expected float32 blocks of shape (n, {K}), got {blocks.dtype} {blocks.shape}")
-        self.t = transport
+        self.transport = transport
         self.blocks = np.ascontiguousarray(blocks)
         self.num_blocks = nb = blocks.shape[0]
         self.window = transport.slot_count
@@ -765,13 +649,13 @@ class _Round:
         if self.local_exp.shape != (nb,):
             raise ValueError(f"{self.local_exp.shape[0]} exponents for {nb} blocks")
         # The exponent each slot's next packet carries: block b's packet carries b + window's.
-        self._ahead = np.full(nb + self.window, qz.EXP_NONE, np.int8)
-        self._ahead[:nb] = self.local_exp
+        self.ahead = np.full(nb + self.window, qz.EXP_NONE, np.int8)
+        self.ahead[:nb] = self.local_exp
         self.global_exp = np.full(nb, qz.EXP_NONE, np.int8)
         self.sums = np.empty((nb, K), qz.WIRE_DTYPE)
-        self._sums_flat = self.sums.view(np.uint8).reshape(-1)
-        self.seq0 = transport._seq
-        self.probe0 = transport._probe_seq
+        self.sums_flat = self.sums.view(np.uint8).reshape(-1)
+        self.seq0 = transport.seq
+        self.probe0 = transport.probe_seq
         # Per used slot: expected (round << 33 | pool << 32 | seq) of the outstanding packet or -1,
         # when it was sent, and how often it was resent (Karn: no round trip sample then).
         self.expect = np.full(used, -1, np.int64)
@@ -781,15 +665,31 @@ class _Round:
         self.timers: list[tuple[float, int, np.ndarray, np.ndarray]] = []
         self._timer_id = 0
         #: results_accepted at the start and at the last timeout: no change since means stalled (see below).
-        self._accepted_mark = transport.stats.results_accepted
+        self.accepted_mark = transport.stats.results_accepted
         self.remaining = nb
         #: Ready packets that did not fit in the congestion window: (order key, slot); see _order_key.
         self.waiting: list[tuple[int, int]] = []
         #: Order key of each slot's outstanding packet.
         self.in_flight: dict[int, int] = {}
-        compiled = _kernels is not None
-        self._fill = _kernels.fill_packets if compiled else _fill_packets_numpy
-        self._accept = _kernels.accept_results if compiled else _accept_results_numpy
+        #: The batch steps: compiled (transport_kernels) or their numpy reference (transport_reference).
+        steps = _kernels if _kernels is not None else reference
+        self.fill, self.accept = steps.fill_packets, steps.accept_results
+
+    @classmethod
+    def warm_up(cls, t: Transport) -> None:
+        """Compile the batch kernels for ``t``'s argument types (or load them from numba's cache) now, with
+        empty batches, rather than inside the first exchange's progress timeout."""
+        if _kernels is None:
+            return
+        r = cls(t, np.zeros((0, K), np.float32), np.zeros(0, np.int8))
+        none = np.zeros(0, np.int64)
+        r.fill(none, none, r.blocks, r.local_exp, r.global_exp, r.ahead, 0, 0, r.window, *t.encode, t.raw, t.words,
+               t.next_pool, t.rounds, r.expect, r.sent_at, 0.0, none.copy())
+        rows = t.rx_capacity
+        outputs = np.zeros(rows, np.int64), np.zeros(rows, np.int64), np.zeros(rows)
+        r.accept(t.rx_buf, t.rx_lengths, t.rx_names, 0, t.allowed, t.config.job_id, 0, r.window, 0, r.expect,
+                 r.retries, r.sent_at, t.next_pool, 0.0, r.sums_flat, r.global_exp, *outputs)
+        RtoEstimator().sample_all(outputs[2][:0])
 
     # -- sending -------------------------------------------------------------
     def emit_probes(self, slots: list[int]) -> None:
@@ -809,7 +709,7 @@ class _Round:
 
         Queued packets leave lowest block first (probes first), before newer ones.
         """
-        t = self.t
+        t = self.transport
         in_flight = self.in_flight
         room = max(1, int(t.window)) - len(in_flight)
         if not self.waiting and len(slots) <= room:
@@ -836,23 +736,23 @@ class _Round:
             self._launch(np.array(go_slots, np.int64), np.array(go_blocks, np.int64))
 
     def _launch(self, slots: np.ndarray, block_ids: np.ndarray) -> None:
-        """Build the packets (:func:`_fill_packets_numpy`), send them in one batch, arm one timer."""
-        t = self.t
+        """Build the packets (``fill_packets``), send them in one batch, arm one timer."""
+        t = self.transport
         keys = np.empty(slots.shape[0], np.int64)
         now = time.monotonic()
-        enc_a, enc_b = t._encode
+        enc_a, enc_b = t.encode
         # Each row still holds the slot's latest packet, as it was sent (FLAG_RETRANSMIT aside): it becomes
         # the slot's shadow (the same for both fill implementations: the copy is made here, before either).
-        t._shadow[slots] = t._raw[slots]
-        t._uses[slots] += 1
-        t._round_count[slots] += 1
-        if t._members:
-            t._packets["hdr"]["members"][slots] = t._members
-        if self._fill(slots, block_ids, self.blocks, self.local_exp, self.global_exp, self._ahead, self.seq0,
-                      self.probe0, self.window, enc_a, enc_b, t._raw, t._words, t._next_pool, t._rounds,
+        t.shadow[slots] = t.raw[slots]
+        t.uses[slots] += 1
+        t.round_count[slots] += 1
+        if t.members:
+            t.packets["hdr"]["members"][slots] = t.members
+        if self.fill(slots, block_ids, self.blocks, self.local_exp, self.global_exp, self.ahead, self.seq0,
+                      self.probe0, self.window, enc_a, enc_b, t.raw, t.words, t.next_pool, t.rounds,
                       self.expect, self.sent_at, now, keys) < 0:
             raise TransportError("aggregator returned an exponent below this worker's: protocol violation")
-        errors = t._transmit(slots)
+        errors = t.transmit(slots)
         t.stats.packets_sent += slots.shape[0] - errors
         t.stats.socket_errors += errors
         self._arm(now + t.rto.rto, slots, keys)
@@ -863,7 +763,7 @@ class _Round:
 
     def _retransmit_due(self, now: float) -> None:
         """Resend every packet whose timer expired unanswered, all in one batch; each gets its backoff timer."""
-        t, expect, timers = self.t, self.expect, self.timers
+        t, expect, timers = self.transport, self.expect, self.timers
         due: list[np.ndarray] = []
         due_keys: list[np.ndarray] = []
         while timers and timers[0][0] <= now:
@@ -877,8 +777,8 @@ class _Round:
         slots = np.concatenate(due) if len(due) > 1 else due[0]
         keys = np.concatenate(due_keys) if len(due_keys) > 1 else due_keys[0]
         retries = self.retries
-        stalled = t.stats.results_accepted == self._accepted_mark
-        self._accepted_mark = t.stats.results_accepted
+        stalled = t.stats.results_accepted == self.accepted_mark
+        self.accepted_mark = t.stats.results_accepted
         if stalled:
             # No result since the exchange began or since the last timeout: most likely another worker has not
             # reached this exchange yet (the switch holds our packets meanwhile). Resend only the head-of-line
@@ -896,12 +796,12 @@ class _Round:
         by_retries: dict[int, list[int]] = {}
         for i, slot in enumerate(slots.tolist()):
             if not stalled:
-                t._on_timeout(now)
+                t.on_timeout(now)
             count = int(retries[slot]) + 1
             retries[slot] = count
             by_retries.setdefault(count, []).append(i)
-        t._raw[slots, 1] |= wire.FLAG_RETRANSMIT  # cleared when the row is next filled
-        errors = t._transmit(slots)
+        t.raw[slots, 1] |= wire.FLAG_RETRANSMIT  # cleared when the row is next filled
+        errors = t.transmit(slots)
         t.stats.packets_sent += slots.shape[0] - errors
         t.stats.socket_errors += errors
         t.stats.retransmissions += slots.shape[0]
@@ -922,8 +822,8 @@ class _Round:
         """Resend, per slot of ``slots``, its latest packet whose result this worker already has: the shadow
         (previous packet) of a slot with a packet outstanding, else the slot's row (its last packet);
         ``FLAG_RETRANSMIT`` set, the same bytes otherwise. Slots without such a packet are skipped."""
-        t = self.t
-        uses = t._uses[slots]
+        t = self.transport
+        uses = t.uses[slots]
         outstanding = np.zeros(slots.shape[0], bool)
         inside = slots < self.used_slots
         outstanding[inside] = self.expect[slots[inside]] != -1
@@ -933,46 +833,46 @@ class _Round:
         n = slots.shape[0]
         if not n:
             return
-        rows = t._resend[:n]
-        rows[:] = np.where(outstanding[:, None], t._shadow[slots], t._raw[slots])
+        rows = t.resend[:n]
+        rows[:] = np.where(outstanding[:, None], t.shadow[slots], t.raw[slots])
         rows[:, 1] |= wire.FLAG_RETRANSMIT
-        errors = t._transmit(np.arange(n, dtype=np.int64), resend_buffer=True)
+        errors = t.transmit(np.arange(n, dtype=np.int64), resend_buffer=True)
         t.stats.packets_sent += n - errors
         t.stats.socket_errors += errors
         t.stats.shadow_resends += n - errors
 
     # -- receiving -----------------------------------------------------------
     def run(self) -> None:
-        t = self.t
+        t = self.transport
         nb = self.num_blocks
         if nb == 0:
             return
         self.release(list(range(self.used_slots)), [-1] * self.used_slots)
         last_progress = time.monotonic()
-        stats, accept, job_id = t.stats, self._accept, t.config.job_id
-        buf, names, lengths, allowed = t._rx_buf, t._rx_names, t._rx_lengths, t._allowed
-        expect, retries, sent_at, next_pool = self.expect, self.retries, self.sent_at, t._next_pool
-        window, seq0, sums, global_exp = self.window, self.seq0, self._sums_flat, self.global_exp
-        rows = t._rx_capacity
+        stats, accept, job_id = t.stats, self.accept, t.config.job_id
+        buf, names, lengths, allowed = t.rx_buf, t.rx_names, t.rx_lengths, t.allowed
+        expect, retries, sent_at, next_pool = self.expect, self.retries, self.sent_at, t.next_pool
+        window, seq0, sums, global_exp = self.window, self.seq0, self.sums_flat, self.global_exp
+        rows = t.rx_capacity
         acc_slots = np.empty(rows, np.int64)
         following = np.empty(rows, np.int64)
         rtts = np.empty(rows)
-        failover = t._failover if t._failover_armed() else None
+        failover = t.failover if t.failover_armed() else None
         vote_at = last_progress + failover.after if failover is not None else math.inf
         while self.remaining:
             now = time.monotonic()
             wake = min(last_progress + t.progress_timeout, vote_at)
             if self.timers:
                 wake = min(wake, self.timers[0][0])
-            if wake > now and not t._rx_pending():
-                t._poller.poll(math.ceil((wake - now) * 1000))
+            if wake > now and not t.rx_pending():
+                t.poller.poll(math.ceil((wake - now) * 1000))
             ready_slots: list[int] = []
             ready_blocks: list[int] = []
             accepted = 0
             calls = 0
             while calls < _RECV_CALLS_MAX:
                 calls += 1
-                count = t._receive()
+                count = t.receive()
                 if count <= 0:
                     if count < 0:
                         continue  # a socket error (counted): read on
@@ -1002,11 +902,11 @@ class _Round:
             if accepted:
                 stats.results_accepted += accepted
                 last_progress = now
-                t._on_results(accepted)
+                t.on_results(accepted)
                 if failover is not None:
                     vote_at = now + failover.after
             elif now >= vote_at:
-                t._vote()  # the switch may be away: raises _FailedOver once every worker voted
+                t.vote()  # the switch may be away: raises _FailedOver once every worker voted
                 vote_at = time.monotonic() + failover.after  # no decision: ride on, vote again later
                 if time.monotonic() - last_progress >= t.progress_timeout:
                     self._timeout(time.monotonic() - last_progress)
@@ -1015,15 +915,15 @@ class _Round:
             if ready_slots or self.waiting:
                 self.release(ready_slots, ready_blocks)
             self._retransmit_due(now)
-        t._seq = (seq0 + nb) & SEQ_MASK
-        t._probe_seq = (self.probe0 + self.used_slots) & SEQ_MASK
+        t.seq = (seq0 + nb) & SEQ_MASK
+        t.probe_seq = (self.probe0 + self.used_slots) & SEQ_MASK
         stats.blocks += nb
 
     def _timeout(self, waited: float) -> None:
         waiting = int((self.expect != -1).sum())
         raise TransportTimeout(
-            f"job {self.t.config.job_id} rank {self.t.config.rank}: no result for {waited:.1f} s "
+            f"job {self.transport.config.job_id} rank {self.transport.config.rank}: no result for {waited:.1f} s "
             f"({self.remaining} of {self.num_blocks} blocks outstanding in {waiting} slot(s), "
-            f"{self.t.stats.retransmissions} retransmissions so far); is every worker of the job "
-            f"running and is {self.t.destination[0]}:{self.t.destination[1]} reachable?"
+            f"{self.transport.stats.retransmissions} retransmissions so far); is every worker of the job "
+            f"running and is {self.transport.destination[0]}:{self.transport.destination[1]} reachable?"
         )

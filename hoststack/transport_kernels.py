@@ -3,7 +3,7 @@
 :func:`accept_results` checks and applies a batch of received datagrams, :func:`fill_packets`
 builds a batch of outgoing packets in the transport's preallocated rows, and
 :func:`rto_samples` feeds round trips to the RFC 6298 estimator. Each does in one compiled
-pass exactly what its numpy reference in :mod:`netagg.hoststack.transport` does
+pass exactly what its numpy reference in :mod:`netagg.hoststack.transport_reference` does
 (``tests/test_hoststack_fastpath.py`` compares them on random and adversarial batches);
 without numba the references run and only speed changes.
 """
@@ -14,7 +14,8 @@ import numpy as np
 from numba import njit
 
 from netagg import wire
-from netagg.hoststack.codec_kernels import _bswap32
+from netagg.hoststack.codec_kernels import quantize_row
+from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK
 
 wire.check_compiled_layout(__name__, version=2, header_bytes=20, k=64)  # see check_compiled_layout
 
@@ -24,8 +25,8 @@ _PAYLOAD = wire.PAYLOAD_BYTES
 _NETAGG = wire.NETAGG_BYTES
 _VERSION = wire.VERSION
 _RESULT = wire.FLAG_RESULT
-_PROBE = np.int64(0x80000000)
-_MASK = np.int64(0x7FFFFFFF)
+_PROBE = np.int64(PROBE_SEQ_BIT)
+_MASK = np.int64(SEQ_MASK)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -39,7 +40,7 @@ def _be(row: np.ndarray, start: int, width: int) -> np.int64:
 @njit(cache=True, nogil=True)
 def accept_results(buf, lengths, names, count, allowed, job_id, seq0, window, num_blocks, expect, retries,
                    sent_at, next_pool, now, sums, global_exp, acc_slots, following, rtts):  # pragma: no cover
-    """See ``transport._accept_results_numpy`` (the reference): same arguments, same effects and result."""
+    """See ``transport_reference.accept_results`` (the reference): same arguments, same effects and result."""
     used = expect.shape[0]
     foreign = malformed = stale = done = n_acc = n_rtt = 0
     for i in range(count):
@@ -92,7 +93,7 @@ def accept_results(buf, lengths, names, count, allowed, job_id, seq0, window, nu
 @njit(cache=True, nogil=True)
 def fill_packets(slots, block_ids, blocks, local_exp, global_exp, ahead, seq0, probe0, window, enc_a, enc_b,
                  raw, words, next_pool, rounds, expect, sent_at, now, keys):  # pragma: no cover
-    """See ``transport._fill_packets_numpy`` (the reference): same arguments, same effects and result."""
+    """See ``transport_reference.fill_packets`` (the reference): same arguments, same effects and result."""
     n = slots.shape[0]
     for i in range(n):
         b = block_ids[i]
@@ -111,14 +112,7 @@ def fill_packets(slots, block_ids, blocks, local_exp, global_exp, ahead, seq0, p
             seq = (b + seq0) & _MASK
             exponent = ahead[b + window]
             g = np.int32(global_exp[b]) + 128
-            a, second = enc_a[g], enc_b[g]
-            src = blocks[b]
-            if second == np.float32(1.0):  # as codec_kernels._quantize, operation for operation
-                for j in range(_K):
-                    values[_HEADER // 4 + j] = _bswap32(np.uint32(np.int32(np.rint(src[j] * a))))
-            else:
-                for j in range(_K):
-                    values[_HEADER // 4 + j] = _bswap32(np.uint32(np.int32(np.rint(src[j] * a * second))))
+            quantize_row(blocks[b], enc_a[g], enc_b[g], values, _HEADER // 4)
         pool = next_pool[s]
         round_ = np.uint16(rounds[s] + np.uint16(1))
         rounds[s] = round_

@@ -2,7 +2,7 @@
 
 import pytest
 
-from netagg.demo import run_demo
+from netagg.apps.demo import run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -17,6 +17,7 @@ import pytest
 from netagg import mmsg, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport as tr
+from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.packets import PACKET_DTYPE, PROBE_SEQ_BIT, SEQ_MASK
 from netagg.hoststack.testing import (
     LossyRelay,
@@ -30,7 +31,7 @@ from netagg.hoststack.transport import RtoEstimator, Transport, TransportTimeout
 from netagg.jobconfig import Endpoint
 from netagg.localports import free_ports
 
-kernels = tr._kernels
+kernels = tr._kernels  # the compiled steps the transport runs (None without numba)
 needs_numba = pytest.mark.skipif(kernels is None, reason="numba is not installed")
 
 JOB = 7
@@ -150,7 +151,7 @@ def _same(a: tuple, b: tuple) -> None:
 def test_numpy_reference_applies_the_per_datagram_rules():
     for seed in range(50):
         s = Scenario(np.random.default_rng(seed))
-        (n_acc, n_rtt, foreign, malformed, stale, done), state, acc, following, rtts = s.run(tr._accept_results_numpy)
+        (n_acc, n_rtt, foreign, malformed, stale, done), state, acc, following, rtts = s.run(reference.accept_results)
         assert n_acc + foreign + malformed + stale == s.count
         assert len(set(acc.tolist())) == n_acc  # at most one result per slot and batch
         expect, retries, _, next_pool, _, _ = state
@@ -171,7 +172,7 @@ def test_two_copies_of_a_result_in_one_batch_count_once_and_once_as_stale():
     name[:16] = mmsg.sockaddr_in(*PEERS[0])
     for _ in range(2):
         s._put(data, name, wire.NETAGG_BYTES)
-    implementations = [tr._accept_results_numpy] + ([kernels.accept_results] if kernels else [])
+    implementations = [reference.accept_results] + ([kernels.accept_results] if kernels else [])
     for accept in implementations:
         counts, _, acc, _, _ = s.run(accept)
         assert counts[0] == 1 and counts[2:5] == (0, 0, 1) and acc.tolist() == [slot]
@@ -183,7 +184,7 @@ def test_accept_kernel_matches_the_numpy_reference(seed):
     rng = np.random.default_rng(seed)
     used = int(rng.choice([1, 2, 16, 64]))
     s = Scenario(rng, used=used, num_blocks=int(rng.integers(used, 4 * used + 2)), count=int(rng.integers(0, 80)))
-    _same(s.run(tr._accept_results_numpy), s.run(kernels.accept_results))
+    _same(s.run(reference.accept_results), s.run(kernels.accept_results))
 
 
 def _fill_case(rng: np.random.Generator, slots: int = 32, num_blocks: int = 200):
@@ -213,7 +214,7 @@ def _fill_case(rng: np.random.Generator, slots: int = 32, num_blocks: int = 200)
 def _fill(fill, args: dict, state: dict, workers: int) -> tuple:
     st = {k: v.copy() for k, v in state.items()}
     keys = np.full(args["slots"].shape[0], -7, np.int64)
-    enc_a, enc_b = qz._tables(workers)[:2]
+    enc_a, enc_b = qz.factor_tables(workers)[:2]
     result = fill(args["slots"], args["block_ids"], args["blocks"], args["local_exp"], args["global_exp"],
                   args["ahead"], args["seq0"], args["probe0"], args["window"], enc_a, enc_b, st["raw"],
                   st["raw"].view(np.uint32), st["next_pool"], st["rounds"], st["expect"], st["sent_at"], 1.25, keys)
@@ -222,7 +223,7 @@ def _fill(fill, args: dict, state: dict, workers: int) -> tuple:
 
 def test_numpy_fill_builds_what_the_wire_format_says():
     args, state, workers = _fill_case(np.random.default_rng(3))
-    result, (expect, next_pool, raw, rounds, sent_at), keys = _fill(tr._fill_packets_numpy, args, state, workers)
+    result, (expect, next_pool, raw, rounds, sent_at), keys = _fill(reference.fill_packets, args, state, workers)
     assert result == 0
     for i, (slot, block) in enumerate(zip(args["slots"].tolist(), args["block_ids"].tolist(), strict=True)):
         header, values = wire.unpack(raw[slot].tobytes())
@@ -244,7 +245,7 @@ def test_numpy_fill_builds_what_the_wire_format_says():
 @pytest.mark.parametrize("seed", range(100))
 def test_fill_kernel_matches_the_numpy_reference(seed):
     args, state, workers = _fill_case(np.random.default_rng(seed))
-    _same(_fill(tr._fill_packets_numpy, args, state, workers), _fill(kernels.fill_packets, args, state, workers))
+    _same(_fill(reference.fill_packets, args, state, workers), _fill(kernels.fill_packets, args, state, workers))
 
 
 def test_a_global_exponent_below_the_local_one_writes_nothing():
@@ -252,7 +253,7 @@ def test_a_global_exponent_below_the_local_one_writes_nothing():
     data = np.flatnonzero(args["block_ids"] >= 0)
     assert data.size
     args["global_exp"][args["block_ids"][data[-1]]] = args["local_exp"][args["block_ids"][data[-1]]] - 1
-    implementations = [tr._fill_packets_numpy] + ([kernels.fill_packets] if kernels else [])
+    implementations = [reference.fill_packets] + ([kernels.fill_packets] if kernels else [])
     for fill in implementations:
         result, arrays, _ = _fill(fill, args, state, workers)
         assert result == -1
@@ -346,7 +347,7 @@ def test_every_path_resends_a_slots_previous_or_last_answered_packet_byte_for_by
         with Transport(config) as t:
             rng = np.random.default_rng(8)
             blocks = rng.standard_normal((12, wire.K)).astype(np.float32)
-            r = tr._Round(t, blocks, qz.block_exponents(blocks))
+            r = tr.Exchange(t, blocks, qz.block_exponents(blocks))
             r.global_exp[:] = r.local_exp
 
             def received(count: int) -> dict[int, bytes]:
@@ -358,7 +359,7 @@ def test_every_path_resends_a_slots_previous_or_last_answered_packet_byte_for_by
 
             def answered(slot: int) -> None:  # as accept_results does for a matching result
                 r.expect[slot] = -1
-                t._next_pool[slot] ^= 1
+                t.next_pool[slot] ^= 1
 
             def flagged(data: bytes) -> bytes:
                 return data[:1] + bytes([data[1] | wire.FLAG_RETRANSMIT]) + data[2:]
@@ -370,7 +371,7 @@ def test_every_path_resends_a_slots_previous_or_last_answered_packet_byte_for_by
                 answered(slot)
             r.emit([0, 1], [0, 1])
             data = received(2)
-            np.testing.assert_array_equal(t._shadow[:2], np.frombuffer(probes[0] + probes[1], np.uint8).reshape(2, -1))
+            np.testing.assert_array_equal(t.shadow[:2], np.frombuffer(probes[0] + probes[1], np.uint8).reshape(2, -1))
             r._resend_answered(np.arange(4))  # slots 0 and 1: their probes; 2 and 3 have no previous packet
             assert received(2) == {0: flagged(probes[0]), 1: flagged(probes[1])}
             answered(0)  # slot 0's block 0 is answered: its last packet is what another worker may lack

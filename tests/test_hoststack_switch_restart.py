@@ -211,7 +211,7 @@ def test_workers_ride_through_a_wiped_switch_with_a_laggard_that_lost_results(ca
 
 def test_without_shadow_resends_the_laggard_deadlocks(monkeypatch):
     """The control experiment: the same run with the shadow resends off never completes the lost rounds."""
-    monkeypatch.setattr(tr._Round, "_resend_answered", lambda self, slots: None)
+    monkeypatch.setattr(tr.Exchange, "_resend_answered", lambda self, slots: None)
     with testing.LoopbackSwitch() as switch:
         aggregator = switch.aggregator
         with ResultGate((aggregator.host, aggregator.port)) as gate:

@@ -20,7 +20,7 @@ from netagg.hoststack.testing import (
     run_workers,
     through_relay,
 )
-from netagg.hoststack.transport import RtoEstimator, Transport, TransportError, TransportTimeout, _Round
+from netagg.hoststack.transport import Exchange, RtoEstimator, Transport, TransportError, TransportTimeout
 from netagg.jobconfig import Endpoint
 
 
@@ -209,27 +209,27 @@ def test_congestion_window_halves_once_per_round_trip_and_grows_back_to_the_slot
     with lone_transport(8) as (t, _):
         assert t.window == 8
         t.rto.sample(0.010)
-        t._on_timeout(100.0)
-        t._on_timeout(100.005)  # the same loss event (within one smoothed round trip)
+        t.on_timeout(100.0)
+        t.on_timeout(100.005)  # the same loss event (within one smoothed round trip)
         assert t.window == 4 and t.stats.window_decreases == 1
         for step in range(1, 6):
-            t._on_timeout(100.0 + 0.011 * step)
+            t.on_timeout(100.0 + 0.011 * step)
         assert t.window == 1 and t.stats.smallest_window == 1  # never below one packet
-        t._on_results(1)
+        t.on_results(1)
         assert t.window == 2
-        t._on_results(2)  # one packet more per window of results
+        t.on_results(2)  # one packet more per window of results
         assert t.window == 3
-        t._on_results(1000)
+        t.on_results(1000)
         assert t.window == 8  # never above the job's slots
     with lone_transport(8, congestion_control=False) as (t, _):
-        t._on_timeout(100.0)
+        t.on_timeout(100.0)
         assert t.window == 8 and t.stats.window_decreases == 0
 
 
 def test_a_full_window_holds_packets_back_lowest_block_first_but_never_the_head_of_the_line():
     with lone_transport(8) as (t, sink):
         blocks = np.ones((32, wire.K), np.float32)
-        round_ = _Round(t, blocks, qz.block_exponents(blocks))
+        round_ = Exchange(t, blocks, qz.block_exponents(blocks))
         round_.global_exp[:] = round_.local_exp
         t.window = 2.0
         round_.release(list(range(8)), [-1] * 8)  # the first window's probes

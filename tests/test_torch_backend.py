@@ -28,7 +28,7 @@ def _need_torch() -> None:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory):
     _need_torch()
-    from netagg.deployment import LocalDeployment
+    from netagg.bmv2.deployment import LocalDeployment
 
     with LocalDeployment(tmp_path_factory.mktemp("torch-backend"), capacity=256) as local:
         yield local
@@ -37,7 +37,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
 def _torchrun(deployment, nproc: int, save: Path, backend: str = "netagg", device: str = "cpu",
               **env: str) -> tuple[list[dict], str]:
     """Run the example under torchrun; returns every rank's JSON line (rank order) and stderr."""
-    from netagg.deployment import TENANT_TOKEN
+    from netagg.bmv2.deployment import TENANT_TOKEN
 
     environment = {**os.environ, "NETAGG_CONFIG": str(deployment.config_path), "NETAGG_TOKEN": TENANT_TOKEN,
                    "NETAGG_WORKER_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1", **env}
@@ -129,7 +129,7 @@ def test_lease_expires_when_the_ranks_die(deployment, tmp_path: Path) -> None:
     import signal
     import time
 
-    from netagg.deployment import TENANT_TOKEN
+    from netagg.bmv2.deployment import TENANT_TOKEN
 
     environment = {**os.environ, "NETAGG_CONFIG": str(deployment.config_path), "NETAGG_TOKEN": TENANT_TOKEN,
                    "NETAGG_WORKER_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1", "NETAGG_LEASE": "3"}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from netagg import dataplane as dp
 from netagg import wire
-from netagg.deployment import Deployment, DeploymentError, LocalDeployment
+from netagg.bmv2.deployment import Deployment, DeploymentError, LocalDeployment
 
 EXAMPLE = dp.REPO_ROOT / "examples" / "mlp_digits.py"
 #: The example's learning rate, which the PS applies in ps mode.

@@ -1,4 +1,4 @@
-"""``python -m netagg.warmup``: compile netagg's numba kernels into numba's on-disk cache, once.
+"""``python -m netagg.apps.warmup``: compile netagg's numba kernels into numba's on-disk cache, once.
 
 ``make`` runs it right after installing, so that neither the software target nor a worker
 compiles (tens of seconds on a 2-core machine) when it starts; later processes load the

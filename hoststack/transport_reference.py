@@ -1,0 +1,118 @@
+"""The transport's per-batch steps in numpy: the readable reference of ``transport_kernels``.
+
+:func:`accept_results` checks and applies a batch of received datagrams and :func:`fill_packets`
+builds a batch of outgoing packets in the transport's preallocated rows
+(:class:`~netagg.hoststack.transport.Exchange` calls one or the other implementation; the compiled
+twins in :mod:`~netagg.hoststack.transport_kernels` have the same arguments, effects and results,
+which ``tests/test_hoststack_fastpath.py`` checks on random and adversarial batches).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from netagg import wire
+from netagg.hoststack import quantization as qz
+from netagg.hoststack.packets import HEADER_DTYPE, PACKET_DTYPE, PROBE_SEQ_BIT, SEQ_MASK
+
+_NETAGG_BYTES = wire.NETAGG_BYTES
+_HEADER_BYTES = wire.HEADER_BYTES
+_PAYLOAD_BYTES = wire.PAYLOAD_BYTES
+K = wire.K
+
+
+def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, count: int, allowed: np.ndarray,
+                          job_id: int, seq0: int, window: int, num_blocks: int, expect: np.ndarray,
+                          retries: np.ndarray, sent_at: np.ndarray, next_pool: np.ndarray, now: float,
+                          sums: np.ndarray, global_exp: np.ndarray, acc_slots: np.ndarray, following: np.ndarray,
+                          rtts: np.ndarray) -> tuple[int, int, int, int, int, int]:
+    """Check and apply ``count`` received datagrams (``buf[i, :lengths[i]]`` from sockaddr ``names[i]``).
+
+    Per datagram, in order: a sender not in ``allowed`` (IPv4 << 16 | port) is foreign; a size
+    other than NETAGG_BYTES, another version, no RESULT flag or another job is malformed; a
+    slot >= ``len(expect)`` or a (round << 33 | pool << 32 | seq) other than ``expect[slot]`` is
+    stale (so is a second copy of a result in the batch). An accepted result clears
+    ``expect[slot]``, flips ``next_pool[slot]``, yields a round trip ``now - sent_at[slot]``
+    unless the slot was retransmitted (Karn; ``retries[slot]`` is reset), copies a data
+    block's values into ``sums`` (flat bytes) and writes the exponent into ``global_exp`` of
+    the slot's next block, if any (for a probe: block ``slot``). Writes the accepted slots and
+    their next blocks into ``acc_slots``/``following`` and the round trips into ``rtts``; returns
+    (accepted, round trips, foreign, malformed, stale, data blocks done). The compiled
+    ``transport_kernels.accept_results`` does the same in one pass.
+    """
+    name = names[:count].astype(np.int64)
+    source = (name[:, 4] << 40) | (name[:, 5] << 32) | (name[:, 6] << 24) | (name[:, 7] << 16) \
+        | (name[:, 2] << 8) | name[:, 3]
+    known = np.isin(source, allowed)
+    rows = buf[:count]
+    hdr = np.ascontiguousarray(rows[:, :_HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
+    valid = known & (lengths[:count] == _NETAGG_BYTES) & (hdr["version"] == wire.VERSION) \
+        & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == job_id)
+    slot = hdr["slot"].astype(np.int64)
+    seq = hdr["seq"].astype(np.int64)
+    key = (hdr["round"].astype(np.int64) << 33) | (hdr["pool"].astype(np.int64) << 32) | seq
+    candidate = valid & (slot < expect.shape[0])
+    candidate[candidate] = expect[slot[candidate]] == key[candidate]
+    matching = np.flatnonzero(candidate)
+    accepted = np.sort(matching[np.unique(slot[matching], return_index=True)[1]])  # first copy per slot
+    slots = slot[accepted]
+    expect[slots] = -1
+    next_pool[slots] ^= 1
+    fresh = retries[slots] == 0
+    n_rtt = int(fresh.sum())
+    rtts[:n_rtt] = now - sent_at[slots[fresh]]
+    retries[slots] = 0
+    seq = seq[accepted]
+    probe = (seq & PROBE_SEQ_BIT) != 0
+    block = (seq - seq0) & SEQ_MASK
+    data = ~probe
+    sums.reshape(-1, _PAYLOAD_BYTES)[block[data]] = rows[accepted[data], _HEADER_BYTES:_NETAGG_BYTES]
+    nxt = np.where(probe, slots, block + window)
+    ready = nxt < num_blocks
+    global_exp[nxt[ready]] = hdr["exponent"][accepted][ready]
+    n_acc = accepted.shape[0]
+    acc_slots[:n_acc] = slots
+    following[:n_acc] = nxt
+    n_valid = int(valid.sum())
+    return n_acc, n_rtt, count - int(known.sum()), int(known.sum()) - n_valid, n_valid - n_acc, int(data.sum())
+
+
+def fill_packets(slots: np.ndarray, block_ids: np.ndarray, blocks: np.ndarray, local_exp: np.ndarray,
+                        global_exp: np.ndarray, ahead: np.ndarray, seq0: int, probe0: int, window: int,
+                        enc_a: np.ndarray, enc_b: np.ndarray, raw: np.ndarray, words: np.ndarray,
+                        next_pool: np.ndarray, rounds: np.ndarray, expect: np.ndarray, sent_at: np.ndarray,
+                        now: float, keys: np.ndarray) -> int:
+    """Build the packets of ``slots`` in their rows of ``raw`` (PACKET_DTYPE bytes; ``words`` is its uint32 view).
+
+    ``block_ids[i]`` is the data block slot ``slots[i]`` carries, or -1 for the slot's probe
+    (zeros, ``seq = PROBE_SEQ_BIT | probe0 + slot``); a data block is quantized with its global
+    exponent and gets ``seq = seq0 + block``; the exponent field is ``ahead`` of the block one
+    window on (a probe: of block ``slot``). Each row gets the slot's pool, its next round
+    (``rounds`` += 1) and flags 0; ``keys``, ``expect`` and ``sent_at`` (``now``) get what its
+    result must echo. Returns -1, with nothing written, if a global exponent is below this
+    worker's (a protocol violation), else 0. ``transport_kernels.fill_packets`` is the compiled twin.
+    """
+    probe = block_ids < 0
+    data = np.flatnonzero(~probe)
+    data_blocks = block_ids[data]
+    g = global_exp[data_blocks]
+    if (g < local_exp[data_blocks]).any():
+        return -1
+    packets = raw.view(PACKET_DTYPE)[:, 0]
+    packets["values"][slots[probe]] = 0
+    if data.size:
+        packets["values"][slots[data]] = qz.quantize_scaled(blocks[data_blocks], g, enc_a, enc_b)
+    seqs = np.where(probe, PROBE_SEQ_BIT | ((probe0 + slots) & SEQ_MASK), (block_ids + seq0) & SEQ_MASK)
+    hdr = packets["hdr"]
+    hdr["seq"][slots] = seqs
+    hdr["exponent"][slots] = np.where(probe, ahead[slots], ahead[block_ids + window])
+    hdr["flags"][slots] = 0
+    pools = next_pool[slots]
+    hdr["pool"][slots] = pools
+    next_rounds = rounds[slots] + np.uint16(1)
+    rounds[slots] = next_rounds
+    hdr["round"][slots] = next_rounds
+    keys[:] = (next_rounds.astype(np.int64) << 33) | (pools.astype(np.int64) << 32) | seqs
+    expect[slots] = keys
+    sent_at[slots] = now
+    return 0
