@@ -418,3 +418,34 @@ def test_with_the_controller_a_killed_switch_sends_the_job_to_its_ps_and_the_res
         ctl.stop()
         for switch in switches:
             switch.stop()
+
+
+def test_ps_mode_pushes_applied_at_the_ps_during_a_failover_are_applied_once_and_exactly(capsys):
+    """ps mode: the PS applies every push (sum store: the latest aggregate) whether its blocks came from the
+    switch or from its own failover aggregator; every pull sees exactly its push's sum."""
+    with testing.LoopbackSwitch() as switch:
+        ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
+        configs = [dataclasses.replace(c, failover_after=FAILOVER_AFTER)
+                   for c in switch.add_job(N, slot_count=SLOTS, mode="ps", ps=ps)]
+        pushes = 8
+        with KVServer(configs[0], failover_retry=1000.0) as server:
+            away = threading.Event()
+
+            def job(worker, rank):
+                pulled = []
+                for i in range(pushes):
+                    if i == 3 and rank == 0:
+                        switch.client.set_pipeline(dp.P4INFO_PATH, b"")  # gone for good
+                        away.set()
+                    worker.wait(worker.push(7, make_input(i, rank)))
+                    pulled.append(worker.wait(worker.pull(7))[0])
+                return pulled, worker.transport.stats
+
+            results = run_workers(configs, job, timeout=4 * DEADLINE, rto_initial=0.01, progress_timeout=DEADLINE / 2)
+            assert away.is_set() and server.failover.decisions == 1
+            assert server.applied_rounds == pushes
+        for i in range(pushes):
+            expected, _ = expected_allreduce([make_input(i, rank) for rank in range(N)])
+            for rank in range(N):  # the sum store keeps each push's aggregate
+                np.testing.assert_array_equal(results[rank][0][i], expected, err_msg=f"rank {rank} pull {i}")
+        assert all(s.failovers == 1 for _, s in results)
