@@ -17,8 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from netagg.controller.p4runtime_client import P4RuntimeError
-from netagg.controller.service import Caller, JobService, ServiceError
+from netagg.controller.admission import JobRequest
+from netagg.controller.errors import P4RuntimeError, ServiceError
+from netagg.controller.service import Caller, JobService
 from netagg.jobconfig import ConfigError
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def _optional_int(value: Any) -> int | None:
 
 def _dispatch(service: JobService, caller: Caller, op: str, args: dict[str, Any]) -> Any:
     handlers: dict[str, Callable[[], Any]] = {
-        "create": lambda: service.create_job(caller, **args),
+        "create": lambda: service.create_job(caller, JobRequest(**args)),
         "list": lambda: service.list_jobs(caller),
         "show": lambda: service.show_job(caller, int(args["job_id"])),
         "delete": lambda: service.delete_job(caller, int(args["job_id"])),

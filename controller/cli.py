@@ -1,4 +1,4 @@
-"""``netagg``: the operator's command line (controller daemon and one command per job action).
+"""``netagg``: the operator's command line (controller daemon, one command per job action, the switch shell).
 
 Exit status: 0 ok, 1 internal error, 2 bad usage/argument/config, 3 unknown job,
 4 permission denied, 5 capacity exhausted, 6 switch error (or the switch is away: the
@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from netagg import dataplane as dp
+from netagg.controller.admission import JobRequest
 from netagg.controller.api import ApiClient, ApiError
 from netagg.controller.config import load_config
-from netagg.controller.p4runtime_client import P4RuntimeError
-from netagg.controller.service import ServiceError
+from netagg.controller.errors import P4RuntimeError, ServiceError
 from netagg.jobconfig import ConfigError, write_private
 
 EXIT_CODES = {
@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     ctl = top.add_parser("controller", help="the controller daemon").add_subparsers(dest="action", required=True)
     run = ctl.add_parser("run", help="connect to the switch and serve the job API")
     run.add_argument("-v", "--verbose", action="store_true")
+
+    switch = top.add_parser("switch", help="the switch itself").add_subparsers(dest="action", required=True)
+    shell = switch.add_parser("shell", help="p4runtime-shell on the switch, read only (a backup client: the "
+                              "controller stays primary)")
+    shell.add_argument("--election-id", type=int, help="the shell's election id, below the controller's "
+                       "(default: the controller's minus 1)")
 
     job = top.add_parser("job", help="tenant jobs").add_subparsers(dest="action", required=True)
     create = job.add_parser("create", help="admit a job and program the switch")
@@ -245,6 +251,19 @@ def _socket_path(args: argparse.Namespace) -> Path:
     return load_config(args.config).api_socket
 
 
+def _split(text: str) -> list[str]:
+    """A comma-separated list of endpoints."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _switch_shell(args: argparse.Namespace) -> int:
+    """`netagg switch shell`: p4runtime-shell as a read-only backup client (controller/switch_shell.py)."""
+    from netagg.controller.switch_shell import run_shell, shell_settings
+
+    run_shell(shell_settings(load_config(args.config), args.election_id))
+    return 0
+
+
 def _job_command(args: argparse.Namespace) -> int:
     if not args.token:
         print("netagg: no token (use --token or NETAGG_TOKEN)", file=sys.stderr)
@@ -253,30 +272,16 @@ def _job_command(args: argparse.Namespace) -> int:
     if args.area == "top":
         return _top(args, client)
     if args.action == "create":
-        request = dict(name=args.name, workers=[w.strip() for w in args.workers.split(",") if w.strip()],
-                       slots=args.slots, mode=args.mode, ps=args.ps, lease_seconds=args.lease, tenant=args.tenant)
-        # MLfabric options: sent only when set, so an older controller still accepts a plain create.
-        if args.update_mode != "sync":
-            request["update_mode"] = args.update_mode
-        if args.delay_bound is not None:
-            request["delay_bound"] = args.delay_bound
-        if args.schedule != "fifo":
-            request["schedule"] = args.schedule
-        if args.switch_aggregation:
-            request["switch_aggregation"] = True
-        if args.senders:
-            request["senders"] = args.senders
-        if args.replicas is not None:
-            request["replicas"] = args.replicas
-        if args.replica_ps:
-            request["replica_ps"] = [r.strip() for r in args.replica_ps.split(",") if r.strip()]
-        if args.distribution is not None:
-            request["distribution"] = [d.strip() for d in args.distribution.split(",") if d.strip()]
-        if args.distribution_ps is not None:
-            request["distribution_ps"] = [d.strip() for d in args.distribution_ps.split(",") if d.strip()]
-        if args.distribution_slots is not None:
-            request["distribution_slots"] = args.distribution_slots
-        result = client.call("create", **request)
+        request = JobRequest(
+            name=args.name, workers=_split(args.workers), slots=args.slots, mode=args.mode, ps=args.ps,
+            lease_seconds=args.lease, tenant=args.tenant, update_mode=args.update_mode, delay_bound=args.delay_bound,
+            schedule=args.schedule, replicas=args.replicas, switch_aggregation=args.switch_aggregation,
+            senders=args.senders, replica_ps=_split(args.replica_ps) if args.replica_ps else None,
+            distribution=None if args.distribution is None else _split(args.distribution),
+            distribution_ps=None if args.distribution_ps is None else _split(args.distribution_ps),
+            distribution_slots=args.distribution_slots)
+        # Only what is not the default is sent, so an older controller still accepts a plain create.
+        result = client.call("create", **request.to_args())
     elif args.action == "list":
         result = client.call("list")
     elif args.action == "config":
@@ -310,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                                 format="%(asctime)s %(name)s %(levelname)s %(message)s")
             run(load_config(args.config))
             return 0
+        if args.area == "switch":
+            return _switch_shell(args)
         return _job_command(args)
     except ApiError as err:
         print(f"netagg: {err}", file=sys.stderr)

@@ -16,9 +16,10 @@ import time
 
 from netagg.controller.api import ApiServer
 from netagg.controller.config import ControllerConfig
+from netagg.controller.errors import P4RuntimeError, ServiceError
 from netagg.controller.metrics import ControllerCollector
-from netagg.controller.p4runtime_client import P4RuntimeClient, P4RuntimeError
-from netagg.controller.service import JobService, ServiceError
+from netagg.controller.p4runtime_client import P4RuntimeClient
+from netagg.controller.service import JobService
 from netagg.controller.store import JobStore
 from netagg.controller.switch_watch import SwitchWatch
 from netagg.metrics_http import MetricsServer

@@ -1,13 +1,9 @@
-"""The P4Runtime client of the controller and the tests: one code path for BMv2 and the software target.
+"""The P4Runtime session of the controller and the tests: one code path for BMv2 and the software target.
 
-Names (tables, fields, actions, params, counters) are resolved through the P4Info;
-values are ints. Every RPC has a deadline; failures raise ``P4RuntimeError`` whose
-``str()`` is one line a CLI can print.
-
-Match values in ``insert_entry`` & co., by the field's match kind: exact and optional
-``int``; lpm ``(value, prefix_len)`` (or an int for a full-length prefix); ternary
-``(value, mask)``; range ``(low, high)``. Fields left out are don't-care (not allowed
-for exact fields).
+One device: the channel, the StreamChannel and its arbitration (primary or backup), and the
+RPCs (pipeline, Write, Read). Entities are built from names and values by ``p4rt_entities``
+(through the P4Info in ``index``). Every RPC has a deadline; failures raise ``P4RuntimeError``
+whose ``str()`` is one line a CLI can print.
 """
 
 from __future__ import annotations
@@ -16,27 +12,27 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
 
 import grpc
-from google.rpc import code_pb2, status_pb2
+from google.rpc import code_pb2
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2 as p4rt
 from p4.v1 import p4runtime_pb2_grpc
 
-from netagg.p4info import (
-    MatchFieldInfo,
-    P4InfoIndex,
-    P4InfoLookupError,
-    TableInfo,
-    decode_int,
-    encode_int,
-    load_p4info,
+from netagg.controller.errors import P4RuntimeError, UpdateError, client_error
+from netagg.controller.p4rt_entities import (
+    UPDATE_TYPES,
+    EntityBuilder,
+    EntryOp,
+    MatchValue,
+    TableEntryView,
+    multicast_group_entity,
 )
+from netagg.p4info import P4InfoIndex, decode_int, load_p4info
 
+#: EntryOp, MatchValue, TableEntryView (p4rt_entities) and the errors (errors) are part of this API.
 __all__ = [
     "EntryOp",
     "MatchValue",
@@ -46,9 +42,7 @@ __all__ = [
     "UpdateError",
 ]
 
-MatchValue = int | tuple[int, int]
 _MAX_MESSAGE_BYTES = 64 << 20
-_STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _U64 = (1 << 64) - 1
 #: How long to wait for an answer to an arbitration with an unchanged id (PI sends none).
 _REPEAT_ARBITRATION_WAIT = 0.5
@@ -62,170 +56,11 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-# --------------------------------------------------------------------------- errors
-
-
-@dataclass(frozen=True, slots=True)
-class UpdateError:
-    """Why one update of a Write failed."""
-
-    index: int
-    code: str
-    message: str
-
-
-class P4RuntimeError(Exception):
-    """A failed P4Runtime operation: the gRPC code name, a message, and per-update Write errors."""
-
-    def __init__(self, code: str, message: str, errors: Sequence[UpdateError] = ()) -> None:
-        super().__init__(code, message)
-        self.code = code
-        self.message = message
-        self.errors = tuple(errors)
-
-    def __str__(self) -> str:
-        text = f"{self.code}: {self.message}"
-        if self.errors:
-            text += ": " + "; ".join(f"update #{e.index}: {e.code}: {e.message}" for e in self.errors)
-        return " ".join(text.split())
-
-    @classmethod
-    def from_rpc_error(cls, err: grpc.RpcError, what: str) -> P4RuntimeError:
-        """Wrap a gRPC error of the operation ``what``, decoding Write's per-update errors."""
-        code = err.code() if hasattr(err, "code") else None
-        name = code.name if code is not None else "UNKNOWN"
-        total, errors = _update_errors(err)
-        if errors:  # the server's own message (empty from PI) would repeat them
-            return cls(name, f"{what}: {len(errors)} of {total} update(s) failed", errors)
-        details = (err.details() if hasattr(err, "details") else None) or str(err)
-        return cls(name, f"{what}: {details}")
-
-
-def _update_errors(err: grpc.RpcError) -> tuple[int, list[UpdateError]]:
-    """(number of updates, the failed ones) from the google.rpc.Status in the trailing metadata.
-
-    That is how PI/BMv2 report a Write's failures: one p4.v1.Error per update, OK or not.
-    """
-    metadata = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
-    for key, value in metadata or ():
-        if key != _STATUS_DETAILS_KEY:
-            continue
-        status = status_pb2.Status.FromString(value)
-        errors = []
-        for i, packed in enumerate(status.details):
-            error = p4rt.Error()
-            if packed.Unpack(error) and error.canonical_code != code_pb2.OK:
-                errors.append(UpdateError(i, code_pb2.Code.Name(error.canonical_code), error.message))
-        return len(status.details), errors
-    return 0, []
-
-
-def _client_error(message: str) -> P4RuntimeError:
-    return P4RuntimeError("INVALID_ARGUMENT", f"(client) {message}")
-
-
 def _closed_channel_error(err: ValueError, address: str) -> P4RuntimeError:
     """gRPC's ValueError for an RPC on a channel that another thread closed (a reconnect) as UNAVAILABLE."""
     if "closed channel" not in str(err):
         raise err
     return P4RuntimeError("UNAVAILABLE", f"the channel to {address} was closed (reconnecting)")
-
-
-# --------------------------------------------------------------------------- entries
-
-
-@dataclass(frozen=True, slots=True)
-class TableEntryView:
-    """A table entry as read back, decoded to names and ints."""
-
-    table: str
-    match: dict[str, MatchValue]
-    action: str | None
-    params: dict[str, int]
-    priority: int = 0
-    is_default_action: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class EntryOp:
-    """One table-entry update for ``write_entries``."""
-
-    kind: Literal["insert", "modify", "delete"]
-    table: str
-    match: Mapping[str, MatchValue]
-    action: str | None = None
-    params: Mapping[str, int] = field(default_factory=dict)
-    priority: int = 0
-
-    @classmethod
-    def insert(cls, table: str, match: Mapping[str, MatchValue], action: str,
-               params: Mapping[str, int] | None = None, priority: int = 0) -> EntryOp:
-        return cls("insert", table, match, action, params or {}, priority)
-
-    @classmethod
-    def modify(cls, table: str, match: Mapping[str, MatchValue], action: str,
-               params: Mapping[str, int] | None = None, priority: int = 0) -> EntryOp:
-        return cls("modify", table, match, action, params or {}, priority)
-
-    @classmethod
-    def delete(cls, table: str, match: Mapping[str, MatchValue], priority: int = 0) -> EntryOp:
-        return cls("delete", table, match, None, {}, priority)
-
-
-_UPDATE_TYPES = {"insert": p4rt.Update.INSERT, "modify": p4rt.Update.MODIFY,
-                 "delete": p4rt.Update.DELETE}
-
-
-def _encode(value: int, bitwidth: int, what: str) -> bytes:
-    try:
-        return encode_int(value, bitwidth)
-    except ValueError as e:
-        raise _client_error(f"{what}: {e}") from None
-
-
-def _add_field_match(entry: p4rt.TableEntry, table: TableInfo, mf: MatchFieldInfo,
-                     value: MatchValue) -> None:
-    """Add the FieldMatch for a user value; nothing when it means don't-care (prefix 0, mask 0)."""
-    what = f"table '{table.name}' field '{mf.name}'"
-    kind, width = mf.match_kind, mf.bitwidth
-    pair = isinstance(value, tuple)
-    if (kind in ("exact", "optional") and pair) or (kind in ("ternary", "range") and not pair):
-        raise _client_error(f"{what} is {kind}: got {value!r}")
-    if kind == "exact":
-        entry.match.add(field_id=mf.id).exact.value = _encode(value, width, what)  # type: ignore[arg-type]
-    elif kind == "optional":
-        entry.match.add(field_id=mf.id).optional.value = _encode(value, width, what)  # type: ignore[arg-type]
-    elif kind == "lpm":
-        prefix, prefix_len = value if isinstance(value, tuple) else (value, width)
-        if prefix_len:
-            fm = entry.match.add(field_id=mf.id)
-            fm.lpm.value, fm.lpm.prefix_len = _encode(prefix, width, what), prefix_len
-    elif kind == "ternary":
-        if value[1]:  # type: ignore[index]
-            fm = entry.match.add(field_id=mf.id)
-            fm.ternary.value = _encode(value[0], width, what)  # type: ignore[index]
-            fm.ternary.mask = _encode(value[1], width, what)  # type: ignore[index]
-    elif kind == "range":
-        fm = entry.match.add(field_id=mf.id)
-        fm.range.low = _encode(value[0], width, what)  # type: ignore[index]
-        fm.range.high = _encode(value[1], width, what)  # type: ignore[index]
-    else:
-        raise _client_error(f"{what}: match kind {kind!r} is not supported")
-
-
-def _decode_field(mf: MatchFieldInfo, fm: p4rt.FieldMatch) -> MatchValue:
-    kind = fm.WhichOneof("field_match_type")
-    if kind == "exact":
-        return decode_int(fm.exact.value)
-    if kind == "optional":
-        return decode_int(fm.optional.value)
-    if kind == "lpm":
-        return decode_int(fm.lpm.value), fm.lpm.prefix_len
-    if kind == "ternary":
-        return decode_int(fm.ternary.value), decode_int(fm.ternary.mask)
-    if kind == "range":
-        return decode_int(fm.range.low), decode_int(fm.range.high)
-    raise P4RuntimeError("INTERNAL", f"field '{mf.name}': unsupported match {kind!r} in a read")
 
 
 def _election_tuple(election_id: tuple[int, int] | int) -> tuple[int, int]:
@@ -500,7 +335,7 @@ class P4RuntimeClient:
         """
         source = p4info if p4info is not None else self._p4info_path
         if source is None:
-            raise _client_error("set_pipeline needs a P4Info (argument or p4info_path)")
+            raise client_error("set_pipeline needs a P4Info (argument or p4info_path)")
         message = source if isinstance(source, p4info_pb2.P4Info) else load_p4info(source)
         config = p4rt.ForwardingPipelineConfig(p4info=message, p4_device_config=device_config or b"")
         if cookie is not None:
@@ -556,37 +391,10 @@ class P4RuntimeClient:
 
     # ---- table entries
 
-    def table_entry(self, table: str, match: Mapping[str, MatchValue], action: str | None = None,
-                    params: Mapping[str, int] | None = None, priority: int = 0,
-                    into: p4rt.TableEntry | None = None) -> p4rt.TableEntry:
-        """Build a TableEntry (in ``into`` if given) from names and ints.
-
-        Checks names and widths only; the switch checks the rest.
-        """
-        index = self._p4info_index()
-        entry = into if into is not None else p4rt.TableEntry()
-        try:
-            info = index.table(table)
-            entry.table_id, entry.priority = info.id, priority
-            for name, value in match.items():
-                _add_field_match(entry, info, info.match_field(name), value)
-            if action is not None:
-                self._set_action(entry, index, info, action, params or {})
-        except P4InfoLookupError as e:
-            raise _client_error(str(e)) from None
-        return entry
-
-    @staticmethod
-    def _set_action(entry: p4rt.TableEntry, index: P4InfoIndex, table: TableInfo, action: str,
-                    params: Mapping[str, int]) -> None:
-        info = index.action(action)
-        if info.id not in table.action_scopes:
-            raise _client_error(f"action '{info.name}' is not an action of table '{table.name}'")
-        entry.action.action.action_id = info.id
-        for name, value in params.items():
-            param = info.param(name)
-            entry.action.action.params.add(param_id=param.id, value=_encode(
-                value, param.bitwidth, f"action '{info.name}' param '{param.name}'"))
+    @property
+    def entities(self) -> EntityBuilder:
+        """The entity builder of this client's P4Info (``index``)."""
+        return EntityBuilder(self._p4info_index())
 
     def insert_entry(self, table: str, match: Mapping[str, MatchValue], action: str,
                      params: Mapping[str, int] | None = None, priority: int = 0) -> None:
@@ -604,54 +412,25 @@ class P4RuntimeClient:
 
     def write_entries(self, ops: Iterable[EntryOp]) -> None:
         """Several table-entry updates in one Write RPC; P4RuntimeError.errors lists failures."""
+        entities = self.entities
         request = self._write_request()
         for op in ops:
-            update = request.updates.add(type=_UPDATE_TYPES[op.kind])
-            self.table_entry(op.table, op.match, op.action, op.params, op.priority,
-                             into=update.entity.table_entry)
+            update = request.updates.add(type=UPDATE_TYPES[op.kind])
+            entities.table_entry(op.table, op.match, op.action, op.params, op.priority,
+                                 into=update.entity.table_entry)
         self._send(request)
 
     def read_entries(self, table: str | None = None) -> list[TableEntryView]:
         """All entries of one table, or of every table."""
-        index = self._p4info_index()
-        try:
-            table_id = index.table(table).id if table is not None else 0
-        except P4InfoLookupError as e:
-            raise _client_error(str(e)) from None
-        found = self.read([p4rt.Entity(table_entry=p4rt.TableEntry(table_id=table_id))])
-        return [self._view(index, e.table_entry) for e in found if e.HasField("table_entry")]
-
-    @staticmethod
-    def _view(index: P4InfoIndex, entry: p4rt.TableEntry) -> TableEntryView:
-        info = index.table(entry.table_id)
-        match = {}
-        for fm in entry.match:
-            mf = info.match_field(fm.field_id)
-            match[mf.name] = _decode_field(mf, fm)
-        action, params = None, {}
-        if entry.action.HasField("action"):
-            action_info = index.action(entry.action.action.action_id)
-            action = action_info.name
-            params = {action_info.param(p.param_id).name: decode_int(p.value)
-                      for p in entry.action.action.params}
-        return TableEntryView(info.name, match, action, params, entry.priority,
-                              entry.is_default_action)
+        entities = self.entities
+        found = self.read([entities.table_read(table)])
+        return [entities.view(e.table_entry) for e in found if e.HasField("table_entry")]
 
     # ---- multicast
 
-    @staticmethod
-    def _group_entity(group_id: int, replicas: Iterable[tuple[int, int]] = ()) -> p4rt.Entity:
-        # Ports go in the deprecated uint32 `egress_port`: every PI/BMv2 accepts it (the bytes
-        # `port` needs PI from 2023 on, PI#598), and PI rejects port 0 given as bytes.
-        group = p4rt.MulticastGroupEntry(multicast_group_id=group_id)
-        for port, instance in replicas:
-            group.replicas.add(egress_port=port, instance=instance)
-        return p4rt.Entity(packet_replication_engine_entry=p4rt.PacketReplicationEngineEntry(
-            multicast_group_entry=group))
-
     def set_multicast_group(self, group_id: int, replicas: Sequence[tuple[int, int]]) -> None:
         """Create group ``group_id`` with these (port, instance) replicas, or replace its replicas."""
-        entity = self._group_entity(group_id, replicas)
+        entity = multicast_group_entity(group_id, replicas)
         try:
             self.write([p4rt.Update(type=p4rt.Update.INSERT, entity=entity)])
         except P4RuntimeError as e:
@@ -661,12 +440,12 @@ class P4RuntimeClient:
 
     def delete_multicast_group(self, group_id: int) -> None:
         """Delete a multicast group."""
-        self.write([p4rt.Update(type=p4rt.Update.DELETE, entity=self._group_entity(group_id))])
+        self.write([p4rt.Update(type=p4rt.Update.DELETE, entity=multicast_group_entity(group_id))])
 
     def read_multicast_groups(self) -> dict[int, list[tuple[int, int]]]:
         """All multicast groups: id -> [(port, instance)] (either port encoding is understood)."""
         groups: dict[int, list[tuple[int, int]]] = {}
-        for entity in self.read([self._group_entity(0)]):
+        for entity in self.read([multicast_group_entity(0)]):
             group = entity.packet_replication_engine_entry.multicast_group_entry
             groups[group.multicast_group_id] = [
                 (decode_int(r.port) if r.WhichOneof("port_kind") == "port" else r.egress_port,
@@ -676,24 +455,16 @@ class P4RuntimeClient:
 
     # ---- counters
 
-    def _counter_id(self, name: str) -> int:
-        try:
-            return self._p4info_index().counter(name).id
-        except P4InfoLookupError as e:
-            raise _client_error(str(e)) from None
-
     def read_counter(self, name: str, index: int) -> tuple[int, int]:
         """(packets, bytes) of one counter cell."""
-        entity = p4rt.Entity(counter_entry=p4rt.CounterEntry(
-            counter_id=self._counter_id(name), index=p4rt.Index(index=index)))
-        for found in self.read([entity]):
+        for found in self.read([self.entities.counter_entity(name, index)]):
             data = found.counter_entry.data
             return data.packet_count, data.byte_count
         raise P4RuntimeError("NOT_FOUND", f"counter '{name}' index {index}: empty read response")
 
     def read_counters(self, name: str) -> dict[int, tuple[int, int]]:
         """index -> (packets, bytes) for every cell of one counter."""
-        entity = p4rt.Entity(counter_entry=p4rt.CounterEntry(counter_id=self._counter_id(name)))
+        entity = self.entities.counter_entity(name)
         return {e.counter_entry.index.index: (e.counter_entry.data.packet_count,
                                               e.counter_entry.data.byte_count)
                 for e in self.read([entity])}

@@ -1,4 +1,7 @@
-"""The controller's job service: admission, slot allocation, switch programming, leases.
+"""The controller's job service: job lifecycle (create, delete, renew, leases) and the switch's comings and goings.
+
+A create is: the request checked and admitted (``admission.py``: slots, full/partial/fallback),
+the rows written, the switch programmed, the jobs activated.
 
 All mutations run under one lock; each writes the database before it touches
 the switch, so :meth:`JobService.recover` can finish any interrupted step after
@@ -13,23 +16,23 @@ and change nothing; the service never queues them.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from p4.config.v1 import p4info_pb2
 
-from netagg import jobsecret, wire
+from netagg import jobsecret
+from netagg.controller.admission import Admission, JobRequest, ValidJob, admit
 from netagg.controller.allocator import SlotAllocator, SlotRange
 from netagg.controller.config import ControllerConfig
-from netagg.controller.p4runtime_client import P4RuntimeClient, P4RuntimeError
-from netagg.controller.store import JobRecord, JobStore, PsEndpoint, WorkerEndpoint
+from netagg.controller.errors import P4RuntimeError, ServiceError
+from netagg.controller.p4runtime_client import P4RuntimeClient
+from netagg.controller.store import JobRecord, JobStore
 from netagg.controller.switch_programmer import ReconcileReport, SwitchProgrammer
-from netagg.jobconfig import SCHEDULES, UPDATE_MODES, Endpoint, WorkerConfig
+from netagg.jobconfig import Endpoint, WorkerConfig
 from netagg.p4info import P4InfoIndex, load_p4info, p4info_differences
 
 log = logging.getLogger(__name__)
@@ -52,14 +55,6 @@ class SwitchSync:
     lost_state: bool
     report: ReconcileReport
     jobs: int
-
-
-class ServiceError(Exception):
-    """A request the service refuses; ``code`` picks the CLI's exit status."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -242,144 +237,71 @@ class JobService:
             "reconnecting and re-installs every job when it is back: retry then (nothing was changed)"))
 
     # -- requests ----------------------------------------------------------
-    def create_job(self, caller: Caller, name: str, workers: Sequence[str], slots: int, mode: str = "allreduce",
-                   ps: str | None = None, lease_seconds: float | None = None,
-                   tenant: str | None = None, update_mode: str = "sync", delay_bound: int | None = None,
-                   schedule: str = "fifo", replicas: int | None = None,
-                   replica_ps: Sequence[str] | None = None, switch_aggregation: bool = False,
-                   senders: int = 0, distribution: Sequence[str] | None = None,
-                   distribution_ps: Sequence[str] | None = None, distribution_slots: int | None = None) -> dict:
+    def create_job(self, caller: Caller, request: JobRequest) -> dict:
         """Admit a job (best effort) and program the switch; returns the job and how it was admitted.
 
-        ``update_mode``, ``delay_bound``, ``schedule``, ``replicas``/``replica_ps`` are the MLfabric
-        options (docs/mlfabric.md); they are stored with the job and written into its worker configs.
-        ``switch_aggregation`` (mode allreduce, schedule mlfabric) sums the scheduler's groups in the
-        job's slots; a job admitted in fallback mode (no slots) goes without it (said in its note).
-        ``senders``: a one-way job (mode allreduce): the last that many workers only send (left out of
-        the job's multicast group), the others only receive (left out of the workers table): a PS
-        distributing the model through the switch (docs/mlfabric.md).
-        ``distribution`` (an async job with a PS): one endpoint per worker, in rank order, where it receives
-        model versions, and ``distribution_ps`` one per PS node (the primary, then the replicas), where it
-        sends them from: the controller also creates the job's *distribution job*, a one-way job of those
-        endpoints (the PS nodes its last ranks, its senders) with ``distribution_slots`` slots (default
-        ``slots``), linked to this one: created, renewed and deleted with it, or not at all. The answer
-        then has a ``distribution`` entry: that job and how it was admitted.
+        With a distribution job (``JobRequest.distribution``) the answer also has a ``distribution``
+        entry: that job and how it was admitted (both are created, or neither).
         """
-        owner = self._owner_for(caller, tenant)
-        endpoints = self._parse_workers(workers)
-        ps_endpoint = self._parse_ps(ps) if ps else None
-        replica_endpoints = self._mlfabric_options(ps_endpoint, update_mode, delay_bound, schedule, replicas,
-                                                   replica_ps)
-        if mode not in ("allreduce", "ps", "fallback"):
-            raise ServiceError("invalid_argument", f"mode {mode!r} is not allreduce, ps or fallback")
-        if not isinstance(switch_aggregation, bool):
-            raise ServiceError("invalid_argument", f"switch aggregation must be true or false, got "
-                               f"{switch_aggregation!r}")
-        if not isinstance(senders, int) or isinstance(senders, bool) or not 0 <= senders < len(endpoints):
-            raise ServiceError("invalid_argument", f"senders must be an integer in 0..{len(endpoints) - 1}, "
-                               f"got {senders!r}")
-        if senders and mode != "allreduce":
-            raise ServiceError("invalid_argument", "--senders needs --mode allreduce")
-        if switch_aggregation and (schedule != "mlfabric" or mode != "allreduce"):
-            raise ServiceError("invalid_argument", "--switch-aggregation needs --schedule mlfabric and --mode "
-                               "allreduce (the group's sums go back to its members)")
-        if mode in ("ps", "fallback") and ps_endpoint is None:
-            raise ServiceError("invalid_argument", f"mode {mode} needs --ps")
-        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-            raise ServiceError("invalid_argument", f"slots must be >= 1, got {slots}")
-        dist_members = self._distribution_members(endpoints, ps_endpoint, replica_endpoints, update_mode, senders,
-                                                  distribution, distribution_ps, distribution_slots)
-        dist_slots = slots if distribution_slots is None else distribution_slots
-        lease = self.config.default_lease_seconds if lease_seconds is None else lease_seconds
-        if lease <= 0:
-            raise ServiceError("invalid_argument", "lease must be > 0 seconds")
+        job = request.validated(self.config, caller.tenant)
         with self._lock:
             self._require_switch("create a job")
             job_id = self._free_job_id()
-            dist_id = None if dist_members is None else self._free_job_id(exclude={job_id})
-            admission, reason = "full", f"{slots} slots as asked"
-            taken: SlotRange | None = None
-            if mode != "fallback":
-                taken = self.allocator.allocate(slots, min(self.config.min_slots, slots))
-                if taken is None:
-                    if ps_endpoint is None:
-                        self.admissions["refused"] += 1
-                        raise ServiceError("capacity_exhausted", (
-                            f"no range of {min(self.config.min_slots, slots)}+ free slots "
-                            f"(largest free: {self.allocator.largest_free()}) and no --ps to fall back to"))
-                    mode, admission = "fallback", "fallback"
-                    reason = (f"no range of {min(self.config.min_slots, slots)}+ free slots "
-                              f"(largest free: {self.allocator.largest_free()}); workers aggregate through the PS")
-                    if switch_aggregation:
-                        switch_aggregation = False
-                        reason += "; no switch aggregation without slots"
-                elif taken.count < slots:
-                    admission = "partial"
-                    reason = f"{taken.count} of {slots} slots (largest free range); fewer packets in flight"
-            else:
-                reason = "fallback mode asked for"
-            dist_taken, dist_admission, dist_reason = None, "full", f"{dist_slots} slots as asked"
-            if dist_members is not None:
-                # The versions go through the switch or not at all: no fallback, and without slots no job either.
-                dist_taken = self.allocator.allocate(dist_slots, min(self.config.min_slots, dist_slots))
-                if dist_taken is None:
-                    if taken:
-                        self.allocator.release(taken)
-                    self.admissions["refused"] += 1
-                    raise ServiceError("capacity_exhausted", (
-                        f"no range of {min(self.config.min_slots, dist_slots)}+ free slots for the distribution "
-                        f"job (largest free: {self.allocator.largest_free()}); neither job was created"))
-                if dist_taken.count < dist_slots:
-                    dist_admission = "partial"
-                    dist_reason = (f"{dist_taken.count} of {dist_slots} slots (largest free range); fewer packets "
-                                   "in flight")
-            now = time.time()
-            created: list[tuple[JobRecord, SlotRange | None]] = []
+            dist_id = None if job.distribution is None else self._free_job_id(exclude={job_id})
             try:
-                with self.store.transaction() as conn:
-                    job = JobRecord(
-                        job_id=job_id, tenant=owner, name=name, mode=mode, state="installing",
-                        slot_base=taken.base if taken else 0, slot_count=taken.count if taken else 0,
-                        slots_wanted=slots, generation=self.store.next_generation(conn), workers=endpoints,
-                        ps=ps_endpoint, lease_seconds=lease, lease_expires=now + lease, created=now,
-                        note=f"{admission}: {reason}", update_mode=update_mode, delay_bound=delay_bound,
-                        schedule=schedule, replicas=replica_endpoints, secret=jobsecret.new_secret(),
-                        switch_aggregation=switch_aggregation, senders=senders, distribution=dist_id,
-                    )
-                    self.store.insert(conn, job)
-                    created.append((job, taken))
-                    if dist_members is not None:
-                        assert dist_id is not None and dist_taken is not None
-                        dist = JobRecord(
-                            job_id=dist_id, tenant=owner, name=f"{name}-distribution", mode="allreduce",
-                            state="installing", slot_base=dist_taken.base, slot_count=dist_taken.count,
-                            slots_wanted=dist_slots, generation=self.store.next_generation(conn),
-                            workers=dist_members, ps=None, lease_seconds=lease, lease_expires=now + lease,
-                            created=now, note=f"{dist_admission}: {dist_reason}", secret=jobsecret.new_secret(),
-                            senders=1 + len(replica_endpoints), distribution_of=job_id,
-                        )
-                        self.store.insert(conn, dist)
-                        created.append((dist, dist_taken))
-            except BaseException:
-                for one in (taken, dist_taken):
-                    if one:
-                        self.allocator.release(one)
+                admitted = admit(job, self.allocator, self.config.min_slots)
+            except ServiceError:
+                self.admissions["refused"] += 1
                 raise
-            for one, _ in created:
+            created = self._write_new_jobs(job, admitted, job_id, dist_id)
+            for one in created:
                 try:
                     self.programmer.install_job(one)
                 except P4RuntimeError as err:
-                    for undo, its_slots in created:  # both or neither
-                        self._abort_create(undo, its_slots)
+                    for undo in created:  # both or neither
+                        self._abort_create(undo)
                     raise ServiceError("switch_error", f"switch refused job {one.job_id}: {err}") from None
-            activated = [self._activate(one) for one, _ in created]
-            self.admissions[admission] += 1
-            result = {"job": self._view(activated[0]), "admission": admission, "reason": reason}
-            if len(activated) > 1:
-                self.admissions[dist_admission] += 1
-                result["distribution"] = {"job": self._view(activated[1]), "admission": dist_admission,
-                                          "reason": dist_reason}
-            return result
+            activated = [self._activate(one) for one in created]
+            answers = []
+            for one, grant in zip(activated, admitted.grants):
+                self.admissions[grant.admission] += 1
+                answers.append({"job": self._view(one), "admission": grant.admission, "reason": grant.reason})
+            return {**answers[0], **({"distribution": answers[1]} if len(answers) > 1 else {})}
+
+    def _write_new_jobs(self, job: ValidJob, admitted: Admission, job_id: int, dist_id: int | None,
+                        ) -> list[JobRecord]:
+        """The new job's row (and its distribution job's), state installing, in one transaction."""
+        request, now = job.request, time.time()
+        slots = admitted.job.slots
+        try:
+            with self.store.transaction() as conn:
+                rows = [JobRecord(
+                    job_id=job_id, tenant=job.owner, name=request.name, mode=admitted.mode, state="installing",
+                    slot_base=slots.base if slots else 0, slot_count=slots.count if slots else 0,
+                    slots_wanted=request.slots, generation=self.store.next_generation(conn), workers=job.workers,
+                    ps=job.ps, lease_seconds=job.lease, lease_expires=now + job.lease, created=now,
+                    note=admitted.job.note, update_mode=request.update_mode, delay_bound=request.delay_bound,
+                    schedule=request.schedule, replicas=job.replicas, secret=jobsecret.new_secret(),
+                    switch_aggregation=admitted.switch_aggregation, senders=request.senders, distribution=dist_id,
+                )]
+                self.store.insert(conn, rows[0])
+                if job.distribution is not None:
+                    assert dist_id is not None and admitted.distribution is not None
+                    dist_slots = admitted.distribution.slots
+                    assert dist_slots is not None
+                    rows.append(JobRecord(
+                        job_id=dist_id, tenant=job.owner, name=f"{request.name}-distribution", mode="allreduce",
+                        state="installing", slot_base=dist_slots.base, slot_count=dist_slots.count,
+                        slots_wanted=job.distribution_slots, generation=self.store.next_generation(conn),
+                        workers=job.distribution, ps=None, lease_seconds=job.lease, lease_expires=now + job.lease,
+                        created=now, note=admitted.distribution.note, secret=jobsecret.new_secret(),
+                        senders=1 + len(job.replicas), distribution_of=job_id,
+                    ))
+                    self.store.insert(conn, rows[1])
+        except BaseException:
+            admitted.release(self.allocator)
+            raise
+        return rows
 
     def delete_job(self, caller: Caller, job_id: int, reason: str = "deleted") -> dict:
         """Delete a job (with its distribution job, if it has one); a distribution job goes only with its job."""
@@ -515,14 +437,14 @@ class JobService:
         self.store.set_state(job.job_id, "active")
         return self.store.get(job.job_id)
 
-    def _abort_create(self, job: JobRecord, taken: SlotRange | None) -> None:
+    def _abort_create(self, job: JobRecord) -> None:
         try:
             self.programmer.remove_job(job)
         except P4RuntimeError as err:
             log.warning("cleanup after failed create of job %d: %s", job.job_id, err)
         self.store.remove(job.job_id)
-        if taken:
-            self.allocator.release(taken)
+        if job.uses_switch:
+            self.allocator.release(SlotRange(job.slot_base, job.slot_count))
 
     def _finish_delete(self, job: JobRecord) -> None:
         """Remove the job from the switch, then the database, then free its slots."""
@@ -542,163 +464,12 @@ class JobService:
                 return job_id
         raise ServiceError("capacity_exhausted", f"all {len(used)} job ids are in use")
 
-    def _owner_for(self, caller: Caller, tenant: str | None) -> str:
-        if caller.is_admin:
-            if not tenant:
-                raise ServiceError("invalid_argument", "the admin must name the tenant (--tenant)")
-            if tenant not in self.config.tenants.values():
-                raise ServiceError("invalid_argument", f"unknown tenant {tenant!r}")
-            return tenant
-        if tenant and tenant != caller.tenant:
-            raise ServiceError("permission_denied", f"tenant {caller.tenant!r} cannot create jobs for {tenant!r}")
-        return caller.tenant
-
     def _owned(self, caller: Caller, job_id: int) -> JobRecord:
         job = self.store.get(job_id)
         # Another tenant's job is reported exactly like a missing one: no probing.
         if job is None or not (caller.is_admin or job.tenant == caller.tenant):
             raise ServiceError("not_found", f"no job {job_id}")
         return job
-
-    def _resolve_host(self, text: str, what: str) -> tuple[str, str]:
-        """A configured host name or IPv4 address -> (host name, ip)."""
-        if text in self.config.hosts:
-            return text, self.config.hosts[text].ip
-        try:
-            ip = str(ipaddress.IPv4Address(text))
-        except ValueError:
-            raise ServiceError("invalid_argument", f"{what}: unknown host {text!r}") from None
-        host = self.config.host_by_ip(ip)
-        if host is None:
-            raise ServiceError("invalid_argument", f"{what}: {ip} is not a configured host")
-        return host.name, ip
-
-    def _endpoint(self, text: str, what: str) -> tuple[str, str, int]:
-        host_text, sep, port_text = text.rpartition(":")
-        if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-            raise ServiceError("invalid_argument", f"{what}: expected HOST:UDP_PORT, got {text!r}")
-        host, ip = self._resolve_host(host_text, what)
-        return host, ip, int(port_text)
-
-    def _parse_workers(self, workers: Sequence[str]) -> list[WorkerEndpoint]:
-        if not 1 <= len(workers) <= wire.MAX_WORKERS:
-            raise ServiceError("invalid_argument", f"a job has 1..{wire.MAX_WORKERS} workers, got {len(workers)}")
-        endpoints = []
-        for rank, text in enumerate(workers):
-            host, ip, port = self._endpoint(text, f"worker {rank}")
-            endpoints.append(WorkerEndpoint(rank, host, ip, port))
-        if len({(w.ip, w.udp_port) for w in endpoints}) != len(endpoints):
-            raise ServiceError("invalid_argument", "two workers share an address and UDP port")
-        return endpoints
-
-    def _parse_ps(self, text: str) -> PsEndpoint:
-        if text in self.config.parameter_servers:
-            ps = self.config.parameter_servers[text]
-            return PsEndpoint(ps.host, self.config.hosts[ps.host].ip, ps.udp_port)
-        host, ip, port = self._endpoint(text, "ps")
-        return PsEndpoint(host, ip, port)
-
-    def _mlfabric_options(self, ps: PsEndpoint | None, update_mode: str, delay_bound: int | None, schedule: str,
-                          replicas: int | None, replica_ps: Sequence[str] | None) -> list[PsEndpoint]:
-        """Check the MLfabric options; returns the replica endpoints (named, or the first free configured PSs)."""
-        def bad(message: str) -> ServiceError:
-            return ServiceError("invalid_argument", message)
-
-        if update_mode not in UPDATE_MODES:
-            raise bad(f"update mode {update_mode!r} is not one of {', '.join(UPDATE_MODES)}")
-        if schedule not in SCHEDULES:
-            raise bad(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
-        if delay_bound is not None and (not isinstance(delay_bound, int) or isinstance(delay_bound, bool)
-                                        or delay_bound < 0):
-            raise bad(f"delay bound must be an integer >= 0, got {delay_bound!r}")
-        if delay_bound is not None and update_mode != "async":
-            raise bad("a delay bound needs --sync async")
-        if schedule != "fifo" and update_mode != "async":
-            raise bad(f"schedule {schedule} needs --sync async")
-        if update_mode == "async" and ps is None:
-            raise bad("--sync async needs --ps (the parameter server applies the updates)")
-        named = [self._parse_ps(text) for text in (replica_ps or [])]
-        if replicas is not None and (not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0):
-            raise bad(f"replicas must be an integer >= 0, got {replicas!r}")
-        count = len(named) if replicas is None else replicas
-        if named and count != len(named):
-            raise bad(f"--replicas {count} but {len(named)} replica endpoint(s) named")
-        if count and ps is None:
-            raise bad("replicas need --ps (the primary parameter server)")
-        if count and not named:
-            for candidate in self.config.parameter_servers.values():
-                endpoint = PsEndpoint(candidate.host, self.config.hosts[candidate.host].ip, candidate.udp_port)
-                if (endpoint.ip, endpoint.udp_port) != (ps.ip, ps.udp_port) and len(named) < count:
-                    named.append(endpoint)
-            if len(named) < count:
-                raise bad(f"--replicas {count}: only {len(named)} configured parameter server(s) besides the "
-                          f"primary; name them with --replica-ps")
-        addresses = [(p.ip, p.udp_port) for p in [ps, *named] if p is not None]
-        if len(set(addresses)) != len(addresses):
-            raise bad("the primary and its replicas must be distinct endpoints")
-        return named
-
-    def _distribution_members(self, workers: list[WorkerEndpoint], ps: PsEndpoint | None,
-                              replicas: list[PsEndpoint], update_mode: str, senders: int,
-                              distribution: Sequence[str] | None, distribution_ps: Sequence[str] | None,
-                              distribution_slots: int | None) -> list[WorkerEndpoint] | None:
-        """Check the distribution options; returns the distribution job's ranks (the workers' endpoints,
-        then the PS chain's), or None without ``distribution``."""
-        def bad(message: str) -> ServiceError:
-            return ServiceError("invalid_argument", message)
-
-        def names(value: object, what: str) -> list[str]:
-            if isinstance(value, str) or not isinstance(value, list | tuple) or \
-                    not all(isinstance(v, str) for v in value):
-                raise bad(f"{what}: expected a list of HOST:UDP_PORT, got {value!r}")
-            return list(value)
-
-        if distribution is None:
-            for option, value in (("--distribution-ps", distribution_ps), ("--distribution-slots", distribution_slots)):
-                if value is not None:
-                    raise bad(f"{option} needs --distribution (the workers' endpoints for model versions)")
-            return None
-        receivers = names(distribution, "distribution")
-        if update_mode != "async" or ps is None:
-            raise bad("--distribution needs --sync async and --ps (the PS chain sends the model versions)")
-        if senders:
-            raise bad("--distribution and --senders do not go together (the distribution job is the one-way job)")
-        chain = [ps, *replicas]
-        chain_text = "the primary" + (f", then its {len(replicas)} replica(s)" if replicas else "")
-        if len(receivers) != len(workers):
-            raise bad(f"--distribution names {len(receivers)} endpoint(s) for {len(workers)} worker(s): "
-                      "one per worker, in rank order")
-        if distribution_ps is None:
-            raise bad(f"--distribution needs --distribution-ps: one endpoint per PS node ({chain_text}), "
-                      "where it sends the versions from")
-        sending = names(distribution_ps, "distribution ps")
-        if len(sending) != len(chain):
-            raise bad(f"--distribution-ps names {len(sending)} endpoint(s) for {len(chain)} PS node(s) "
-                      f"({chain_text})")
-        if distribution_slots is not None and (not isinstance(distribution_slots, int)
-                                               or isinstance(distribution_slots, bool) or distribution_slots < 1):
-            raise bad(f"distribution slots must be an integer >= 1, got {distribution_slots!r}")
-        if len(receivers) + len(sending) > wire.MAX_WORKERS:
-            raise bad(f"the distribution job would have {len(receivers) + len(sending)} ranks (workers and PS "
-                      f"nodes), more than {wire.MAX_WORKERS}")
-        members: list[WorkerEndpoint] = []
-        for index, (text, owner) in enumerate([*zip(receivers, workers), *zip(sending, chain)]):
-            node = index - len(receivers)
-            what = f"distribution endpoint of worker {index}" if node < 0 else \
-                f"distribution endpoint of PS node {node}"
-            host, ip, port = self._endpoint(text, what)
-            if ip != owner.ip:  # the worker receives (the PS sends) the versions itself, from its own host
-                raise bad(f"{what} ({ip}:{port}) is not on its host ({owner.ip})")
-            members.append(WorkerEndpoint(index, host, ip, port))
-        addresses = [(m.ip, m.udp_port) for m in members]
-        if len(set(addresses)) != len(addresses):
-            raise bad("two distribution endpoints share an address and UDP port")
-        taken = {(w.ip, w.udp_port) for w in workers} | {(p.ip, p.udp_port) for p in chain}
-        for member in members:
-            if (member.ip, member.udp_port) in taken:
-                raise bad(f"distribution endpoint {member.ip}:{member.udp_port} is already one of the job's "
-                          "(a worker's or a PS's UDP port)")
-        return members
 
     def _distribution_job(self, job: JobRecord) -> JobRecord | None:
         """The job's distribution job (only if it links back: ids are reused once a job is gone)."""

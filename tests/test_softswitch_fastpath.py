@@ -18,7 +18,7 @@ from p4.v1 import p4runtime_pb2 as p4rt
 
 from netagg import dataplane as dp
 from netagg import wire
-from netagg.controller.p4runtime_client import P4RuntimeClient
+from netagg.controller.p4rt_entities import EntityBuilder, multicast_group_entity
 from netagg.p4info import P4InfoIndex
 from netagg.softswitch.fastpath import COUNTERS, unavailable
 from netagg.softswitch.forwarding_state import ForwardingState
@@ -48,8 +48,7 @@ class Twins:
         self.fast = FastPipeline(self.fast_state, index.p4info)
         for state in (self.ref_state, self.fast_state):
             state.configured = True
-        self.builder = P4RuntimeClient("unused:1")
-        self.builder.index = index
+        self.builder = EntityBuilder(index)
 
     def _apply(self, update: p4rt.Update) -> None:
         for state in (self.ref_state, self.fast_state):
@@ -61,7 +60,7 @@ class Twins:
             table_entry=self.builder.table_entry(table, match, action, params))))
 
     def group(self, kind: int, gid: int, replicas: list[tuple[int, int]]) -> None:
-        self._apply(p4rt.Update(type=kind, entity=P4RuntimeClient._group_entity(gid, replicas)))
+        self._apply(p4rt.Update(type=kind, entity=multicast_group_entity(gid, replicas)))
 
     def add_job(self, job: int, workers: list[tuple[int, str, int, int]], base: int, count: int, gen: int,
                 ps_mode: bool = False) -> None:

@@ -1,0 +1,358 @@
+"""What a job create asks for (``JobRequest``), checked in one place, and what the controller grants it.
+
+``JobRequest.validated`` checks a request against the controller's config (tenant, hosts, parameter
+servers, the MLfabric and distribution options) and resolves its endpoints; ``admit`` then decides,
+from the free slots, how the job (and its distribution job) is admitted: full, partial or fallback.
+Neither touches the database or the switch: that is the job service's (``service.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from netagg import wire
+from netagg.controller.allocator import SlotAllocator, SlotRange
+from netagg.controller.config import ControllerConfig
+from netagg.controller.errors import ServiceError
+from netagg.controller.store import PsEndpoint, WorkerEndpoint
+from netagg.jobconfig import SCHEDULES, UPDATE_MODES
+
+MODES = ("allreduce", "ps", "fallback")
+
+
+def _bad(message: str) -> ServiceError:
+    return ServiceError("invalid_argument", message)
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """A job create as asked (the API's ``create`` arguments): endpoints as text, options unchecked.
+
+    ``update_mode``, ``delay_bound``, ``schedule``, ``replicas``/``replica_ps`` are the MLfabric
+    options (docs/mlfabric.md); they are stored with the job and written into its worker configs.
+    ``switch_aggregation`` (mode allreduce, schedule mlfabric) sums the scheduler's groups in the
+    job's slots; a job admitted in fallback mode (no slots) goes without it (said in its note).
+    ``senders``: a one-way job (mode allreduce): the last that many workers only send (left out of
+    the job's multicast group), the others only receive (left out of the workers table): a PS
+    distributing the model through the switch (docs/mlfabric.md).
+    ``distribution`` (an async job with a PS): one endpoint per worker, in rank order, where it receives
+    model versions, and ``distribution_ps`` one per PS node (the primary, then the replicas), where it
+    sends them from: the controller also creates the job's *distribution job*, a one-way job of those
+    endpoints (the PS nodes its last ranks, its senders) with ``distribution_slots`` slots (default
+    ``slots``), linked to this one: created, renewed and deleted with it, or not at all.
+    """
+
+    name: str
+    workers: Sequence[str]
+    slots: int
+    mode: str = "allreduce"
+    ps: str | None = None
+    lease_seconds: float | None = None
+    tenant: str | None = None
+    update_mode: str = "sync"
+    delay_bound: int | None = None
+    schedule: str = "fifo"
+    replicas: int | None = None
+    replica_ps: Sequence[str] | None = None
+    switch_aggregation: bool = False
+    senders: int = 0
+    distribution: Sequence[str] | None = None
+    distribution_ps: Sequence[str] | None = None
+    distribution_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "replica_ps", "distribution", "distribution_ps"):  # JSON lists: frozen
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+
+    def to_args(self) -> dict[str, Any]:
+        """The API's ``create`` arguments: name, workers, slots, and the options that are not the default
+        (so an older controller still accepts a plain create)."""
+        args: dict[str, Any] = {}
+        for one in dataclasses.fields(self):
+            value = getattr(self, one.name)
+            if one.default is dataclasses.MISSING or value != one.default:
+                args[one.name] = list(value) if isinstance(value, tuple) else value
+        return args
+
+    def validated(self, config: ControllerConfig, caller_tenant: str | None) -> ValidJob:
+        """Check the request for a caller (tenant None: the admin); the endpoints resolved."""
+        owner = _owner(config, caller_tenant, self.tenant)
+        workers = _parse_workers(config, self.workers)
+        ps = _parse_ps(config, self.ps) if self.ps else None
+        replicas = self._replica_endpoints(config, ps)
+        if self.mode not in MODES:
+            raise _bad(f"mode {self.mode!r} is not allreduce, ps or fallback")
+        if not isinstance(self.switch_aggregation, bool):
+            raise _bad(f"switch aggregation must be true or false, got {self.switch_aggregation!r}")
+        senders = self.senders
+        if not isinstance(senders, int) or isinstance(senders, bool) or not 0 <= senders < len(workers):
+            raise _bad(f"senders must be an integer in 0..{len(workers) - 1}, got {senders!r}")
+        if senders and self.mode != "allreduce":
+            raise _bad("--senders needs --mode allreduce")
+        if self.switch_aggregation and (self.schedule != "mlfabric" or self.mode != "allreduce"):
+            raise _bad("--switch-aggregation needs --schedule mlfabric and --mode allreduce (the group's sums "
+                       "go back to its members)")
+        if self.mode in ("ps", "fallback") and ps is None:
+            raise _bad(f"mode {self.mode} needs --ps")
+        if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
+            raise _bad(f"slots must be >= 1, got {self.slots}")
+        distribution = self._distribution_members(config, workers, ps, replicas)
+        lease = config.default_lease_seconds if self.lease_seconds is None else self.lease_seconds
+        if lease <= 0:
+            raise _bad("lease must be > 0 seconds")
+        return ValidJob(self, owner, workers, ps, replicas, distribution,
+                        self.slots if self.distribution_slots is None else self.distribution_slots, lease)
+
+    def _replica_endpoints(self, config: ControllerConfig, ps: PsEndpoint | None) -> list[PsEndpoint]:
+        """Check the MLfabric options; returns the replica endpoints (named, or the first free configured PSs)."""
+        update_mode, delay_bound, replicas = self.update_mode, self.delay_bound, self.replicas
+        if update_mode not in UPDATE_MODES:
+            raise _bad(f"update mode {update_mode!r} is not one of {', '.join(UPDATE_MODES)}")
+        if self.schedule not in SCHEDULES:
+            raise _bad(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if delay_bound is not None and (not isinstance(delay_bound, int) or isinstance(delay_bound, bool)
+                                        or delay_bound < 0):
+            raise _bad(f"delay bound must be an integer >= 0, got {delay_bound!r}")
+        if delay_bound is not None and update_mode != "async":
+            raise _bad("a delay bound needs --sync async")
+        if self.schedule != "fifo" and update_mode != "async":
+            raise _bad(f"schedule {self.schedule} needs --sync async")
+        if update_mode == "async" and ps is None:
+            raise _bad("--sync async needs --ps (the parameter server applies the updates)")
+        named = [_parse_ps(config, text) for text in (self.replica_ps or [])]
+        if replicas is not None and (not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0):
+            raise _bad(f"replicas must be an integer >= 0, got {replicas!r}")
+        count = len(named) if replicas is None else replicas
+        if named and count != len(named):
+            raise _bad(f"--replicas {count} but {len(named)} replica endpoint(s) named")
+        if count and ps is None:
+            raise _bad("replicas need --ps (the primary parameter server)")
+        if count and not named:
+            for candidate in config.parameter_servers.values():
+                endpoint = PsEndpoint(candidate.host, config.hosts[candidate.host].ip, candidate.udp_port)
+                if (endpoint.ip, endpoint.udp_port) != (ps.ip, ps.udp_port) and len(named) < count:
+                    named.append(endpoint)
+            if len(named) < count:
+                raise _bad(f"--replicas {count}: only {len(named)} configured parameter server(s) besides the "
+                           f"primary; name them with --replica-ps")
+        addresses = [(p.ip, p.udp_port) for p in [ps, *named] if p is not None]
+        if len(set(addresses)) != len(addresses):
+            raise _bad("the primary and its replicas must be distinct endpoints")
+        return named
+
+    def _distribution_members(self, config: ControllerConfig, workers: list[WorkerEndpoint],
+                              ps: PsEndpoint | None, replicas: list[PsEndpoint]) -> list[WorkerEndpoint] | None:
+        """Check the distribution options; returns the distribution job's ranks (the workers' endpoints,
+        then the PS chain's), or None without ``distribution``."""
+        def names(value: object, what: str) -> list[str]:
+            if isinstance(value, str) or not isinstance(value, list | tuple) or \
+                    not all(isinstance(v, str) for v in value):
+                raise _bad(f"{what}: expected a list of HOST:UDP_PORT, got {value!r}")
+            return list(value)
+
+        distribution_ps, distribution_slots = self.distribution_ps, self.distribution_slots
+        if self.distribution is None:
+            for option, value in (("--distribution-ps", distribution_ps), ("--distribution-slots", distribution_slots)):
+                if value is not None:
+                    raise _bad(f"{option} needs --distribution (the workers' endpoints for model versions)")
+            return None
+        receivers = names(self.distribution, "distribution")
+        if self.update_mode != "async" or ps is None:
+            raise _bad("--distribution needs --sync async and --ps (the PS chain sends the model versions)")
+        if self.senders:
+            raise _bad("--distribution and --senders do not go together (the distribution job is the one-way job)")
+        chain = [ps, *replicas]
+        chain_text = "the primary" + (f", then its {len(replicas)} replica(s)" if replicas else "")
+        if len(receivers) != len(workers):
+            raise _bad(f"--distribution names {len(receivers)} endpoint(s) for {len(workers)} worker(s): "
+                       "one per worker, in rank order")
+        if distribution_ps is None:
+            raise _bad(f"--distribution needs --distribution-ps: one endpoint per PS node ({chain_text}), "
+                       "where it sends the versions from")
+        sending = names(distribution_ps, "distribution ps")
+        if len(sending) != len(chain):
+            raise _bad(f"--distribution-ps names {len(sending)} endpoint(s) for {len(chain)} PS node(s) "
+                       f"({chain_text})")
+        if distribution_slots is not None and (not isinstance(distribution_slots, int)
+                                               or isinstance(distribution_slots, bool) or distribution_slots < 1):
+            raise _bad(f"distribution slots must be an integer >= 1, got {distribution_slots!r}")
+        if len(receivers) + len(sending) > wire.MAX_WORKERS:
+            raise _bad(f"the distribution job would have {len(receivers) + len(sending)} ranks (workers and PS "
+                       f"nodes), more than {wire.MAX_WORKERS}")
+        members: list[WorkerEndpoint] = []
+        for index, (text, owner) in enumerate([*zip(receivers, workers), *zip(sending, chain)]):
+            node = index - len(receivers)
+            what = f"distribution endpoint of worker {index}" if node < 0 else \
+                f"distribution endpoint of PS node {node}"
+            host, ip, port = _endpoint(config, text, what)
+            if ip != owner.ip:  # the worker receives (the PS sends) the versions itself, from its own host
+                raise _bad(f"{what} ({ip}:{port}) is not on its host ({owner.ip})")
+            members.append(WorkerEndpoint(index, host, ip, port))
+        addresses = [(m.ip, m.udp_port) for m in members]
+        if len(set(addresses)) != len(addresses):
+            raise _bad("two distribution endpoints share an address and UDP port")
+        taken = {(w.ip, w.udp_port) for w in workers} | {(p.ip, p.udp_port) for p in chain}
+        for member in members:
+            if (member.ip, member.udp_port) in taken:
+                raise _bad(f"distribution endpoint {member.ip}:{member.udp_port} is already one of the job's "
+                           "(a worker's or a PS's UDP port)")
+        return members
+
+
+@dataclass(frozen=True)
+class ValidJob:
+    """A checked request: its owner, its endpoints resolved, its lease and distribution slots settled."""
+
+    request: JobRequest
+    owner: str
+    workers: list[WorkerEndpoint]
+    ps: PsEndpoint | None
+    replicas: list[PsEndpoint]
+    #: The distribution job's ranks (the workers' endpoints, then the PS chain's); None: no distribution job.
+    distribution: list[WorkerEndpoint] | None
+    distribution_slots: int
+    lease: float
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The slots one job gets (None: none, fallback mode) and how it was admitted (full, partial, fallback)."""
+
+    slots: SlotRange | None
+    admission: str
+    reason: str
+
+    @property
+    def note(self) -> str:
+        return f"{self.admission}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a job is granted: its mode (fallback when it got no slots), its slots, its distribution job's."""
+
+    mode: str
+    switch_aggregation: bool
+    job: Grant
+    distribution: Grant | None
+
+    @property
+    def grants(self) -> tuple[Grant, ...]:
+        """The job's grant, then its distribution job's (if it has one)."""
+        return (self.job,) if self.distribution is None else (self.job, self.distribution)
+
+    def release(self, allocator: SlotAllocator) -> None:
+        """Give the slots back (the create did not go through)."""
+        for grant in self.grants:
+            if grant.slots:
+                allocator.release(grant.slots)
+
+
+def admit(job: ValidJob, allocator: SlotAllocator, min_slots: int) -> Admission:
+    """Take the job's slots (and its distribution job's) from the allocator: best effort.
+
+    Fewer slots than asked (at least ``min_slots``) is a partial admission; none at all is fallback
+    mode through the PS, or, without a PS, a refusal (ServiceError capacity_exhausted). A distribution
+    job goes through the switch or not at all: without slots for it, neither job is created.
+    """
+    request = job.request
+    slots, mode, switch_aggregation = request.slots, request.mode, request.switch_aggregation
+    taken: SlotRange | None = None
+    if mode == "fallback":
+        grant = Grant(None, "full", "fallback mode asked for")
+    else:
+        taken = allocator.allocate(slots, min(min_slots, slots))
+        if taken is None:
+            if job.ps is None:
+                raise ServiceError("capacity_exhausted", (
+                    f"no range of {min(min_slots, slots)}+ free slots "
+                    f"(largest free: {allocator.largest_free()}) and no --ps to fall back to"))
+            mode = "fallback"
+            reason = (f"no range of {min(min_slots, slots)}+ free slots "
+                      f"(largest free: {allocator.largest_free()}); workers aggregate through the PS")
+            if switch_aggregation:
+                switch_aggregation = False
+                reason += "; no switch aggregation without slots"
+            grant = Grant(None, "fallback", reason)
+        else:
+            grant = _slots_grant(taken, slots)
+    distribution = None
+    if job.distribution is not None:
+        want = job.distribution_slots
+        dist_taken = allocator.allocate(want, min(min_slots, want))
+        if dist_taken is None:
+            if taken:
+                allocator.release(taken)
+            raise ServiceError("capacity_exhausted", (
+                f"no range of {min(min_slots, want)}+ free slots for the distribution "
+                f"job (largest free: {allocator.largest_free()}); neither job was created"))
+        distribution = _slots_grant(dist_taken, want)
+    return Admission(mode, switch_aggregation, grant, distribution)
+
+
+def _slots_grant(taken: SlotRange, wanted: int) -> Grant:
+    if taken.count < wanted:
+        return Grant(taken, "partial", f"{taken.count} of {wanted} slots (largest free range); fewer packets "
+                     "in flight")
+    return Grant(taken, "full", f"{wanted} slots as asked")
+
+
+# -- checking names against the config ---------------------------------------------
+def _owner(config: ControllerConfig, caller_tenant: str | None, tenant: str | None) -> str:
+    if caller_tenant is None:  # the admin
+        if not tenant:
+            raise _bad("the admin must name the tenant (--tenant)")
+        if tenant not in config.tenants.values():
+            raise _bad(f"unknown tenant {tenant!r}")
+        return tenant
+    if tenant and tenant != caller_tenant:
+        raise ServiceError("permission_denied", f"tenant {caller_tenant!r} cannot create jobs for {tenant!r}")
+    return caller_tenant
+
+
+def _resolve_host(config: ControllerConfig, text: str, what: str) -> tuple[str, str]:
+    """A configured host name or IPv4 address -> (host name, ip)."""
+    if text in config.hosts:
+        return text, config.hosts[text].ip
+    try:
+        ip = str(ipaddress.IPv4Address(text))
+    except ValueError:
+        raise _bad(f"{what}: unknown host {text!r}") from None
+    host = config.host_by_ip(ip)
+    if host is None:
+        raise _bad(f"{what}: {ip} is not a configured host")
+    return host.name, ip
+
+
+def _endpoint(config: ControllerConfig, text: str, what: str) -> tuple[str, str, int]:
+    host_text, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise _bad(f"{what}: expected HOST:UDP_PORT, got {text!r}")
+    host, ip = _resolve_host(config, host_text, what)
+    return host, ip, int(port_text)
+
+
+def _parse_workers(config: ControllerConfig, workers: Sequence[str]) -> list[WorkerEndpoint]:
+    if not 1 <= len(workers) <= wire.MAX_WORKERS:
+        raise _bad(f"a job has 1..{wire.MAX_WORKERS} workers, got {len(workers)}")
+    endpoints = []
+    for rank, text in enumerate(workers):
+        host, ip, port = _endpoint(config, text, f"worker {rank}")
+        endpoints.append(WorkerEndpoint(rank, host, ip, port))
+    if len({(w.ip, w.udp_port) for w in endpoints}) != len(endpoints):
+        raise _bad("two workers share an address and UDP port")
+    return endpoints
+
+
+def _parse_ps(config: ControllerConfig, text: str) -> PsEndpoint:
+    if text in config.parameter_servers:
+        ps = config.parameter_servers[text]
+        return PsEndpoint(ps.host, config.hosts[ps.host].ip, ps.udp_port)
+    host, ip, port = _endpoint(config, text, "ps")
+    return PsEndpoint(host, ip, port)
