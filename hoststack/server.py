@@ -1,7 +1,8 @@
+# Over 500 lines: the UDP loop, the push rounds and their TCP ops share one lock and state; sparse ops: sparse_ops.py.
 """The parameter server (PS) of one job: ``python -m netagg.hoststack.server --config ps.yaml``.
 
 It listens on the job's ``ps`` endpoint: UDP for netagg packets, TCP (same port number)
-for the control protocol of :mod:`~netagg.hoststack.psproto`.
+for the control protocol of :mod:`~netagg.hoststack.psproto` (served by :mod:`netagg.framed_server`).
 
 * ``fallback`` mode: the workers send their contributions here instead of to the
   switch; :class:`~netagg.hoststack.aggregator.SoftAggregator` aggregates them with the
@@ -17,8 +18,9 @@ for the control protocol of :mod:`~netagg.hoststack.psproto`.
   (as in fallback mode; in ps mode it also keeps the results' sums as if the switch had sent them)
   until the workers return to the switch.
 
-In every mode the PS also serves *sparse tables* (Libra, :mod:`~netagg.hoststack.sparse_store`):
-the workers push the cold rows of each iteration over TCP and pull their aggregate.
+In every mode the PS also serves *sparse tables* (Libra, :mod:`~netagg.hoststack.sparse_store`,
+:mod:`~netagg.hoststack.sparse_ops`): the workers push the cold rows of each iteration over TCP and pull
+their aggregate.
 """
 
 from __future__ import annotations
@@ -38,16 +40,16 @@ from typing import Any
 
 import numpy as np
 
-from netagg import jobsecret, wire
+from netagg import wire
+from netagg.framed_server import Frame, FramedServer, Handler, Reply, dispatch, listen
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.aggregator import SoftAggregator
 from netagg.hoststack.blocks import blocks_for
 from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.failover import RETRY_INITIAL, FailoverCoordinator
-from netagg.hoststack.hotset import COUNT_DTYPE, KEY_DTYPE, HotSet
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, resolve, slot_count_of, udp_socket
-from netagg.hoststack.psproto import ConnectionClosed, ProtocolError, recv_frame, send_frame
-from netagg.hoststack.sparse_store import ROW_DTYPE, TableSpec, TableState, check_keys, pack_arrays, unpack_arrays
+from netagg.hoststack.sparse_ops import SparseTables
+from netagg.hoststack.sparse_store import TableState
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig, endpoint_arg
 from netagg.shutdown import stop_event
 
@@ -57,8 +59,6 @@ log = logging.getLogger(__name__)
 Handle = Callable[[dict[int, np.ndarray], int, np.ndarray, int], None]
 _POLL_SECONDS = 0.1
 _HALF_SEQ_SPACE = 1 << 30
-#: Sparse tables one PS holds at most (each keeps two iterations of cold rows).
-MAX_TABLES = 64
 
 _FIELD = wire.FIELD_INDEX
 
@@ -181,20 +181,29 @@ class KVServer:
         self.store: dict[int, np.ndarray] = {}
         self.stats = ServerStats()
         self._rounds: dict[int, _PushRound] = {}
-        #: Sparse tables by id (Libra): cold rows per iteration and the hot set.
-        self.tables: dict[int, TableState] = {}
+        #: Sparse tables (Libra) and, by id, their cold rows per iteration and hot sets.
+        self.sparse = SparseTables(config.num_workers, pull_timeout)
+        self.tables: dict[int, TableState] = self.sparse.tables
+        self._handlers: dict[str, Handler] = {
+            "hello": self._op_hello, "commit": self._op_commit, "repair": self._op_repair, "pull": self._op_pull,
+            "init": self._op_init, **self.sparse.handlers(), "failover_vote": self._op_failover_vote,
+            "failover_withdraw": self._op_failover_withdraw, "failover_route": self._op_failover_route,
+            "switch_back": self._op_switch_back}
         self._next_apply = 0
         self._pending: dict[int, bytes] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._tcp = FramedServer(self.tcp, lambda: (self._handle, None), name="netagg-ps-conn", stop=self._stop,
+                                 frame_timeout=pull_timeout, on_malformed=self._count_bad_request,
+                                 on_error=self._count_bad_request)
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> KVServer:
-        for target, name in ((self._udp_loop, "udp"), (self._accept_loop, "tcp")):
-            thread = threading.Thread(target=target, name=f"netagg-ps-{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        thread = threading.Thread(target=self._udp_loop, name="netagg-ps-udp", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        self._tcp.start()
         return self
 
     def stop(self) -> None:
@@ -202,8 +211,8 @@ class KVServer:
         for thread in self._threads:
             thread.join(timeout=5)
         self._threads.clear()
+        self._tcp.stop()
         self.udp.close()
-        self.tcp.close()
 
     def __enter__(self) -> KVServer:
         return self.start()
@@ -346,66 +355,19 @@ class KVServer:
         return round_
 
     # -- TCP -----------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.tcp.accept()
-            except (TimeoutError, BlockingIOError):
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                time.sleep(_POLL_SECONDS)
-                continue
-            thread = threading.Thread(target=self._serve_connection, args=(conn,), name="netagg-ps-conn",
-                                      daemon=True)
-            thread.start()
+    def _handle(self, frame: Frame) -> Reply:
+        self.stats.requests += 1
+        return dispatch(frame, self._handlers, job_id=self.config.job_id, secret=self.config.secret,
+                        on_bad_secret=self._count_bad_secret, server="this PS")
 
-    def _serve_connection(self, conn: socket.socket) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with conn:
-            while not self._stop.is_set():
-                readable, _, _ = select.select([conn], [], [], _POLL_SECONDS)
-                if not readable:
-                    continue
-                conn.settimeout(self.pull_timeout)
-                try:
-                    header, blob = recv_frame(conn)
-                except ConnectionClosed:
-                    return
-                except (ProtocolError, OSError):
-                    self.stats.bad_requests += 1
-                    return  # closed, timed out mid-frame or garbage: drop the connection
-                self.stats.requests += 1
-                try:
-                    response, data = self._dispatch(header, blob)
-                except (KeyError, TypeError, ValueError) as err:
-                    self.stats.bad_requests += 1
-                    response, data = {"ok": False, "error": f"{type(err).__name__}: {err}"}, b""
-                try:
-                    send_frame(conn, response, data)
-                except OSError:
-                    return
+    def _count_bad_request(self, message: str) -> None:
+        self.stats.bad_requests += 1
 
     def _count_bad_secret(self) -> None:
         self.stats.bad_secret += 1
 
-    def _dispatch(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes | bytearray]:
-        op = header.get("op")
-        if int(header.get("job_id", -1)) != self.config.job_id:
-            raise ValueError(f"request for job {header.get('job_id')}, this PS serves job {self.config.job_id}")
-        jobsecret.require(self.config.secret, header, self._count_bad_secret)
-        handler = {"hello": self._op_hello, "commit": self._op_commit, "repair": self._op_repair,
-                   "pull": self._op_pull, "init": self._op_init, "sparse_open": self._op_sparse_open,
-                   "sparse_push": self._op_sparse_push, "sparse_pull": self._op_sparse_pull,
-                   "sparse_sync": self._op_sparse_sync, "failover_vote": self._op_failover_vote,
-                   "failover_withdraw": self._op_failover_withdraw, "failover_route": self._op_failover_route,
-                   "switch_back": self._op_switch_back}.get(op)
-        if handler is None:
-            raise ValueError(f"unknown op {op!r}")
-        return handler(header, blob)
-
-    def _op_hello(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _op_hello(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
         rank = int(header["rank"])
         if not 0 <= rank < self.num_workers:
             raise ValueError(f"rank {rank} not in 0..{self.num_workers - 1}")
@@ -422,22 +384,27 @@ class KVServer:
             raise ValueError(f"a {self.mode} job has no failover (its PS aggregates every exchange already)")
         return self.failover
 
-    def _op_failover_vote(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _op_failover_vote(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
         address = resolve(Endpoint(str(header["host"]), int(header["port"])))
         return {"ok": True, **self._coordinator().vote(int(header["rank"]), int(header["epoch"]),
                                                        int(header["index"]), address)}, b""
 
-    def _op_failover_withdraw(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _op_failover_withdraw(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
         return {"ok": True, **self._coordinator().withdraw(int(header["rank"]), int(header["epoch"]))}, b""
 
-    def _op_failover_route(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _op_failover_route(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
         return {"ok": True, **self._coordinator().route(int(header["index"]), int(header["rounds_away"]))}, b""
 
-    def _op_switch_back(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _op_switch_back(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
         self._coordinator().switch_back(bool(header.get("fresh", False)))
         return {"ok": True}, b""
 
-    def _op_commit(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _op_commit(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header, blob = frame.header, frame.blob
         round_id, seq_start = int(header["round"]), int(header["seq_start"]) & SEQ_MASK
         keys, sizes = [int(k) for k in header["keys"]], [int(s) for s in header["sizes"]]
         exponents = np.frombuffer(blob, np.int8).copy()
@@ -462,7 +429,8 @@ class KVServer:
                 self._cond.wait(left)
             return {"ok": True, "missing": round_.missing_seqs()}, b""
 
-    def _op_repair(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _op_repair(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header, blob = frame.header, frame.blob
         round_id, seqs = int(header["round"]), [int(s) for s in header["seqs"]]
         if len(blob) != len(seqs) * wire.PAYLOAD_BYTES:
             raise ValueError(f"repair: {len(blob)} bytes for {len(seqs)} blocks")
@@ -480,7 +448,8 @@ class KVServer:
             self._apply_ready()
         return {"ok": True, "missing": missing}, b""
 
-    def _op_pull(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _op_pull(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
         keys, after = [int(k) for k in header["keys"]], int(header.get("after_round", -1))
         timeout = min(float(header.get("timeout", self.pull_timeout)), self.pull_timeout)
         with self._cond:
@@ -494,7 +463,8 @@ class KVServer:
             data = b"".join(np.ascontiguousarray(v, np.float32).tobytes() for v in values)
         return {"ok": True, "sizes": [int(v.size) for v in values]}, data
 
-    def _op_init(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _op_init(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header, blob = frame.header, frame.blob
         keys, sizes = [int(k) for k in header["keys"]], [int(s) for s in header["sizes"]]
         values = np.frombuffer(blob, np.float32)
         if len(keys) != len(sizes) or values.size != sum(sizes):
@@ -505,71 +475,6 @@ class KVServer:
                 self.store[key] = values[start:start + size].copy()
                 start += size
         return {"ok": True}, b""
-
-    # -- sparse tables (Libra) ------------------------------------------------
-    def _table(self, header: dict[str, Any]) -> TableState:
-        table = self.tables.get(int(header["table"]))
-        if table is None:
-            raise ValueError(f"sparse table {header['table']} was not opened")
-        return table
-
-    def _op_sparse_open(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
-        spec = TableSpec.from_header(header)
-        with self._cond:
-            table = self.tables.get(spec.table)
-            if table is None:
-                if len(self.tables) >= MAX_TABLES:
-                    raise ValueError(f"this PS holds {MAX_TABLES} sparse tables already")
-                table = self.tables[spec.table] = TableState(spec, self.num_workers)
-            elif table.spec != spec:
-                raise ValueError(f"sparse table {spec.table} is open as {table.spec}, this worker asks {spec}")
-        return {"ok": True}, b""
-
-    def _op_sparse_push(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
-        table = self._table(header)
-        count, width = int(header["count"]), table.spec.width
-        report_count, handover_count = int(header.get("report_count", -1)), int(header.get("handover_count", -1))
-        layout = [(KEY_DTYPE, count, 0), (ROW_DTYPE, count, width)]
-        if report_count >= 0:
-            if report_count > max(2 * table.spec.capacity, 1024):
-                raise ValueError(f"a frequency report of {report_count} keys; at most "
-                                 f"{max(2 * table.spec.capacity, 1024)} for this table")
-            layout += [(KEY_DTYPE, report_count, 0), (COUNT_DTYPE, report_count, 0)]
-        if handover_count >= 0:
-            layout += [(KEY_DTYPE, handover_count, 0), (ROW_DTYPE, handover_count, width)]
-        arrays = unpack_arrays(blob, *layout)
-        keys, rows = arrays[0], arrays[1]
-        report = (arrays[2], arrays[3]) if report_count >= 0 else None
-        handover = (arrays[-2], arrays[-1]) if handover_count >= 0 else None
-        if report is not None:
-            check_keys(report[0], table.spec.num_rows)
-        table.push(int(header["rank"]), int(header["iteration"]), int(header["version"]), keys, rows, report,
-                   handover)
-        return {"ok": True}, b""
-
-    def _op_sparse_pull(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
-        table = self._table(header)
-        iteration, count = int(header["iteration"]), int(header["count"])
-        asked = unpack_arrays(blob, (KEY_DTYPE, count, 0))[0] if count >= 0 else None
-        timeout = min(float(header.get("timeout", self.pull_timeout)), self.pull_timeout)
-        keys, rows = table.pull(iteration, asked, timeout)
-        response, hot_blob = _hot_set_response(table, table.sync(iteration + 1, timeout), int(header["version"]))
-        return {**response, "count": int(keys.size)}, pack_arrays(keys, rows) + hot_blob
-
-    def _op_sparse_sync(self, header: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
-        table = self._table(header)
-        timeout = min(float(header.get("timeout", self.pull_timeout)), self.pull_timeout)
-        return _hot_set_response(table, table.sync(int(header["iteration"]), timeout), int(header["version"]))
-
-
-def _hot_set_response(table: TableState, hot: HotSet, known_version: int) -> tuple[dict[str, Any], bytes]:
-    """The hot set as response fields; its keys (and, sgd, the arriving rows' weights) when the worker lacks it."""
-    if hot.version == known_version:
-        return {"ok": True, "hot_version": hot.version, "hot_effective": hot.effective, "hot_count": -1,
-                "arriving": 0}, b""
-    arriving, weights = table.arriving(hot, known_version)
-    return ({"ok": True, "hot_version": hot.version, "hot_effective": hot.effective, "hot_count": int(hot.keys.size),
-             "arriving": int(arriving.size)}, pack_arrays(hot.keys, arriving, weights))
 
 
 def _bind_pair(address: tuple[str, int], attempts: int = 20) -> tuple[socket.socket, socket.socket]:
@@ -583,17 +488,11 @@ def _bind_pair(address: tuple[str, int], attempts: int = 20) -> tuple[socket.soc
             udp = udp_socket(address)
         except OSError as err:
             raise OSError(err.errno, f"the PS cannot bind UDP {host}:{port}: {err.strerror}") from err
-        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            tcp.bind(udp.getsockname())
-            tcp.listen(64)
-            tcp.settimeout(_POLL_SECONDS)
-            return udp, tcp
+            return udp, listen(udp.getsockname())
         except OSError as err:
             bound = udp.getsockname()[1]
             udp.close()
-            tcp.close()
             # An ephemeral UDP port may be some TCP connection's local port: try another one.
             if port == 0 and err.errno == errno.EADDRINUSE and attempt < attempts - 1:
                 continue

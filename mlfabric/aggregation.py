@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from netagg import jobsecret
-from netagg.mlfabric.protocol import FabricError, Frame, accept_loop, from_blob, listen
+from netagg.framed_server import Frame, FramedServer, dispatch, listen
+from netagg.mlfabric.protocol import FabricError, from_blob
 from netagg.mlfabric.worker import FabricClient
 
 
@@ -65,31 +65,23 @@ class AggregationService:
         self._secret = secret
         self.group_timeout = group_timeout
         self.keep_groups = keep_groups
-        self.sock = listen(bind)
-        self.address: tuple[str, int] = self.sock.getsockname()
+        self.server = FramedServer(listen(bind), lambda: (self._handle, None), name="mlfabric-agg",
+                                   on_error=self._on_error)
+        self.address: tuple[str, int] = self.server.address
         self.stats = AggregationStats()
         self._groups: dict[int, _Group] = {}
         self._client: FabricClient | None = None
         self._client_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def start(self) -> AggregationService:
-        self._thread = threading.Thread(target=accept_loop, args=(self.sock, lambda: (self._handle, None),
-                                                                  self._stop, "mlfabric-agg"),
-                                        kwargs={"on_error": self._on_error},
-                                        name="mlfabric-agg-accept", daemon=True)
-        self._thread.start()
+        self.server.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self.sock.close()
+        self.server.stop()
         if self._client is not None:
             self._client.close()
 
@@ -107,13 +99,13 @@ class AggregationService:
         with self._cond:
             self.stats.bad_secret += 1
 
-    def _handle(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+    def _handle(self, frame: Frame) -> tuple[dict[str, Any], bytes | bytearray]:
+        return dispatch(frame, {"agg_push": self._agg_push}, job_id=self.job_id, secret=self._secret,
+                        on_bad_secret=self._count_bad_secret, server="this aggregator",
+                        unknown="an aggregator takes agg_push, not {op!r}")
+
+    def _agg_push(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         header = frame.header
-        if header.get("job_id") != self.job_id:
-            raise ValueError(f"request for job {header.get('job_id')!r}; this aggregator serves job {self.job_id}")
-        jobsecret.require(self._secret, header, self._count_bad_secret)
-        if header.get("op") != "agg_push":
-            raise ValueError(f"an aggregator takes agg_push, not {header.get('op')!r}")
         group_id, size = int(header["group"]), int(header["group_size"])
         part = [str(header["update_id"]), int(header["rank"]), int(header["version"])]
         values = from_blob(frame.blob)

@@ -97,3 +97,27 @@ def test_a_ps_mode_worker_without_its_ps_fails_at_once():
     config = job_configs(1, "ps", Endpoint("127.0.0.1", 9), nobody)[0]
     with pytest.raises(PsError, match="cannot connect to the parameter server"):
         KVWorker(config, ps_timeout=2)
+
+
+def test_a_fault_inside_a_ps_handler_is_answered_and_the_connection_keeps_serving(monkeypatch):
+    # As at the MLfabric servers (netagg/framed_server.py): a fault of the PS's own is answered as an internal
+    # error, not a dropped connection (which a worker takes for an unreachable PS, retrying into the same fault).
+    from netagg.hoststack.psproto import PsClient, PsRefused
+
+    def fault(self, frame):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(KVServer, "_op_init", fault)
+    config = job_configs(1, "allreduce", Endpoint("127.0.0.1", 9), Endpoint("127.0.0.1", 0))[0]
+    with KVServer(config) as server:
+        client = PsClient(server.address, timeout=5)
+        try:
+            with pytest.raises(PsRefused, match="internal error: RuntimeError: a bug"):
+                client.request({"op": "init", "job_id": config.job_id, "keys": [1], "sizes": [1]},
+                               np.ones(1, np.float32))
+            hello = {"op": "hello", "job_id": config.job_id, "rank": 0, "host": "127.0.0.1", "port": 9}
+            assert client.request(hello)[0]["ok"]  # the same connection serves the next request
+        finally:
+            client.close()
+        assert server.stats.requests == 2 and server.stats.bad_requests == 1
+        assert server.workers == {0: ("127.0.0.1", 9)}

@@ -313,7 +313,7 @@ def test_bad_input_gets_a_clear_error_or_a_counted_drop_and_the_ps_keeps_serving
 def test_a_fault_inside_a_handler_is_answered_and_the_connection_keeps_serving():
     # A server's own fault must not look like a broken connection: clients fail over from those, retrying
     # into the same fault. It is answered as an internal error, told to on_error, and the next request works.
-    from netagg.mlfabric.protocol import accept_loop, listen
+    from netagg.framed_server import FramedServer, listen
 
     errors: list[str] = []
 
@@ -322,12 +322,9 @@ def test_a_fault_inside_a_handler_is_answered_and_the_connection_keeps_serving()
             raise RuntimeError("a bug")
         return {"ok": True, "echo": frame.header.get("n")}, b""
 
-    stop_event = threading.Event()
-    sock = listen(("127.0.0.1", 0))
-    thread = threading.Thread(target=accept_loop, args=(sock, lambda: (handle, None), stop_event, "test"),
-                              kwargs={"on_error": errors.append}, daemon=True)
-    thread.start()
-    conn = Connection(sock.getsockname(), timeout=5)
+    server = FramedServer(listen(("127.0.0.1", 0)), lambda: (handle, None), name="test",
+                          on_error=errors.append).start()
+    conn = Connection(server.address, timeout=5)
     try:
         with pytest.raises(Refused, match="internal error: RuntimeError: a bug"):
             conn.call({"op": "boom"})
@@ -335,6 +332,4 @@ def test_a_fault_inside_a_handler_is_answered_and_the_connection_keeps_serving()
         assert errors == ["internal error: RuntimeError: a bug"]
     finally:
         conn.close()
-        stop_event.set()
-        thread.join(5)
-        sock.close()
+        server.stop()

@@ -1,0 +1,261 @@
+"""The MLfabric PS's worker ops: hello, init, pull, push, request, agg_grant, model_blocks, outcome, halt, stats.
+
+:class:`WorkerOps` is mixed into :class:`~netagg.mlfabric.async_server.FabricServer`, whose dispatch
+serves the worker ops on the primary only (a replica refuses them until promoted). The ops are
+listed in docs/mlfabric.md.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from netagg.framed_server import Frame, Handler
+from netagg.mlfabric.grants import STALE
+from netagg.mlfabric.model_updates import APPLIED
+from netagg.mlfabric.outcome_window import update_step
+from netagg.mlfabric.protocol import from_blob
+from netagg.mlfabric.scheduler import AGGREGATE, TransferRequest
+
+
+class WorkerOps:
+    """The worker ops of a :class:`~netagg.mlfabric.async_server.FabricServer` (a mixin)."""
+
+    def _worker_handlers(self) -> dict[str, Handler]:
+        """The ops only the primary serves, by name."""
+        return {"hello": self._op_hello, "init": self._op_init, "pull": self._op_pull, "push": self._op_push,
+                "request": self._op_request, "agg_grant": self._op_agg_grant, "outcome": self._op_outcome,
+                "model_blocks": self._op_model_blocks, "halt": self._op_halt}
+
+    def _op_hello(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
+        rank = header["rank"]
+        agg = header.get("agg")
+        if agg is not None and not (isinstance(agg, list) and len(agg) == 2 and isinstance(agg[0], str)
+                                    and isinstance(agg[1], int)):
+            raise ValueError(f"agg: expected [host, port], got {agg!r}")
+        with self._cond:
+            info = self.workers.setdefault(rank, {"agg": None})
+            if agg is not None:  # a worker's second connection (its aggregator's) does not unset it
+                info["agg"] = agg
+            if len(self.workers) == self.num_workers and self.started_at is None:
+                self.started_at = time.monotonic()
+            self._cond.notify_all()
+        if self.grants is not None:
+            self.grants.register(rank, can_aggregate=agg is not None)
+        return {"ok": True, "role": self.role, "version": self.version, "num_workers": self.num_workers,
+                "update_mode": self.update_mode, "delay_bound": self.delay_bound, "schedule": self.config.schedule,
+                "initialized": self.model is not None}, b""
+
+    def _op_init(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        values = from_blob(frame.blob)
+        if values.size == 0 or not np.isfinite(values).all():
+            raise ValueError("init: the model must be non-empty and finite")
+        with self._cond:
+            if self.model is not None:
+                if values.size != self.model.size:
+                    raise ValueError(f"init: {values.size} values, the model has {self.model.size}")
+                return {"ok": True, "initialized_now": False, "version": self.version}, b""
+            seq = self._commit({"kind": "init"}, values.tobytes(), lambda: self._apply_init(values))
+        self._await_safe(seq)
+        return {"ok": True, "initialized_now": True, "version": 0}, b""
+
+    def _op_pull(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
+        min_version = int(header.get("min_version", 0))
+        timeout = min(float(header.get("timeout", self.pull_timeout)), self.pull_timeout)
+        with self._cond:
+            self._cond.wait_for(lambda: self.halted or (
+                self.model is not None and self.version >= min_version and self._gate_open()), timeout)
+            if self.model is None:
+                raise ValueError("pull: the model was never initialized")
+            if not self.halted and self.version < min_version:
+                raise ValueError(f"pull: version {min_version} not reached within {timeout:.1f} s "
+                                 f"(at {self.version})")
+            self.started_at = self.started_at or time.monotonic()  # waited long enough for the others
+            response = {"ok": True, "version": self.version, "halted": self.halted, "size": int(self.model.size)}
+            model, seq = self.model.tobytes(), self.seq
+            self.stats.pulls += 1
+            self.stats.pull_bytes += len(model)
+        # Only replicated state is read: a gradient is never computed on a model a failover could lose.
+        self._await_safe(seq)
+        return response, model
+
+    def _gate_open(self) -> bool:
+        if self.started_at is None and time.monotonic() - self._created > self.gate_timeout:
+            self.started_at = time.monotonic()
+        return self.started_at is not None
+
+    def _op_push(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        header = frame.header
+        rank = header["rank"]
+        parts = self._parts(header)
+        with self._cond:
+            self.stats.pushes += 1
+            self.stats.push_bytes += len(frame.blob)
+            if self.model is None:
+                raise ValueError("push before the model was initialized")
+            grad = from_blob(frame.blob, self.model.size)
+        if not np.isfinite(grad).all():
+            raise ValueError("push: the update has NaN or Inf values")
+        if self.grants is not None:
+            self.grants.observe(rank, len(frame.blob), frame.last_byte - frame.first_byte)
+        ids = [p[0] for p in parts]
+        try:
+            if self.update_mode == "sync":
+                outcome = self._push_sync(rank, parts, grad)
+            else:
+                outcome = self._push_async(parts, grad)
+        finally:
+            if self.grants is not None:
+                self.grants.settled(ids)
+        if outcome["outcome"] == APPLIED:
+            self._await_safe(outcome["seq"])
+        return {"ok": True, **outcome, "halted": self.halted}, b""
+
+    def _parts(self, header: dict[str, Any]) -> list[tuple[str, int, int]]:
+        """The gradients in a push: ``parts`` (an aggregate) or the sender's own update."""
+        raw = header.get("parts")
+        if raw is None:
+            raw = [[header["update_id"], header["rank"], header["version"]]]
+        if not isinstance(raw, list) or not raw:
+            raise ValueError("parts: expected a non-empty list of [update_id, rank, version]")
+        parts = []
+        for part in raw:
+            if not (isinstance(part, list) and len(part) == 3 and isinstance(part[0], str)
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in part[1:])):
+                raise ValueError(f"parts: bad entry {part!r} (expected [update_id, rank, version])")
+            update_id, rank, version = part
+            if not 0 <= rank < self.num_workers:
+                with self._cond:
+                    self.stats.unknown_workers += 1
+                raise ValueError(f"unknown worker: rank {rank} in parts")
+            update_step(update_id, rank)
+            if version < 0 or version > self.version:
+                raise ValueError(f"update {update_id}: version {version} is not one this PS had "
+                                 f"(0..{self.version})")
+            parts.append((update_id, rank, version))
+        if len({p[0] for p in parts}) != len(parts):
+            raise ValueError("parts: an update id appears twice")
+        return parts
+
+    def _op_request(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        if self.grants is None:
+            raise ValueError(f"this job's schedule is {self.config.schedule}: push without asking")
+        header = frame.header
+        request = TransferRequest(rank=header["rank"], update_id=str(header["update_id"]),
+                                  version=int(header["version"]), size=int(header["size"]),
+                                  norm=float(header.get("norm", 0.0)), arrival=self.grants.clock())
+        if request.size <= 0 or not math.isfinite(request.norm):
+            raise ValueError(f"request: size {request.size} and norm {request.norm} must be > 0 and finite")
+        if "rate" in header:
+            rate = header["rate"]
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+                raise ValueError(f"request: rate {rate!r} must be a positive number of bytes/s")
+            self.grants.hint(request.rank, float(rate))
+        try:
+            decision = self.grants.request(request, timeout=self.pull_timeout)
+        except TimeoutError as err:
+            raise ValueError(str(err)) from None
+        response: dict[str, Any] = {"ok": True, "action": decision.action, "reason": decision.reason,
+                                    "predicted_delay": decision.predicted_delay, "halted": self.halted}
+        if decision.reason.startswith(STALE) and decision.predicted_version is not None:
+            response["version"] = decision.predicted_version  # gang round: the next step starts from this
+        if decision.action == AGGREGATE and decision.group is not None and self.grants.switch_slots:
+            switch = self.grants.switch_grant(decision.group)
+            if switch is not None:  # summed in the switch: a subset round of the group's members
+                response.update(group=decision.group, aggregator=decision.aggregator,
+                                group_size=len(switch["parts"]), switch=switch)
+                return response, b""
+        if decision.action == AGGREGATE:
+            assert decision.aggregator is not None and decision.group is not None
+            with self._cond:
+                agg = self.workers.get(decision.aggregator, {}).get("agg")
+            if agg is None:  # cannot happen: only workers with an aggregation endpoint aggregate
+                raise ValueError(f"aggregator {decision.aggregator} has no aggregation endpoint")
+            response.update(group=decision.group, aggregator=decision.aggregator, agg=agg,
+                            group_size=len(self.grants.group_members(decision.group)))
+        return response, b""
+
+    def _op_agg_grant(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        if self.grants is None:
+            raise ValueError(f"this job's schedule is {self.config.schedule}: there are no aggregation groups")
+        group = self.grants.group_slot(int(frame.header["group"]), timeout=self.pull_timeout)
+        return {"ok": True, "members": list(group.members)}, b""
+
+    def _op_model_blocks(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        """Blocks of a version the distribution sender sent lately (a worker repairs its copy)."""
+        if self.distribution is None:
+            raise ValueError("this PS does not distribute the model through the switch")
+        header = frame.header
+        version = int(header["version"])
+        raw = header.get("ranges")
+        if not isinstance(raw, list) or len(raw) > 65536 or not all(
+                isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] < r[1]
+                for r in raw):
+            raise ValueError("model_blocks: ranges must be a list of [start, end) block numbers")
+        if sum(end - start for start, end in raw) > 1 << 16:  # a version has at most 2**16 blocks
+            raise ValueError("model_blocks: more blocks asked for than a version has")
+        blocks = self.distribution.blocks(version, [(a, b) for a, b in raw])
+        if blocks is None:
+            return {"ok": True, "found": False}, b""
+        return {"ok": True, "found": True, "blocks": int(blocks.shape[0])}, blocks.tobytes()
+
+    def _op_outcome(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        """A member of a switch group waits for its update's outcome (the leader pushed the sum): ``known``
+        is false after ``timeout`` seconds without one (the member then pushes its own update)."""
+        header = frame.header
+        update_id, rank = str(header["update_id"]), int(header["rank"])
+        update_step(update_id, rank)
+        timeout = min(max(float(header.get("timeout", 10.0)), 0.0), self.pull_timeout)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (outcome := self._outcome(update_id, rank)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {"ok": True, "known": False}, b""
+                self._cond.wait(left)
+        if outcome.get("outcome") == APPLIED and "seq" in outcome:
+            self._await_safe(outcome["seq"])
+        return {"ok": True, "known": True, "duplicate": True, **outcome}, b""
+
+    def _op_halt(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        with self._cond:
+            seq = self._commit({"kind": "halt"}, b"", self._apply_halt) if not self.halted else 0
+        if seq:
+            self._await_safe(seq)
+        return {"ok": True}, b""
+
+    def _op_stats(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        with self._cond:
+            stats = asdict(self.stats)
+            stats["applied_by_rank"] = {str(k): v for k, v in self.stats.applied_by_rank.items()}
+            stats["dropped_by_rank"] = {str(k): v for k, v in self.stats.dropped_by_rank.items()}
+            forwarder = self.forwarder
+            result: dict[str, Any] = {
+                "ok": True, "role": self.role, "version": self.version, "seq": self.seq, "halted": self.halted,
+                "caught_up": self._caught_up, "upstream": self._upstream,
+                "superseded": forwarder is not None and forwarder.superseded,
+                "initialized": self.model is not None, "started_at": self.started_at, "stats": stats,
+                "max_delay": self.max_delay,
+                "delay_histogram": {str(d): n for d, n in sorted(self.delay_histogram.items())},
+                "log_size": self.log.maxlen, "logged": len(self.log), "outcomes_kept": len(self._outcomes),
+            }
+            if frame.header.get("log"):
+                result["log"] = [asdict(e) for e in self.log]
+            if self.distribution is not None:
+                result["distribution"] = asdict(self.distribution.stats)
+            if (forwarder := self._live_forwarder()) is not None:
+                snapshots_sent = forwarder.snapshots_sent  # read first: it counts acknowledged transfers
+                result["replication"] = {"successor": list(forwarder.successor), "snapshots_sent": snapshots_sent,
+                                         "acked_seq": forwarder.acked_seq, "head": forwarder.head,
+                                         "lag": forwarder.lag, "records_sent": forwarder.records_sent,
+                                         "last_error": forwarder.last_error}
+            model = self.model.tobytes() if frame.header.get("model") and self.model is not None else b""
+        if self.grants is not None:
+            result["scheduler"] = self.grants.snapshot()
+        return result, model
