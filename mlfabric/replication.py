@@ -258,17 +258,24 @@ class ChainForwarder:
         return time.monotonic() - self._last_contact >= self.peer_timeout
 
     def _lose_successor(self) -> None:
-        """Remove the dead successor from the chain: bypass it to its own successor, or detach."""
+        """Remove the dead successor from the chain: bypass it to its own successor, or detach.
+
+        ``on_lost`` runs first: a push waiting for this chain's acknowledgement is released by the change, and
+        whoever sees it acknowledged must also see the loss counted."""
         silent = time.monotonic() - self._last_contact
         with self._cond:
             dead, new = self.successor, self.next_successor
+        if new is None or new == dead or new in self._own:
+            new = None
+        if self._on_lost is not None:
+            self._on_lost(dead, new)
+        with self._cond:
             self.next_successor = None
             self.successors_lost += 1
-            if new is not None and new != dead and new not in self._own:
+            if new is not None:
                 self.successor = new  # the queue stays: the new successor gets what it lacks on connection
                 self._last_contact = time.monotonic()
             else:
-                new = None
                 self.detached = True
                 self._queue.clear()
                 self.acked_seq = max(self.acked_seq, self.head)
@@ -279,8 +286,6 @@ class ChainForwarder:
         else:
             log.warning("successor %s:%d unreachable for %.1f s (%s): removed from the chain at record %d; "
                         "this node is the tail now", *dead, silent, self.last_error, self.head)
-        if self._on_lost is not None:
-            self._on_lost(dead, new)
 
     def _learn(self, response: dict[str, Any]) -> None:
         """Remember the successor's successor from its answer (``successor``: [host, port] or null)."""
