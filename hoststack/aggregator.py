@@ -22,8 +22,8 @@ from typing import NamedTuple
 import numpy as np
 
 from netagg import wire
-from netagg.dataplane import DropReason, ValueOp
-from netagg.slots import RoundState, SlotRegisters
+from netagg.dataplane import DropReason
+from netagg.slots import Delivery, SlotRegisters
 
 Address = tuple[str, int]
 _unpack_header = wire.HEADER_STRUCT.unpack_from
@@ -49,6 +49,10 @@ class AggregatorStats:
     duplicates: int = 0
     retransmit_results: int = 0
     drops: Counter = field(default_factory=Counter)
+
+    def count(self, name: str) -> None:
+        """Bump the counter ``name`` (a short name of ``dataplane.JOB_COUNTERS``, as ``Verdict.counts`` gives)."""
+        setattr(self, name, getattr(self, name) + 1)
 
 
 class SoftAggregator:
@@ -130,30 +134,17 @@ class SoftAggregator:
 
     def _aggregate(self, data: bytes | bytearray | memoryview, slot: int, pool: int, round_: int, rank: int,
                    exponent: int, members: int) -> Outcome | None:
-        regs = self.registers
-        decision = regs.decide(slot, pool, round_, 1 << rank, self.num_workers, _GENERATION, members)
-        if decision.members_mismatch:
-            return self._drop(DropReason.MEMBERS_MISMATCH)
-        if decision.round_state == RoundState.OLD:
-            self.stats.duplicates += 1
-            return None
-        if decision.fresh and not decision.late:
-            self.stats.contributions += 1
-            if decision.complete:
-                self.stats.results += 1
-        elif decision.op == ValueOp.READ:
-            self.stats.retransmit_results += 1
-        else:
-            self.stats.duplicates += 1
-        index = regs.pool_index(slot, pool)
-        if decision.op != ValueOp.NONE:
-            exponent = regs.exponent(index, decision.op, exponent)
-            values = np.frombuffer(data, wire.WIRE_VALUE_DTYPE, wire.K, wire.HEADER_BYTES)
-            sums = regs.sums(index, decision.op, values)
-        if not decision.delivers:
+        values = np.frombuffer(data, wire.WIRE_VALUE_DTYPE, wire.K, wire.HEADER_BYTES)
+        verdict = self.registers.aggregate(slot, pool, round_, 1 << rank, self.num_workers, _GENERATION, members,
+                                           exponent, values)
+        if verdict.drop != DropReason.NONE:
+            return self._drop(verdict.drop)
+        for name in verdict.counts:
+            self.stats.count(name)
+        if verdict.delivery == Delivery.NONE:
             return None
         packet = bytearray(data[:wire.HEADER_BYTES])
         packet[_FLAGS_OFFSET] |= self.result_flags
-        packet[_EXPONENT_OFFSET] = exponent & 0xFF
-        packet += sums.astype(wire.WIRE_VALUE_DTYPE).tobytes()
-        return Outcome(bytes(packet), to_group=decision.fresh)
+        packet[_EXPONENT_OFFSET] = verdict.exponent & 0xFF
+        packet += verdict.values.astype(wire.WIRE_VALUE_DTYPE).tobytes()
+        return Outcome(bytes(packet), to_group=verdict.delivery == Delivery.GROUP)

@@ -6,7 +6,9 @@ Per slot: an owner tag (``SlotOwner``) and the current round of each pool
 (``RoundCheck``); per (slot, pool): the round's expected members (``MemberCheck``), the
 bitmap of contributors (``BitmapCheck``), the missing-contribution count (``WorkerCount``),
 the exponent maximum (``ExponentMax``) and the K int32 sums (``ValueSum``). See
-docs/protocol.md.
+docs/protocol.md. ``SlotRegisters.aggregate`` is what ``NetaggIngress.apply`` does with a
+packet from ``SlotOwner`` on: the registers' decision, the job counters to bump, the values
+and exponent the packet leaves with, and where it goes (``Verdict``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from enum import IntEnum
 import numpy as np
 
 from netagg import wire
-from netagg.dataplane import ValueOp
+from netagg.dataplane import DropReason, ValueOp
 
 
 class RoundState(IntEnum):
@@ -48,6 +50,31 @@ class SlotDecision:
 
 _OLD = SlotDecision(ValueOp.NONE, RoundState.OLD, False, False, False, False)
 _MISMATCH = SlotDecision(ValueOp.NONE, RoundState.SAME, False, False, False, False, members_mismatch=True)
+
+
+class Delivery(IntEnum):
+    """Where a packet goes once the registers have seen it (``ResultDelivery``, or ``mark_to_drop``)."""
+
+    NONE = 0  #: absorbed into the slot, a duplicate or refused: nothing leaves
+    GROUP = 1  #: the round's completing contribution: the result to the job's multicast group
+    SENDER = 2  #: a retransmission after completion: the stored result, back to its sender only
+
+
+@dataclass(slots=True)
+class Verdict:
+    """What ``NetaggIngress.apply`` does with a packet that reached the slot registers."""
+
+    drop: DropReason  #: NONE, or why the packet is refused (counted as a drop and a job reject)
+    counts: tuple[str, ...]  #: the per-job counters to bump, by ``dataplane.JOB_COUNTERS``' short names
+    delivery: Delivery
+    exponent: int  #: the exponent the packet leaves with
+    values: np.ndarray  #: the values the packet leaves with (the stored sums, or its own if untouched)
+
+
+_CONTRIBUTION = ("contributions",)
+_COMPLETION = ("contributions", "results")
+_RETRANSMIT_RESULT = ("retransmit_results",)
+_DUPLICATE = ("duplicates",)
 
 
 class SlotRegisters:
@@ -144,6 +171,35 @@ class SlotRegisters:
         else:
             op = ValueOp.NONE
         return SlotDecision(op, state, first, fresh, complete, late)
+
+    def aggregate(self, slot: int, pool: int, round_: int, worker_mask: int, num_workers: int, generation: int,
+                  members: int, exponent: int, values: np.ndarray) -> Verdict:
+        """One packet from ``SlotOwner`` to the delivery decision (``NetaggIngress.apply``).
+
+        ``decide``, then the counting (a new contribution; the completing one is a result too;
+        a retransmission after completion is answered; anything else is a duplicate), then
+        ``ExponentMax`` and ``ValueSum`` when the decision's op says so.
+        """
+        decision = self.decide(slot, pool, round_, worker_mask, num_workers, generation, members)
+        if decision.members_mismatch:
+            return Verdict(DropReason.MEMBERS_MISMATCH, (), Delivery.NONE, exponent, values)
+        op = decision.op
+        if decision.round_state == RoundState.OLD:
+            counts = _DUPLICATE
+        elif decision.fresh and not decision.late:
+            counts = _COMPLETION if decision.complete else _CONTRIBUTION
+        elif op == ValueOp.READ:
+            counts = _RETRANSMIT_RESULT
+        else:
+            counts = _DUPLICATE
+        if op != ValueOp.NONE:
+            index = self.pool_index(slot, pool)
+            exponent = self.exponent(index, op, exponent)
+            values = self.sums(index, op, values)
+        delivery = Delivery.NONE
+        if decision.delivers:
+            delivery = Delivery.GROUP if decision.fresh else Delivery.SENDER
+        return Verdict(DropReason.NONE, counts, delivery, exponent, values)
 
     def exponent(self, index: int, op: ValueOp, exponent: int) -> int:
         """ExponentMax: write / signed max / read; returns what the packet leaves with."""

@@ -67,8 +67,12 @@ class FastRegisters:
         self.exponents = np.zeros(pools, np.int8)
         self.values = np.zeros((pools, wire.K), np.int32)
 
+    def arrays(self) -> tuple:
+        """The registers as the kernels take them (``regs`` in fastpath_kernels), in P4 order."""
+        return (self.owner, self.rounds, self.members, self.bitmaps, self.counts, self.exponents, self.values)
+
     def reset(self) -> None:
-        for array in (self.owner, self.rounds, self.members, self.bitmaps, self.counts, self.exponents, self.values):
+        for array in self.arrays():
             array.fill(0)
 
     def snapshot(self) -> dict[str, np.ndarray]:
@@ -150,6 +154,7 @@ class CompiledTables:
         self.max_out = max([1, *(len(r) for r in groups.values())])
 
     def arrays(self) -> tuple:
+        """The tables as the kernels take them (``tables`` in fastpath_kernels)."""
         return (self.job_valid, self.job_params, self.w_keys, self.w_vals, self.src_keys, self.src_vals,
                 self.route_vm, self.route_out, self.rep_keys, self.rep_vals, self.grp_off, self.grp_items)
 
@@ -178,8 +183,7 @@ class FastPipeline:
         lengths = np.zeros(1, np.int64)
         regs = FastRegisters(1)
         self._kernels.run_batch(frames, lengths, lengths.copy(), 0, self._work, frames.copy(), lengths.copy(),
-                                lengths.copy(), 1, *t.arrays(), self._counters, regs.owner, regs.rounds, regs.members,
-                                regs.bitmaps, regs.counts, regs.exponents, regs.values)
+                                lengths.copy(), 1, t.arrays(), self._counters, regs.arrays())
 
     def reset_registers(self) -> None:
         """Power-on state (registers are not writable over P4Runtime)."""
@@ -207,8 +211,7 @@ class FastPipeline:
             regs = self.registers
             done, emitted = self._kernels.run_batch(
                 in_buf[start:], in_len[start:], in_port[start:], count - start, self._work, out_buf, out_len,
-                out_port, t.max_out, *t.arrays(), self._counters, regs.owner, regs.rounds, regs.members, regs.bitmaps,
-                regs.counts, regs.exponents, regs.values)
+                out_port, t.max_out, t.arrays(), self._counters, regs.arrays())
         return start + done, emitted
 
     def process(self, frame: bytes, ingress_port: int) -> list[tuple[int, bytes]]:

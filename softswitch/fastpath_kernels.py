@@ -1,7 +1,14 @@
 """The netagg program compiled with numba: one call runs a whole batch of frames through it.
 
-Each function mirrors a control of ``p4src/v1model/netagg.p4`` line by line, exactly like the
-readable model in :mod:`netagg.softswitch.pipeline` (the reference); packets of a batch are
+(Over 500 lines: the program's kernels and the loopback send/receive kernels after them share the byte helpers.)
+
+One function per control of ``p4src/v1model`` (named after its instance in ``netagg.p4``:
+``netagg_parser``, ``source_guard``, ``ipv4_forward``, ``worker_lookup``, ``slot_owner``,
+``round_check``, ``member_check``, ``bitmap_check``, ``worker_count``, ``exponent_max``,
+``value_sum``, ``result_delivery``, ``netagg_ingress``, ``result_rewrite``, ``netagg_egress``,
+``netagg_compute_checksum``), each inlined (``inline="always"``) into ``run_batch``, which runs
+every frame through them in the V1Switch's order, exactly like the readable model in
+:mod:`netagg.softswitch.pipeline` (the reference). Packets of a batch are
 processed one after the other, in arrival order, so register updates between packets that
 hit the same slot happen in the same order as in the model and on BMv2.
 ``tests/test_softswitch_fastpath.py`` feeds both engines the same sequences and requires
@@ -17,8 +24,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from netagg import dataplane as dp
 from netagg import wire
 from netagg.dataplane import DropReason, ValueOp
+from netagg.slots import RoundState
 from netagg.udpgso_kernels import gso_header
 
 wire.check_compiled_layout(__name__, version=2, header_bytes=20, k=64)  # see check_compiled_layout
@@ -30,7 +39,8 @@ UDP_LENGTH = wire.UDP_LENGTH
 FRAME_BYTES = wire.FRAME_BYTES
 FLAG_RESULT = wire.FLAG_RESULT
 VERSION = wire.VERSION
-DROP_PORT = 511
+DROP_PORT = dp.DROP_PORT
+POOLS = wire.NUM_POOLS
 RESULT_TTL = 64
 HASH_MULT = np.uint64(0x9E3779B97F4A7C15)
 
@@ -58,6 +68,7 @@ D_SPOOFED = int(DropReason.SPOOFED_SOURCE)
 D_NOT_MEMBER = int(DropReason.NOT_A_MEMBER)
 D_MEMBERS = int(DropReason.MEMBERS_MISMATCH)
 OP_NONE, OP_WRITE, OP_MERGE, OP_READ = int(ValueOp.NONE), int(ValueOp.WRITE), int(ValueOp.MERGE), int(ValueOp.READ)
+ROUND_SAME, ROUND_NEW, ROUND_OLD = int(RoundState.SAME), int(RoundState.NEW), int(RoundState.OLD)
 #: Actions of the sources table as compiled.
 SRC_SWITCH_ONLY, SRC_BIND = 1, 2
 
@@ -128,64 +139,6 @@ def _ipv4_checksum(b):
 
 
 @njit(cache=True, inline="always")
-def _decide(regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, slot, pool, round_, worker_mask,
-            num_workers, generation, members):
-    """SlotOwner, RoundCheck, MemberCheck, BitmapCheck and WorkerCount (netagg.slots.SlotRegisters.decide).
-
-    Returns (op, old, fresh, complete, late, members_mismatch)."""
-    stale = regs_owner[slot] != generation
-    if stale:
-        regs_owner[slot] = generation
-    if stale:
-        regs_rounds[pool, slot] = round_
-        regs_rounds[1 - pool, slot] = (round_ - 2) & 0xFFFF  # two behind (slots.py)
-        new = True
-    else:
-        ahead = (round_ - np.int64(regs_rounds[pool, slot])) & 0xFFFF
-        if ahead == 0:
-            new = False
-        elif ahead < 0x8000:
-            regs_rounds[pool, slot] = round_
-            new = True
-        else:
-            return OP_NONE, True, False, False, False, False
-    index = slot * 2 + pool
-    if new:
-        regs_members[index] = members
-    elif np.int64(regs_members[index]) != members:
-        return OP_NONE, False, False, False, False, True
-    before = np.int64(0) if new else np.int64(regs_bitmaps[index])
-    regs_bitmaps[index] = before | worker_mask
-    fresh = (before & worker_mask) == 0
-    count = np.int64(regs_counts[index])
-    late = False
-    if fresh:
-        if new:
-            expected = num_workers
-            if members != 0:
-                expected = 0
-                m = members
-                while m:
-                    expected += m & 1
-                    m >>= 1
-            count = (expected - 1) & 0xFF
-            regs_counts[index] = count
-        elif count == 0:
-            late = True
-        else:
-            count = count - 1
-            regs_counts[index] = count
-    complete = count == 0 and not late
-    if fresh and not late:
-        op = OP_WRITE if new else OP_MERGE
-    elif not fresh and complete:
-        op = OP_READ
-    else:
-        op = OP_NONE
-    return op, False, fresh, complete, late, False
-
-
-@njit(cache=True, inline="always")
 def _emit(work, length, port, out_buf, out_len, out_port, n):
     _copy(out_buf[n], 0, work, 0, length)
     out_len[n] = length
@@ -193,15 +146,17 @@ def _emit(work, length, port, out_buf, out_len, out_port, n):
     return n + 1
 
 
+# --------------------------------------------------------------------------- the controls, in the program's order
+#
+# One function per control of p4src/v1model (named after its instance in netagg.p4), each inlined
+# into ``run_batch``. ``b`` is the packet being processed (a copy of ``frame``, the packet as received).
+
+
 @njit(cache=True, inline="always")
-def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
-            job_valid, job_params, w_keys, w_vals, src_keys, src_vals, route_vm, route_out, rep_keys, rep_vals,
-            grp_off, grp_items, counters, regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, regs_exps,
-            regs_values):
-    """One frame through NetaggIngress, the replication engine and NetaggEgress; returns the new output count."""
-    _copy(work, 0, frame, 0, length)
-    b = work
-    # -- NetaggParser
+def netagg_parser(b, length):
+    """NetaggParser: ethernet -> ipv4 (ihl 5, UDP) -> udp -> netagg + values.
+
+    Returns (parser error, ipv4 valid, udp valid, netagg valid)."""
     error = False
     ipv4 = udp = netagg = False
     if length < 14:
@@ -221,205 +176,353 @@ def _packet(frame, length, ingress, work, out_buf, out_len, out_port, n,
                             error = True
                         else:
                             netagg = True
-    # -- NetaggIngress
-    drop = D_NONE
-    if error:
-        drop = D_MALFORMED
-    elif not ipv4:
-        drop = D_NOT_IPV4
-    else:  # SourceGuard
-        if udp and _u16(b, UDP) == NETAGG_PORT:
-            drop = D_SPOOFED
-        else:
-            src = _u32(b, IP + 12)
-            mask = src_keys.shape[0] - 1
-            h = _slot_of(src, mask)
-            while src_keys[h] != -1:
-                if src_keys[h] == src:
-                    if src_vals[h, 0] == SRC_SWITCH_ONLY or src_vals[h, 1] != ingress:
-                        drop = D_SPOOFED
-                    break
-                h = (h + 1) & mask
-    if drop != D_NONE:
-        _bump(counters[0], counters[1], drop, length)
-        return n
-    if not netagg:  # Ipv4Forward
-        if b[IP + 8] <= 1:
-            _bump(counters[0], counters[1], D_TTL, length)
-            return n
-        dst = _u32(b, IP + 16)
-        hit = -1
-        for r in range(route_vm.shape[0]):
-            if (dst & route_vm[r, 1]) == route_vm[r, 0]:
-                hit = r
-                break
-        if hit < 0:
-            _bump(counters[0], counters[1], D_NO_ROUTE, length)
-            return n
-        _copy(b, 6, frame, 0, 6)
-        mac = route_out[hit, 1]
-        for i in range(6):
-            b[i] = (mac >> (8 * (5 - i))) & 0xFF
-        if (b[IP] & 0x0F) == 5:
-            b[IP + 8] -= 1
-            _ipv4_checksum(b)
-        port = route_out[hit, 0]
-        if port == DROP_PORT:
-            return n
-        return _emit(work, length, port, out_buf, out_len, out_port, n)
-    if b[NA] != VERSION:
-        drop = D_BAD_VERSION
-    elif _u16(b, IP + 2) != IPV4_TOTAL_LENGTH or _u16(b, UDP + 4) != UDP_LENGTH or (_u16(b, IP + 6) & 0x3FFF):
-        drop = D_MALFORMED
-    elif b[NA + 1] & FLAG_RESULT:
-        drop = D_RESULT_FROM_HOST
-    if drop != D_NONE:
-        _bump(counters[0], counters[1], drop, length)
-        return n
-    # WorkerLookup
-    job = _u16(b, NA + 2)
-    slot_rel = _u16(b, NA + 4)
-    pool = np.int64(b[NA + 6])
-    rank = np.int64(b[NA + 7])
+    return error, ipv4, udp, netagg
+
+
+@njit(cache=True, inline="always")
+def source_guard(b, udp, ingress, src_keys, src_vals):
+    """SourceGuard: no host sends from the netagg port, the aggregator address or another host's address.
+
+    Returns the drop reason (D_NONE: passed)."""
+    if udp and _u16(b, UDP) == NETAGG_PORT:
+        return D_SPOOFED
     src = _u32(b, IP + 12)
-    sport = _u16(b, UDP)
-    slot_index = np.int64(0)
-    num_workers = generation = mgid = np.int64(0)
-    worker_mask = np.int64(0)
-    members = _u32(b, NA + 16)
+    mask = src_keys.shape[0] - 1
+    h = _slot_of(src, mask)
+    while src_keys[h] != -1:
+        if src_keys[h] == src:
+            if src_vals[h, 0] == SRC_SWITCH_ONLY or src_vals[h, 1] != ingress:
+                return D_SPOOFED
+            return D_NONE
+        h = (h + 1) & mask
+    return D_NONE
+
+
+@njit(cache=True, inline="always")
+def ipv4_forward(b, frame, route_vm, route_out):
+    """Ipv4Forward: LPM on the destination (routes longest prefix first), TTL decrement without options.
+
+    Returns (drop reason, egress_spec)."""
+    if b[IP + 8] <= 1:
+        return D_TTL, np.int64(0)
+    dst = _u32(b, IP + 16)
+    for r in range(route_vm.shape[0]):
+        if (dst & route_vm[r, 1]) == route_vm[r, 0]:  # forward(port, dst_mac)
+            _copy(b, 6, frame, 0, 6)
+            mac = route_out[r, 1]
+            for i in range(6):
+                b[i] = (mac >> (8 * (5 - i))) & 0xFF
+            if (b[IP] & 0x0F) == 5:
+                b[IP + 8] -= 1
+            return D_NONE, route_out[r, 0]
+    return D_NO_ROUTE, np.int64(0)
+
+
+@njit(cache=True, inline="always")
+def worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals):
+    """WorkerLookup: jobs, workers (keyed by the ingress port too), then the slot/pool/rank/member checks.
+
+    Returns (drop reason, num_workers, slot_index, mgid, generation, worker_mask)."""
+    zero = np.int64(0)
+    job = _u16(b, NA + 2)
     if not job_valid[job]:
-        drop = D_UNKNOWN_JOB
-    else:
-        num_workers = job_params[job, 0]
-        slot_base = job_params[job, 1]
-        slot_count = job_params[job, 2]
-        mgid = job_params[job, 3]
-        generation = job_params[job, 4]
-        key = (job << 48) | (sport << 32) | src
-        mask = w_keys.shape[0] - 1
-        h = _slot_of(key ^ (np.int64(ingress) << 20), mask)
-        found = -1
-        while w_keys[h, 1] != -1:
-            if w_keys[h, 0] == key and w_keys[h, 1] == ingress:
-                found = h
-                break
-            h = (h + 1) & mask
-        if found < 0:
-            drop = D_UNKNOWN_WORKER
-        elif slot_rel >= slot_count:
-            drop = D_SLOT_RANGE
-        elif pool >= 2:
-            drop = D_BAD_POOL
-        elif rank != w_vals[found, 0]:
-            drop = D_RANK
-        elif members != 0 and (members & w_vals[found, 1]) == 0:
-            drop = D_NOT_MEMBER
-        else:
-            worker_mask = w_vals[found, 1]
-            slot_index = (slot_base + slot_rel) & 0xFFFFFFFF
+        return D_UNKNOWN_JOB, zero, zero, zero, zero, zero
+    num_workers = job_params[job, 0]
+    slot_base = job_params[job, 1]
+    slot_count = job_params[job, 2]
+    mgid = job_params[job, 3]
+    generation = job_params[job, 4]
+    key = (job << 48) | (_u16(b, UDP) << 32) | _u32(b, IP + 12)
+    mask = w_keys.shape[0] - 1
+    h = _slot_of(key ^ (np.int64(ingress) << 20), mask)
+    found = -1
+    while w_keys[h, 1] != -1:
+        if w_keys[h, 0] == key and w_keys[h, 1] == ingress:
+            found = h
+            break
+        h = (h + 1) & mask
+    slot_rel = _u16(b, NA + 4)
+    members = _u32(b, NA + 16)
+    drop = D_NONE
+    if found < 0:
+        drop = D_UNKNOWN_WORKER
+    elif slot_rel >= slot_count:
+        drop = D_SLOT_RANGE
+    elif b[NA + 6] >= 2:
+        drop = D_BAD_POOL
+    elif np.int64(b[NA + 7]) != w_vals[found, 0]:
+        drop = D_RANK
+    elif members != 0 and (members & w_vals[found, 1]) == 0:
+        drop = D_NOT_MEMBER
     if drop != D_NONE:
-        if drop != D_UNKNOWN_JOB:
-            _bump(counters[12], counters[13], job, length)
-        _bump(counters[0], counters[1], drop, length)
-        return n
-    if slot_index >= regs_owner.shape[0]:
-        return n
-    op, old, fresh, complete, late, mismatch = _decide(
-        regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, slot_index, pool, _u16(b, NA + 10),
-        worker_mask, num_workers, generation, members)
-    if mismatch:
-        _bump(counters[12], counters[13], job, length)
-        _bump(counters[0], counters[1], D_MEMBERS, length)
-        return n
-    if old:
-        _bump(counters[8], counters[9], job, length)
-        return n
-    to_group = False
-    if fresh and not late:
-        _bump(counters[4], counters[5], job, length)
-        if complete:
-            to_group = True
-            _bump(counters[6], counters[7], job, length)
-    elif op == OP_READ:
-        _bump(counters[10], counters[11], job, length)
-    else:
-        _bump(counters[8], counters[9], job, length)
-    index = slot_index * 2 + pool
-    if op != OP_NONE:  # ExponentMax, ValueSum
-        exponent = np.int8(b[NA + 8])
-        if op == OP_WRITE or (op == OP_MERGE and exponent > regs_exps[index]):
-            regs_exps[index] = exponent
-        b[NA + 8] = np.uint8(regs_exps[index])
-        row = regs_values[index]
-        for i in range(K):
-            o = VALUES + 4 * i
-            if op == OP_WRITE:
-                row[i] = np.int32(np.uint32(_u32(b, o)))
-            elif op == OP_MERGE:
-                row[i] = np.int32(np.uint32((np.int64(row[i]) + _u32(b, o)) & 0xFFFFFFFF))
-            _put32(b, o, np.int64(np.uint32(row[i])))
-    if not (complete and not late):
-        return n
-    # ResultDelivery
+        return drop, zero, zero, zero, zero, zero
+    return D_NONE, num_workers, (slot_base + slot_rel) & 0xFFFFFFFF, mgid, generation, w_vals[found, 1]
+
+
+@njit(cache=True, inline="always")
+def slot_owner(regs_owner, slot, generation):
+    """SlotOwner: does the slot belong to another job (or to none since a restart)? It becomes this job's.
+
+    Returns stale."""
+    stale = regs_owner[slot] != generation
+    if stale:
+        regs_owner[slot] = generation
+    return stale
+
+
+@njit(cache=True, inline="always")
+def round_check(regs_rounds, slot, pool, round_, stale):
+    """RoundCheck: ROUND_SAME, ROUND_NEW (ahead, mod 2**16) or ROUND_OLD; a stale slot starts a new round
+    and marks the other pool two rounds behind (netagg.slots.SlotRegisters.round_check)."""
+    if stale:
+        regs_rounds[pool, slot] = round_
+        regs_rounds[1 - pool, slot] = (round_ - 2) & 0xFFFF
+        return ROUND_NEW
+    ahead = (round_ - np.int64(regs_rounds[pool, slot])) & 0xFFFF
+    if ahead == 0:
+        return ROUND_SAME
+    if ahead < 0x8000:
+        regs_rounds[pool, slot] = round_
+        return ROUND_NEW
+    return ROUND_OLD
+
+
+@njit(cache=True, inline="always")
+def member_check(regs_members, index, round_state, members):
+    """MemberCheck: a new round takes the packet's members; the same round must carry them.
+
+    Returns the drop reason (D_NONE: passed)."""
+    if round_state == ROUND_NEW:
+        regs_members[index] = members
+    elif np.int64(regs_members[index]) != members:
+        return D_MEMBERS
+    return D_NONE
+
+
+@njit(cache=True, inline="always")
+def bitmap_check(regs_bitmaps, index, round_state, worker_mask):
+    """BitmapCheck: add the sender's bit. Returns (first: the round's first packet, fresh: the sender's first)."""
+    first = round_state == ROUND_NEW
+    before = np.int64(0) if first else np.int64(regs_bitmaps[index])
+    regs_bitmaps[index] = before | worker_mask
+    return first, (before & worker_mask) == 0
+
+
+@njit(cache=True, inline="always")
+def worker_count(regs_counts, index, first, fresh, members, num_workers):
+    """WorkerCount: contributions the round still misses. Returns (complete, late)."""
+    count = np.int64(regs_counts[index])
+    late = False
+    if fresh:
+        if first:
+            expected = num_workers
+            if members != 0:
+                expected = 0
+                m = members
+                while m:
+                    expected += m & 1
+                    m >>= 1
+            count = (expected - 1) & 0xFF
+            regs_counts[index] = count
+        elif count == 0:
+            late = True
+        else:
+            count = count - 1
+            regs_counts[index] = count
+    return count == 0 and not late, late
+
+
+@njit(cache=True, inline="always")
+def exponent_max(b, regs_exps, index, op):
+    """ExponentMax: write / signed max / read; the packet leaves with the stored maximum."""
+    exponent = np.int8(b[NA + 8])
+    if op == OP_WRITE or (op == OP_MERGE and exponent > regs_exps[index]):
+        regs_exps[index] = exponent
+    b[NA + 8] = np.uint8(regs_exps[index])
+
+
+@njit(cache=True, inline="always")
+def value_sum(b, regs_values, index, op):
+    """ValueSum: overwrite, add modulo 2**32, or read; the packet leaves with the stored sums."""
+    row = regs_values[index]
+    for i in range(K):
+        o = VALUES + 4 * i
+        if op == OP_WRITE:
+            row[i] = np.int32(np.uint32(_u32(b, o)))
+        elif op == OP_MERGE:
+            row[i] = np.int32(np.uint32((np.int64(row[i]) + _u32(b, o)) & 0xFFFFFFFF))
+        _put32(b, o, np.int64(np.uint32(row[i])))
+
+
+@njit(cache=True, inline="always")
+def result_delivery(b, frame, ingress, to_group):
+    """ResultDelivery: a RESULT from the aggregator address, to the group or back to the sender.
+
+    Returns egress_spec (the ingress port for the sender; unused for the group)."""
     _copy(b, 6, frame, 0, 6)
     _copy(b, IP + 12, frame, IP + 16, 4)
     _put16(b, UDP, NETAGG_PORT)
     b[IP + 8] = RESULT_TTL
     _put16(b, UDP + 6, 0)
     b[NA + 1] |= FLAG_RESULT
-    if not to_group:
-        _copy(b, 0, frame, 6, 6)
-        _copy(b, IP + 16, frame, IP + 12, 4)
-        _put16(b, UDP + 2, sport)
+    if to_group:
+        return np.int64(0)
+    _copy(b, 0, frame, 6, 6)
+    _copy(b, IP + 16, frame, IP + 12, 4)
+    _copy(b, UDP + 2, frame, UDP, 2)
+    return np.int64(ingress)
+
+
+@njit(cache=True, inline="always")
+def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, counters, regs):
+    """NetaggIngress.apply for a netagg packet: WorkerLookup, the slot registers, the job counters, ResultDelivery.
+
+    Returns (egress_spec, to_group, mgid); egress_spec DROP_PORT: dropped (mark_to_drop)."""
+    regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, regs_exps, regs_values = regs
+    job = _u16(b, NA + 2)
+    drop, num_workers, slot_index, mgid, generation, worker_mask = worker_lookup(
+        b, ingress, job_valid, job_params, w_keys, w_vals)
+    round_state = ROUND_SAME
+    index = np.int64(0)
+    members = _u32(b, NA + 16)
+    if drop == D_NONE:
+        if slot_index >= regs_owner.shape[0]:  # the controller never installs such a range
+            return DROP_PORT, False, mgid
+        pool = np.int64(b[NA + 6])
+        index = slot_index * POOLS + pool
+        stale = slot_owner(regs_owner, slot_index, generation)
+        round_state = round_check(regs_rounds, slot_index, pool, _u16(b, NA + 10), stale)
+        if round_state != ROUND_OLD:
+            drop = member_check(regs_members, index, round_state, members)
+    if drop != D_NONE:
+        if drop != D_UNKNOWN_JOB:
+            _bump(counters[12], counters[13], job, length)
+        _bump(counters[0], counters[1], drop, length)
+        return DROP_PORT, False, mgid
+    if round_state == ROUND_OLD:  # a copy of a superseded round
+        _bump(counters[8], counters[9], job, length)
+        return DROP_PORT, False, mgid
+    first, fresh = bitmap_check(regs_bitmaps, index, round_state, worker_mask)
+    complete, late = worker_count(regs_counts, index, first, fresh, members, num_workers)
+    op = OP_NONE
+    to_group = False
+    if fresh and not late:
+        _bump(counters[4], counters[5], job, length)
+        op = OP_WRITE if first else OP_MERGE
+        if complete:
+            to_group = True
+            _bump(counters[6], counters[7], job, length)
+    elif not fresh and complete:
+        op = OP_READ
+        _bump(counters[10], counters[11], job, length)
+    else:
+        _bump(counters[8], counters[9], job, length)
+    if op != OP_NONE:
+        exponent_max(b, regs_exps, index, op)
+        value_sum(b, regs_values, index, op)
+    if not (complete and not late):  # absorbed into the slot, or a duplicate
+        return DROP_PORT, False, mgid
+    return result_delivery(b, frame, ingress, to_group), to_group, mgid
+
+
+@njit(cache=True, inline="always")
+def netagg_ingress(b, frame, length, ingress, tables, counters, regs):
+    """NetaggIngress.apply. Returns (egress_spec, to_group, mgid); egress_spec DROP_PORT: dropped (mark_to_drop)."""
+    job_valid, job_params, w_keys, w_vals, src_keys, src_vals, route_vm, route_out = tables[:8]
+    error, ipv4, udp, netagg = netagg_parser(b, length)
+    drop = D_NONE
+    if error:
+        drop = D_MALFORMED
+    elif not ipv4:
+        drop = D_NOT_IPV4
+    else:
+        drop = source_guard(b, udp, ingress, src_keys, src_vals)
+    egress_spec = DROP_PORT
+    if drop != D_NONE:
+        pass  # counted below
+    elif not netagg:
+        drop, egress_spec = ipv4_forward(b, frame, route_vm, route_out)
+    elif b[NA] != VERSION:
+        drop = D_BAD_VERSION
+    elif _u16(b, IP + 2) != IPV4_TOTAL_LENGTH or _u16(b, UDP + 4) != UDP_LENGTH or (_u16(b, IP + 6) & 0x3FFF):
+        drop = D_MALFORMED
+    elif b[NA + 1] & FLAG_RESULT:
+        drop = D_RESULT_FROM_HOST
+    else:
+        return _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, counters, regs)
+    if drop != D_NONE:
+        _bump(counters[0], counters[1], drop, length)
+        return DROP_PORT, False, np.int64(0)
+    return egress_spec, False, np.int64(0)
+
+
+@njit(cache=True, inline="always")
+def result_rewrite(b, mgid, rid, rep_keys, rep_vals):
+    """ResultRewrite: the replica's receiver from replicas[(mgid, rid)]. Returns False on a miss (no_replica)."""
+    key = (mgid << 16) | rid
+    mask = rep_keys.shape[0] - 1
+    h = _slot_of(key, mask)
+    while rep_keys[h] != -1:
+        if rep_keys[h] == key:
+            mac = rep_vals[h, 0]
+            for i in range(6):
+                b[i] = (mac >> (8 * (5 - i))) & 0xFF
+            _put32(b, IP + 16, rep_vals[h, 1])
+            _put16(b, UDP + 2, rep_vals[h, 2])
+            return True
+        h = (h + 1) & mask
+    return False
+
+
+@njit(cache=True, inline="always")
+def netagg_egress(b, mgid, rid, rep_keys, rep_vals, egress_drops, egress_drop_bytes):
+    """NetaggEgress.apply for a copy of a group packet. Returns False when the copy is dropped (and counted in
+    ``egress_drop_reasons``, whose two arrays it takes)."""
+    if result_rewrite(b, mgid, rid, rep_keys, rep_vals):
+        return True
+    _bump(egress_drops, egress_drop_bytes, D_NO_REPLICA, 0)
+    return False
+
+
+@njit(cache=True, inline="always")
+def netagg_compute_checksum(b):
+    """NetaggComputeChecksum: the IPv4 checksum of a header without options."""
+    if (b[IP] & 0x0F) == 5:
         _ipv4_checksum(b)
-        if ingress == DROP_PORT:
-            return n
-        return _emit(work, length, ingress, out_buf, out_len, out_port, n)
-    # Replication and ResultRewrite (per replica).
-    if mgid >= grp_off.shape[0] - 1:
-        return n
-    for g in range(grp_off[mgid], grp_off[mgid + 1]):
-        port, rid = grp_items[g, 0], grp_items[g, 1]
-        key = (mgid << 16) | rid
-        mask = rep_keys.shape[0] - 1
-        h = _slot_of(key, mask)
-        found = -1
-        while rep_keys[h] != -1:
-            if rep_keys[h] == key:
-                found = h
-                break
-            h = (h + 1) & mask
-        if found < 0:
-            _bump(counters[2], counters[3], D_NO_REPLICA, 0)
-            continue
-        mac = rep_vals[found, 0]
-        for i in range(6):
-            b[i] = (mac >> (8 * (5 - i))) & 0xFF
-        _put32(b, IP + 16, rep_vals[found, 1])
-        _put16(b, UDP + 2, rep_vals[found, 2])
-        _ipv4_checksum(b)
-        n = _emit(work, length, port, out_buf, out_len, out_port, n)
-    return n
 
 
 @njit(cache=True)
-def run_batch(in_buf, in_len, in_port, count, work, out_buf, out_len, out_port, max_out,
-              job_valid, job_params, w_keys, w_vals, src_keys, src_vals, route_vm, route_out, rep_keys, rep_vals,
-              grp_off, grp_items, counters, regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, regs_exps,
-              regs_values):
-    """Frames ``0..count-1`` in order; returns (frames consumed, frames emitted).
+def run_batch(in_buf, in_len, in_port, count, work, out_buf, out_len, out_port, max_out, tables, counters, regs):
+    """Frames ``0..count-1`` in order, each through V1Switch(NetaggParser, NetaggIngress, the replication
+    engine, NetaggEgress, NetaggComputeChecksum, the deparser); returns (frames consumed, frames emitted).
 
-    Stops early when the next frame could overflow ``out_buf`` (``max_out``: the most
-    frames one input can emit); the caller sends what was emitted and calls again."""
+    ``tables``: ``fastpath.CompiledTables.arrays()``; ``counters``: the (packets, bytes) arrays of each of
+    ``fastpath.COUNTERS``; ``regs``: ``fastpath.FastRegisters.arrays()``. Stops early when the next frame could
+    overflow ``out_buf`` (``max_out``: the most frames one input can emit); the caller sends what was emitted
+    and calls again.
+
+    The replication loop stays here rather than in an inlined function of its own: ``counters`` handed down
+    one more inlined level cost a third of the throughput (numba copies the tuple of arrays at each use)."""
     n = 0
     cap = out_buf.shape[0]
+    rep_keys, rep_vals, grp_off, grp_items = tables[8:]
     for i in range(count):
         if n + max_out > cap:
             return i, n
-        n = _packet(in_buf[i], in_len[i], in_port[i], work, out_buf, out_len, out_port, n,
-                    job_valid, job_params, w_keys, w_vals, src_keys, src_vals, route_vm, route_out, rep_keys,
-                    rep_vals, grp_off, grp_items, counters, regs_owner, regs_rounds, regs_members, regs_bitmaps,
-                    regs_counts, regs_exps, regs_values)
+        frame = in_buf[i]
+        length = in_len[i]
+        _copy(work, 0, frame, 0, length)  # the packet being processed; ``frame`` stays as received
+        egress_spec, to_group, mgid = netagg_ingress(work, frame, length, in_port[i], tables, counters, regs)
+        if to_group:  # the replication engine: a copy per replica of group mgid
+            if mgid >= grp_off.shape[0] - 1:
+                continue
+            for g in range(grp_off[mgid], grp_off[mgid + 1]):
+                if netagg_egress(work, mgid, grp_items[g, 1], rep_keys, rep_vals, counters[2], counters[3]):
+                    netagg_compute_checksum(work)
+                    n = _emit(work, length, grp_items[g, 0], out_buf, out_len, out_port, n)
+        elif egress_spec != DROP_PORT:
+            netagg_compute_checksum(work)
+            n = _emit(work, length, egress_spec, out_buf, out_len, out_port, n)
     return count, n
 
 

@@ -11,7 +11,7 @@ proto/frontend/src/device_mgr.cpp), so that the controller has one code path for
 * Write: failed updates give UNKNOWN with a google.rpc.Status in the details holding one
   p4.v1.Error per update (OK for those that succeeded); only CONTINUE_ON_ERROR.
 * Read: registers are UNIMPLEMENTED (p4lang/PI#376), multicast replicas come back in the
-  form they were written in (see ``forwarding_state._replica_port``).
+  form they were written in (see ``p4rt_codec._replica_port``).
 * Before a pipeline is set, Write, Read and GetForwardingPipelineConfig give FAILED_PRECONDITION.
 
 Deliberate differences from PI: only the primary may Write or set the pipeline (PI also

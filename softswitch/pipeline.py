@@ -17,8 +17,8 @@ from p4.config.v1 import p4info_pb2
 
 from netagg import dataplane as dp
 from netagg import wire
-from netagg.dataplane import DropReason, ValueOp
-from netagg.slots import RoundState, SlotRegisters
+from netagg.dataplane import DropReason
+from netagg.slots import Delivery, SlotRegisters
 from netagg.softswitch.forwarding_state import ForwardingState
 
 _ETH = struct.Struct("!6s6sH")
@@ -246,43 +246,30 @@ class NetaggPipeline:
             meta.pool_index = ((meta.slot_index << 1) + hdr[_POOL]) & 0xFFFFFFFF
 
     def _aggregate(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int, length: int) -> int | None:
+        """WorkerLookup, then the slot registers (SlotOwner .. ValueSum), the job counters and the delivery."""
         hdr = pkt.netagg
         job = hdr[_JOB]
         self._worker_lookup(pkt, meta, ingress_port)
+        if meta.drop_reason == DropReason.NONE:
+            regs = self.registers
+            if meta.slot_index >= regs.num_slots:
+                # The controller never installs such a range; BMv2 leaves it undefined.
+                return None
+            verdict = regs.aggregate(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.worker_mask, meta.num_workers,
+                                     meta.generation, hdr[_MEMBERS], hdr[_EXP], pkt.values)
+            meta.drop_reason = verdict.drop
         if meta.drop_reason != DropReason.NONE:
             if meta.drop_reason != DropReason.UNKNOWN_JOB:
                 self.state.count(dp.COUNTER_JOB_REJECTS, job, length)
             self.state.count(dp.COUNTER_DROP_REASONS, meta.drop_reason, length)
             return None
-        regs = self.registers
-        if meta.slot_index >= regs.num_slots:
-            # The controller never installs such a range; BMv2 leaves it undefined.
+        for name in verdict.counts:
+            self.state.count(dp.JOB_COUNTERS[name], job, length)
+        hdr[_EXP], pkt.values = verdict.exponent, verdict.values
+        if verdict.delivery == Delivery.NONE:
             return None
-        decision = regs.decide(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.worker_mask, meta.num_workers,
-                               meta.generation, hdr[_MEMBERS])
-        # Counters and delivery as NetaggIngress.apply decides.
-        if decision.members_mismatch:
-            self.state.count(dp.COUNTER_JOB_REJECTS, job, length)
-            self.state.count(dp.COUNTER_DROP_REASONS, DropReason.MEMBERS_MISMATCH, length)
-            return None
-        if decision.round_state == RoundState.OLD:
-            self.state.count(dp.COUNTER_JOB_DUPLICATES, job, length)
-            return None
-        if decision.fresh and not decision.late:
-            self.state.count(dp.COUNTER_JOB_CONTRIBUTIONS, job, length)
-            if decision.complete:
-                meta.to_group = True
-                self.state.count(dp.COUNTER_JOB_RESULTS, job, length)
-        elif decision.op == ValueOp.READ:
-            self.state.count(dp.COUNTER_JOB_RETRANSMIT_RESULTS, job, length)
-        else:
-            self.state.count(dp.COUNTER_JOB_DUPLICATES, job, length)
-        if decision.op != ValueOp.NONE:
-            hdr[_EXP] = regs.exponent(meta.pool_index, decision.op, hdr[_EXP])
-            pkt.values = regs.sums(meta.pool_index, decision.op, pkt.values)
-        if decision.delivers:
-            return self._result_delivery(pkt, meta, ingress_port)
-        return None
+        meta.to_group = verdict.delivery == Delivery.GROUP
+        return self._result_delivery(pkt, meta, ingress_port)
 
     def _result_delivery(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int) -> int:
         """ResultDelivery: a RESULT from the aggregator address, to the group or the sender."""
