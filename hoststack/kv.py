@@ -31,11 +31,11 @@ from netagg.hoststack import quantization as qz
 from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.failover import FailoverClient
 from netagg.hoststack.metrics import WorkerExporter, port_from_env
-from netagg.hoststack.packets import SEQ_MASK, resolve
+from netagg.hoststack.packets import SEQ_MASK
 from netagg.hoststack.psproto import PsClient, PsError
 from netagg.hoststack.sparse import SparseTable
 from netagg.hoststack.transport import RTO_FLOOR, SubsetRound, Transport
-from netagg.jobconfig import ConfigError, WorkerConfig
+from netagg.jobconfig import ConfigError, WorkerConfig, resolve
 
 __all__ = ["KVWorker", "PsError"]
 

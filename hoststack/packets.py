@@ -13,7 +13,7 @@ import socket
 import numpy as np
 
 from netagg import wire
-from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
+from netagg.jobconfig import WorkerConfig
 
 _DTYPE_CODES = {(8, False): ">u1", (8, True): ">i1", (16, False): ">u2", (32, False): ">u4"}
 #: One netagg header as a numpy record (big-endian fields in wire order).
@@ -36,14 +36,6 @@ def slot_count_of(config: WorkerConfig) -> int:
     if config.slot_count >= 1:
         return config.slot_count
     return DEFAULT_FALLBACK_SLOTS
-
-
-def resolve(endpoint: Endpoint) -> tuple[str, int]:
-    """``(dotted IPv4, port)`` as ``recvfrom`` reports senders; raises ConfigError if unresolvable."""
-    try:
-        return (socket.gethostbyname(endpoint.host), endpoint.port)
-    except OSError as err:
-        raise ConfigError(f"cannot resolve {endpoint.host!r}: {err}") from None
 
 
 def udp_socket(bind: tuple[str, int], bound: socket.socket | None = None) -> socket.socket:

@@ -47,10 +47,10 @@ from netagg.hoststack.aggregator import SoftAggregator
 from netagg.hoststack.blocks import blocks_for
 from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.failover import RETRY_INITIAL, FailoverCoordinator
-from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, resolve, slot_count_of, udp_socket
+from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, slot_count_of, udp_socket
 from netagg.hoststack.sparse_ops import SparseTables
 from netagg.hoststack.sparse_store import TableState
-from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig, endpoint_arg
+from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig, endpoint_arg, resolve
 from netagg.shutdown import stop_event
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class ServerStats:
 
 
 @dataclass
-class _PushRound:
+class _Push:
     """One push (all workers' same call) as the PS assembles it in ps mode."""
 
     round_id: int
@@ -180,7 +180,7 @@ class KVServer:
         self.workers: dict[int, tuple[str, int]] = {}
         self.store: dict[int, np.ndarray] = {}
         self.stats = ServerStats()
-        self._rounds: dict[int, _PushRound] = {}
+        self._rounds: dict[int, _Push] = {}
         #: Sparse tables (Libra) and, by id, their cold rows per iteration and hot sets.
         self.sparse = SparseTables(config.num_workers, pull_timeout)
         self.tables: dict[int, TableState] = self.sparse.tables
@@ -340,9 +340,9 @@ class KVServer:
             self.stats.rounds_applied += 1
             self._cond.notify_all()
 
-    def _open_round(self, round_id: int, seq_start: int, keys: list[int], sizes: list[int]) -> _PushRound:
+    def _open_round(self, round_id: int, seq_start: int, keys: list[int], sizes: list[int]) -> _Push:
         nb = sum(blocks_for(size) for size in sizes)
-        round_ = _PushRound(round_id, seq_start, keys, sizes, nb, np.zeros((nb, wire.K), qz.WIRE_DTYPE),
+        round_ = _Push(round_id, seq_start, keys, sizes, nb, np.zeros((nb, wire.K), qz.WIRE_DTYPE),
                             np.zeros(nb, bool), nb)
         for block in range(nb):
             payload = self._pending.pop((seq_start + block) & SEQ_MASK, None)

@@ -97,14 +97,8 @@ from netagg import mmsg, udpgso, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.failover import FailoverClient
-from netagg.hoststack.packets import (
-    PACKET_DTYPE,
-    SEQ_MASK,
-    resolve,
-    slot_count_of,
-    udp_socket,
-)
-from netagg.jobconfig import WorkerConfig
+from netagg.hoststack.packets import PACKET_DTYPE, SEQ_MASK, slot_count_of, udp_socket
+from netagg.jobconfig import WorkerConfig, resolve
 
 log = logging.getLogger(__name__)
 

@@ -54,8 +54,7 @@ from typing import Any
 import numpy as np
 
 from netagg.framed_server import Frame, FramedServer, Handler, Reply, Session, dispatch, listen
-from netagg.hoststack.packets import resolve
-from netagg.jobconfig import ConfigError, WorkerConfig
+from netagg.jobconfig import ConfigError, WorkerConfig, resolve
 from netagg.mlfabric.chain_node import ChainNode
 from netagg.mlfabric.distribution import ModelSender
 from netagg.mlfabric.grants import GrantService

@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 
 from netagg.framed_server import Frame, Handler, Reply
-from netagg.hoststack.packets import resolve
-from netagg.jobconfig import ConfigError
+from netagg.jobconfig import ConfigError, resolve
 from netagg.mlfabric import chainctl
 from netagg.mlfabric.model_updates import APPLIED, LogEntry
 from netagg.mlfabric.outcome_window import OutcomeWindow, update_step

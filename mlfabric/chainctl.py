@@ -26,8 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from netagg.hoststack.packets import resolve
-from netagg.jobconfig import ConfigError, WorkerConfig, endpoint_arg
+from netagg.jobconfig import ConfigError, WorkerConfig, endpoint_arg, resolve
 from netagg.mlfabric.protocol import Connection, Refused, Unreachable
 
 

@@ -11,8 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from netagg.hoststack.packets import resolve
-from netagg.jobconfig import ConfigError, WorkerConfig, endpoint_arg
+from netagg.jobconfig import ConfigError, WorkerConfig, endpoint_arg, resolve
 from netagg.mlfabric import chainctl
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.distribution import ModelSender, rate_of

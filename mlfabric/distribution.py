@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from netagg import mmsg, wire
-from netagg.hoststack.packets import HEADER_DTYPE, PACKET_DTYPE, resolve, udp_socket
-from netagg.jobconfig import WorkerConfig
+from netagg.hoststack.packets import HEADER_DTYPE, PACKET_DTYPE, udp_socket
+from netagg.jobconfig import WorkerConfig, resolve
 
 #: Versions kept for repairs at the PS, and assembled at once at a worker.
 KEEP_VERSIONS = 4

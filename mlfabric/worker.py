@@ -20,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from netagg.hoststack.packets import resolve
-from netagg.jobconfig import WorkerConfig
+from netagg.jobconfig import WorkerConfig, resolve
 from netagg.mlfabric.protocol import Connection, FabricError, Refused, Unreachable, from_blob, to_blob
 
 #: Refusals that mean "this node does not act as primary (yet)": try the next one.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -185,6 +186,14 @@ class WorkerConfig:
     @classmethod
     def load(cls, path: Path | str) -> WorkerConfig:
         return cls.from_dict(read_yaml(path), str(path))
+
+
+def resolve(endpoint: Endpoint) -> tuple[str, int]:
+    """``(dotted IPv4, port)`` as ``recvfrom`` reports senders; raises ConfigError if unresolvable."""
+    try:
+        return (socket.gethostbyname(endpoint.host), endpoint.port)
+    except OSError as err:
+        raise ConfigError(f"cannot resolve {endpoint.host!r}: {err}") from None
 
 
 def write_private(path: Path | str, text: str) -> None:
