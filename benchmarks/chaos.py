@@ -1,5 +1,7 @@
 """``make chaos``: the fault scenarios of the restart and chain tests, in a bounded loop with seeded random timing.
 
+(Over 500 lines: one runner for four scenarios, each with its set-up, injection and check.)
+
 ``python -m benchmarks.chaos [--seconds 160] [--seed N] [--scenarios switch,both,away,chain] [--injections K]``
 
 Each scenario is set up once, trains, and gets faults injected at random (seeded) times until its share of

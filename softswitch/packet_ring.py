@@ -1,5 +1,8 @@
 """Raw ports through the kernel's packet rings (PACKET_MMAP) instead of ``recvmmsg``/``sendmmsg``.
 
+(Over 500 lines: the ring layouts, their compiled readers and the measured alternatives kept selectable by
+``NETAGG_RAW_IO`` belong together; a third of it is the description of the kernel's ring protocol.)
+
 The batched loop (:mod:`netagg.softswitch.batch_switch`) reads its raw ports (AF_PACKET sockets
 on veth interfaces, :class:`~netagg.softswitch.ports.RawSocketPort`) from receive rings that the
 kernel writes frames into and user space reads without a system call. Every port's ring is mapped
