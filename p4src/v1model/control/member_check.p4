@@ -3,7 +3,11 @@
  * in this round of the (slot, pool). A NEW round stores the packet's members; in the SAME
  * round a packet must carry the same members, or it is dropped (MEMBERS_MISMATCH) before
  * it touches the bitmap, the count or the values. That the sender is a member is checked
- * in WorkerLookup, and WorkerCount expects as many contributions as there are members. */
+ * in WorkerLookup, and WorkerCount expects as many contributions as there are members.
+ * The TNA twin has no file of this name: there the members share the bitmap's register entry
+ * (tna/control/bitmap_check.p4, no extra stateful ALU), and tna/control/member_count.p4 counts
+ * them in table stages, which WorkerCount does bit by bit here. Every other control file has
+ * the same name in both trees. */
 #ifndef _NETAGG_MEMBER_CHECK_P4_
 #define _NETAGG_MEMBER_CHECK_P4_
 
