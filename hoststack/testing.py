@@ -94,6 +94,39 @@ def run_workers(configs: Sequence[WorkerConfig], fn: Callable[[KVWorker, int], A
     return results
 
 
+def run_workers_with_fault(configs: Sequence[WorkerConfig], fn: Callable[[KVWorker, int, Callable[[], None]], Any],
+                           fault: Callable[[], None], timeout: float = 120.0, **worker_options: Any) -> list[Any]:
+    """:func:`run_workers` with ``fn(worker, rank, ready)``: once every worker called ``ready()``, ``fault()`` runs in
+    a thread of its own (while they go on). A worker that fails releases the others' ``ready``; an error of the fault
+    is raised after the workers finished (theirs first)."""
+    barrier = threading.Barrier(len(configs) + 1, timeout=timeout)
+    errors: list[BaseException] = []
+
+    def work(worker: KVWorker, rank: int) -> Any:
+        try:
+            return fn(worker, rank, barrier.wait)
+        except BaseException:
+            barrier.abort()
+            raise
+
+    def control() -> None:
+        try:
+            barrier.wait()
+            fault()
+        except BaseException as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=control, name="fault", daemon=True)
+    thread.start()
+    try:
+        results = run_workers(configs, work, timeout=timeout, **worker_options)
+    finally:
+        thread.join(timeout)
+    if errors:
+        raise errors[0]
+    return results
+
+
 class LossyRelay:
     """UDP relays between workers and one target (PS or switch), dropping/duplicating/reordering.
 

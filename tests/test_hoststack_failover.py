@@ -11,7 +11,6 @@ different exchanges when they vote, and the leaders must send an exchange they f
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -23,7 +22,7 @@ from netagg import dataplane as dp
 from netagg import wire
 from netagg.hoststack.failover import ROUND_GUARD, FailoverClient, FailoverCoordinator
 from netagg.hoststack.server import KVServer
-from netagg.hoststack.testing import expected_allreduce, run_workers
+from netagg.hoststack.testing import expected_allreduce, run_workers, run_workers_with_fault
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
 from netagg.localports import free_ports
 from tests.test_hoststack_switch_restart import ProcessSwitch, ResultGate, job_record
@@ -184,44 +183,25 @@ def run_job(configs: list[WorkerConfig], iterations: int, fault, after: int = 3,
     runs in a thread. With ``timeline``, the workers go on until each did 3 allreduces after
     ``timeline["back"]`` was set (they agree on when to stop with one more allreduce per iteration). Checks
     every result against the exact sum; returns per rank (finish times, transport stats)."""
-    ready = threading.Barrier(N + 1, timeout=DEADLINE)
-    errors: list[BaseException] = []
-
-    def work(worker, rank):
+    def work(worker, rank, ready):
         out = []
         after_back = 0
-        try:
-            for i in range(2000):
-                out.append((worker.allreduce(make_input(i, rank)), time.monotonic()))
-                if i == after - 1:
-                    ready.wait()
-                if timeline is None:
-                    if i + 1 == iterations:
-                        break
-                    continue
-                after_back += "back" in timeline
-                done = float(i + 1 >= iterations and after_back >= 3)
-                if worker.allreduce(np.array([done], np.float32))[0] == N:
+        for i in range(2000):
+            out.append((worker.allreduce(make_input(i, rank)), time.monotonic()))
+            if i == after - 1:
+                ready()
+            if timeline is None:
+                if i + 1 == iterations:
                     break
-        except BaseException:
-            ready.abort()
-            raise
+                continue
+            after_back += "back" in timeline
+            done = float(i + 1 >= iterations and after_back >= 3)
+            if worker.allreduce(np.array([done], np.float32))[0] == N:
+                break
         return out, worker.transport.stats
 
-    def control() -> None:
-        try:
-            ready.wait()
-            fault()
-        except BaseException as err:
-            errors.append(err)
-
-    thread = threading.Thread(target=control, name="fault", daemon=True)
-    thread.start()
-    try:
-        results = run_workers(configs, work, timeout=4 * DEADLINE, rto_initial=0.01, progress_timeout=DEADLINE / 2)
-    finally:
-        thread.join(DEADLINE)
-    assert not errors, errors
+    results = run_workers_with_fault(configs, work, fault, timeout=4 * DEADLINE, rto_initial=0.01,
+                                     progress_timeout=DEADLINE / 2)
     done = len(results[0][0])
     assert all(len(out) == done for out, _ in results)
     for i in range(done):
@@ -238,23 +218,9 @@ class TailGate(ResultGate):
         super().__init__(target)
         self.drop = drop
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data, source = self.sock.recvfrom(4096)
-            except OSError:
-                continue
-            if source == self.target:
-                if len(data) >= wire.HEADER_BYTES and \
-                        wire.HEADER_STRUCT.unpack_from(data, 0)[wire.FIELD_INDEX["seq"]] in self.drop:
-                    self.dropped += 1
-                elif self.peer is not None:
-                    with contextlib.suppress(OSError):
-                        self.sock.sendto(data, self.peer)
-            else:
-                self.peer = source
-                with contextlib.suppress(OSError):
-                    self.sock.sendto(data, self.target)
+    def drops(self, data: bytes) -> bool:
+        return len(data) >= wire.HEADER_BYTES and \
+            wire.HEADER_STRUCT.unpack_from(data, 0)[wire.FIELD_INDEX["seq"]] in self.drop
 
 
 def wait_for(condition, what: str, timeout: float = DEADLINE) -> float:

@@ -34,7 +34,7 @@ from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord, WorkerEndpoint
 from netagg.controller.switch_programmer import SwitchProgrammer
 from netagg.hoststack import transport as tr
-from netagg.hoststack.testing import expected_allreduce, run_workers
+from netagg.hoststack.testing import expected_allreduce, run_workers_with_fault
 from netagg.hoststack.transport import TransportTimeout
 from netagg.jobconfig import Endpoint, WorkerConfig
 from netagg.localports import free_ports
@@ -79,6 +79,10 @@ class ResultGate:
         self._thread.join(5)
         self.sock.close()
 
+    def drops(self, data: bytes) -> bool:
+        """Whether this datagram from the switch is dropped (here: while ``closed`` is set)."""
+        return self.closed.is_set()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
@@ -86,7 +90,7 @@ class ResultGate:
             except OSError:  # a timeout, or ICMP port unreachable while the switch is away
                 continue
             if source == self.target:
-                if self.closed.is_set():
+                if self.drops(data):
                     self.dropped += 1
                 elif self.peer is not None:
                     with contextlib.suppress(OSError):
@@ -127,44 +131,29 @@ def ride_through(configs: list[WorkerConfig], gate: ResultGate, restart: Callabl
     until DROPPED_BEFORE_RESTART were dropped, then ``restart()`` (returns when the job is back on the switch)
     and the gate opens. Returns per rank [(result, finished at)] and transport stats, and the restart time."""
     inputs = make_inputs()
-    done_before = threading.Barrier(N + 1, timeout=DEADLINE)
     restarted: list[float] = []
-    errors: list[BaseException] = []
 
-    def work(worker, rank):
+    def work(worker, rank, ready):
         out = []
-        try:
-            for i in range(ITERATIONS):
-                out.append((worker.allreduce(inputs[i][rank]), time.monotonic()))
-                if i == BEFORE_RESTART - 1:
-                    done_before.wait()
-        except BaseException:
-            done_before.abort()
-            raise
+        for i in range(ITERATIONS):
+            out.append((worker.allreduce(inputs[i][rank]), time.monotonic()))
+            if i == BEFORE_RESTART - 1:
+                ready()
         return out, worker.transport.stats
 
-    def control() -> None:
+    def restart_with_gate_closed() -> None:
+        gate.closed.set()
         try:
-            done_before.wait()
-            gate.closed.set()
             deadline = time.monotonic() + DEADLINE
             while gate.dropped < DROPPED_BEFORE_RESTART:
                 assert time.monotonic() < deadline, "the gate dropped no results"
                 time.sleep(0.005)
             restarted.append(restart())
-            gate.closed.clear()
-        except BaseException as err:
-            errors.append(err)
+        finally:
             gate.closed.clear()
 
-    controller = threading.Thread(target=control, name="restarter", daemon=True)
-    controller.start()
-    try:
-        results = run_workers(configs, work, timeout=4 * DEADLINE, rto_initial=0.01,
-                              progress_timeout=progress_timeout)
-    finally:
-        controller.join(DEADLINE)
-    assert not errors, errors
+    results = run_workers_with_fault(configs, work, restart_with_gate_closed, timeout=4 * DEADLINE, rto_initial=0.01,
+                                     progress_timeout=progress_timeout)
     assert restarted, "the switch was not restarted"
     for i in range(ITERATIONS):
         expected, _ = expected_allreduce(inputs[i])
