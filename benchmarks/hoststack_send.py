@@ -108,7 +108,7 @@ def main() -> None:
     if bare_mmsg:
         print(f"bare sendmmsg, connected  : {bare_mmsg:>10.0f} packets/s  (prebuilt packets, {args.slots} per call)")
     print(f"send path                 : {ours:>10.0f} packets/s  "
-          f"({'sendmmsg' if transport._tx is not None else 'one send per packet'})")
+          f"({'sendmmsg' if transport.batched else 'one send per packet'})")
     print(f"ratio to sendto           : {ours / bare:.3f}  (goal >= 0.8)")
     print(f"ratio to connected send   : {ours / bare_connected:.3f}")
     if bare_mmsg:

@@ -34,14 +34,14 @@ _INF_BITS = 0x7F800000
 WIRE_DTYPE = wire.WIRE_VALUE_DTYPE
 
 try:  # fused one-pass kernels when numba is installed (extra "fast"); same results, faster
-    from netagg.hoststack import codec_kernels as _kernels
+    from netagg.hoststack import codec_kernels as kernels
 except ImportError:
-    _kernels = None
+    kernels = None
 
 
 def _fused(*arrays: np.ndarray) -> bool:
     """Whether the compiled kernels can take these arrays (numba present, C-contiguous)."""
-    return _kernels is not None and all(a.flags.c_contiguous for a in arrays)
+    return kernels is not None and all(a.flags.c_contiguous for a in arrays)
 
 
 def scale_bits(num_workers: int) -> int:
@@ -94,7 +94,7 @@ def block_exponents(blocks: np.ndarray) -> np.ndarray:
         return np.empty(0, np.int8)
     if _fused(blocks):
         exponents = np.empty(blocks.shape[0], np.int8)
-        if _kernels.block_exponents(blocks.view(np.uint32), exponents):
+        if kernels.block_exponents(blocks.view(np.uint32), exponents):
             return exponents
         # A NaN/Inf: the numpy path below builds the detailed error.
     magnitude = np.bitwise_and(blocks.view(np.uint32), _ABS_MASK)
@@ -122,7 +122,7 @@ def quantize(blocks: np.ndarray, exponents: np.ndarray, num_workers: int, out: n
     if out is None:
         out = np.empty(blocks.shape, WIRE_DTYPE)
     if out.dtype == WIRE_DTYPE and exponents.dtype == np.int8 and _fused(blocks, out, exponents):
-        _kernels.quantize(blocks, exponents, enc_a, enc_b, out.view(np.uint32))
+        kernels.quantize(blocks, exponents, enc_a, enc_b, out.view(np.uint32))
         return out
     return quantize_scaled(blocks, exponents, enc_a, enc_b, out)
 
@@ -156,7 +156,7 @@ def dequantize(
         out = np.empty(sums.shape, np.float32)
     fusable = sums.dtype == WIRE_DTYPE and out.dtype == np.float32 and exponents.dtype == np.int8
     if fusable and _fused(sums, out, exponents):
-        _kernels.dequantize(sums.view(np.uint32), exponents, dec_a, dec_b, out)
+        kernels.dequantize(sums.view(np.uint32), exponents, dec_a, dec_b, out)
         return out
     index = exponents.astype(np.intp) + 128
     with np.errstate(over="ignore"):  # inf: the exact sum is beyond float32 (documented)

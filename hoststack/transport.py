@@ -103,9 +103,9 @@ from netagg.jobconfig import WorkerConfig, resolve
 log = logging.getLogger(__name__)
 
 try:  # compiled batch kernels when numba is installed (extra "fast"); same effects, faster
-    from netagg.hoststack import transport_kernels as _kernels
+    from netagg.hoststack import transport_kernels as kernels
 except ImportError:
-    _kernels = None
+    kernels = None  # (tests set it to None to run the numpy reference)
 
 K = wire.K
 _NETAGG_BYTES = wire.NETAGG_BYTES
@@ -231,11 +231,11 @@ class RtoEstimator:
 
     def sample_all(self, rtts: np.ndarray) -> None:
         """:meth:`sample` for each round trip of ``rtts`` (float64), in order."""
-        if _kernels is None:
+        if kernels is None:
             for rtt in rtts.tolist():
                 self.sample(rtt)
             return
-        srtt, self.rttvar, rto = _kernels.rto_samples(np.nan if self.srtt is None else self.srtt, self.rttvar,
+        srtt, self.rttvar, rto = kernels.rto_samples(np.nan if self.srtt is None else self.srtt, self.rttvar,
                                                       self.granularity, self.minimum, self.maximum, rtts)
         if not math.isnan(rto):
             self.srtt, self.rto = srtt, rto
@@ -536,6 +536,23 @@ class Transport:
         return int((self.round_count - self._switch_seen).max())
 
     @property
+    def batched(self) -> bool:
+        """Whether packets cross the kernel in batches (sendmmsg/recvmmsg) rather than one call each."""
+        return self._batched
+
+    @property
+    def gso_refused(self) -> str | None:
+        """Why sends go one datagram per message instead of UDP GSO (None: GSO is in use)."""
+        if self._tx is None:
+            return "no sendmmsg/recvmmsg on this platform"
+        return self._tx.refused
+
+    @property
+    def gro(self) -> bool:
+        """Whether results are received as UDP GRO coalesced buffers."""
+        return self._batched and isinstance(self._rx, udpgso.GroBatch)
+
+    @property
     def on_ps(self) -> bool:
         """Whether the job's exchanges run at the PS (a failover) rather than at the switch."""
         return self._on_ps
@@ -666,14 +683,14 @@ class Exchange:
         #: Order key of each slot's outstanding packet.
         self.in_flight: dict[int, int] = {}
         #: The batch steps: compiled (transport_kernels) or their numpy reference (transport_reference).
-        steps = _kernels if _kernels is not None else reference
+        steps = kernels if kernels is not None else reference
         self.fill, self.accept = steps.fill_packets, steps.accept_results
 
     @classmethod
     def warm_up(cls, t: Transport) -> None:
         """Compile the batch kernels for ``t``'s argument types (or load them from numba's cache) now, with
         empty batches, rather than inside the first exchange's progress timeout."""
-        if _kernels is None:
+        if kernels is None:
             return
         r = cls(t, np.zeros((0, K), np.float32), np.zeros(0, np.int8))
         none = np.zeros(0, np.int64)

@@ -31,7 +31,7 @@ from netagg.hoststack.transport import RtoEstimator, Transport, TransportTimeout
 from netagg.jobconfig import Endpoint
 from netagg.localports import free_ports
 
-kernels = tr._kernels  # the compiled steps the transport runs (None without numba)
+kernels = tr.kernels  # the compiled steps the transport runs (None without numba)
 needs_numba = pytest.mark.skipif(kernels is None, reason="numba is not installed")
 
 JOB = 7
@@ -271,7 +271,7 @@ def test_rto_batch_update_equals_one_sample_at_a_time(seed, monkeypatch):
     batched = RtoEstimator(initial=0.05)
     for part in np.array_split(rtts, 3):
         batched.sample_all(part)
-    monkeypatch.setattr(tr, "_kernels", None)
+    monkeypatch.setattr(tr, "kernels", None)
     reference = RtoEstimator(initial=0.05)
     for part in np.array_split(rtts, 3):
         reference.sample_all(part)
@@ -286,7 +286,7 @@ def path(request, monkeypatch):
     if processor == "compiled" and kernels is None:
         pytest.skip("numba is not installed")
     if processor == "numpy":
-        monkeypatch.setattr(tr, "_kernels", None)
+        monkeypatch.setattr(tr, "kernels", None)
     if io == "per-packet":
         monkeypatch.setattr(mmsg, "AVAILABLE", False)
     elif not mmsg.AVAILABLE:
@@ -301,7 +301,7 @@ def test_every_path_gives_bit_identical_results_under_loss_duplication_and_reord
     with fallback_job(n, slot_count=16) as (_server, configs), \
             LossyRelay(_server.address, n, 0.1, 0.05, 0.05, seed=3) as relay:
         results = run_workers(through_relay(configs, relay),
-                              lambda w, rank: (w.transport._batched, w.allreduce(inputs[rank]), w.transport.stats),
+                              lambda w, rank: (w.transport.batched, w.allreduce(inputs[rank]), w.transport.stats),
                               rto_initial=0.01)
     expected, _ = expected_allreduce(inputs)
     for batched, result, _ in results:

@@ -568,16 +568,14 @@ def test_transport_exchanges_exactly_on_every_io_path(path, monkeypatch, fresh_g
         transport = worker.transport
         if path == "refused":
             transport.sock.setsockopt(socket.SOL_SOCKET, SO_NO_CHECK, 1)
-        return worker.allreduce(inputs[rank]), transport._tx.refused, type(transport._rx)
+        return worker.allreduce(inputs[rank]), transport.gso_refused, transport.gro
 
     with fallback_job(1, slot_count=32) as (_server, configs):
-        [(result, refused, rx_type)] = run_workers(configs, work, timeout=60)
+        [(result, refused, gro)] = run_workers(configs, work, timeout=60)
     np.testing.assert_array_equal(result, expected_allreduce(inputs)[0])
-    expected_rx = mmsg.MsgBatch if path == "no-gro" else udpgso.GroBatch
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        if path != "no-gro" and not udpgso.enable_gro(probe):
-            expected_rx = mmsg.MsgBatch
-    assert rx_type is expected_rx
+        expected_gro = path != "no-gro" and udpgso.enable_gro(probe)
+    assert gro == expected_gro
     if path == "gso":
         assert refused is None
     elif path == "no-gso-env":
