@@ -415,6 +415,8 @@ class Transport:
 
         ``exponents`` are this worker's :func:`quantization.block_exponents` of ``blocks``
         (computed here when not given; NaN/Inf raise ValueError before anything is sent).
+        With failover, ``blocks`` is kept until the next exchange (another worker may need it sent
+        again at the PS): do not change it before then.
         """
         if self._subset_rounds:
             raise TransportError("this transport runs subset rounds: its round numbers no longer agree with the "
@@ -469,7 +471,8 @@ class Transport:
         finally:
             self.stats.exchanges += 1
         if whole_job:
-            self._prev = (blocks, exponents, mark)
+            if self.failover is not None:  # kept (not copied) for a failover that restarts at this exchange
+                self._prev = (blocks, exponents, mark)
             self._index += 1
         return sums, global_exp
 
