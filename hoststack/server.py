@@ -43,7 +43,7 @@ import numpy as np
 from netagg import wire
 from netagg.framed_server import Frame, FramedServer, Handler, Reply, dispatch, listen
 from netagg.hoststack import quantization as qz
-from netagg.hoststack.aggregator import SoftAggregator
+from netagg.hoststack.aggregator import Outcome, SoftAggregator
 from netagg.hoststack.blocks import blocks_for
 from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.failover import RETRY_INITIAL, FailoverCoordinator
@@ -97,7 +97,7 @@ class ServerStats:
     bad_requests: int = 0
     #: Requests without the job's secret (refused before anything else; also in bad_requests).
     bad_secret: int = 0
-    #: Failover (allreduce/ps modes): contributions aggregated here while the job's switch was away.
+    #: Failover (allreduce/ps modes): workers' datagrams handled here while the job's switch was away.
     failover_contributions: int = 0
 
 
@@ -251,7 +251,7 @@ class KVServer:
                 self.stats.datagrams += 1
                 try:
                     if self.aggregator is not None:
-                        self._on_contribution(view[:size], source)
+                        self._on_contribution(self.aggregator, view[:size], source)
                     elif self.failover_aggregator is not None and source != self.switch:
                         self._on_failover_contribution(view[:size], source)
                     else:
@@ -264,24 +264,20 @@ class KVServer:
         with contextlib.suppress(OSError):  # lost: the worker retransmits
             self.udp.sendto(packet, address)
 
-    def _on_contribution(self, data: memoryview, source: tuple[str, int]) -> None:
-        assert self.aggregator is not None
-        outcome = self.aggregator.handle(data, source)
-        if outcome is None:
-            return
-        for address in self.aggregator.group() if outcome.to_group else [source]:
-            self._send(outcome.packet, address)
+    def _on_contribution(self, aggregator: SoftAggregator, data: memoryview, source: tuple[str, int]) -> Outcome | None:
+        """A worker's packet to ``aggregator`` (fallback's, or the failover's); its result, if any, sent as the
+        switch would."""
+        outcome = aggregator.handle(data, source)
+        if outcome is not None:
+            for address in aggregator.group() if outcome.to_group else [source]:
+                self._send(outcome.packet, address)
+        return outcome
 
     def _on_failover_contribution(self, data: memoryview, source: tuple[str, int]) -> None:
-        aggregator = self.failover_aggregator
-        assert aggregator is not None
-        outcome = aggregator.handle(data, source)
+        assert self.failover_aggregator is not None
         self.stats.failover_contributions += 1
-        if outcome is None:
-            return
-        for address in aggregator.group() if outcome.to_group else [source]:
-            self._send(outcome.packet, address)
-        if self.mode == "ps" and outcome.to_group:  # keep the sums as if the switch had sent them
+        outcome = self._on_contribution(self.failover_aggregator, data, source)
+        if outcome is not None and self.mode == "ps" and outcome.to_group:  # the sums, as if from the switch
             seq = wire.HEADER_STRUCT.unpack_from(outcome.packet, 0)[_FIELD["seq"]]
             if not seq & PROBE_SEQ_BIT:
                 self._store_block(seq, outcome.packet[wire.HEADER_BYTES:])

@@ -379,9 +379,8 @@ class Transport:
             self._rx_rows = [memoryview(row) for row in self.rx_buf]
             self._rx_name_view = memoryview(self.rx_names.reshape(-1))
         self._set_destination(self._switch_address)
-        #: Per slot: rounds used over the transport's life, and that count when the switch last saw the slot.
-        self.round_count = np.zeros(self.slot_count, np.int64)
-        self._switch_seen = np.zeros(self.slot_count, np.int64)
+        #: On the PS: the most rounds a slot has run there since the switch last saw the job (``failover_route``).
+        self._rounds_away = 0
         self._failed: str | None = None
         #: Set by the first subset exchange: slots' round numbers then follow the subsets' bases, no longer
         #: the job-wide count every worker keeps, so whole-job exchanges are refused from then on.
@@ -458,7 +457,7 @@ class Transport:
         try:
             if whole_job and self._on_ps:
                 assert self.failover is not None
-                if not self.failover.on_ps(self._index, self._rounds_away()):
+                if not self.failover.on_ps(self._index, self._rounds_away):
                     self._back_to_switch()
             mark = self._mark()
             sums, global_exp = self._run(blocks, exponents, mark)
@@ -481,7 +480,7 @@ class Transport:
         while True:
             exchange = Exchange(self, blocks, exponents)
             try:
-                exchange.run()
+                self._run_exchange(exchange)
                 return exchange.sums, exchange.global_exp
             except _FailedOver as decision:
                 self._to_ps()
@@ -489,12 +488,17 @@ class Transport:
                     # Another worker had not finished the previous exchange: send it again (same sums).
                     prev_blocks, prev_exponents, prev_mark = self._prev
                     self._restore(prev_mark)
-                    Exchange(self, prev_blocks, prev_exponents).run()
+                    self._run_exchange(Exchange(self, prev_blocks, prev_exponents))
                     self.stats.replayed_exchanges += 1
                 elif decision.start != self._index:
                     raise TransportError(f"failover decision starts at exchange {decision.start}; this worker is at "
                                          f"{self._index}: the job's workers do not run the same exchanges") from None
                 self._restore(mark)
+
+    def _run_exchange(self, exchange: Exchange) -> None:
+        exchange.run()
+        if self._on_ps:  # a slot's rounds per exchange: exactly subset_round_uses, wherever they ran
+            self._rounds_away += subset_round_uses(exchange.num_blocks, self.slot_count)
 
     def _mark(self) -> _Mark:
         return _Mark(self.seq, self.probe_seq, self.rounds.copy(), self.next_pool.copy())
@@ -518,7 +522,7 @@ class Transport:
 
     def _to_ps(self) -> None:
         assert self._ps_address is not None
-        self._switch_seen[:] = self.round_count  # the switch saw (at most) every round sent so far
+        self._rounds_away = 0  # the switch saw (at most) every round sent so far
         self._on_ps = True
         self._set_destination(self._ps_address)
         self.uses[:] = 0  # no shadow resends of packets sent to the switch
@@ -533,10 +537,6 @@ class Transport:
         self.stats.failover_returns += 1
         log.info("job %d rank %d: exchanges from %d go to the switch %s:%d again", self.config.job_id,
                  self.config.rank, self._index, *self._switch_address)
-
-    def _rounds_away(self) -> int:
-        """The most rounds a slot ran since the switch last saw it."""
-        return int((self.round_count - self._switch_seen).max())
 
     @property
     def batched(self) -> bool:
@@ -576,7 +576,7 @@ class Transport:
 
     # -- used by Exchange (one exchange's state and loop; it also reads and writes the per-slot rows and round
     # state above: ``packets``/``raw``/``words``/``rows``, ``shadow``/``uses``/``resend``, ``rounds``/``next_pool``/
-    # ``round_count``, ``seq``/``probe_seq``, ``members``, and the receive batch ``rx_*``/``allowed``/``poller``) --
+    # ``seq``/``probe_seq``, ``members``, and the receive batch ``rx_*``/``allowed``/``poller``) --
     def transmit(self, slots: np.ndarray, resend_buffer: bool = False) -> int:
         """Send the rows of ``slots`` as they are (one sendmmsg per batch); returns how many failed.
 
@@ -759,7 +759,6 @@ class Exchange:
         # the slot's shadow (the same for both fill implementations: the copy is made here, before either).
         t.shadow[slots] = t.raw[slots]
         t.uses[slots] += 1
-        t.round_count[slots] += 1
         if t.members:
             t.packets["hdr"]["members"][slots] = t.members
         if self.fill(slots, block_ids, self.blocks, self.local_exp, self.global_exp, self.ahead, self.seq0,
