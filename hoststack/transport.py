@@ -109,8 +109,6 @@ except ImportError:
 
 K = wire.K
 _NETAGG_BYTES = wire.NETAGG_BYTES
-_HEADER_BYTES = wire.HEADER_BYTES
-_PAYLOAD_BYTES = wire.PAYLOAD_BYTES
 #: Smallest retransmission timeout (s). ``make bench``, 8 workers at 40 Mbit/s on 2 busy cores: a 2 ms floor
 #: gave 1.32x the bound with 7,389 retransmissions (nearly all spurious), 10 ms 1.00x with 222.
 RTO_FLOOR = 0.010
