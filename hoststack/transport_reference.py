@@ -18,7 +18,6 @@ from netagg.hoststack.packets import HEADER_DTYPE, PACKET_DTYPE, PROBE_SEQ_BIT, 
 _NETAGG_BYTES = wire.NETAGG_BYTES
 _HEADER_BYTES = wire.HEADER_BYTES
 _PAYLOAD_BYTES = wire.PAYLOAD_BYTES
-K = wire.K
 
 
 def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, count: int, allowed: np.ndarray,
