@@ -33,6 +33,10 @@ def skip_reason(target: str) -> str | None:
         return why
     if target == "bmv2":
         return bmv2_missing()
+    if target == "soft-sharded":
+        from netagg.softswitch import fastpath
+
+        return fastpath.unavailable()
     return None
 
 

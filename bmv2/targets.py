@@ -21,8 +21,12 @@ from netagg.bmv2.netns import ns_exec
 from netagg.localports import free_ports
 
 #: soft: the software target with its default engine (the compiled fast path where it can run);
-#: soft-ref: the software target on its readable reference model; bmv2: simple_switch_grpc.
-TARGETS = ("soft", "soft-ref", "bmv2")
+#: soft-ref: the software target on its readable reference model; soft-sharded: its fast path in
+#: SHARDED_SHARDS pipeline shards (several cores); bmv2: simple_switch_grpc.
+TARGETS = ("soft", "soft-ref", "soft-sharded", "bmv2")
+SOFT_TARGETS = ("soft", "soft-ref", "soft-sharded")
+#: Shards of the soft-sharded target: more than this machine's cores is fine (it tests the steering).
+SHARDED_SHARDS = 3
 
 
 class TargetError(RuntimeError):
@@ -103,10 +107,12 @@ def target_command(kind: str, interfaces: Mapping[int, str], grpc_address: str, 
         for number, ifname in sorted(interfaces.items()):
             cmd += ["-i", f"{number}@{ifname}"]
         return [*cmd, "--", "--grpc-server-addr", grpc_address]
-    if kind in ("soft", "soft-ref"):
+    if kind in SOFT_TARGETS:
         cmd = [sys.executable, "-m", "netagg.softswitch", "--grpc-addr", grpc_address, "--device-id", str(device_id)]
         if kind == "soft-ref":
             cmd += ["--engine", "reference"]
+        elif kind == "soft-sharded":
+            cmd += ["--engine", "fast", "--shards", str(SHARDED_SHARDS)]
         for number, ifname in sorted(interfaces.items()):
             cmd += ["-i", f"{number}@{ifname}"]
         if loopback:

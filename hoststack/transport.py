@@ -575,10 +575,12 @@ class Transport:
     # -- used by Exchange (one exchange's state and loop; it also reads and writes the per-slot rows and round
     # state above: ``packets``/``raw``/``words``/``rows``, ``shadow``/``uses``/``resend``, ``rounds``/``next_pool``/
     # ``seq``/``probe_seq``, ``members``, and the receive batch ``rx_*``/``allowed``/``poller``) --
-    def transmit(self, slots: np.ndarray, resend_buffer: bool = False) -> int:
+    def transmit(self, slots: np.ndarray, resend_buffer: bool = False, blocks: np.ndarray | None = None) -> int:
         """Send the rows of ``slots`` as they are (one sendmmsg per batch); returns how many failed.
 
-        ``resend_buffer``: rows of ``_resend`` (``slots`` are then row numbers there) instead of the packets."""
+        ``resend_buffer``: rows of ``_resend`` (``slots`` are then row numbers there, and ``blocks`` their
+        slots' steering blocks) instead of the packets. A segmented send never spans two steering blocks
+        (``wire.SEGMENT_BLOCK_SLOTS``: receivers with several cores steer it by its first datagram)."""
         tx = self._tx
         if tx is None:
             errors, rows, send = 0, self.resend_rows if resend_buffer else self.rows, self._send
@@ -590,9 +592,12 @@ class Transport:
             return errors
         errors = 0
         addresses = self.resend_addr if resend_buffer else self.row_addr
+        if blocks is None:
+            blocks = slots >> wire.SEGMENT_BLOCK_SHIFT
         for first in range(0, slots.shape[0], tx.capacity):
             chunk = slots[first:first + tx.capacity]
-            headers = tx.plan_uniform(addresses[chunk], _NETAGG_BYTES, *self._tx_name)
+            headers = tx.plan_uniform(addresses[chunk], _NETAGG_BYTES, *self._tx_name,
+                                      keys=blocks[first:first + tx.capacity])
             errors += tx.send(self._fd, headers)[1]
         return errors
 
@@ -847,7 +852,8 @@ class Exchange:
         rows = t.resend[:n]
         rows[:] = np.where(outstanding[:, None], t.shadow[slots], t.raw[slots])
         rows[:, 1] |= wire.FLAG_RETRANSMIT
-        errors = t.transmit(np.arange(n, dtype=np.int64), resend_buffer=True)
+        errors = t.transmit(np.arange(n, dtype=np.int64), resend_buffer=True,
+                            blocks=slots >> wire.SEGMENT_BLOCK_SHIFT)
         t.stats.packets_sent += n - errors
         t.stats.socket_errors += errors
         t.stats.shadow_resends += n - errors

@@ -172,6 +172,7 @@ class GsoBatch:
         self._plain_words[:, 3] = 1
         self._plain_addr = self._plain.ctypes.data
         self._plan = _kernels.plan_uniform if _kernels is not None else _plan_uniform_reference
+        self._no_keys = np.zeros(capacity, np.int64)
 
     @property
     def segmenting(self) -> bool:
@@ -179,12 +180,16 @@ class GsoBatch:
         return self.refused is None
 
     def plan_uniform(self, addresses: np.ndarray, length: int, name_addr: int = 0, name_len: int = 0,
-                     max_segments: int = MAX_SEGMENTS) -> int:
+                     max_segments: int = MAX_SEGMENTS, keys: np.ndarray | None = None) -> int:
         """Headers for ``addresses`` (uint64, each ``length`` bytes) to one destination, in order:
-        runs of up to ``max_segments`` (and :data:`MAX_SEND_BYTES`); returns the header count."""
+        runs of up to ``max_segments`` (and :data:`MAX_SEND_BYTES`) whose ``keys`` (int64, one per
+        address; e.g. each datagram's steering block, ``wire.SEGMENT_BLOCK_SLOTS``) are equal;
+        returns the header count."""
         per = max(1, min(max_segments, MAX_SEND_BYTES // max(length, 1))) if self.refused is None and length else 1
+        if keys is None:
+            keys = self._no_keys[:addresses.shape[0]]
         return self._plan(addresses, length, per, name_addr, name_len, self.iov_words, self.hdr_words,
-                          self.ctrl_size, self.iov_addr, self.ctrl_addr, CONTROL_BYTES)
+                          self.ctrl_size, self.iov_addr, self.ctrl_addr, CONTROL_BYTES, keys)
 
     def send(self, fd: int, headers: int) -> tuple[int, int]:
         """Send headers ``0 .. headers-1``; returns (segments sent, segments failed).
@@ -315,21 +320,28 @@ class GroBatch:
 
 def _plan_uniform_reference(addresses: np.ndarray, length: int, per: int, name_addr: int, name_len: int,
                             iov_words: np.ndarray, hdr_words: np.ndarray, ctrl_size: np.ndarray, iov_addr: np.uint64,
-                            ctrl_addr: np.uint64, ctrl_bytes: int) -> int:
-    """Segment ``j`` of ``addresses`` gets iovec ``j`` (``length`` bytes); runs of ``per`` consecutive segments
-    get one header each (its name, first iovec, count, and a UDP_SEGMENT control message when it holds more
-    than one); returns the header count. ``udpgso_kernels.plan_uniform`` is the compiled twin."""
+                            ctrl_addr: np.uint64, ctrl_bytes: int, keys: np.ndarray) -> int:
+    """Segment ``j`` of ``addresses`` gets iovec ``j`` (``length`` bytes); runs of up to ``per`` consecutive
+    segments with equal ``keys`` get one header each (its name, first iovec, count, and a UDP_SEGMENT control
+    message when it holds more than one); returns the header count. ``udpgso_kernels.plan_uniform`` is the
+    compiled twin."""
     n = addresses.shape[0]
     if n == 0:
         return 0
     iov_words[:n, 0] = addresses
     iov_words[:n, 1] = length
-    headers = -(-n // per)
-    first = np.arange(headers, dtype=np.uint64) * np.uint64(per)
+    # A run starts at 0, where the key changes, and every ``per`` segments within an equal-key stretch.
+    change = np.flatnonzero(np.diff(keys[:n]) != 0) + 1
+    starts: list[int] = []
+    for lo, hi in zip([0, *change.tolist()], [*change.tolist(), n], strict=True):
+        starts.extend(range(lo, hi, per))
+    first = np.array(starts, dtype=np.uint64)
+    headers = first.shape[0]
+    ends = np.append(first[1:], np.uint64(n))
     hdr_words[:headers, 0] = name_addr
     hdr_words[:headers, 1] = name_len
     hdr_words[:headers, 2] = iov_addr + first * np.uint64(16)
-    sizes = np.minimum(np.uint64(per), np.uint64(n) - first)
+    sizes = ends - first
     hdr_words[:headers, 3] = sizes
     multi = sizes > 1
     hdr_words[:headers, 4] = np.where(multi, ctrl_addr + np.arange(headers, dtype=np.uint64) * np.uint64(ctrl_bytes),

@@ -35,7 +35,7 @@ def gso_header(hdr_words, h, name_addr, name_len, iov_addr, first, size, ctrl_ad
 
 @njit(cache=True, nogil=True)
 def plan_uniform(addresses, length, per, name_addr, name_len, iov_words, hdr_words, ctrl_size, iov_addr,
-                 ctrl_addr, ctrl_bytes):  # pragma: no cover - compiled
+                 ctrl_addr, ctrl_bytes, keys):  # pragma: no cover - compiled
     """See ``udpgso._plan_uniform_reference``."""
     n = addresses.shape[0]
     for j in range(n):
@@ -44,7 +44,9 @@ def plan_uniform(addresses, length, per, name_addr, name_len, iov_words, hdr_wor
     headers = 0
     first = 0
     while first < n:
-        size = min(per, n - first)
+        size = 1
+        while size < per and first + size < n and keys[first + size] == keys[first]:
+            size += 1
         gso_header(hdr_words, headers, name_addr, name_len, iov_addr, first, size, ctrl_addr, ctrl_bytes,
                    ctrl_size, length)
         headers += 1

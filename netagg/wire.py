@@ -78,6 +78,12 @@ PAYLOAD_BYTES = K * VALUE_BYTES
 #: Bytes after the UDP header: netagg header plus values.
 NETAGG_BYTES = HEADER_BYTES + PAYLOAD_BYTES
 UDP_LENGTH = UDP_HEADER_BYTES + NETAGG_BYTES
+#: Steering (docs/protocol.md, "Steering"): receivers with several cores (switch shards, host threads) pick
+#: a packet's core by (job_id + (slot >> SEGMENT_BLOCK_SHIFT)) mod cores, and a segmented (GSO) send is
+#: steered once, by its first datagram: so one segmented send carries datagrams of one job and one block of
+#: SEGMENT_BLOCK_SLOTS job-relative slots only.
+SEGMENT_BLOCK_SHIFT = 6
+SEGMENT_BLOCK_SLOTS = 1 << SEGMENT_BLOCK_SHIFT
 IPV4_TOTAL_LENGTH = IPV4_HEADER_BYTES + UDP_LENGTH
 FRAME_BYTES = ETH_HEADER_BYTES + IPV4_TOTAL_LENGTH
 

@@ -78,12 +78,17 @@ class BatchSwitch(PortLoop):
     rx_faults = None
     tx_faults = None
 
-    def __init__(self, pipeline: FastPipeline, ports: Sequence[Port], raw_io: str | None = None) -> None:
+    def __init__(self, pipeline: FastPipeline, ports: Sequence[Port], raw_io: str | None = None,
+                 peers: Sequence[FastPipeline] = ()) -> None:
         reason = enable_batching(ports)
         if reason:
             raise ValueError(reason)
         super().__init__(ports)
         self.pipeline = pipeline
+        #: Every shard's pipeline, index = shard (``netagg.softswitch.shards``); empty for an unsharded switch.
+        self.peers = list(peers)
+        #: Frames that reached this shard for another shard's slots (a sender broke the steering rule).
+        self.foreign_frames = 0
         self._raw = [port for port in ports if isinstance(port, RawSocketPort)]
         self._loopback = [port for port in ports if isinstance(port, LoopbackUdpPort)]
         raw_rows = mmsg.BATCH * max(1, min(len(self._raw), 4))
@@ -111,6 +116,7 @@ class BatchSwitch(PortLoop):
         for port in self._loopback:
             self._port_slot[port.number] = -2
         self._group_counts = np.zeros(max(1, len(self._raw)), np.int64)
+        self._owners = np.zeros(max(raw_rows, LOOPBACK_GRO_ROWS, 256), np.int64)
         self._out = mmsg.MsgBatch(max(2 * raw_rows, 2 * LOOPBACK_GRO_ROWS) + 4 * mmsg.BATCH, STRIDE)
         self._out_len = np.zeros(self._out.capacity, np.int64)
         self._out_port = np.zeros(self._out.capacity, np.int64)
@@ -122,6 +128,7 @@ class BatchSwitch(PortLoop):
                 log.info("loopback port: results leave one datagram per message (%s)", self._gso.refused)
             self._gso_keys = np.zeros(self._out.capacity, np.int64)
             self._gso_order = np.zeros((self._out.capacity, 2), np.uint64)
+            self._gso_steer = np.zeros(self._out.capacity, np.int64)
 
     def run(self) -> None:
         """Serve until stop()."""
@@ -187,12 +194,41 @@ class BatchSwitch(PortLoop):
             self._process(rx.buf, in_len, in_port, count)
 
     def _process(self, buf: np.ndarray, in_len: np.ndarray, in_port: np.ndarray, count: int) -> None:
-        start = 0
-        while start < count:
-            start, emitted = self.pipeline.run(buf, in_len, in_port, count, self._out.buf, self._out_len,
-                                               self._out_port, start)
+        peers = self.peers
+        if len(peers) > 1:
+            me = self.pipeline.shard
+            foreign = kernels.frame_owners(buf, in_len, count, len(peers), me, self._owners)
+            if foreign:
+                self.foreign_frames += foreign
+                self._process_mixed(buf, in_len, in_port, count, me)
+                return
+        self._run(self.pipeline.lock, buf, in_len, in_port, 0, count)
+
+    def _run(self, lock, buf: np.ndarray, in_len: np.ndarray, in_port: np.ndarray, start: int, end: int) -> None:
+        """Frames ``start..end-1`` through this shard's pipeline holding ``lock``, sending what they emit."""
+        while start < end:
+            with lock:
+                start, emitted = self.pipeline.run_locked(buf, in_len, in_port, end, self._out.buf, self._out_len,
+                                                          self._out_port, start)
             if emitted:
                 self._transmit(emitted)
+
+    def _process_mixed(self, buf: np.ndarray, in_len: np.ndarray, in_port: np.ndarray, count: int, me: int) -> None:
+        """A batch with frames of other shards' slots (a segmented send that broke the steering rule, steered
+        by its first datagram): runs of one owner in order, another shard's under its lock and this one's
+        (taken in shard order, as the control plane does), so no register is ever written by two cores at once."""
+        owners = [me if o < 0 else o for o in self._owners[:count].tolist()]
+        i = 0
+        while i < count:
+            owner = owners[i]
+            j = i + 1
+            while j < count and owners[j] == owner:
+                j += 1
+            if owner == me:
+                self._run(self.pipeline.lock, buf, in_len, in_port, i, j)
+            else:
+                self._run(_Both(self.pipeline.lock, self.peers[owner].lock, me < owner), buf, in_len, in_port, i, j)
+            i = j
 
     def _transmit(self, emitted: int) -> None:
         out, out_len, out_port = self._out, self._out_len, self._out_port
@@ -203,7 +239,7 @@ class BatchSwitch(PortLoop):
                 headers, segments, bad = kernels.loopback_gso_sends(
                     out.buf, out_len, out_port, emitted, port.number, out.row_addr, out.names, out.name_addr,
                     gso.hdr_words, gso.iov_words, gso.ctrl_size, gso.iov_addr, gso.ctrl_addr, udpgso.CONTROL_BYTES,
-                    udpgso.MAX_SEGMENTS, udpgso.MAX_SEND_BYTES, self._gso_keys, self._gso_order)
+                    udpgso.MAX_SEGMENTS, udpgso.MAX_SEND_BYTES, self._gso_keys, self._gso_order, self._gso_steer)
                 handled += segments + bad
                 if headers or bad:
                     sent, failed = gso.send(port.fileno(), headers) if headers else (0, 0)
@@ -240,6 +276,21 @@ class BatchSwitch(PortLoop):
                 first += count
 
 
+class _Both:
+    """Two shard locks held together, taken in shard order (``first_is_mine``: this shard's comes first)."""
+
+    def __init__(self, mine, theirs, first_is_mine: bool) -> None:
+        self._order = (mine, theirs) if first_is_mine else (theirs, mine)
+
+    def __enter__(self) -> None:
+        self._order[0].acquire()
+        self._order[1].acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._order[1].release()
+        self._order[0].release()
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel with the array types the loop uses, so the
     first packets do not wait for the compiler (about 15 s on a 2-core machine, once per install).
@@ -260,7 +311,9 @@ def warm_up() -> None:
     kernels.loopback_gso_sends(out.buf, out_len, out_port, 0, 1, out.row_addr, out.names, out.name_addr,
                                gso.hdr_words, gso.iov_words, gso.ctrl_size, gso.iov_addr, gso.ctrl_addr,
                                udpgso.CONTROL_BYTES, udpgso.MAX_SEGMENTS, udpgso.MAX_SEND_BYTES,
-                               np.zeros(mmsg.BATCH, np.int64), np.zeros((mmsg.BATCH, 2), np.uint64))
+                               np.zeros(mmsg.BATCH, np.int64), np.zeros((mmsg.BATCH, 2), np.uint64),
+                               np.zeros(mmsg.BATCH, np.int64))
+    kernels.frame_owners(rx.buf, in_len, 0, 2, 0, np.zeros(mmsg.BATCH, np.int64))
     udpgso.warm_up()
     packet_ring.warm_up()
     gro = udpgso.GroBatch(4, 128, LOOPBACK_HEADROOM)  # its lengths are contiguous, unlike MsgBatch's view

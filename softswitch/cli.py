@@ -13,6 +13,7 @@ import sys
 from netagg import wire
 from netagg.jobconfig import endpoint_arg
 from netagg.shutdown import stop_event
+from netagg.softswitch.shards import ShardedSwitch
 from netagg.softswitch.target import ENGINES, Faults, SoftwareTarget
 
 
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=ENGINES, default="auto",
                         help="fast: compiled batch pipeline (numba); reference: the readable per-packet model; "
                              "auto: fast where it can run (default)")
+    parser.add_argument("--shards", type=int, default=None,
+                        help="pipeline shards, one core each (default: half this machine's CPUs, at most 8; "
+                             "1 with --engine reference or fault injection)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -59,17 +63,24 @@ def main(argv: list[str] | None = None) -> int:
         faults = Faults(args.drop, args.duplicate, args.reorder, args.seed, args.burst, args.burst_length)
         target = SoftwareTarget(args.grpc_addr, interfaces, args.loopback.as_tuple() if args.loopback else None,
                                 faults, args.device_id,
-                                engine=args.engine)
+                                engine=args.engine, shards=args.shards)
         target.start()
     except (OSError, ValueError) as err:
         print(f"netagg-softswitch: {err}", file=sys.stderr)
         return 1
     stop = stop_event()
+    if isinstance(target.switch, ShardedSwitch):
+        target.switch.on_failure = lambda _why: stop.set()
     where = f", loopback {target.loopback.address[0]}:{target.loopback.address[1]}" if target.loopback else ""
-    logging.info("ready: P4Runtime on %s, ports %s%s, %s engine (%s loop)", target.grpc_address,
-                 sorted(target.switch.ports), where, target.engine, type(target.switch).__name__)
+    logging.info("ready: P4Runtime on %s, ports %s%s, %s engine (%s loop, %d shard%s)", target.grpc_address,
+                 sorted(target.switch.ports), where, target.engine, type(target.switch).__name__, target.shards,
+                 "" if target.shards == 1 else "s")
     stop.wait()
     target.stop()
+    failed = getattr(target.switch, "failed", None)
+    if failed:
+        print(f"netagg-softswitch: {failed}", file=sys.stderr)
+        return 1
     s = target.switch.stats
     logging.info("stopped: %d frames in, %d out, %d to unknown ports, %d failed", s.received, s.transmitted,
                  s.unknown_port, s.transmit_failed)

@@ -10,12 +10,14 @@ recvmmsg), in which case the target uses the reference model and says so.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from p4.config.v1 import p4info_pb2
 
 from netagg import dataplane as dp
 from netagg import mmsg, wire
-from netagg.softswitch.forwarding_state import ForwardingState
+from netagg.softswitch.forwarding_state import ForwardingState, StateLock
 
 #: Counters in the order the kernels index them (C_* in fastpath_kernels).
 COUNTERS = (dp.COUNTER_DROP_REASONS, dp.COUNTER_EGRESS_DROP_REASONS, dp.COUNTER_JOB_CONTRIBUTIONS,
@@ -159,8 +161,30 @@ class CompiledTables:
                 self.route_vm, self.route_out, self.rep_keys, self.rep_vals, self.grp_off, self.grp_items)
 
 
+class _TableCache:
+    """The compiled tables of one state, rebuilt after each write; shared by a switch's shards."""
+
+    def __init__(self, state: ForwardingState) -> None:
+        self.state = state
+        self._lock = threading.Lock()
+        self._version = -1
+        self._tables: CompiledTables | None = None
+
+    def get(self) -> CompiledTables:
+        """The tables of the state's current version (call holding the state's lock or a shard's)."""
+        with self._lock:
+            if self._version != self.state.version or self._tables is None:
+                self._tables = CompiledTables(self.state)
+                self._version = self.state.version
+            return self._tables
+
+
 class FastPipeline:
-    """The netagg program on one software switch, compiled; batches in, batches out."""
+    """The netagg program on one software switch, compiled; batches in, batches out.
+
+    :meth:`add_shard` makes a pipeline for one more core: the same registers and tables, counters of
+    its own and a lock of its own, so shards run batches at the same time (on disjoint slots:
+    ``netagg.steering``) while control-plane writes still see every shard between batches."""
 
     def __init__(self, state: ForwardingState, p4info: p4info_pb2.P4Info) -> None:
         from netagg.softswitch import fastpath_kernels as kernels
@@ -169,12 +193,32 @@ class FastPipeline:
         self.state = state
         sizes = {r.preamble.name: r.size for r in p4info.registers}
         self.registers = FastRegisters(sizes[dp.REGISTER_SLOT_OWNER])
-        self._counters = tuple(a for name in COUNTERS for a in state.counter_arrays(name))
-        self._version = -1
-        self._tables: CompiledTables | None = None
+        #: This pipeline's shard number (0 for the first) and the lock it holds for a batch.
+        self.shard = 0
+        self.lock: threading.Lock | StateLock = state.lock
+        self._counters = self._shard_counters(0)
+        self._cache = _TableCache(state)
         self._work = np.zeros(65536 + 64, np.uint8)
         self._one_out = np.zeros((0, 0), np.uint8)
         self._warm_up()
+
+    def _shard_counters(self, shard: int) -> tuple:
+        return tuple(a for name in COUNTERS for a in self.state.counter_arrays(name, shard))
+
+    def add_shard(self) -> FastPipeline:
+        """A pipeline for one more shard (call before any shard runs); the first call also gives this one
+        a shard lock, so from then on no batch holds the whole state lock."""
+        if self.lock is self.state.lock:
+            self.lock = self.state.lock.add_shard()
+        other = FastPipeline.__new__(FastPipeline)
+        other._kernels, other.state, other.registers, other._cache = self._kernels, self.state, self.registers, \
+            self._cache
+        other.shard = self.state.add_counter_shard()
+        other.lock = self.state.lock.add_shard()
+        other._counters = other._shard_counters(other.shard)
+        other._work = np.zeros_like(self._work)
+        other._one_out = np.zeros((0, 0), np.uint8)
+        return other
 
     def _warm_up(self) -> None:
         """Compile (or load from numba's cache) the batch kernel now, not on the first packet."""
@@ -190,11 +234,8 @@ class FastPipeline:
         self.registers.reset()
 
     def tables(self) -> CompiledTables:
-        """The compiled tables, rebuilt if the control plane wrote since (call with ``state.lock`` held)."""
-        if self._version != self.state.version or self._tables is None:
-            self._tables = CompiledTables(self.state)
-            self._version = self.state.version
-        return self._tables
+        """The compiled tables, rebuilt if the control plane wrote since (call with ``lock`` held)."""
+        return self._cache.get()
 
     def run(self, in_buf: np.ndarray, in_len: np.ndarray, in_port: np.ndarray, count: int, out_buf: np.ndarray,
             out_len: np.ndarray, out_port: np.ndarray, start: int = 0) -> tuple[int, int]:
@@ -202,23 +243,28 @@ class FastPipeline:
 
         Returns (next unprocessed frame, frames emitted into ``out_*``); fewer than all when the
         outputs filled up: send them and call again from the returned index."""
-        with self.state.lock:
-            if not self.state.configured:  # like BMv2 --no-p4 before a pipeline is pushed
-                return count, 0
-            t = self.tables()
-            if t.max_out > out_buf.shape[0]:
-                raise ValueError(f"an output batch of {out_buf.shape[0]} frames cannot hold a group of {t.max_out}")
-            regs = self.registers
-            done, emitted = self._kernels.run_batch(
-                in_buf[start:], in_len[start:], in_port[start:], count - start, self._work, out_buf, out_len,
-                out_port, t.max_out, t.arrays(), self._counters, regs.arrays())
+        with self.lock:
+            return self.run_locked(in_buf, in_len, in_port, count, out_buf, out_len, out_port, start)
+
+    def run_locked(self, in_buf: np.ndarray, in_len: np.ndarray, in_port: np.ndarray, count: int,
+                   out_buf: np.ndarray, out_len: np.ndarray, out_port: np.ndarray, start: int = 0) -> tuple[int, int]:
+        """:meth:`run` for a caller that holds ``lock`` (and, for frames of another shard's slots, that
+        shard's lock too: ``batch_switch``)."""
+        if not self.state.configured:  # like BMv2 --no-p4 before a pipeline is pushed
+            return count, 0
+        t = self.tables()
+        if t.max_out > out_buf.shape[0]:
+            raise ValueError(f"an output batch of {out_buf.shape[0]} frames cannot hold a group of {t.max_out}")
+        done, emitted = self._kernels.run_batch(
+            in_buf[start:], in_len[start:], in_port[start:], count - start, self._work, out_buf, out_len,
+            out_port, t.max_out, t.arrays(), self._counters, self.registers.arrays())
         return start + done, emitted
 
     def process(self, frame: bytes, ingress_port: int) -> list[tuple[int, bytes]]:
         """One frame (the reference model's interface); returns the frames it emits."""
         length = len(frame)
         in_buf = np.frombuffer(frame, np.uint8).reshape(1, length).copy() if length else np.zeros((1, 1), np.uint8)
-        with self.state.lock:
+        with self.lock:
             cap = self.tables().max_out
         stride = max(length, 1)
         if self._one_out.shape[0] < cap or self._one_out.shape[1] < stride:

@@ -71,6 +71,7 @@ OP_NONE, OP_WRITE, OP_MERGE, OP_READ = int(ValueOp.NONE), int(ValueOp.WRITE), in
 ROUND_SAME, ROUND_NEW, ROUND_OLD = int(RoundState.SAME), int(RoundState.NEW), int(RoundState.OLD)
 #: Actions of the sources table as compiled.
 SRC_SWITCH_ONLY, SRC_BIND = 1, 2
+BLOCK_SHIFT = wire.SEGMENT_BLOCK_SHIFT
 
 
 @njit(cache=True, inline="always")
@@ -491,7 +492,7 @@ def netagg_compute_checksum(b):
         _ipv4_checksum(b)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def run_batch(in_buf, in_len, in_port, count, work, out_buf, out_len, out_port, max_out, tables, counters, regs):
     """Frames ``0..count-1`` in order, each through V1Switch(NetaggParser, NetaggIngress, the replication
     engine, NetaggEgress, NetaggComputeChecksum, the deparser); returns (frames consumed, frames emitted).
@@ -526,7 +527,7 @@ def run_batch(in_buf, in_len, in_port, count, work, out_buf, out_len, out_port, 
     return count, n
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def loopback_frames(buf, lengths, names, count, headroom, switch_ip, out_len):
     """The Ethernet/IPv4/UDP header a host's kernel would have put before each received datagram
     (``ports.LoopbackUdpPort._frame_for``), written into each row's headroom."""
@@ -569,7 +570,7 @@ def _udp_payload(b, length):
     return udp + 8
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def loopback_sends(out_buf, out_len, out_port, count, port_number, row_addr, names, name_addr, tx_words,
                    tx_iov_words):
     """Fill sendmmsg headers for the emitted frames to ``port_number``: each frame's UDP payload to its
@@ -599,7 +600,7 @@ def loopback_sends(out_buf, out_len, out_port, count, port_number, row_addr, nam
     return m, bad
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def group_sends(out_len, out_port, count, port_slot, row_addr, tx_words, tx_iov_words, group_counts):
     """Fill sendmmsg headers for the emitted frames grouped by egress port (a counting sort).
 
@@ -636,14 +637,17 @@ def group_sends(out_len, out_port, count, port_slot, row_addr, tx_words, tx_iov_
     return unknown
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def loopback_gso_sends(out_buf, out_len, out_port, count, port_number, row_addr, names, name_addr, hdr_words,
-                       iov_words, ctrl_size, iov_addr, ctrl_addr, ctrl_bytes, max_segments, max_bytes, keys, order):
+                       iov_words, ctrl_size, iov_addr, ctrl_addr, ctrl_bytes, max_segments, max_bytes, keys, order,
+                       steer):
     """:func:`loopback_sends` for segmented sends (``netagg.udpgso.GsoBatch``): the emitted frames to
     ``port_number`` grouped by destination (IPv4 address and UDP port; each destination's frames in
     the order they were emitted), and each destination's run cut into headers of up to
-    ``max_segments`` payloads of one length (``max_bytes`` in all). Header ``h`` sends to
-    ``names[h]``; iovec ``j`` is a payload. Returns (headers, segments, undeliverable)."""
+    ``max_segments`` payloads of one length (``max_bytes`` in all) and of one steering block (job and
+    ``slot >> wire.SEGMENT_BLOCK_SHIFT``: a host with several receive threads steers a segmented send by its
+    first datagram). Header ``h`` sends to ``names[h]``; iovec ``j`` is a payload; ``keys``, ``order`` and
+    ``steer`` are scratch. Returns (headers, segments, undeliverable)."""
     m = 0
     bad = 0
     for i in range(count):
@@ -657,6 +661,10 @@ def loopback_gso_sends(out_buf, out_len, out_port, count, port_number, row_addr,
             continue
         udp = payload - 8
         keys[m] = (np.int64(_u32(b, IP + 16)) << np.int64(16)) | np.int64(_u16(b, udp + 2))
+        if payload + 6 <= length:  # job_id (bytes 2-3) and slot (4-5) of a netagg header
+            steer[m] = (np.int64(_u16(b, payload + 2)) << np.int64(32)) | np.int64(_u16(b, payload + 4) >> BLOCK_SHIFT)
+        else:
+            steer[m] = -1
         iov_words[m, 0] = row_addr[i] + np.uint64(udp + 8)
         iov_words[m, 1] = length - udp - 8
         m += 1
@@ -671,11 +679,12 @@ def loopback_gso_sends(out_buf, out_len, out_port, count, port_number, row_addr,
     j = 0
     while j < m:
         key = keys[perm[j]]
+        block = steer[perm[j]]
         seg = order[j, 1]
         start = j
         total = np.uint64(0)
         while (j < m and keys[perm[j]] == key and order[j, 1] == seg and j - start < max_segments
-               and total + seg <= max_bytes):
+               and total + seg <= max_bytes and steer[perm[j]] == block):
             iov_words[j, 0] = order[j, 0]
             iov_words[j, 1] = order[j, 1]
             total += seg
@@ -694,3 +703,27 @@ def loopback_gso_sends(out_buf, out_len, out_port, count, port_number, row_addr,
                    ctrl_size, seg)
         headers += 1
     return headers, m, bad
+
+
+@njit(cache=True, nogil=True)
+def frame_owners(buf, lengths, count, shards, me, owners):
+    """The shard that owns each frame's slot (``netagg.steering.shard_of``: job and slot of a netagg
+    frame), or -1 for a frame of no slot (not IPv4/UDP to netagg's port, too short): any shard may run
+    it. Writes ``owners[0..count-1]``; returns how many frames belong to a shard other than ``me``."""
+    foreign = 0
+    for i in range(count):
+        b = buf[i]
+        length = lengths[i]
+        owners[i] = -1
+        if length < IP + 20 or _u16(b, 12) != 0x0800 or b[IP + 9] != 17:
+            continue
+        udp = IP + (b[IP] & 0x0F) * 4
+        if udp + 14 > length or _u16(b, udp + 2) != NETAGG_PORT:
+            continue
+        job = np.int64(_u16(b, udp + 10))
+        slot = np.int64(_u16(b, udp + 12))
+        owner = (job + (slot >> BLOCK_SHIFT)) % shards
+        owners[i] = owner
+        if owner != me:
+            foreign += 1
+    return foreign

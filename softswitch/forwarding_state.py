@@ -8,7 +8,11 @@ and PI/BMv2 do (with :mod:`netagg.softswitch.p4rt_codec`) and raises ``StateErro
 (a gRPC code and a precise message). The tables themselves are in
 :mod:`netagg.softswitch.tables`.
 
-Methods do not take ``lock`` themselves: callers hold it.
+Methods do not take ``lock`` themselves: callers hold it. With pipeline shards (several
+cores, :mod:`netagg.softswitch.shards`) ``lock`` is a :class:`StateLock`: the control plane
+takes it whole, so every shard is between batches while a write is applied and the write
+reaches every shard before it is acknowledged; each shard takes only its own part for a
+batch and counts into counter arrays of its own, which reads add up.
 """
 
 from __future__ import annotations
@@ -49,6 +53,42 @@ _INSERT, _MODIFY, _DELETE = p4rt.Update.INSERT, p4rt.Update.MODIFY, p4rt.Update.
 RepeatedEntities = Any
 
 
+class StateLock:
+    """The state's lock: taking it takes its own lock and then every shard's (in order); a pipeline shard
+    holds only the lock :meth:`add_shard` gave it while it runs a batch. Without shards, a plain lock."""
+
+    def __init__(self) -> None:
+        self._own = threading.Lock()
+        self._shards: list[threading.Lock] = []
+
+    def add_shard(self) -> threading.Lock:
+        """A new shard's lock (call before the shard runs)."""
+        with self._own:
+            lock = threading.Lock()
+            self._shards.append(lock)
+            return lock
+
+    def acquire(self) -> bool:
+        self._own.acquire()
+        for lock in self._shards:
+            lock.acquire()
+        return True
+
+    def release(self) -> None:
+        for lock in reversed(self._shards):
+            lock.release()
+        self._own.release()
+
+    def locked(self) -> bool:
+        return self._own.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class ForwardingState:
     """Tables, counters and multicast groups of one pipeline, sized from its P4Info.
 
@@ -59,13 +99,15 @@ class ForwardingState:
 
     def __init__(self, index: P4InfoIndex) -> None:
         self.index = index
-        self.lock = threading.Lock()
+        self.lock = StateLock()
         #: Set by the P4Runtime server once a pipeline is committed; False after reset().
         self.configured = False
         self._tables = {info.name: make_table(info, index) for info in index.tables}
         self._tables_by_id = {t.info.id: t for t in self._tables.values()}
         self._counters = {c.name: (np.zeros(c.size, np.int64), np.zeros(c.size, np.int64))
                           for c in index.counters}
+        #: Counter arrays of the pipeline shards past the first (added to the state's own on every read).
+        self._shard_counters: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
         #: group id -> [(egress_port, instance)], as the packet replication engine uses them.
         self.multicast_groups: dict[int, list[tuple[int, int]]] = {}
         # How each replica's port was written (None: egress_port, n: n-byte `port`), for reads.
@@ -106,21 +148,35 @@ class ForwardingState:
 
     def counter_values(self, counter: str | int, index: int) -> tuple[int, int]:
         """(packets, bytes) of one counter cell; IndexError if out of range."""
-        packets, byte_counts = self._counter_arrays(counter)
+        packets, byte_counts = self.counter_sums(counter)
         if not 0 <= index < packets.shape[0]:
             raise IndexError(f"counter {counter!r} has {packets.shape[0]} cells, no index {index}")
         return int(packets[index]), int(byte_counts[index])
 
     def counter_total(self, counter: str | int) -> int:
         """Packets counted over all cells of ``counter``."""
-        return int(self._counter_arrays(counter)[0].sum())
+        return int(self.counter_sums(counter)[0].sum())
 
-    def _counter_arrays(self, counter: str | int) -> tuple[np.ndarray, np.ndarray]:
-        return self._counters[self.index.counter(counter).name]
+    def counter_sums(self, counter: str | int) -> tuple[np.ndarray, np.ndarray]:
+        """What ``counter`` has counted: the state's own arrays, or with shards their sum (a copy)."""
+        name = self.index.counter(counter).name
+        packets, byte_counts = self._counters[name]
+        for shard in self._shard_counters:
+            packets = packets + shard[name][0]
+            byte_counts = byte_counts + shard[name][1]
+        return packets, byte_counts
 
-    def counter_arrays(self, counter: str | int) -> tuple[np.ndarray, np.ndarray]:
-        """The (packets, bytes) arrays of ``counter`` themselves (compiled pipelines count into them)."""
-        return self._counter_arrays(counter)
+    def counter_arrays(self, counter: str | int, shard: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The (packets, bytes) arrays ``shard`` counts ``counter`` into (compiled pipelines count into
+        them): shard 0's are the state's own; :meth:`add_counter_shard` makes the others'."""
+        name = self.index.counter(counter).name
+        return self._counters[name] if shard == 0 else self._shard_counters[shard - 1][name]
+
+    def add_counter_shard(self) -> int:
+        """Counter arrays for one more pipeline shard (zeros); returns its shard number (1, 2, ...)."""
+        self._shard_counters.append({name: (np.zeros_like(p), np.zeros_like(b))
+                                     for name, (p, b) in self._counters.items()})
+        return len(self._shard_counters)
 
     # ---- lifecycle
 
@@ -137,9 +193,10 @@ class ForwardingState:
             hook()
         for table in self._tables.values():
             table.clear()
-        for packets, byte_counts in self._counters.values():
-            packets.fill(0)
-            byte_counts.fill(0)
+        for counters in (self._counters, *self._shard_counters):
+            for packets, byte_counts in counters.values():
+                packets.fill(0)
+                byte_counts.fill(0)
         self.multicast_groups.clear()
         self._replica_forms.clear()
         self.configured = False
@@ -281,6 +338,8 @@ class ForwardingState:
         if update_type == _INSERT:
             raise invalid(f"counter '{info.name}': INSERT is not supported for counters, use MODIFY")
         packets, byte_counts = self._counters[info.name]
+        for shard in self._shard_counters:  # the cell's value lives in the state's own arrays from now on
+            shard[info.name][0][index] = shard[info.name][1][index] = 0
         if update_type == _DELETE:
             packets[index] = byte_counts[index] = 0
             return
@@ -360,7 +419,7 @@ class ForwardingState:
         for info in infos:
             indices = ([check_counter_index(info, ce.index.index)] if ce.HasField("index")
                        else list(range(info.size)))
-            packets, byte_counts = self._counters[info.name]
+            packets, byte_counts = self.counter_sums(info.name)
             for i, p, b in zip(indices, packets[indices].tolist(), byte_counts[indices].tolist(),
                                strict=True):
                 cell = new()

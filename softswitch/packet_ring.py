@@ -253,7 +253,7 @@ def _advance(ring, table, r, v3):
     table[r, T_HEAD] = _slot(table, r, T_RX, nxt)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def ring_receive(ring, table, version, rows, lengths, ports, fill, counts, copy):
     """Frames waiting in the ports' receive rings into rows ``fill..`` of ``rows``, with their lengths
     and ingress ports, in the order the kernel received them across all ports (each frame's receive
@@ -289,14 +289,14 @@ def ring_receive(ring, table, version, rows, lengths, ports, fill, counts, copy)
     return fill
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def ring_release(ring, table, r):
     """Give port ``r``'s current TPACKET_V2 receive slot back to the kernel and move on (after a
     copy-path read)."""
     _advance(ring, table, r, False)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def ring_transmit(ring, table, version, out_buf, out_len, out_port, count, port_slot, queued):
     """Copy the emitted frames into their port's transmit ring (``port_slot[port]``: row of ``table``,
     -2 for a port sent to elsewhere, -1 none), in order; ``queued[row]``: frames queued per port.

@@ -82,13 +82,21 @@ class RawSocketPort:
 class LoopbackUdpPort:
     """The embedded default port: real UDP on loopback, frames inside the switch."""
 
-    def __init__(self, number: int, host: str = "127.0.0.1", udp_port: int = wire.NETAGG_UDP_PORT) -> None:
+    def __init__(self, number: int, host: str = "127.0.0.1", udp_port: int = wire.NETAGG_UDP_PORT,
+                 sock: socket.socket | None = None) -> None:
+        """``sock``: a bound, non-blocking UDP socket to serve (one of a shard group's: ``netagg.steering``)."""
         self.number = number
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-        self.sock.bind((host, udp_port))
-        self.sock.setblocking(False)
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+                sock.bind((host, udp_port))
+            except OSError:
+                sock.close()
+                raise
+            sock.setblocking(False)
+        self.sock = sock
         self.address = self.sock.getsockname()
         self._switch_ip = socket.inet_aton(self.address[0])
         self.undeliverable = 0

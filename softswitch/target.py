@@ -23,6 +23,7 @@ from netagg.softswitch.forwarding_state import ForwardingState
 from netagg.softswitch.p4runtime_server import P4RuntimeDevice, ServerHandle, serve
 from netagg.softswitch.pipeline import NetaggPipeline
 from netagg.softswitch.ports import LoopbackUdpPort, Port, RawSocketPort
+from netagg.softswitch.shards import ShardedSwitch, shard_counts
 from netagg.softswitch.switch import SoftSwitch
 
 if TYPE_CHECKING:
@@ -62,7 +63,9 @@ class SoftwareTarget:
 
     def __init__(self, grpc_address: str = "127.0.0.1:9559", interfaces: Mapping[int, str] | None = None,
                  loopback: tuple[str, int] | None = None, faults: Faults | None = None, device_id: int = 1,
-                 p4info_path: Path = dp.P4INFO_PATH, engine: str = "auto") -> None:
+                 p4info_path: Path = dp.P4INFO_PATH, engine: str = "auto", shards: int | None = None) -> None:
+        """``shards``: pipeline shards on as many cores (:mod:`~netagg.softswitch.shards`; None: what the
+        machine can spare); 1 where the per-packet loop runs (the reference engine, fault injection)."""
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
         index = P4InfoIndex.from_file(p4info_path)
@@ -80,17 +83,32 @@ class SoftwareTarget:
         self.state.add_reset_hook(self.pipeline.reset_registers)
         self.device = P4RuntimeDevice(self.state, device_id=device_id)
         self._grpc_request = grpc_address
-        ports: list[Port] = [RawSocketPort(n, ifname) for n, ifname in sorted((interfaces or {}).items())]
-        self.loopback: LoopbackUdpPort | None = None
-        if loopback is not None:
-            if LOOPBACK_PORT_NUMBER in (interfaces or {}):
-                raise ValueError(f"port {LOOPBACK_PORT_NUMBER} is the loopback port; number interfaces from 2")
-            self.loopback = LoopbackUdpPort(LOOPBACK_PORT_NUMBER, *loopback)
-            ports.append(self.loopback)
-        if not ports:
+        if loopback is not None and LOOPBACK_PORT_NUMBER in (interfaces or {}):
+            raise ValueError(f"port {LOOPBACK_PORT_NUMBER} is the loopback port; number interfaces from 2")
+        if loopback is None and not interfaces:
             raise ValueError("the software target needs at least one port (-i N@IFNAME or --loopback)")
         rx, tx = (faults or Faults()).injectors()
-        self.switch: SoftSwitch | BatchSwitch
+        per_packet = ("the reference engine runs per packet" if reason
+                      else "fault injection runs per packet" if rx.active or tx.active else None)
+        #: Pipeline shards (cores) serving the ports.
+        self.shards = shard_counts(shards, per_packet)
+        self.switch: SoftSwitch | BatchSwitch | ShardedSwitch
+        self.loopback: LoopbackUdpPort | None = None
+        if self.shards > 1:
+            from netagg.softswitch.batch_switch import warm_up
+
+            warm_up()
+            assert isinstance(self.pipeline, fastpath.FastPipeline)
+            self.switch = ShardedSwitch(self.pipeline, self.shards, interfaces or {},
+                                        (LOOPBACK_PORT_NUMBER, *loopback) if loopback is not None else None)
+            port = self.switch.ports.get(LOOPBACK_PORT_NUMBER)
+            self.loopback = port if isinstance(port, LoopbackUdpPort) else None
+            self.server = None
+            return
+        ports: list[Port] = [RawSocketPort(n, ifname) for n, ifname in sorted((interfaces or {}).items())]
+        if loopback is not None:
+            self.loopback = LoopbackUdpPort(LOOPBACK_PORT_NUMBER, *loopback)
+            ports.append(self.loopback)
         if isinstance(self.pipeline, fastpath.FastPipeline) and not (rx.active or tx.active):
             from netagg.softswitch.batch_switch import BatchSwitch, enable_batching, warm_up  # needs numba
 

@@ -27,9 +27,10 @@ class LoopbackSwitch:
     """The software target on 127.0.0.1 (ephemeral ports), with a primary P4Runtime session."""
 
     def __init__(self, drop: float = 0.0, duplicate: float = 0.0, reorder: float = 0.0, seed: int = 1,
-                 capacity: int = 4096, burst: float = 0.0, burst_length: int = 64) -> None:
+                 capacity: int = 4096, burst: float = 0.0, burst_length: int = 64, shards: int | None = 1) -> None:
+        """``shards``: pipeline shards (None: the target's default, what the machine can spare)."""
         self.target = SoftwareTarget("127.0.0.1:0", loopback=("127.0.0.1", 0),
-                                     faults=Faults(drop, duplicate, reorder, seed, burst, burst_length))
+                                     faults=Faults(drop, duplicate, reorder, seed, burst, burst_length), shards=shards)
         self.capacity = capacity
         self.client: P4RuntimeClient | None = None
         self._next_slot = 0

@@ -13,11 +13,12 @@ import pytest
 
 from netagg import dataplane as dp
 from netagg.bmv2.ptf_runner import EXIT_SKIPPED, skip_reason
+from netagg.bmv2.targets import SHARDED_SHARDS
 from netagg.softswitch import fastpath
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["soft", "soft-ref", pytest.param("bmv2", marks=pytest.mark.bmv2)])
+@pytest.mark.parametrize("target", ["soft", "soft-ref", "soft-sharded", pytest.param("bmv2", marks=pytest.mark.bmv2)])
 def test_ptf_suite(target, tmp_path):
     reason = skip_reason(target)
     if reason:
@@ -35,3 +36,5 @@ def test_ptf_suite(target, tmp_path):
         log = (tmp_path / f"{target}-switch.log").read_text()
         engine = "reference" if target == "soft-ref" or fastpath.unavailable() else "fast"
         assert f"{engine} engine" in log, log
+        if target == "soft-sharded":
+            assert f"{SHARDED_SHARDS} shards" in log, log

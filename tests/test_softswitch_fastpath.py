@@ -27,6 +27,7 @@ from netagg.softswitch.pipeline import NetaggPipeline
 if unavailable():
     pytest.skip(f"compiled engine unavailable: {unavailable()}", allow_module_level=True)
 
+from netagg.softswitch import fastpath_kernels
 from netagg.softswitch.fastpath import FastPipeline
 
 AGGREGATOR = "10.0.0.254"
@@ -41,11 +42,13 @@ def _ip(text: str) -> int:
 class Twins:
     """A reference and a fast pipeline over two ForwardingStates that receive the same writes."""
 
-    def __init__(self) -> None:
+    def __init__(self, shards: int = 1) -> None:
         index = P4InfoIndex.from_file(dp.P4INFO_PATH)
         self.ref_state, self.fast_state = ForwardingState(index), ForwardingState(index)
         self.ref = NetaggPipeline(self.ref_state, index.p4info)
         self.fast = FastPipeline(self.fast_state, index.p4info)
+        #: The fast engine's shards (softswitch/shards.py): shared registers and tables, counters each.
+        self.shards = [self.fast, *(self.fast.add_shard() for _ in range(shards - 1))]
         for state in (self.ref_state, self.fast_state):
             state.configured = True
         self.builder = EntityBuilder(index)
@@ -89,34 +92,48 @@ class Twins:
         self.group(dele, job, [])
 
     def run(self, frames: list[tuple[bytes, int]], rng: np.random.Generator) -> None:
-        """Both engines, the same frames; the fast one in random batches. Asserts identical outputs."""
-        want = [out for frame, port in frames for out in self.ref.process(frame, port)]
-        got: list[tuple[int, bytes]] = []
+        """Both engines, the same frames; the fast one in random batches. Asserts identical outputs.
+
+        With shards, each batch is split by the shard that owns each frame's slot (as the kernel's steering
+        does; frames of no slot go to a random shard) and each part runs on its shard's pipeline in order:
+        outputs must then be identical per owner (shards interleave, slots never do)."""
+        n = len(self.shards)
+        owner_of = [_owner(frame, n) for frame, _ in frames]
+        want: dict[int, list[tuple[int, bytes]]] = {}
+        for (frame, port), owner in zip(frames, owner_of):
+            want.setdefault(owner, []).extend(self.ref.process(frame, port))
+        got: dict[int, list[tuple[int, bytes]]] = {}
         stride = max([len(f) for f, _ in frames] + [1])
         out_buf = np.zeros((128, stride), np.uint8)
         out_len = np.zeros(128, np.int64)
         out_port = np.zeros(128, np.int64)
         i = 0
         while i < len(frames):
-            chunk = frames[i:i + int(rng.integers(1, 65))]
-            in_buf = np.zeros((len(chunk), stride), np.uint8)
-            for row, (frame, _) in enumerate(chunk):
-                in_buf[row, :len(frame)] = np.frombuffer(frame, np.uint8)
-            in_len = np.array([len(f) for f, _ in chunk], np.int64)
-            in_port = np.array([p for _, p in chunk], np.int64)
-            start = 0
-            while start < len(chunk):
-                start, emitted = self.fast.run(in_buf, in_len, in_port, len(chunk), out_buf, out_len, out_port, start)
-                got.extend((int(out_port[k]), out_buf[k, :out_len[k]].tobytes()) for k in range(emitted))
-            i += len(chunk)
-        assert len(got) == len(want)
-        for k, (g, w) in enumerate(zip(got, want)):
-            assert g == w, f"output {k} differs"
+            size = int(rng.integers(1, 65))
+            for owner in sorted(set(owner_of[i:i + size]), key=lambda _: rng.random()):
+                chunk = [f for f, o in zip(frames[i:i + size], owner_of[i:i + size]) if o == owner]
+                pipeline = self.shards[owner if owner >= 0 else int(rng.integers(0, n))]
+                in_buf = np.zeros((len(chunk), stride), np.uint8)
+                for row, (frame, _) in enumerate(chunk):
+                    in_buf[row, :len(frame)] = np.frombuffer(frame, np.uint8)
+                in_len = np.array([len(f) for f, _ in chunk], np.int64)
+                in_port = np.array([p for _, p in chunk], np.int64)
+                start = 0
+                while start < len(chunk):
+                    start, emitted = pipeline.run(in_buf, in_len, in_port, len(chunk), out_buf, out_len, out_port,
+                                                  start)
+                    got.setdefault(owner, []).extend(
+                        (int(out_port[k]), out_buf[k, :out_len[k]].tobytes()) for k in range(emitted))
+            i += size
+        assert {o: len(v) for o, v in got.items() if v} == {o: len(v) for o, v in want.items() if v}
+        for owner, outputs in want.items():
+            for k, (g, w) in enumerate(zip(got.get(owner, []), outputs)):
+                assert g == w, f"output {k} of shard {owner}'s frames differs"
         self.assert_same_state()
 
     def assert_same_state(self) -> None:
         for name in COUNTERS:
-            for ref_array, fast_array in zip(self.ref_state.counter_arrays(name), self.fast_state.counter_arrays(name)):
+            for ref_array, fast_array in zip(self.ref_state.counter_sums(name), self.fast_state.counter_sums(name)):
                 np.testing.assert_array_equal(fast_array, ref_array, err_msg=name)
         ref, fast = self.ref.registers.snapshot(), self.fast.registers.snapshot()
         for name in ref:
@@ -250,10 +267,20 @@ def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int
     return frames
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_random_and_adversarial_sequences_give_identical_frames_counters_and_registers(seed):
+def _owner(frame: bytes, shards: int) -> int:
+    """The shard of the frame's slot (netagg.steering), -1 for a frame of no slot; one owner without shards."""
+    if shards == 1:
+        return 0
+    owners = np.zeros(1, np.int64)
+    row = np.frombuffer(frame, np.uint8).reshape(1, -1) if frame else np.zeros((1, 1), np.uint8)
+    fastpath_kernels.frame_owners(row, np.array([len(frame)], np.int64), 1, shards, 0, owners)
+    return int(owners[0])
+
+
+@pytest.mark.parametrize(("seed", "shards"), [(1, 1), (2, 1), (3, 1), (4, 1), (1, 3), (2, 2)])
+def test_random_and_adversarial_sequences_give_identical_frames_counters_and_registers(seed, shards):
     rng = np.random.default_rng(seed)
-    twins = Twins()
+    twins = Twins(shards)
     _setup(twins)
     twins.add_job(1, TENANT_A, base=0, count=4, gen=100)
     twins.add_job(2, TENANT_B, base=4, count=3, gen=101, ps_mode=seed % 2 == 0)

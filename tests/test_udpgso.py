@@ -41,30 +41,42 @@ def _gso_arrays(capacity: int, rng: np.random.Generator):
     return iov_words, hdr_words, ctrl
 
 
-def _plan_both(addresses, length, per, name, iov_addr, ctrl_addr, arrays):
+def _plan_both(addresses, length, per, name, iov_addr, ctrl_addr, arrays, keys):
     """Run reference and kernel on identical copies of ``arrays``; returns both (count, iov, hdr, ctrl)."""
     out = []
     for plan in (udpgso._plan_uniform_reference, kernels.plan_uniform):
         iov_words, hdr_words, ctrl = (a.copy() for a in arrays)
         ctrl_size = ctrl.view("<u2")[:, 8]
         count = plan(addresses, length, per, name[0], name[1], iov_words, hdr_words, ctrl_size, iov_addr,
-                     ctrl_addr, udpgso.CONTROL_BYTES)
+                     ctrl_addr, udpgso.CONTROL_BYTES, keys)
         out.append((count, iov_words, hdr_words, ctrl))
     return out
 
 
-def _check_plan(addresses, length, per, name, iov_addr, ctrl_addr, before, after) -> None:
+def _runs(keys, per) -> list[int]:
+    """Sizes of the runs a plan must make: equal keys, at most ``per`` each (written independently)."""
+    sizes: list[int] = []
+    for j, key in enumerate(keys.tolist()):
+        if sizes and sizes[-1] < per and keys[j - 1] == key:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return sizes
+
+
+def _check_plan(addresses, length, per, name, iov_addr, ctrl_addr, before, after, keys) -> None:
     """What the reference must have written (independently of the kernel)."""
     count, iov_words, hdr_words, ctrl = after
     n = addresses.shape[0]
-    assert count == -(-n // per)
+    runs = _runs(keys, per)
+    assert count == len(runs)
     np.testing.assert_array_equal(iov_words[:n, 0], addresses)
     assert np.all(iov_words[:n, 1] == length)
     np.testing.assert_array_equal(iov_words[n:], before[0][n:])  # nothing past the segments
     np.testing.assert_array_equal(hdr_words[count:], before[1][count:])
     first = 0
     for h in range(count):
-        size = min(per, n - first)
+        size = runs[h]
         assert hdr_words[h, :4].tolist() == [name[0], name[1], int(iov_addr) + 16 * first, size]
         if size > 1:
             assert hdr_words[h, 4:6].tolist() == [int(ctrl_addr) + udpgso.CONTROL_BYTES * h, udpgso.CONTROL_BYTES]
@@ -87,11 +99,15 @@ def test_plan_uniform_kernel_matches_reference(n, length):
             addresses = rng.integers(0, 2**63, n, dtype=np.uint64)
             iov_addr, ctrl_addr = np.uint64(rng.integers(1, 2**47)), np.uint64(rng.integers(1, 2**47))
             arrays = _gso_arrays(capacity, rng)
-            ref, compiled = _plan_both(addresses, length, per, name, iov_addr, ctrl_addr, arrays)
-            assert ref[0] == compiled[0]
-            for a, b in zip(ref[1:], compiled[1:]):
-                np.testing.assert_array_equal(a, b)
-            _check_plan(addresses, length, per, name, iov_addr, ctrl_addr, arrays, ref)
+            # No steering breaks, a block every 64 slots from a random start, and random keys.
+            start = int(rng.integers(0, 200))
+            for keys in (np.zeros(n, np.int64), (np.arange(start, start + n) >> 6).astype(np.int64),
+                         rng.integers(0, 3, n).astype(np.int64)):
+                ref, compiled = _plan_both(addresses, length, per, name, iov_addr, ctrl_addr, arrays, keys)
+                assert ref[0] == compiled[0]
+                for a, b in zip(ref[1:], compiled[1:]):
+                    np.testing.assert_array_equal(a, b)
+                _check_plan(addresses, length, per, name, iov_addr, ctrl_addr, arrays, ref, keys)
 
 
 @needs_mmsg
@@ -107,6 +123,11 @@ def test_gso_batch_plan_caps_runs_at_64_segments_and_max_send_bytes(impl, length
     assert int(gso.hdr_words[:headers, 3].sum()) == 200
     assert per == 1 or per * length <= udpgso.MAX_SEND_BYTES
     assert gso.plan_uniform(addresses, 276, max_segments=10) == 20
+    # A run never spans two steering blocks (slots 32..231: blocks 0..3 cut at 64, 128, 192).
+    blocks = (np.arange(32, 232) >> 6).astype(np.int64)
+    if per >= 64:
+        assert gso.plan_uniform(addresses, length, keys=blocks) == 4
+        assert gso.hdr_words[:4, 3].tolist() == [32, 64, 64, 40]
     gso.refused = "refused"  # after a refusal: one segment per header, no control message
     assert gso.plan_uniform(addresses, 276) == 200
     assert np.all(gso.hdr_words[:200, 3] == 1) and np.all(gso.hdr_words[:200, 4:6] == 0)
