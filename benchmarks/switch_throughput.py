@@ -46,9 +46,12 @@ from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord, WorkerEndpoint
 from netagg.controller.switch_programmer import SwitchProgrammer
 from netagg.localports import free_ports
+from netagg.softswitch.shards import default_shards
 
 WORKERS = 4
 SLOTS = 32
+#: Slots of the shard scan's job: 6 steering blocks, an even share for 1, 2, 3 and 6 shards.
+SCAN_SLOTS = 6 * wire.SEGMENT_BLOCK_SLOTS
 #: Contributions in flight in the workload; the probes run with the same window.
 WINDOW = WORKERS * SLOTS
 GRPC = "127.0.0.1:9559"
@@ -81,17 +84,20 @@ def _install_job(grpc_address: str, device_config: bytes, hosts: list[dict], wor
     return client, job.job_id
 
 
-def measure_loopback(seconds: float, rounds: int | None, log_dir: Path, gso: bool = False) -> dict:
+def measure_loopback(seconds: float, rounds: int | None, log_dir: Path, gso: bool = False, shards: int = 1,
+                     slots: int = SLOTS) -> dict:
     """The embedded default: the software target process in loopback UDP mode, workers on UDP sockets
-    (``gso``: the workers send with UDP_SEGMENT and receive with UDP_GRO, as the host stack does)."""
+    (``gso``: the workers send with UDP_SEGMENT and receive with UDP_GRO, as the host stack does), the switch
+    in ``shards`` pipeline shards."""
     ports = free_ports(WORKERS + 1)
-    switch = start_target("soft", {}, log_dir / "bench-loopback.log", loopback=f"127.0.0.1:{ports[-1]}")
+    switch = start_target("soft", {}, log_dir / "bench-loopback.log", loopback=f"127.0.0.1:{ports[-1]}",
+                          shards=shards)
     try:
         hosts = [{"name": "local", "ip": "127.0.0.1", "mac": "02:00:00:00:bb:01", "port": 1}]
         workers = [WorkerEndpoint(r, "local", "127.0.0.1", ports[r]) for r in range(WORKERS)]
-        client, job_id = _install_job(switch.grpc_address, b"", hosts, workers, ports[-1])
+        client, job_id = _install_job(switch.grpc_address, b"", hosts, workers, ports[-1], slots)
         try:
-            return drive_switch_udp(("127.0.0.1", ports[-1]), ports[:WORKERS], job_id=job_id, slots=SLOTS,
+            return drive_switch_udp(("127.0.0.1", ports[-1]), ports[:WORKERS], job_id=job_id, slots=slots,
                                     seconds=seconds, rounds=rounds, gso=gso)
         finally:
             client.close()
@@ -105,7 +111,7 @@ def measure_driver_ceiling(seconds: float, gso: bool = False) -> dict:
         return drive_switch_udp(address, free_ports(WORKERS), slots=SLOTS, seconds=seconds, gso=gso)
 
 
-def inner(target: str, seconds: float, rounds: int | None, prefix: str) -> None:
+def inner(target: str, seconds: float, rounds: int | None, prefix: str, slots: int = SLOTS) -> None:
     """Runs inside the rig's namespace: program the switch, drive it, print JSON."""
     rig = VethRig(prefix, WORKERS)
     device_config = b""
@@ -113,27 +119,28 @@ def inner(target: str, seconds: float, rounds: int | None, prefix: str) -> None:
         device_config = (dp.BUILD_DIR / "bench" / "netagg.json").read_bytes()
     hosts = [{"name": f"w{r}", "ip": _worker_ip(r), "mac": _worker_mac(r), "port": r + 1} for r in range(WORKERS)]
     workers = [WorkerEndpoint(r, f"w{r}", _worker_ip(r), 40000 + r) for r in range(WORKERS)]
-    client, job_id = _install_job(GRPC, device_config, hosts, workers, wire.NETAGG_UDP_PORT)
+    client, job_id = _install_job(GRPC, device_config, hosts, workers, wire.NETAGG_UDP_PORT, slots)
     try:
         interfaces = rig.test_interfaces()
         result = drive_switch_raw([interfaces[r + 1] for r in range(WORKERS)], [_worker_ip(r) for r in range(WORKERS)],
                                   [_worker_mac(r) for r in range(WORKERS)], AGGREGATOR_IP, SWITCH_MAC,
-                                  job_id=job_id, slots=SLOTS, seconds=seconds, rounds=rounds, udp_src_base=40000)
+                                  job_id=job_id, slots=slots, seconds=seconds, rounds=rounds, udp_src_base=40000)
     finally:
         client.close()
     print(json.dumps(result))
 
 
-def measure_on_veth(target: str, seconds: float, rounds: int | None, log_dir: Path) -> dict:
+def measure_on_veth(target: str, seconds: float, rounds: int | None, log_dir: Path, shards: int | None = None,
+                    slots: int = SLOTS) -> dict:
     prefix = f"nb{os.getpid() % 10000}"
     if target == "bmv2":
         compile_program(dp.BUILD_DIR / "bench")
     with VethRig(prefix, WORKERS) as rig:
         switch = start_target(target, rig.switch_interfaces(), log_dir / f"bench-{target}.log",
-                              grpc_address=GRPC, namespace=rig.namespace)
+                              grpc_address=GRPC, namespace=rig.namespace, shards=shards if target == "soft" else None)
         try:
             cmd = ns_exec(rig.namespace, [sys.executable, "-m", "benchmarks.switch_throughput", "--inner", target,
-                                          "--seconds", str(seconds), "--prefix", prefix]
+                                          "--seconds", str(seconds), "--prefix", prefix, "--slots", str(slots)]
                           + (["--rounds", str(rounds)] if rounds else []))
             out = subprocess.run(cmd, cwd=dp.REPO_ROOT, capture_output=True, text=True, timeout=900)
             if out.returncode != 0:
@@ -153,10 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="instead of --seconds: uses of every slot per target")
     parser.add_argument("--inner", choices=("soft", "bmv2"), help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
+    parser.add_argument("--slots", type=int, default=SLOTS, help=argparse.SUPPRESS)
+    parser.add_argument("--shards", default=f"1,{max(2, default_shards())}",
+                        help="the shard scan: software target shard counts, comma-separated (default 1 and what "
+                             "the machine can spare, at least 2); 0 skips the scan")
     args = parser.parse_args(argv)
     if args.inner:
-        inner(args.inner, args.seconds, args.rounds, args.prefix)
+        inner(args.inner, args.seconds, args.rounds, args.prefix, args.slots)
         return 0
+    shard_counts = [int(n) for n in args.shards.split(",") if int(n) > 0]
     build_probe()
     log_dir = dp.BUILD_DIR / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -216,7 +228,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<24} {value:>16,.0f} {per_datagram:>16} {gso:>13} "
               f"{_ratio(value, base, 'contributions_per_s'):>15} {row['retransmissions']:>16,} "
               f"{row['cpu_share']:>11.0%}")
+    if shard_counts:
+        _shard_scan(shard_counts, args.seconds, args.rounds, log_dir, gso_probe, ok)
     return 0
+
+
+def _shard_scan(counts: list[int], seconds: float, rounds: int | None, log_dir: Path, gso_probe: dict | str,
+                namespaces: bool) -> None:
+    """The software target with 1..N pipeline shards on a workload whose slots span SCAN_SLOTS // 64 steering
+    blocks (so every shard has slots), loopback with GSO and veth raw frames: contributions/s against 1 shard
+    and against linear scaling."""
+    cpus = len(os.sched_getaffinity(0))
+    print(f"\nshard scan: 1 job, {WORKERS} workers, {SCAN_SLOTS} slots ({SCAN_SLOTS // wire.SEGMENT_BLOCK_SLOTS} "
+          f"steering blocks), {cpus} CPUs here, the driver on the same machine")
+    print(f"{'target':<30} {'shards':>6} {'contributions/s':>16} {'vs 1 shard':>11} {'vs linear':>10} "
+          f"{'vs GSO probe':>13} {'driver CPU':>11}")
+    for name, measure in (
+            ("soft, loopback UDP GSO", lambda n: measure_loopback(seconds, rounds, log_dir, gso=True, shards=n,
+                                                                  slots=SCAN_SLOTS)),
+            ("soft, veth raw frames", lambda n: measure_on_veth("soft", seconds, rounds, log_dir, shards=n,
+                                                                slots=SCAN_SLOTS) if namespaces else None)):
+        one = None
+        for n in counts:
+            row = measure(n)
+            if row is None:
+                print(f"{name:<30} skipped: no namespaces")
+                break
+            value = row["contributions_per_s"]
+            one = one or (value if n == 1 else None)
+            vs_one = f"{value / one:.2f}x" if one else "-"
+            vs_linear = f"{value / (one * n):.2f}" if one else "-"
+            print(f"{name:<30} {n:>6} {value:>16,.0f} {vs_one:>11} {vs_linear:>10} "
+                  f"{_ratio(value, gso_probe, 'round_trips_per_s'):>13} {row['cpu_share']:>11.0%}")
 
 
 if __name__ == "__main__":

@@ -94,8 +94,10 @@ def _bmv2_has_thrift() -> bool:
 
 
 def target_command(kind: str, interfaces: Mapping[int, str], grpc_address: str, device_id: int = 1,
-                   loopback: str | None = None, faults: FaultOptions | None = None) -> list[str]:
-    """The command line that starts ``kind`` on ``interfaces`` ({port: ifname})."""
+                   loopback: str | None = None, faults: FaultOptions | None = None,
+                   shards: int | None = None) -> list[str]:
+    """The command line that starts ``kind`` on ``interfaces`` ({port: ifname}); ``shards``: the software
+    target's pipeline shards (None: its default, or SHARDED_SHARDS for soft-sharded)."""
     if kind == "bmv2":
         if loopback or (faults and faults.args()):
             raise TargetError("BMv2 has no loopback UDP mode or fault injection; use the software target")
@@ -112,7 +114,9 @@ def target_command(kind: str, interfaces: Mapping[int, str], grpc_address: str, 
         if kind == "soft-ref":
             cmd += ["--engine", "reference"]
         elif kind == "soft-sharded":
-            cmd += ["--engine", "fast", "--shards", str(SHARDED_SHARDS)]
+            cmd += ["--engine", "fast", "--shards", str(shards or SHARDED_SHARDS)]
+        if shards is not None and kind != "soft-sharded":
+            cmd += ["--shards", str(shards)]
         for number, ifname in sorted(interfaces.items()):
             cmd += ["-i", f"{number}@{ifname}"]
         if loopback:
@@ -123,12 +127,13 @@ def target_command(kind: str, interfaces: Mapping[int, str], grpc_address: str, 
 
 def start_target(kind: str, interfaces: Mapping[int, str], log_path: Path, grpc_address: str | None = None,
                  namespace: str | None = None, device_id: int = 1, loopback: str | None = None,
-                 faults: FaultOptions | None = None, ready_timeout: float = 20.0) -> TargetProcess:
+                 faults: FaultOptions | None = None, ready_timeout: float = 20.0,
+                 shards: int | None = None) -> TargetProcess:
     """Start the target (inside ``namespace`` if given) and wait until P4Runtime answers."""
     if kind == "bmv2" and (reason := bmv2_missing()):
         raise TargetError(reason)
     grpc_address = grpc_address or f"127.0.0.1:{free_ports(1, 'tcp')[0]}"
-    cmd = ns_exec(namespace, target_command(kind, interfaces, grpc_address, device_id, loopback, faults))
+    cmd = ns_exec(namespace, target_command(kind, interfaces, grpc_address, device_id, loopback, faults, shards))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

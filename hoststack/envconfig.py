@@ -11,6 +11,7 @@
 ``NETAGG_AGGREGATOR``  ``host:port`` of the switch's aggregator (default in fallback: the PS)
 ``NETAGG_BIND``        ``host:port`` this worker sends from, as registered in the switch
                        (a server defaults to the PS endpoint)
+``NETAGG_THREADS``     sender/receiver threads per worker (default 1; the same on every worker of the job)
 ``NETAGG_MODE``        ``allreduce`` (default), ``ps`` or ``fallback``
 ``NETAGG_JOB_SECRET``  the job's secret from ``netagg job config`` (optional; the PS refuses
                        requests without it when it has one)
@@ -84,6 +85,9 @@ def config_from_env(environ: Mapping[str, str] | None = None, role: str | None =
         "rank": _int(env, "NETAGG_RANK", 0 if role == "server" else None),
         "slot_count": _int(env, "NETAGG_SLOTS", 0 if mode == "fallback" else None),
     }
+    threads = env.get("NETAGG_THREADS", "").strip()
+    if threads:
+        values["threads"] = _int(env, "NETAGG_THREADS")
     failover = env.get("NETAGG_FAILOVER_AFTER", "").strip()
     if failover:
         try:
@@ -96,6 +100,7 @@ def config_from_env(environ: Mapping[str, str] | None = None, role: str | None =
     except ConfigError as err:
         names = {"job_id": "NETAGG_JOB_ID", "num_workers": "DMLC_NUM_WORKER", "rank": "NETAGG_RANK",
                  "slot_count": "NETAGG_SLOTS", "mode": "NETAGG_MODE", "ps": "DMLC_PS_ROOT_URI",
-                 "secret": "NETAGG_JOB_SECRET", "failover_after": "NETAGG_FAILOVER_AFTER"}
+                 "secret": "NETAGG_JOB_SECRET", "failover_after": "NETAGG_FAILOVER_AFTER",
+                 "threads": "NETAGG_THREADS"}
         field_name = str(err).split(":", 1)[0]
         raise ConfigError(f"{names.get(field_name, field_name)}: {str(err).split(':', 1)[-1].strip()}") from None

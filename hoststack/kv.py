@@ -34,6 +34,7 @@ from netagg.hoststack.metrics import WorkerExporter, port_from_env
 from netagg.hoststack.packets import SEQ_MASK
 from netagg.hoststack.psproto import PsClient, PsError
 from netagg.hoststack.sparse import SparseTable
+from netagg.hoststack.threads import ThreadedTransport
 from netagg.hoststack.transport import RTO_FLOOR, SubsetRound, Transport
 from netagg.jobconfig import ConfigError, WorkerConfig, resolve
 
@@ -71,10 +72,14 @@ class KVWorker:
         #: other workers' votes as long as an exchange waits for a result.
         self._failover = FailoverClient(resolve(config.ps), config.job_id, config.rank, config.failover_after,
                                         progress_timeout, config.secret) \
-            if config.ps is not None and config.mode in ("allreduce", "ps") and config.failover_after > 0 else None
-        self.transport = Transport(self.config, progress_timeout=progress_timeout, rto_initial=rto_initial,
-                                   rto_min=rto_min, rto_max=rto_max, max_backoff=max_backoff,
-                                   congestion_control=congestion_control, sock=sock, failover=self._failover)
+            if config.ps is not None and config.mode in ("allreduce", "ps") and config.failover_after > 0 \
+            and config.threads == 1 else None
+        options = dict(progress_timeout=progress_timeout, rto_initial=rto_initial, rto_min=rto_min, rto_max=rto_max,
+                       max_backoff=max_backoff, congestion_control=congestion_control)
+        if config.threads > 1:  # the job's slots over several threads (hoststack/threads.py): no failover
+            self.transport: Transport | ThreadedTransport = ThreadedTransport(self.config, sock=sock, **options)
+        else:
+            self.transport = Transport(self.config, sock=sock, failover=self._failover, **options)
         self.ps_timeout = ps_timeout
         self._ps: PsClient | None = None
         self._exporter: WorkerExporter | None = None

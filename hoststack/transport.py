@@ -288,13 +288,22 @@ class Transport:
         congestion_control: bool = True,
         sock: socket.socket | None = None,
         failover: FailoverClient | None = None,
+        slot_range: tuple[int, int] | None = None,
+        connect: bool = True,
     ) -> None:
         """``sock``: a UDP socket already bound to ``config.bind``'s port, to use instead of binding one
         (a caller that held the port since it reported it, so nothing else could take it). ``failover``:
-        move the job's exchanges to its PS when the switch stays away (module docstring)."""
+        move the job's exchanges to its PS when the switch stays away (module docstring). ``slot_range``:
+        (first slot, count), this transport's share of the job's slots (one of a worker's threads,
+        :mod:`~netagg.hoststack.threads`; default: all of them). ``connect``: connect the socket to its one
+        peer (a socket of a steered group must not be: the kernel steers only unconnected ones)."""
         self.config = config
         self.num_workers = config.num_workers
-        self.slot_count = slot_count_of(config)
+        #: The job-relative slot of row 0 and the rows (slots) of this transport.
+        self.slot_base, self.slot_count = slot_range if slot_range is not None else (0, slot_count_of(config))
+        if self.slot_count < 1 or self.slot_base < 0 or self.slot_base + self.slot_count > 0x10000:
+            raise ValueError(f"slot range {slot_range} is not within the 16-bit slot field")
+        self._connect = connect
         self.progress_timeout = progress_timeout
         target = config.ps if config.mode == "fallback" else config.aggregator
         self.sock = udp_socket(resolve(config.bind), sock)
@@ -330,7 +339,7 @@ class Transport:
         hdr["version"] = wire.VERSION
         hdr["job_id"] = config.job_id
         hdr["rank"] = config.rank
-        hdr["slot"] = np.arange(self.slot_count)
+        hdr["slot"] = self.slot_base + np.arange(self.slot_count)
         self.raw = self.packets.view(np.uint8).reshape(self.slot_count, _NETAGG_BYTES)
         self.words = self.raw.view(np.uint32)
         self.rows = [memoryview(self.raw[s]) for s in range(self.slot_count)]
@@ -389,7 +398,7 @@ class Transport:
         """Send to ``destination`` (the switch, or the PS after a failover) and accept results from it."""
         self.destination = destination
         self.sources = frozenset({destination} | self._also_from)
-        if len(self.sources) == 1:
+        if len(self.sources) == 1 and self._connect:
             # One peer: a connected socket sends faster and the kernel drops strangers' datagrams.
             self.sock.connect(destination)
             self._send = self.sock.send
@@ -398,7 +407,8 @@ class Transport:
             self._send = lambda data: sendto(data, destination)
         if self._batched:
             self._dest_name = mmsg.sockaddr_in(*destination)  # kept alive: the headers point at it
-            self._tx_name = (0, 0) if len(self.sources) == 1 else (self._dest_name.ctypes.data, self._dest_name.size)
+            self._tx_name = (0, 0) if len(self.sources) == 1 and self._connect \
+                else (self._dest_name.ctypes.data, self._dest_name.size)
         else:
             # What recvmmsg would write for a peer (sockaddr_in up to the address); others get zeros.
             self._source_names = {source: bytes(mmsg.sockaddr_in(*source)[:8]) for source in self.sources}
@@ -593,7 +603,7 @@ class Transport:
         errors = 0
         addresses = self.resend_addr if resend_buffer else self.row_addr
         if blocks is None:
-            blocks = slots >> wire.SEGMENT_BLOCK_SHIFT
+            blocks = (slots + self.slot_base) >> wire.SEGMENT_BLOCK_SHIFT
         for first in range(0, slots.shape[0], tx.capacity):
             chunk = slots[first:first + tx.capacity]
             headers = tx.plan_uniform(addresses[chunk], _NETAGG_BYTES, *self._tx_name,
@@ -704,7 +714,8 @@ class Exchange:
                t.next_pool, t.rounds, r.expect, r.sent_at, 0.0, none.copy())
         rows = t.rx_capacity
         outputs = np.zeros(rows, np.int64), np.zeros(rows, np.int64), np.zeros(rows)
-        r.accept(t.rx_buf, t.rx_lengths, t.rx_names, 0, t.allowed, t.config.job_id, 0, r.window, 0, r.expect,
+        r.accept(t.rx_buf, t.rx_lengths, t.rx_names, 0, t.allowed, t.config.job_id, t.slot_base, 0, r.window, 0,
+                 r.expect,
                  r.retries, r.sent_at, t.next_pool, 0.0, r.sums_flat, r.global_exp, *outputs)
         RtoEstimator().sample_all(outputs[2][:0])
 
@@ -853,7 +864,7 @@ class Exchange:
         rows[:] = np.where(outstanding[:, None], t.shadow[slots], t.raw[slots])
         rows[:, 1] |= wire.FLAG_RETRANSMIT
         errors = t.transmit(np.arange(n, dtype=np.int64), resend_buffer=True,
-                            blocks=slots >> wire.SEGMENT_BLOCK_SHIFT)
+                            blocks=(slots + t.slot_base) >> wire.SEGMENT_BLOCK_SHIFT)
         t.stats.packets_sent += n - errors
         t.stats.socket_errors += errors
         t.stats.shadow_resends += n - errors
@@ -866,7 +877,7 @@ class Exchange:
             return
         self.release(list(range(self.used_slots)), [-1] * self.used_slots)
         last_progress = time.monotonic()
-        stats, accept, job_id = t.stats, self.accept, t.config.job_id
+        stats, accept, job_id, slot_base = t.stats, self.accept, t.config.job_id, t.slot_base
         buf, names, lengths, allowed = t.rx_buf, t.rx_names, t.rx_lengths, t.allowed
         expect, retries, sent_at, next_pool = self.expect, self.retries, self.sent_at, t.next_pool
         window, seq0, sums, global_exp = self.window, self.seq0, self.sums_flat, self.global_exp
@@ -895,7 +906,7 @@ class Exchange:
                         continue  # a socket error (counted): read on
                     break
                 n_acc, n_rtt, foreign, malformed, stale, done = accept(
-                    buf, lengths, names, count, allowed, job_id, seq0, window, nb, expect, retries, sent_at,
+                    buf, lengths, names, count, allowed, job_id, slot_base, seq0, window, nb, expect, retries, sent_at,
                     next_pool, time.monotonic(), sums, global_exp, acc_slots, following, rtts)
                 if foreign or malformed or stale:
                     stats.foreign += foreign

@@ -38,7 +38,7 @@ def _be(row: np.ndarray, start: int, width: int) -> np.int64:
 
 
 @njit(cache=True, nogil=True)
-def accept_results(buf, lengths, names, count, allowed, job_id, seq0, window, num_blocks, expect, retries,
+def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0, window, num_blocks, expect, retries,
                    sent_at, next_pool, now, sums, global_exp, acc_slots, following, rtts):  # pragma: no cover
     """See ``transport_reference.accept_results`` (the reference): same arguments, same effects and result."""
     used = expect.shape[0]
@@ -57,10 +57,10 @@ def accept_results(buf, lengths, names, count, allowed, job_id, seq0, window, nu
         if lengths[i] != _NETAGG or row[0] != _VERSION or (row[1] & _RESULT) == 0 or _be(row, 2, 2) != job_id:
             malformed += 1
             continue
-        slot = _be(row, 4, 2)
+        slot = _be(row, 4, 2) - slot_base
         seq = _be(row, 12, 4)
         key = (_be(row, 10, 2) << np.int64(33)) | (np.int64(row[6]) << np.int64(32)) | seq
-        if slot >= used or expect[slot] != key:
+        if slot < 0 or slot >= used or expect[slot] != key:
             stale += 1
             continue
         expect[slot] = -1

@@ -21,7 +21,7 @@ _PAYLOAD_BYTES = wire.PAYLOAD_BYTES
 
 
 def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, count: int, allowed: np.ndarray,
-                          job_id: int, seq0: int, window: int, num_blocks: int, expect: np.ndarray,
+                          job_id: int, slot_base: int, seq0: int, window: int, num_blocks: int, expect: np.ndarray,
                           retries: np.ndarray, sent_at: np.ndarray, next_pool: np.ndarray, now: float,
                           sums: np.ndarray, global_exp: np.ndarray, acc_slots: np.ndarray, following: np.ndarray,
                           rtts: np.ndarray) -> tuple[int, int, int, int, int, int]:
@@ -29,7 +29,8 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
 
     Per datagram, in order: a sender not in ``allowed`` (IPv4 << 16 | port) is foreign; a size
     other than NETAGG_BYTES, another version, no RESULT flag or another job is malformed; a
-    slot >= ``len(expect)`` or a (round << 33 | pool << 32 | seq) other than ``expect[slot]`` is
+    slot (less ``slot_base``: the first of this transport's slots) outside ``expect`` or a
+    (round << 33 | pool << 32 | seq) other than ``expect[slot]`` is
     stale (so is a second copy of a result in the batch). An accepted result clears
     ``expect[slot]``, flips ``next_pool[slot]``, yields a round trip ``now - sent_at[slot]``
     unless the slot was retransmitted (Karn; ``retries[slot]`` is reset), copies a data
@@ -47,10 +48,10 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
     hdr = np.ascontiguousarray(rows[:, :_HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
     valid = known & (lengths[:count] == _NETAGG_BYTES) & (hdr["version"] == wire.VERSION) \
         & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == job_id)
-    slot = hdr["slot"].astype(np.int64)
+    slot = hdr["slot"].astype(np.int64) - slot_base
     seq = hdr["seq"].astype(np.int64)
     key = (hdr["round"].astype(np.int64) << 33) | (hdr["pool"].astype(np.int64) << 32) | seq
-    candidate = valid & (slot < expect.shape[0])
+    candidate = valid & (slot >= 0) & (slot < expect.shape[0])
     candidate[candidate] = expect[slot[candidate]] == key[candidate]
     matching = np.flatnonzero(candidate)
     accepted = np.sort(matching[np.unique(slot[matching], return_index=True)[1]])  # first copy per slot

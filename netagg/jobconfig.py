@@ -93,6 +93,10 @@ class WorkerConfig:
     #: move the job's exchanges to the PS (a switch that stays away); 0: never, ride through only. Needs
     #: ``ps`` and mode allreduce or ps (docs/protocol.md, "Failover to the PS").
     failover_after: float = 5.0
+    #: Sender/receiver threads of each worker (mode allreduce): the job's slots split into as many ranges of
+    #: whole 64-slot blocks, each with its own socket and thread (hoststack/threads.py). A job setting like
+    #: ``slot_count``: every worker of the job must use the same value.
+    threads: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -138,6 +142,11 @@ class WorkerConfig:
         if isinstance(self.failover_after, bool) or not isinstance(self.failover_after, int | float) \
                 or not 0 <= self.failover_after < 86400:
             raise ConfigError(f"failover_after: expected seconds in [0, 86400), got {self.failover_after!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 1 <= self.threads <= 64:
+            raise ConfigError(f"threads: expected an integer in 1..64, got {self.threads!r}")
+        if self.threads > 1 and (self.mode != "allreduce" or self.senders or self.switch_aggregation):
+            raise ConfigError("threads: more than one sender/receiver thread needs mode allreduce (not one-way, "
+                              "not MLfabric's switch aggregation)")
         if (self.update_mode == "async" or self.replicas) and self.ps is None:
             raise ConfigError("ps: an async or replicated job needs the parameter server's endpoint")
 

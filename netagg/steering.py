@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import socket
 import struct
 
@@ -46,7 +47,7 @@ _ALU_RSH_K, _ALU_LSH_K, _ALU_AND_K, _ALU_ADD_X, _ALU_MOD_K = 0x74, 0x64, 0x54, 0
 _SKF_AD_PROTOCOL = (-0x1000) & 0xFFFFFFFF  # SKF_AD_OFF + SKF_AD_PROTOCOL: the frame's EtherType
 _SKF_NET_OFF = (-0x100000) & 0xFFFFFFFF
 _MISC_TAX = 0x07
-_JEQ_K, _RET_K, _LD_B_ABS = 0x15, 0x06, 0x30
+_JEQ_K, _JGE_K, _RET_K, _LD_B_ABS = 0x15, 0x35, 0x06, 0x30
 
 
 def block_of(slot: int) -> int:
@@ -108,6 +109,20 @@ def frame_program(shards: int) -> list[tuple[int, int, int, int]]:
     ]
 
 
+def udp_range_program(bases: list[int]) -> list[tuple[int, int, int, int]]:
+    """A reuseport program for one job's host threads: socket i takes the job-relative slots from
+    ``bases[i]`` up to ``bases[i + 1]`` (``bases[0]`` is 0; each a multiple of 64, so a segmented send of
+    the switch's results never spans two threads)."""
+    _check(len(bases))
+    if bases[0] != 0 or any(b % wire.SEGMENT_BLOCK_SLOTS for b in bases) \
+            or any(b >= c for b, c in itertools.pairwise(bases)):
+        raise ValueError(f"thread ranges must start at 0 and at growing multiples of 64, got {bases}")
+    program = [(_LD_H_ABS, 0, 0, SLOT_OFFSET)]
+    for index in range(len(bases) - 1, 0, -1):
+        program += [(_JGE_K, 0, 1, bases[index]), (_RET_K, 0, 0, index)]
+    return [*program, (_RET_K, 0, 0, 0)]
+
+
 class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
@@ -119,15 +134,18 @@ def _fprog(program: list[tuple[int, int, int, int]]) -> tuple[bytes, ctypes.Arra
     return bytes(prog), code
 
 
-def attach_reuseport(sock: socket.socket, shards: int) -> None:
-    """Steer the SO_REUSEPORT group ``sock`` belongs to: socket i of the group (in bind order) gets shard i."""
-    fprog, code = _fprog(udp_program(shards))
+def attach_reuseport(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> None:
+    """Steer the SO_REUSEPORT group ``sock`` belongs to by ``program``: its value picks the socket (in bind
+    order; past the last one the kernel hashes)."""
+    fprog, code = _fprog(program)
     sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_REUSEPORT_CBPF, fprog)
     del code
 
 
-def udp_group(host: str, port: int, shards: int, rcvbuf: int = 8 << 20, sndbuf: int = 8 << 20) -> list[socket.socket]:
-    """``shards`` UDP sockets bound to one address (port 0: a free one), steered by slot; index = shard.
+def udp_group(host: str, port: int, shards: int, rcvbuf: int = 8 << 20, sndbuf: int = 8 << 20,
+              program: list[tuple[int, int, int, int]] | None = None) -> list[socket.socket]:
+    """``shards`` UDP sockets bound to one address (port 0: a free one), steered by slot; index = shard
+    (``program``: another steering program than :func:`udp_program`, e.g. :func:`udp_range_program`).
 
     With one shard this is a plain socket (no SO_REUSEPORT: no other socket can join it)."""
     _check(shards)
@@ -144,7 +162,7 @@ def udp_group(host: str, port: int, shards: int, rcvbuf: int = 8 << 20, sndbuf: 
             port = sock.getsockname()[1]
             sock.setblocking(False)
         if shards > 1:
-            attach_reuseport(socks[0], shards)
+            attach_reuseport(socks[0], program if program is not None else udp_program(shards))
     except OSError:
         for sock in socks:
             sock.close()

@@ -46,8 +46,11 @@ def _source(host: str, port: int) -> int:
 class Scenario:
     """A round's receive state (slots with outstanding packets) and a batch of datagrams for it."""
 
-    def __init__(self, rng: np.random.Generator, used: int = 16, num_blocks: int = 100, count: int = 64) -> None:
+    def __init__(self, rng: np.random.Generator, used: int = 16, num_blocks: int = 100, count: int = 64,
+                 slot_base: int = 0) -> None:
         self.used, self.num_blocks, self.window = used, num_blocks, used
+        #: The transport's first slot (a host thread's share of the job's slots, hoststack/threads.py).
+        self.slot_base = slot_base
         self.seq0 = int(rng.integers(0, 2**31))
         self.expect = np.full(used, -1, np.int64)
         outstanding = rng.random(used) < 0.8
@@ -76,7 +79,7 @@ class Scenario:
         packet = np.zeros(1, PACKET_DTYPE)
         hdr = packet["hdr"]
         hdr["version"], hdr["flags"], hdr["job_id"] = wire.VERSION, wire.FLAG_RESULT, JOB
-        hdr["slot"], hdr["pool"], hdr["round"] = slot, self.pools[slot], self.rounds[slot]
+        hdr["slot"], hdr["pool"], hdr["round"] = slot + self.slot_base, self.pools[slot], self.rounds[slot]
         hdr["seq"], hdr["exponent"], hdr["rank"] = self.seqs[slot], rng.integers(-128, 128), rng.integers(0, 32)
         packet["values"] = rng.integers(-2**31, 2**31, wire.K)
         return packet.view(np.uint8)
@@ -105,7 +108,9 @@ class Scenario:
         elif fault == 7:
             hdr["seq"] = (int(hdr["seq"][0]) + self.window) & 0xFFFFFFFF
         elif fault == 8:
-            hdr["slot"] = self.used + int(rng.integers(0, 3))
+            hdr["slot"] = self.slot_base + self.used + int(rng.integers(0, 3))
+        elif fault == 10 and self.slot_base:  # another thread's slot, below this one's
+            hdr["slot"] = self.slot_base - 1 - int(rng.integers(0, min(3, self.slot_base)))
         elif fault == 9 and self.count:  # a second copy of an earlier datagram of the batch
             i = int(rng.integers(0, self.count))
             self._put(self.buf[i, :wire.NETAGG_BYTES].copy(), self.names[i].copy(), int(self.lengths[i]))
@@ -131,7 +136,8 @@ class Scenario:
         acc_slots = np.full(mmsg.BATCH, -7, np.int64)
         following = np.full(mmsg.BATCH, -7, np.int64)
         rtts = np.full(mmsg.BATCH, -7.0)
-        out = accept(self.buf, self.lengths, self.names, self.count, self.allowed, JOB, self.seq0, self.window,
+        out = accept(self.buf, self.lengths, self.names, self.count, self.allowed, JOB, self.slot_base, self.seq0,
+                     self.window,
                      self.num_blocks, expect, retries, sent_at, next_pool, 2.5, sums, global_exp, acc_slots,
                      following, rtts)
         n_acc, n_rtt = out[0], out[1]
@@ -150,7 +156,7 @@ def _same(a: tuple, b: tuple) -> None:
 
 def test_numpy_reference_applies_the_per_datagram_rules():
     for seed in range(50):
-        s = Scenario(np.random.default_rng(seed))
+        s = Scenario(np.random.default_rng(seed), slot_base=64 * (seed % 3))
         (n_acc, n_rtt, foreign, malformed, stale, done), state, acc, following, rtts = s.run(reference.accept_results)
         assert n_acc + foreign + malformed + stale == s.count
         assert len(set(acc.tolist())) == n_acc  # at most one result per slot and batch
@@ -183,7 +189,8 @@ def test_two_copies_of_a_result_in_one_batch_count_once_and_once_as_stale():
 def test_accept_kernel_matches_the_numpy_reference(seed):
     rng = np.random.default_rng(seed)
     used = int(rng.choice([1, 2, 16, 64]))
-    s = Scenario(rng, used=used, num_blocks=int(rng.integers(used, 4 * used + 2)), count=int(rng.integers(0, 80)))
+    s = Scenario(rng, used=used, num_blocks=int(rng.integers(used, 4 * used + 2)), count=int(rng.integers(0, 80)),
+                 slot_base=int(rng.choice([0, 0, 64, 192])))
     _same(s.run(reference.accept_results), s.run(kernels.accept_results))
 
 

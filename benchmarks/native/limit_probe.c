@@ -500,6 +500,7 @@ struct worker {
     struct mmsghdr q[BATCH];
     struct iovec qiov[BATCH];
     union gso_ctl qctl;   /* --gso: the queue goes as one UDP_SEGMENT send of qiov */
+    int qblock;           /* --gso: the steering block (slot >> 6) of the queued datagrams */
     int queued;
 };
 
@@ -529,6 +530,9 @@ static void flush(struct drive *d, struct worker *w) {
 
 static void enqueue(struct drive *d, struct worker *w, int slot, double t) {
     if (w->queued == BATCH) flush(d, w); /* BATCH = 64: also the segments of one UDP_SEGMENT send */
+    /* A segmented send carries one steering block (64 slots: docs/protocol.md, "Steering"). */
+    if (d->gso && w->queued && (slot >> 6) != w->qblock) flush(d, w);
+    w->qblock = slot >> 6;
     w->qiov[w->queued] = (struct iovec){w->pkts + (size_t)slot * (size_t)d->pkt_len, (size_t)d->pkt_len};
     w->q[w->queued].msg_hdr = (struct msghdr){.msg_iov = &w->qiov[w->queued], .msg_iovlen = 1,
                                               .msg_name = d->raw ? NULL : &d->target,
