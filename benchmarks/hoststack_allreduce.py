@@ -22,6 +22,7 @@ import argparse
 import cProfile
 import hashlib
 import json
+import os
 import pstats
 import statistics
 import subprocess
@@ -133,6 +134,7 @@ def one_worker(args: argparse.Namespace) -> int:
     before = _probe(windows, args.probe_seconds)
     before_gso = _probe(windows, args.probe_seconds, gso=True)
     rows: list[tuple[str, int, list[float], bool, dict]] = []
+    thread_rows: list[tuple[int, list[float], bool, dict]] = []
     with tempfile.TemporaryDirectory(prefix="netagg-goodput-") as tmp:
         with netagg_reflector(gro=True) as (host, port):
             for slots in args.slots:
@@ -140,6 +142,13 @@ def one_worker(args: argparse.Namespace) -> int:
                                       aggregator=Endpoint(host, port), bind=Endpoint("127.0.0.1", 0))
                 times, digest, extra = _time_in_process(config, data, args.iterations)
                 rows.append(("native reflector, GSO/GRO", slots, times, digest == want, extra))
+            thread_slots = max(args.slots)
+            for threads in args.threads:  # the thread scan (hoststack/threads.py): same slots, T threads
+                config = WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=thread_slots, mode="allreduce",
+                                      aggregator=Endpoint(host, port), bind=Endpoint("127.0.0.1", 0),
+                                      threads=threads)
+                times, digest, extra = _time_in_process(config, data, args.iterations)
+                thread_rows.append((threads, times, digest == want, extra))
             split_config = WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=args.slots[0],
                                         mode="allreduce", aggregator=Endpoint(host, port),
                                         bind=Endpoint("127.0.0.1", 0))
@@ -172,6 +181,20 @@ def one_worker(args: argparse.Namespace) -> int:
         pps = packets / seconds
         print(f"  {name:<32}{slots:>6}{args.megabytes / seconds:>8.1f}{pps:>11,.0f}{pps / probe[64]:>10.2f}"
               f"{pps / probe[slots]:>15.2f}{pps / probe_gso[slots]:>19.2f}{exact!s:>7}{extra['retransmissions']:>8}")
+    if thread_rows:
+        one = None
+        cpus = len(os.sched_getaffinity(0))
+        print(f"  threads per worker (native reflector with GSO/GRO, {thread_slots} slots, {cpus} CPUs here, "
+              "the reflector on the same machine):")
+        print(f"  {'threads':>9}{'packets/s':>12}{'vs 1 thread':>13}{'vs linear':>11}{'/gso-probe':>12}{'exact':>7}"
+              f"{'resent':>8}")
+        for threads, times, exact, extra in thread_rows:
+            pps = packets / statistics.median(times)
+            one = one or (pps if threads == 1 else None)
+            vs_one = f"{pps / one:.2f}x" if one else "-"
+            vs_linear = f"{pps / (one * threads):.2f}" if one else "-"
+            print(f"  {threads:>9}{pps:>12,.0f}{vs_one:>13}{vs_linear:>11}{pps / probe_gso[thread_slots]:>12.2f}"
+                  f"{exact!s:>7}{extra['retransmissions']:>8}")
     print(f"  where one allreduce's time goes (native reflector with GSO/GRO, {args.slots[0]} slots; "
           "µs per data packet; the exchange under cProfile):")
     unprofiled = split.pop("(exchange without the profiler)")
@@ -252,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=None, help="default: one-worker 5, switch 3")
     parser.add_argument("--probe-seconds", type=float, default=2.0)
     parser.add_argument("--no-switch", action="store_true", help="one-worker: skip the software switch")
+    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2],
+                        help="one-worker: the thread scan, threads per worker (each needs 64 of the largest --slots)")
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] = one_worker if args.which == "one-worker" else four_workers
     if args.slots is None:

@@ -1,27 +1,31 @@
-"""A worker over several cores: the job's slots split into T ranges, each with its own socket and thread.
+"""A worker over several cores: the job's slots split into T shares, each with its own socket, one per process.
 
 ``WorkerConfig.threads = T`` (``NETAGG_THREADS``; a job setting: every worker of the job uses
-the same T) gives each worker T :class:`~netagg.hoststack.transport.Transport` objects over
-contiguous ranges of whole 64-slot blocks of the job's slots (:func:`thread_shares`). Their T
-UDP sockets are one ``SO_REUSEPORT`` group on the worker's address (the switch sees one
-worker), whose BPF program steers each result to the thread that owns its slot
+the same T) splits each worker's slots into T contiguous ranges of whole 64-slot blocks
+(:func:`thread_shares`), each run by its own :class:`~netagg.hoststack.transport.Transport`:
+share 0 in the worker's process, the others each in a process of its own (spawned; the
+exchange's blocks and sums travel through shared memory). Processes, not threads: a share's
+exchange loop runs about a microsecond of Python per packet, so threads of one process wait
+for each other's GIL (measured: 2 threads in one process moved half the packets of one). Their
+T UDP sockets are one ``SO_REUSEPORT`` group on the worker's address (the switch sees one
+worker), whose BPF program steers each result to the share that owns its slot
 (:func:`netagg.steering.udp_range_program`); the switch cuts its segmented results at 64-slot
-blocks, so a coalesced receive never mixes two threads' slots. An exchange's blocks are cut
-into T contiguous parts in proportion to the threads' slots, and each thread runs its part as
-its own exchange (the compiled steps and the system calls run without the GIL). Every block is
-summed exactly, whichever slot carries it, so the result is bit-identical to T = 1.
+blocks, so a coalesced receive never mixes two shares' slots. An exchange's blocks are cut into
+T contiguous parts in proportion to the shares' slots. Every block is summed exactly, whichever
+slot carries it, so the result is bit-identical to T = 1.
 
 Not with failover to the PS (the workers' votes name one exchange per worker), ps mode,
 one-way jobs or subset rounds: ``WorkerConfig`` refuses T > 1 there, and
-:class:`ThreadedTransport` turns failover off.
+:class:`ThreadedTransport` turns failover off. A share's process that dies fails the exchange
+(``TransportError``), as a timeout would.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
 import socket
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
@@ -30,7 +34,7 @@ import numpy as np
 from netagg import steering, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.packets import SOCKET_BUFFER_BYTES, slot_count_of
-from netagg.hoststack.transport import Transport, TransportStats
+from netagg.hoststack.transport import Transport, TransportError, TransportStats
 from netagg.jobconfig import WorkerConfig, resolve
 
 log = logging.getLogger(__name__)
@@ -61,8 +65,135 @@ def split_blocks(num_blocks: int, shares: list[tuple[int, int]]) -> list[tuple[i
     return list(itertools.pairwise(bounds))
 
 
+def _share_main(conn: Any, config: WorkerConfig, share: tuple[int, int], address: tuple[str, int],
+                options: dict[str, Any]) -> None:
+    """A share's process: join the worker's socket group, then run exchanges the parent sends until "stop"."""
+    from multiprocessing import shared_memory
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(address)
+    transport = Transport(config, sock=sock, slot_range=share, connect=False, **options)
+    conn.send(("ready", None))
+    shm = None
+    try:
+        while True:
+            message = conn.recv()
+            if message[0] == "stop":
+                return
+            _, name, count = message
+            if shm is None or shm.name != name:
+                if shm is not None:
+                    shm.close()
+                shm = shared_memory.SharedMemory(name=name)
+            blocks, exponents, sums, global_exp = _views(shm, count)
+            try:
+                out_sums, out_exp = transport.exchange(blocks, exponents.copy())
+            except Exception as err:  # the parent raises it for this exchange
+                conn.send(("error", f"{type(err).__name__}: {err}", vars(transport.stats).copy()))
+                continue
+            sums[:] = out_sums
+            global_exp[:] = out_exp
+            conn.send(("done", None, vars(transport.stats).copy()))
+    except (EOFError, KeyboardInterrupt):
+        return
+    finally:
+        if shm is not None:
+            shm.close()
+        transport.close()
+
+
+def _shm_bytes(count: int) -> int:
+    """Shared bytes of an exchange of ``count`` blocks: inputs (float32 + exponent), outputs (int32 + exponent)."""
+    return count * (2 * wire.PAYLOAD_BYTES + 2)
+
+
+def _views(shm: Any, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The blocks, exponents, sums and global exponents of an exchange of ``count`` blocks in ``shm``."""
+    buf = shm.buf
+    k = wire.K
+    blocks = np.ndarray((count, k), np.float32, buffer=buf, offset=0)
+    sums = np.ndarray((count, k), qz.WIRE_DTYPE, buffer=buf, offset=count * wire.PAYLOAD_BYTES)
+    exponents = np.ndarray(count, np.int8, buffer=buf, offset=2 * count * wire.PAYLOAD_BYTES)
+    global_exp = np.ndarray(count, np.int8, buffer=buf, offset=2 * count * wire.PAYLOAD_BYTES + count)
+    return blocks, exponents, sums, global_exp
+
+
+class _Share:
+    """One share of the slots in a process of its own (its Python does not wait for the others' GIL)."""
+
+    def __init__(self, index: int, config: WorkerConfig, share: tuple[int, int], address: tuple[str, int],
+                 options: dict[str, Any], timeout: float) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
+        self.index = index
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_share_main, args=(child, config, share, address, options),
+                                   name=f"netagg-share{index}", daemon=True)
+        self.process.start()
+        child.close()
+        self.stats: dict[str, Any] = {}
+        self._shm: Any = None
+        self._count = -1
+        self._pending = False
+        if not self.conn.poll(timeout):
+            self.close()
+            raise TransportError(f"thread {index}'s process did not start within {timeout:.0f} s")
+        self._receive()
+
+    def _receive(self) -> tuple[str, Any]:
+        try:
+            kind, detail, *stats = self.conn.recv()
+        except (EOFError, OSError):
+            raise TransportError(f"thread {self.index}'s process died (exit code {self.process.exitcode})") from None
+        if stats:
+            self.stats = stats[0]
+        return kind, detail
+
+    def start(self, blocks: np.ndarray, exponents: np.ndarray) -> None:
+        from multiprocessing import shared_memory
+
+        count = blocks.shape[0]
+        if self._shm is None or self._shm.size < _shm_bytes(count):
+            if self._shm is not None:
+                self._shm.close()
+                self._shm.unlink()
+            self._shm = shared_memory.SharedMemory(create=True, size=max(_shm_bytes(count), 4096))
+        view_blocks, view_exp, _, _ = _views(self._shm, count)
+        view_blocks[:] = blocks
+        view_exp[:] = exponents
+        self._count = count
+        self.conn.send(("exchange", self._shm.name, count))
+        self._pending = True
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray]:
+        self._pending = False
+        kind, detail = self._receive()
+        if kind != "done":
+            raise TransportError(f"thread {self.index}: {detail}")
+        _, _, sums, global_exp = _views(self._shm, self._count)
+        return sums.copy(), global_exp.copy()
+
+    def close(self) -> None:
+        try:
+            if self._pending:
+                self._receive()
+            self.conn.send(("stop",))
+        except (OSError, TransportError):
+            pass
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.conn.close()
+        if self._shm is not None:
+            self._shm.close()
+            self._shm.unlink()
+            self._shm = None
+
+
 class ThreadedTransport:
-    """T transports of one worker as one (the parts of :class:`Transport` that ``KVWorker`` uses)."""
+    """T shares of one worker's slots as one transport (the parts of :class:`Transport` that ``KVWorker``
+    uses): share 0 in this process, the others each in a process of its own (module docstring)."""
 
     def __init__(self, config: WorkerConfig, sock: socket.socket | None = None, **options: Any) -> None:
         if config.threads < 2:
@@ -79,62 +210,77 @@ class ThreadedTransport:
             port = sock.getsockname()[1]
             sock.close()
         program = steering.udp_range_program([first for first, _ in self.shares])
-        socks = steering.udp_group(host, port, len(self.shares), SOCKET_BUFFER_BYTES, SOCKET_BUFFER_BYTES, program)
-        self.transports: list[Transport] = []
+        (first,) = steering.udp_group(host, port, 1, SOCKET_BUFFER_BYTES, SOCKET_BUFFER_BYTES, reuse=True)
+        self._others: list[_Share] = []
         try:
-            for share, member in zip(self.shares, socks, strict=True):
-                self.transports.append(Transport(config, sock=member, slot_range=share, connect=False, **options))
+            steering.attach_reuseport(first, program)
+            self.transport = Transport(config, sock=first, slot_range=self.shares[0], connect=False, **options)
+            address = self.transport.address
+            timeout = max(60.0, options.get("progress_timeout", 10.0))
+            for index, share in enumerate(self.shares[1:], 1):  # one at a time: the group's order is the shares'
+                self._others.append(_Share(index, config, share, address, options, timeout))
         except BaseException:
-            for t in self.transports:
-                t.close()
-            for member in socks[len(self.transports):]:
-                member.close()
+            for other in self._others:
+                other.close()
+            first.close()
             raise
-        self.address = self.transports[0].address
-        self._pool = ThreadPoolExecutor(len(self.transports) - 1, thread_name_prefix=f"netagg-t{config.rank}")
+        self.address = address
 
     @property
     def threads(self) -> int:
-        return len(self.transports)
+        return len(self.shares)
 
     @property
     def window(self) -> float:
-        """The threads' congestion windows added up (packets outstanding at most)."""
-        return sum(t.window for t in self.transports)
+        """This process's share's congestion window times the shares (packets outstanding, about)."""
+        return self.transport.window * len(self.shares)
 
     @property
     def slot_count(self) -> int:
-        return sum(t.slot_count for t in self.transports)
+        return slot_count_of(self.config)
 
     @property
     def next_seq(self) -> int:
-        return self.transports[0].next_seq
+        return self.transport.next_seq
 
     @property
     def stats(self) -> TransportStats:
-        """Every thread's counters added up (exchanges: the worker's; the smallest window of any thread)."""
+        """Every share's counters added up (exchanges: the worker's; the smallest window of any share)."""
         total = TransportStats()
+        rows = [vars(self.transport.stats), *(other.stats for other in self._others if other.stats)]
         for f in fields(TransportStats):
-            values = [getattr(t.stats, f.name) for t in self.transports]
+            values = [row[f.name] for row in rows]
             merged = min(values) if f.name == "smallest_window" else values[0] if f.name == "exchanges" else sum(values)
             setattr(total, f.name, merged)
         return total
 
     def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`Transport.exchange` over the threads: part i of ``blocks`` through thread i's slots."""
+        """:meth:`Transport.exchange` over the shares: part i of ``blocks`` through share i's slots."""
         if exponents is None:
             exponents = qz.block_exponents(blocks)
         parts = split_blocks(blocks.shape[0], self.shares)
-        futures = [self._pool.submit(t.exchange, blocks[a:b], exponents[a:b])
-                   for t, (a, b) in zip(self.transports[1:], parts[1:], strict=True)]
-        first = self.transports[0].exchange(blocks[parts[0][0]:parts[0][1]], exponents[parts[0][0]:parts[0][1]])
-        results = [first, *(f.result() for f in futures)]
+        for other, (a, b) in zip(self._others, parts[1:], strict=True):
+            other.start(blocks[a:b], exponents[a:b])
+        a, b = parts[0]
+        results: list[tuple[np.ndarray, np.ndarray]] = []
+        errors: list[BaseException] = []
+        try:
+            results.append(self.transport.exchange(blocks[a:b], exponents[a:b]))
+        except BaseException as err:  # collect the others' answers before raising
+            errors.append(err)
+        for other in self._others:
+            try:
+                results.append(other.finish())
+            except BaseException as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]
         return np.concatenate([r[0] for r in results]), np.concatenate([r[1] for r in results])
 
     def exchange_subset(self, *_args: Any, **_kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError("subset rounds run on one thread per worker (threads=1)")
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        for t in self.transports:
-            t.close()
+        for other in self._others:
+            other.close()
+        self.transport.close()

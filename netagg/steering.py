@@ -143,11 +143,12 @@ def attach_reuseport(sock: socket.socket, program: list[tuple[int, int, int, int
 
 
 def udp_group(host: str, port: int, shards: int, rcvbuf: int = 8 << 20, sndbuf: int = 8 << 20,
-              program: list[tuple[int, int, int, int]] | None = None) -> list[socket.socket]:
+              program: list[tuple[int, int, int, int]] | None = None, reuse: bool = False) -> list[socket.socket]:
     """``shards`` UDP sockets bound to one address (port 0: a free one), steered by slot; index = shard
     (``program``: another steering program than :func:`udp_program`, e.g. :func:`udp_range_program`).
 
-    With one shard this is a plain socket (no SO_REUSEPORT: no other socket can join it)."""
+    With one shard this is a plain socket (no SO_REUSEPORT: no other socket can join it), unless ``reuse``
+    (other processes join it later, and the caller attaches the program)."""
     _check(shards)
     socks: list[socket.socket] = []
     try:
@@ -156,7 +157,7 @@ def udp_group(host: str, port: int, shards: int, rcvbuf: int = 8 << 20, sndbuf: 
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-            if shards > 1:
+            if shards > 1 or reuse:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((host, port))
             port = sock.getsockname()[1]
