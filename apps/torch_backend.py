@@ -28,8 +28,8 @@ Environment (the ``netagg`` CLI's variables where they exist):
 ``NETAGG_WORKER_HOST``   this rank's IPv4 address toward the switch (default: the address that
                          routes to ``MASTER_ADDR``, else 127.0.0.1)
 ``NETAGG_JOB_NAME``      the job's name at the controller (default ``torch``)
-``NETAGG_THREADS``       rank 0's value for every rank: processes per rank over its share of the slots
-                         (default 1; docs/hoststack.md, "A worker over several cores")
+``NETAGG_THREADS``       the job's processes per rank, each over its share of the slots (rank 0 asks the
+                         controller; default 1; docs/hoststack.md, "A worker over several cores")
 =======================  ====================================================================
 """
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import ipaddress
 import json
 import logging
@@ -184,9 +183,8 @@ class NetaggProcessGroup(dist.ProcessGroup):
             self.info = plan
             text = self._store.get(f"netagg/config/{rank}").decode() if plan["mode"] != "gloo" else ""
             if text:  # the worker takes the socket it reported: its port was never free for another one
-                config = WorkerConfig.from_dict(yaml.safe_load(text), f"netagg job {plan['job_id']}")
-                # Rank 0's NETAGG_THREADS for every rank: a job setting (hoststack/threads.py).
-                self.worker = KVWorker(dataclasses.replace(config, threads=plan.get("threads", 1)), sock=held)
+                self.worker = KVWorker(WorkerConfig.from_dict(yaml.safe_load(text), f"netagg job {plan['job_id']}"),
+                                       sock=held)
         finally:
             if self.worker is None:
                 held.close()
@@ -206,7 +204,8 @@ class NetaggProcessGroup(dist.ProcessGroup):
             lease = float(_env_int("NETAGG_LEASE", 30))
             try:
                 created = client.call("create", name=os.environ.get("NETAGG_JOB_NAME", "torch"), workers=workers,
-                                      slots=slots, mode="allreduce", ps=ps, lease_seconds=lease)
+                                      slots=slots, mode="allreduce", ps=ps, lease_seconds=lease,
+                                      threads=_env_int("NETAGG_THREADS", 1))
             except ApiError as err:
                 if err.code != "capacity_exhausted":
                     raise
@@ -216,8 +215,7 @@ class NetaggProcessGroup(dist.ProcessGroup):
             else:
                 job = created["job"]
                 plan = {"mode": job["mode"], "job_id": job["job_id"], "admission": created["admission"],
-                        "reason": created["reason"], "slots": job["slot_count"], "message": "",
-                        "threads": _env_int("NETAGG_THREADS", 1) if job["mode"] == "allreduce" else 1}
+                        "reason": created["reason"], "slots": job["slot_count"], "message": ""}
                 if created["admission"] == "partial":
                     plan["message"] = (f"netagg: job {job['job_id']} got {job['slot_count']} of {slots} slots "
                                        f"({created['reason']})")

@@ -60,6 +60,8 @@ class JobRequest:
     replica_ps: Sequence[str] | None = None
     switch_aggregation: bool = False
     senders: int = 0
+    #: Processes per worker over its share of the job's slots (hoststack/threads.py); mode allreduce.
+    threads: int = 1
     distribution: Sequence[str] | None = None
     distribution_ps: Sequence[str] | None = None
     distribution_slots: int | None = None
@@ -95,6 +97,11 @@ class JobRequest:
             raise _bad(f"senders must be an integer in 0..{len(workers) - 1}, got {senders!r}")
         if senders and self.mode != "allreduce":
             raise _bad("--senders needs --mode allreduce")
+        threads = self.threads
+        if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64:
+            raise _bad(f"threads must be an integer in 1..64, got {threads!r}")
+        if threads > 1 and (self.mode != "allreduce" or senders or self.switch_aggregation):
+            raise _bad("--threads above 1 needs --mode allreduce (not a one-way job, not --switch-aggregation)")
         if self.switch_aggregation and (self.schedule != "mlfabric" or self.mode != "allreduce"):
             raise _bad("--switch-aggregation needs --schedule mlfabric and --mode allreduce (the group's sums "
                        "go back to its members)")

@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--senders", type=int, default=0,
                         help="mode allreduce, a one-way job: the last N workers only send (e.g. a PS distributing "
                         "the model through the switch), the others only receive")
+    create.add_argument("--threads", type=int, default=1,
+                        help="mode allreduce: processes per worker, each over its share of the job's slots "
+                        "(every worker's config says so; docs/hoststack.md)")
     create.add_argument("--replicas", type=int, help="PS replicas (chain replication); default: as many as named")
     create.add_argument("--replica-ps", help="comma-separated replica endpoints: configured names or HOST:UDP_PORT "
                         "(default: the first configured parameter servers other than --ps)")
@@ -276,7 +279,7 @@ def _job_command(args: argparse.Namespace) -> int:
             name=args.name, workers=_split(args.workers), slots=args.slots, mode=args.mode, ps=args.ps,
             lease_seconds=args.lease, tenant=args.tenant, update_mode=args.update_mode, delay_bound=args.delay_bound,
             schedule=args.schedule, replicas=args.replicas, switch_aggregation=args.switch_aggregation,
-            senders=args.senders, replica_ps=_split(args.replica_ps) if args.replica_ps else None,
+            senders=args.senders, threads=args.threads, replica_ps=_split(args.replica_ps) if args.replica_ps else None,
             distribution=None if args.distribution is None else _split(args.distribution),
             distribution_ps=None if args.distribution_ps is None else _split(args.distribution_ps),
             distribution_slots=args.distribution_slots)

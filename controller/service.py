@@ -283,6 +283,7 @@ class JobService:
                     note=admitted.job.note, update_mode=request.update_mode, delay_bound=request.delay_bound,
                     schedule=request.schedule, replicas=job.replicas, secret=jobsecret.new_secret(),
                     switch_aggregation=admitted.switch_aggregation, senders=request.senders, distribution=dist_id,
+                    threads=request.threads if admitted.mode == "allreduce" else 1,
                 )]
                 self.store.insert(conn, rows[0])
                 if job.distribution is not None:
@@ -403,7 +404,7 @@ class JobService:
                             bind=Endpoint(worker.ip, worker.udp_port), ps=ps, tenant=job.tenant,
                             update_mode=job.update_mode, delay_bound=job.delay_bound, schedule=job.schedule,
                             replicas=tuple(Endpoint(r.ip, r.udp_port) for r in job.replicas), secret=job.secret,
-                            switch_aggregation=job.switch_aggregation, senders=job.senders)
+                            switch_aggregation=job.switch_aggregation, senders=job.senders, threads=job.threads)
 
     def reap_expired(self, now: float | None = None) -> list[int]:
         """Delete every job whose lease ran out; returns their ids.

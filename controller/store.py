@@ -51,6 +51,7 @@ MIGRATIONS = (
     ("senders", "INTEGER NOT NULL DEFAULT 0"),
     ("distribution", "INTEGER"),
     ("distribution_of", "INTEGER"),
+    ("threads", "INTEGER NOT NULL DEFAULT 1"),
 )
 
 
@@ -110,6 +111,8 @@ class JobRecord:
     #: The two are created, renewed and deleted together; None where there is no such link.
     distribution: int | None = None
     distribution_of: int | None = None
+    #: Processes per worker over its share of the slots (WorkerConfig.threads); 1 unless mode allreduce.
+    threads: int = 1
 
     @property
     def uses_switch(self) -> bool:
@@ -135,7 +138,7 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
         update_mode=row["update_mode"], delay_bound=row["delay_bound"], schedule=row["schedule"],
         replicas=[PsEndpoint(**r) for r in json.loads(row["replicas"])], secret=row["secret"],
         switch_aggregation=bool(row["switch_aggregation"]), senders=row["senders"],
-        distribution=row["distribution"], distribution_of=row["distribution_of"],
+        distribution=row["distribution"], distribution_of=row["distribution_of"], threads=row["threads"],
     )
 
 
@@ -184,13 +187,14 @@ class JobStore:
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
             " workers, ps, lease_seconds, lease_expires, created, counter_base, note,"
             " update_mode, delay_bound, schedule, replicas, secret, switch_aggregation, senders, distribution,"
-            " distribution_of) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " distribution_of, threads) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
+            " ?, ?)",
             (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
              job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
              json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
              job.created, json.dumps(job.counter_base), job.note, job.update_mode, job.delay_bound, job.schedule,
              json.dumps([asdict(r) for r in job.replicas]), job.secret, int(job.switch_aggregation), job.senders,
-             job.distribution, job.distribution_of),
+             job.distribution, job.distribution_of, job.threads),
         )
 
     def set_state(self, job_id: int, state: str, *more: int) -> None:

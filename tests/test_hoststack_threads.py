@@ -4,12 +4,14 @@ thread that owns their slot, and allreduces bit-identical to one thread, with an
 from __future__ import annotations
 
 import dataclasses
+import json
 import select
 import socket
 import time
 
 import numpy as np
 import pytest
+import yaml
 
 from netagg import steering, wire
 from netagg.hoststack.envconfig import config_from_env
@@ -124,3 +126,29 @@ def test_threads_is_a_checked_job_setting():
     assert config_from_env(env).threads == 3
     with pytest.raises(ConfigError, match="NETAGG_THREADS"):
         config_from_env({**env, "NETAGG_THREADS": "0"})
+
+
+def test_the_controller_writes_threads_into_every_workers_config_and_refuses_bad_values(capsys, soft_controller):
+    from netagg.controller.cli import EXIT_CODES, main
+
+    from conftest import TOKENS, free_udp_port
+
+    def cli(*args: str) -> tuple[int, str, str]:
+        code = main(["--config", str(soft_controller.config), "--json", "--token", TOKENS["alice"], *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    workers = ",".join(f"local:{free_udp_port()}" for _ in range(2))
+    code, out, err = cli("job", "create", "--workers", workers, "--slots", "8", "--mode", "allreduce", "--threads", "3")
+    assert code == 0, err
+    job = json.loads(out)["job"]
+    assert job["threads"] == 3
+    code, out, err = cli("job", "config", str(job["job_id"]), "--rank", "1")
+    assert code == 0, err
+    assert WorkerConfig.from_dict(yaml.safe_load(out)).threads == 3
+    bad = ((["--threads", "0"], "threads must be an integer in 1..64"),
+           (["--threads", "2", "--mode", "ps", "--ps", "ps0"], "--threads above 1 needs --mode allreduce"))
+    for args, message in bad:
+        code, _, err = cli("job", "create", "--workers", f"local:{free_udp_port()}", "--slots", "8", *args)
+        assert code == EXIT_CODES["invalid_argument"], err
+        assert message in err, err
