@@ -7,7 +7,7 @@ DEMO_STAMP := $(VENV)/.demo-stamp
 TARGET ?= soft
 PYTEST_ARGS ?=
 
-.PHONY: setup build build-tofino p4info test ptf demo bench bench-switch bench-tenants bench-sparse chaos lint clean
+.PHONY: setup build build-tofino p4info test ptf demo bench bench-switch bench-tenants bench-sparse chaos soak-mlfabric lint clean
 
 $(VENV)/.created:
 	@scripts/setup-system.sh
@@ -75,6 +75,11 @@ bench-tenants: setup
 ## CHAOS_ARGS='--seconds 300 --seed 7 --scenarios switch,chain' (docs/operations.md, "make chaos")
 chaos: setup
 	$(BIN)/python -m benchmarks.chaos $(CHAOS_ARGS)
+
+## soak-mlfabric: MLfabric runs (async, mlfabric, mlfabric-switch) back to back in the dynamic emulated cluster for
+## 30 minutes, every failure reported and classified; exit 1 if any (root). SOAK_ARGS: e.g. SOAK_ARGS='--minutes 5'
+soak-mlfabric: setup
+	$(BIN)/python -m benchmarks.soak_mlfabric $(SOAK_ARGS)
 
 ## lint: ruff
 lint: setup

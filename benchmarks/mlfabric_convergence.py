@@ -173,7 +173,8 @@ def _monitor_result(monitor: subprocess.Popen, timeout: float) -> tuple[dict, li
     return lines[-1]["final"], lines[:-1]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of a run (also the soak's, benchmarks/soak_mlfabric.py)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--rate-mbit", type=float, default=4.0, help="every host's link (default 4)")
@@ -205,16 +206,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=64,
                         help="hidden units of the MLP: 64 is 4,874 values (19.5 kB); 8192 is 606k (2.4 MB)")
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def dynamics_spec(args: argparse.Namespace) -> DynamicsSpec:
+    return DynamicsSpec(seed=args.seed, slow_fraction=args.slow_hosts, slow_factor=args.slow_fraction,
+                        change_every=args.change_every, change_low=args.change_low,
+                        straggler_fraction=args.stragglers, straggler_ms=args.straggler_ms,
+                        background_mbit=args.background_mbit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     ok, why = can_create_namespaces()
     if not ok:
         print(f"mlfabric_convergence: the emulated cluster {why}; nothing measured")
         return 2
     spec = ClusterSpec.load(num_workers=args.workers, rate_mbit=args.rate_mbit, target="soft")
-    dynamics = DynamicsSpec(seed=args.seed, slow_fraction=args.slow_hosts, slow_factor=args.slow_fraction,
-                            change_every=args.change_every, change_low=args.change_low,
-                            straggler_fraction=args.stragglers, straggler_ms=args.straggler_ms,
-                            background_mbit=args.background_mbit)
+    dynamics = dynamics_spec(args)
     print(f"emulated cluster: {args.workers} workers + PS host, soft switch, {spec.rate_mbit} Mbit/s and "
           f"{spec.delay_ms} ms per link, {dynamics}; "
           f"MLP hidden {args.hidden}, delay bound {args.delay_bound}, lr {args.lr} per gradient "

@@ -1,0 +1,96 @@
+"""``make soak-mlfabric``: MLfabric training runs back to back for a bounded time, counting every failure.
+
+Runs ``benchmarks.mlfabric_convergence``'s runs (the emulated cluster, a job created through
+the CLI, the MLfabric PS, a monitor and the workers) one after another, cycling over
+``--kinds`` (default: async, mlfabric and mlfabric-switch, where a push was once seen cut off
+by the PS with every retry for 30 s), in the dynamic cluster of docs/mlfabric.md, until
+``--minutes`` have passed. Each run is bounded (``--max-seconds``); a run that fails is
+reported with its error and the PS's last log lines, and classified: a worker's push cut off
+(the error names a push and a closed or reset connection, or a timeout), or anything else.
+Prints one JSON line per run and a summary; exit status 1 if any run failed, 2 where the
+emulated cluster cannot run (no root or no namespaces).
+
+    make soak-mlfabric [SOAK_ARGS='--minutes 30 --kinds async mlfabric']
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from benchmarks import mlfabric_convergence as conv
+from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
+from netagg.bmv2.dynamics import make_plan
+from netagg.bmv2.netns import can_create_namespaces
+
+#: The dynamic cluster of docs/mlfabric.md's evaluation (more rate changes, stragglers, another tenant).
+DYNAMIC = ["--max-seconds", "90", "--slots", "64", "--hidden", "4096", "--rate-mbit", "40", "--batch-window", "0.3",
+           "--change-every", "4", "--stragglers", "0.25", "--straggler-ms", "100", "--background-mbit", "8"]
+_CUT_OFF = re.compile(r"push.*(closed|reset|broken pipe|eof|timed? ?out)|(closed|reset|timed? ?out).*push",
+                      re.IGNORECASE | re.DOTALL)
+
+
+def classify(error: str) -> str:
+    """``push cut off`` (the intermittent failure the soak looks for) or ``other``."""
+    return "push cut off" if _CUT_OFF.search(error) else "other"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = conv.build_parser()
+    parser.description = __doc__
+    parser.add_argument("--minutes", type=float, default=30.0, help="how long to keep starting runs")
+    parser.set_defaults(kinds=["async", "mlfabric", "mlfabric-switch"])
+    args = parser.parse_args([*DYNAMIC, *(argv if argv is not None else sys.argv[1:])])
+    ok, why = can_create_namespaces()
+    if not ok:
+        print(f"soak_mlfabric: the emulated cluster {why}; nothing run")
+        return 2
+    spec = ClusterSpec.load(num_workers=args.workers, rate_mbit=args.rate_mbit, target="soft")
+    dynamics = conv.dynamics_spec(args)
+    print(f"soak: {args.minutes:g} min of runs of {', '.join(args.kinds)}; {args.workers} workers, "
+          f"{args.rate_mbit} Mbit/s, {dynamics}; each run at most {args.max_seconds:g} s", flush=True)
+    runs: list[dict] = []
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="netagg-soak-") as tmp, EmulatedCluster(Path(tmp), spec) as cluster:
+        plan = make_plan(dynamics, cluster.worker_hosts, cluster.ps_host, spec.rate_mbit, args.max_seconds + 30)
+        index = 0
+        while time.monotonic() - start < args.minutes * 60:
+            kind = args.kinds[index % len(args.kinds)]
+            began = time.monotonic()
+            try:
+                row = conv.run(cluster, kind, args, plan)
+                result = {"kind": kind, "ok": row["time_to_target"] is not None,
+                          "time_to_target": row["time_to_target"], "applied": row["applied"],
+                          "dropped": row["dropped"]}
+                if not result["ok"]:
+                    result["failure"] = "did not reach the target loss within --max-seconds"
+                    result["class"] = "other"
+            except Exception as err:  # a failed run is the finding: report it and go on
+                ps_log = cluster.workdir / f"mlfabric-ps-{kind}.log"
+                result = {"kind": kind, "ok": False, "failure": str(err)[-1500:], "class": classify(str(err)),
+                          "ps_log": ps_log.read_text(errors="replace")[-1500:] if ps_log.exists() else ""}
+            result["run"] = index
+            result["seconds"] = round(time.monotonic() - began, 1)
+            runs.append(result)
+            print(json.dumps(result), flush=True)
+            index += 1
+    elapsed = (time.monotonic() - start) / 60
+    failed = [r for r in runs if not r["ok"]]
+    print(f"\nsoak: {len(runs)} runs in {elapsed:.1f} min; failed {len(failed)}")
+    for kind in args.kinds:
+        mine = [r for r in runs if r["kind"] == kind]
+        times = [r["time_to_target"] for r in mine if r["ok"]]
+        spread = f"{min(times):.1f}-{max(times):.1f} s to the target" if times else "-"
+        print(f"  {kind:<16} runs {len(mine):>3}  failed {sum(not r['ok'] for r in mine):>2}  {spread}")
+    classes = Counter(r["class"] for r in failed)
+    print(f"  pushes cut off: {classes.get('push cut off', 0)}; other failures: {classes.get('other', 0)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
