@@ -197,6 +197,8 @@ class BatchSwitch(PortLoop):
         peers = self.peers
         if len(peers) > 1:
             me = self.pipeline.shard
+            if count > self._owners.shape[0]:  # the kernel does not check bounds
+                self._owners = np.zeros(count, np.int64)
             foreign = kernels.frame_owners(buf, in_len, count, len(peers), me, self._owners)
             if foreign:
                 self.foreign_frames += foreign

@@ -49,6 +49,10 @@ class ShardedSwitch:
     """N shards serving the same ports (the interface of ``SoftSwitch``/``BatchSwitch``: start, stop, ports,
     stats)."""
 
+    #: No fault injection here (the target runs one per-packet loop for that).
+    rx_faults = None
+    tx_faults = None
+
     def __init__(self, pipeline: FastPipeline, shards: int, interfaces: Mapping[int, str],
                  loopback: tuple[int, str, int] | None = None, raw_io: str | None = None) -> None:
         from netagg.softswitch.batch_switch import BatchSwitch  # needs numba
