@@ -4,6 +4,7 @@ writes that wait for every shard, frames that reach the wrong shard, and a shard
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 import time
 
@@ -12,7 +13,7 @@ import pytest
 from p4.v1 import p4runtime_pb2 as p4rt
 
 from netagg import dataplane as dp
-from netagg import wire
+from netagg import udpgso, wire
 from netagg.hoststack.testing import LossyRelay, expected_allreduce, run_workers
 from netagg.jobconfig import Endpoint
 from netagg.localports import free_ports
@@ -84,21 +85,51 @@ def test_sharded_switch_under_loss_duplication_and_reordering_stays_exact():
     assert counters["results"] == -(-20_000 // wire.K) + 128
 
 
-def test_segmented_sends_that_break_the_steering_rule_are_still_aggregated_exactly(monkeypatch):
-    """A host that puts several blocks into one GSO send: the kernel hands it all to the first datagram's
-    shard, which runs the other shards' frames under their locks."""
-    inputs = _inputs(40_000, 4)
-    want, _ = expected_allreduce(inputs)
+@pytest.mark.skipif(udpgso.gso_unavailable() is not None, reason=f"no UDP GSO here: {udpgso.gso_unavailable()}")
+def test_segmented_sends_that_break_the_steering_rule_are_still_aggregated_exactly():
+    """Hosts that put two blocks into one GSO send: the kernel hands it all to the first datagram's shard,
+    which runs the other shard's frames under both shards' locks. Job 1's slots 32..95: block 0 (shard 1)
+    and block 1 (shard 0)."""
+    slots = list(range(32, 96))
     with testing.LoopbackSwitch(shards=2) as switch:
-        configs = switch.add_job(N, slot_count=256)
-        monkeypatch.setattr(wire, "SEGMENT_BLOCK_SHIFT", 15)  # the host stack's plans: one block for all
-        results = run_workers(configs, lambda w, rank: w.allreduce(inputs[rank]))
+        configs = switch.add_job(2, slot_count=128)
+        job = configs[0].job_id
+        socks = []
+        try:
+            for config in configs:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                socks.append(sock)
+                sock.bind((config.bind.host, config.bind.port))
+                sock.connect((config.aggregator.host, config.aggregator.port))
+                sock.settimeout(5)
+            gso = udpgso.GsoBatch(len(slots))
+            for rank, sock in enumerate(socks):
+                rows = np.zeros((len(slots), wire.NETAGG_BYTES), np.uint8)
+                for i, slot in enumerate(slots):
+                    header = wire.HEADER_STRUCT.pack(wire.VERSION, 0, job, slot, 0, rank, 0, 0, 1, slot, 0)
+                    values = np.full(wire.K, 1000 * (rank + 1) + slot, ">i4").tobytes()
+                    rows[i] = np.frombuffer(header + values, np.uint8)
+                addresses = np.uint64(rows.ctypes.data) + np.arange(len(slots), dtype=np.uint64) \
+                    * np.uint64(wire.NETAGG_BYTES)
+                headers = gso.plan_uniform(addresses, wire.NETAGG_BYTES)  # no steering keys: one send of 64
+                assert headers == 1 and gso.send(sock.fileno(), headers)[0] == len(slots)
+            for sock in socks:  # every slot's sum, once, at both workers
+                sums = {}
+                while len(sums) < len(slots):
+                    data = sock.recv(4096)
+                    fields = wire.HEADER_STRUCT.unpack_from(data)
+                    assert fields[wire.FIELD_INDEX["flags"]] & wire.FLAG_RESULT
+                    value = np.frombuffer(data[wire.HEADER_BYTES:], ">i4")
+                    sums[fields[wire.FIELD_INDEX["slot"]]] = int(value[0])
+                    assert (value == value[0]).all()
+                assert sums == {slot: 3000 + 2 * slot for slot in slots}
+        finally:
+            for sock in socks:
+                sock.close()
         foreign = switch.target.switch.foreign_frames
-        counters = switch.counters(configs[0].job_id)
-    for got in results:
-        np.testing.assert_array_equal(got, want)
-    assert foreign > 0
-    assert counters["results"] == -(-40_000 // wire.K) + 256
+        counters = switch.counters(job)
+    assert foreign == 2 * 32  # block 1's half of each worker's send reached block 0's shard
+    assert counters["results"] == len(slots) and counters["contributions"] == 2 * len(slots)
 
 
 def test_counter_writes_and_reads_see_every_shard():
