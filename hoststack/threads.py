@@ -82,25 +82,30 @@ def _share_main(conn: Any, config: WorkerConfig, share: tuple[int, int], address
             if message[0] == "stop":
                 return
             _, name, count = message
-            if shm is None or shm.name != name:
+            if shm is None or shm.name != name:  # the parent grew it: a new segment
                 if shm is not None:
                     shm.close()
                 shm = shared_memory.SharedMemory(name=name)
-            blocks, exponents, sums, global_exp = _views(shm, count)
-            try:
-                out_sums, out_exp = transport.exchange(blocks, exponents.copy())
-            except Exception as err:  # the parent raises it for this exchange
-                conn.send(("error", f"{type(err).__name__}: {err}", vars(transport.stats).copy()))
-                continue
-            sums[:] = out_sums
-            global_exp[:] = out_exp
-            conn.send(("done", None, vars(transport.stats).copy()))
+            conn.send(_exchange_in(transport, shm, count))
     except (EOFError, KeyboardInterrupt):
         return
     finally:
         if shm is not None:
             shm.close()
         transport.close()
+
+
+def _exchange_in(transport: Transport, shm: Any, count: int) -> tuple[str, str | None, dict]:
+    """One exchange of ``count`` blocks from and into ``shm`` (the views end with the call, so ``shm`` can be
+    closed); returns the answer for the parent."""
+    blocks, exponents, sums, global_exp = _views(shm, count)
+    try:
+        out_sums, out_exp = transport.exchange(blocks, exponents.copy())
+    except Exception as err:  # the parent raises it for this exchange
+        return "error", f"{type(err).__name__}: {err}", vars(transport.stats).copy()
+    sums[:] = out_sums
+    global_exp[:] = out_exp
+    return "done", None, vars(transport.stats).copy()
 
 
 def _shm_bytes(count: int) -> int:

@@ -92,6 +92,18 @@ def test_allreduce_over_threads_is_bit_identical_to_one_thread(threads, shards):
     assert counters["results"] == 2 * (blocks + 256)  # every round once (each thread probes its own slots)
 
 
+def test_exchanges_of_growing_and_shrinking_sizes_over_processes_stay_exact():
+    """The shares' shared memory grows with the exchange (a new segment) and is reused for smaller ones."""
+    sizes = [1_000, 90_000, 5_000, 0, 130_000]
+    inputs = {size: _inputs(size, size) for size in sizes}
+    with testing.LoopbackSwitch() as switch:
+        configs = [dataclasses.replace(c, threads=2) for c in switch.add_job(N, slot_count=128)]
+        results = run_workers(configs, lambda w, rank: [w.allreduce(inputs[size][rank]) for size in sizes])
+    for per_rank in results:
+        for size, got in zip(sizes, per_rank, strict=True):
+            np.testing.assert_array_equal(got, expected_allreduce(inputs[size])[0])
+
+
 @pytest.mark.parametrize("faults", [{"drop": 0.05, "duplicate": 0.02, "reorder": 0.02, "seed": 3},
                                     {"burst": 0.004, "burst_length": 64, "seed": 11}])
 def test_allreduce_over_threads_under_loss_stays_exact(faults):
