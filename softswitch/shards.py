@@ -45,6 +45,10 @@ def default_shards() -> int:
     return max(1, min(8, cpus // 2))
 
 
+class ShardingUnavailable(ValueError):
+    """These ports cannot be served by several shards here (the target then runs one, saying why)."""
+
+
 class ShardedSwitch:
     """N shards serving the same ports (the interface of ``SoftSwitch``/``BatchSwitch``: start, stop, ports,
     stats)."""
@@ -83,8 +87,8 @@ class ShardedSwitch:
                 for shard, port in zip(self.shards, members, strict=True):
                     group, hides = steering.join_fanout(port.sock, group, shards)  # type: ignore[union-attr]
                     if not hides and shard._rings is None:
-                        raise ValueError(f"raw port {number}: this kernel shows a fanout group the frames it sends "
-                                         "and only packet rings filter them; use NETAGG_RAW_IO=ring or 1 shard")
+                        raise ShardingUnavailable(f"raw port {number}: this kernel shows a fanout group the frames "
+                                                  "it sends, and only packet rings filter them (NETAGG_RAW_IO=ring)")
         except BaseException:
             for port in opened:
                 port.close()
@@ -169,4 +173,4 @@ def shard_counts(shards: int | None, why_not: str | None) -> int:
     return wanted
 
 
-__all__: Sequence[str] = ("ShardedSwitch", "default_shards", "shard_counts")
+__all__: Sequence[str] = ("ShardedSwitch", "ShardingUnavailable", "default_shards", "shard_counts")

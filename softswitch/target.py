@@ -23,7 +23,7 @@ from netagg.softswitch.forwarding_state import ForwardingState
 from netagg.softswitch.p4runtime_server import P4RuntimeDevice, ServerHandle, serve
 from netagg.softswitch.pipeline import NetaggPipeline
 from netagg.softswitch.ports import LoopbackUdpPort, Port, RawSocketPort
-from netagg.softswitch.shards import ShardedSwitch, shard_counts
+from netagg.softswitch.shards import ShardedSwitch, ShardingUnavailable, shard_counts
 from netagg.softswitch.switch import SoftSwitch
 
 if TYPE_CHECKING:
@@ -99,12 +99,18 @@ class SoftwareTarget:
 
             warm_up()
             assert isinstance(self.pipeline, fastpath.FastPipeline)
-            self.switch = ShardedSwitch(self.pipeline, self.shards, interfaces or {},
-                                        (LOOPBACK_PORT_NUMBER, *loopback) if loopback is not None else None)
-            port = self.switch.ports.get(LOOPBACK_PORT_NUMBER)
-            self.loopback = port if isinstance(port, LoopbackUdpPort) else None
-            self.server = None
-            return
+            try:
+                self.switch = ShardedSwitch(self.pipeline, self.shards, interfaces or {},
+                                            (LOOPBACK_PORT_NUMBER, *loopback) if loopback is not None else None)
+            except ShardingUnavailable as err:
+                # The pipeline keeps shard 0's lock and counters: the control plane still takes every lock.
+                log.warning("software target: 1 shard, not %d (%s)", self.shards, err)
+                self.shards = 1
+            else:
+                port = self.switch.ports.get(LOOPBACK_PORT_NUMBER)
+                self.loopback = port if isinstance(port, LoopbackUdpPort) else None
+                self.server = None
+                return
         ports: list[Port] = [RawSocketPort(n, ifname) for n, ifname in sorted((interfaces or {}).items())]
         if loopback is not None:
             self.loopback = LoopbackUdpPort(LOOPBACK_PORT_NUMBER, *loopback)

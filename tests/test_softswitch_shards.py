@@ -201,3 +201,19 @@ def test_shard_count_falls_back_to_one_where_the_loop_runs_per_packet(caplog):
         shards_mod.shard_counts(0, None)
     with testing.LoopbackSwitch(drop=0.1, shards=3) as switch:
         assert switch.target.shards == 1
+
+
+def test_ports_that_cannot_be_sharded_run_one_shard_and_say_why(monkeypatch, caplog):
+    def refuse(*_args, **_kwargs):
+        raise shards_mod.ShardingUnavailable("refused for the test")
+
+    monkeypatch.setattr(shards_mod.ShardedSwitch, "__init__", refuse)
+    inputs = _inputs(5_000, 6)
+    want, _ = expected_allreduce(inputs)
+    with testing.LoopbackSwitch(shards=3) as switch:
+        assert switch.target.shards == 1 and not isinstance(switch.target.switch, shards_mod.ShardedSwitch)
+        configs = switch.add_job(N, slot_count=64)
+        results = run_workers(configs, lambda w, rank: w.allreduce(inputs[rank]))
+    for got in results:
+        np.testing.assert_array_equal(got, want)
+    assert "1 shard, not 3 (refused for the test)" in caplog.text
