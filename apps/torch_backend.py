@@ -161,6 +161,8 @@ class NetaggProcessGroup(dist.ProcessGroup):
         #: Allreduces that went through netagg.
         self.netagg_allreduces = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netagg-pg")
+        #: CUDA device -> the stream the sums are copied back on (``_reduce_cuda``).
+        self._side_streams: dict[torch.device, Any] = {}
         self._closed = False
         self._stop_renewing = threading.Event()
         self._start_job()
@@ -280,14 +282,46 @@ class NetaggProcessGroup(dist.ProcessGroup):
         if self.worker is None:
             return self._gloo_sum(tensors, is_avg)
         tensor = tensors[0]
+        if tensor.is_cuda:
+            return self._allreduce_cuda(tensor, is_avg)
         future: torch.futures.Future = torch.futures.Future()
         values = tensor.detach().to(device="cpu", dtype=torch.float32, copy=True).numpy()
-        if tensor.is_cuda:  # copy back on the caller's thread and stream
-            self._reduce(tensor, values, is_avg, future)
-            future.wait()
-        else:
-            self._executor.submit(self._reduce, tensor, values, is_avg, future)
+        self._executor.submit(self._reduce, tensor, values, is_avg, future)
         return _DoneWork(future)
+
+    def _allreduce_cuda(self, tensor: torch.Tensor, is_avg: bool) -> dist.Work:
+        """A CUDA tensor without blocking the caller: the copy to pinned host memory is queued on the caller's
+        stream, the background thread runs the exchange once that copy is done, and copies the sum back on a
+        side stream. The future is a CUDA-aware ``torch.futures.Future``: it records that stream's work, and
+        whoever waits on it (``Work.wait``, DDP's callbacks) has its current stream wait for the copy."""
+        device = tensor.device
+        host = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=True)
+        with torch.no_grad():
+            host.copy_(tensor.detach().to(torch.float32), non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(device))
+        future: torch.futures.Future = torch.futures.Future(devices=[device])
+        self._executor.submit(self._reduce_cuda, tensor, host, copied, is_avg, future)
+        return _DoneWork(future)
+
+    def _reduce_cuda(self, tensor: torch.Tensor, host: torch.Tensor, copied: Any, is_avg: bool,
+                     future: torch.futures.Future) -> None:
+        try:
+            assert self.worker is not None
+            copied.synchronize()  # the values are in host memory
+            total = np.asarray(self.worker.allreduce(host.numpy()), dtype=np.float32)
+            if is_avg:
+                total /= self.size()
+            host.copy_(torch.from_numpy(total).reshape(host.shape))  # pinned again: the copy back is async
+            stream = self._side_streams.get(device := tensor.device)
+            if stream is None:
+                stream = self._side_streams[device] = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream), torch.no_grad():
+                tensor.copy_(host, non_blocking=True)
+                self.netagg_allreduces += 1
+                future.set_result([tensor])  # records an event on the side stream for the waiters
+        except BaseException as err:
+            future.set_exception(err)
 
     def _reduce(self, tensor: torch.Tensor, values: np.ndarray, is_avg: bool, future: torch.futures.Future) -> None:
         try:
