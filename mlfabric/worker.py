@@ -7,7 +7,9 @@ asks it to take over (``promote``: a replica accepts only once its primary is go
 it has caught up; a primary just says so) and repeats the request there. Pushes carry
 update ids, so a push repeated after a failover is applied at most once (the replica
 already has every update the primary acknowledged). Every request has a timeout; after
-``failover_timeout`` seconds without any reachable primary, :class:`Unavailable` is raised.
+``failover_timeout`` seconds without any reachable primary, :class:`Unavailable` is raised, but
+only after a second attempt: a request whose one attempt outlasted the deadline (its connection
+stalled) is sent again on a fresh connection first.
 Every request carries the job's shared secret (``secret``; :meth:`FabricClient.from_config`
 takes it from the config). A refusal for a wrong secret is raised at once, not failed over.
 """
@@ -68,16 +70,18 @@ class FabricClient:
         """One request to the current primary, failing over as needed; raises Refused or Unavailable."""
         header = {"op": op, "job_id": self.job_id, "rank": self.rank, **(fields or {})}
         deadline = time.monotonic() + self.failover_timeout
+        attempts = 0
         while True:
+            attempts += 1
             try:
                 conn = self._connection()
                 return conn.call(header, blob, timeout)
             except Unreachable as err:
-                self._rotate(str(err), deadline)
+                self._rotate(str(err), deadline, attempts)
             except Refused as err:
                 if not any(reason in str(err) for reason in _NOT_PRIMARY):
                     raise
-                self._rotate(str(err), deadline)
+                self._rotate(str(err), deadline, attempts)
 
     def hello(self) -> dict[str, Any]:
         fields = {"agg": list(self.agg)} if self.agg else {}
@@ -149,10 +153,13 @@ class FabricClient:
         self._conn = conn
         return conn
 
-    def _rotate(self, why: str, deadline: float) -> None:
+    def _rotate(self, why: str, deadline: float, attempts: int) -> None:
+        """Move to the next endpoint after a failed attempt; Unavailable once ``deadline`` has passed, but
+        never after a single attempt: one that outlasted the deadline by itself (a request whose answer
+        timed out, e.g. a push through a connection that stalled) is tried again on a fresh connection."""
         self.close()
         self.last_failure = why
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline and attempts > 1:
             raise Unavailable(f"no primary among {self.endpoints} for {self.failover_timeout:.0f} s; last: {why}")
         self.current = (self.current + 1) % len(self.endpoints)
         self.failovers += 1

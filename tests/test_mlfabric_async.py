@@ -333,3 +333,86 @@ def test_a_fault_inside_a_handler_is_answered_and_the_connection_keeps_serving()
     finally:
         conn.close()
         server.stop()
+
+
+class _StallingRelay:
+    """A TCP relay to ``target`` whose first connection goes silent (forwards nothing, either way) once
+    ``stall_after`` bytes went up: a connection whose network stalled mid-push. Later connections relay."""
+
+    def __init__(self, target: tuple[str, int], stall_after: int) -> None:
+        self.target = target
+        self.stall_after = stall_after
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()
+        self.connections = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                continue
+            upstream = socket.create_connection(self.target)
+            self._sockets += [conn, upstream]
+            self.connections += 1
+            limit = self.stall_after if self.connections == 1 else None
+            for src, dst, cap in ((conn, upstream, limit), (upstream, conn, None)):
+                thread = threading.Thread(target=self._pump, args=(src, dst, cap), daemon=True)
+                thread.start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, cap: int | None) -> None:
+        moved = 0
+        src.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            if cap is not None:
+                data = data[:max(0, cap - moved)]
+                if not data:  # stalled: swallow the rest, as a dead path would
+                    continue
+            moved += len(data)
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self.listener.close()
+        for sock in self._sockets:
+            sock.close()
+
+
+def test_a_push_whose_connection_stalls_past_the_failover_timeout_is_sent_again_and_applied_once():
+    """What `make soak-mlfabric` found: a push's one attempt outlasted the failover timeout (its connection
+    stalled mid-frame), and the client gave up without sending it again."""
+    server, configs = _server(1, update_mode="async", delay_bound=4, lr=1.0, gate_timeout=0, frame_timeout=1.0)
+    relay = _StallingRelay(server.address, stall_after=100_000)
+    try:
+        setup = FabricClient.from_config(configs[0])
+        setup.hello()
+        setup.init(np.zeros(200_000, np.float32))
+        setup.close()
+        client = FabricClient([relay.address], configs[0].job_id, 0, secret=configs[0].secret, timeout=1.0,
+                              failover_timeout=0.5)
+        update = np.ones(200_000, np.float32)  # 800 kB: the first connection stalls after 100 kB of it
+        outcome = client.push("0:0", 0, update, timeout=1.5)
+        assert outcome["outcome"] == "applied" and not outcome.get("duplicate")
+        assert relay.connections == 2 and "did not answer in time" in client.last_failure
+        assert server.version == 1 and server.stats.applied == 1
+        assert server.stats.malformed_frames == 1  # the cut frame: counted, not applied
+        client.close()
+    finally:
+        relay.close()
+        server.stop()
