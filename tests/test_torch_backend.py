@@ -53,6 +53,9 @@ def _torchrun(deployment, nproc: int, save: Path, backend: str = "netagg", devic
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         pytest.fail(f"torchrun with {nproc} ranks did not finish in 240 s:\n{stderr[-4000:]}")
+    except BaseException:  # pytest's own timeout, ^C: no rank outlives the test
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
     result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((save / f"rank{r}.json").read_text()) for r in range(nproc)], result.stderr
