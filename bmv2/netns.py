@@ -7,18 +7,41 @@ manager); :func:`remove_stale` clears what a killed run left behind.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 #: MAC every host uses for its neighbours (the switch answers for all of them).
 SWITCH_MAC = "02:00:00:00:00:fe"
 
 
+#: setns(2)'s namespace type for a network namespace.
+CLONE_NEWNET = 0x40000000
+
+
 class NetnsError(RuntimeError):
     """A namespace, link or tc command failed."""
+
+
+@contextlib.contextmanager
+def in_namespace(name: str) -> Iterator[None]:
+    """The calling thread in network namespace ``name`` (sockets made here stay in it), then back."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(target, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+        yield
+    finally:
+        if libc.setns(own, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns back into the thread's own network namespace")
+        os.close(own)
+        os.close(target)
 
 
 def can_create_namespaces() -> tuple[bool, str]:

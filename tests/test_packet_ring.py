@@ -4,7 +4,6 @@ of them, and the software target aggregating with its raw ports on rings. Behavi
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 
 from netagg import dataplane as dp
-from netagg.bmv2.netns import VethRig, can_create_namespaces, ns_exec
+from netagg.bmv2.netns import VethRig, can_create_namespaces, in_namespace, ns_exec
 from netagg.bmv2.targets import start_target
 from netagg.softswitch import packet_ring
 from netagg.softswitch.batch_switch import enable_batching
@@ -28,7 +27,6 @@ from netagg.softswitch.ports import RawSocketPort
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
 
-CLONE_NEWNET = 0x40000000
 ETH_P_ALL = 0x0003
 #: Ethernet header of the test frames (an unused EtherType: no stack on the veth answers them).
 HEADER = bytes.fromhex("020000000001" "020000000002" "88b5")
@@ -41,22 +39,6 @@ def _need_namespaces() -> None:
         pytest.skip(f"packet rings on veth pairs: {why}")
     if (why := packet_ring.unavailable()) is not None:
         pytest.skip(f"packet rings: {why}")
-
-
-@contextlib.contextmanager
-def _in_namespace(name: str) -> Iterator[None]:
-    """This thread in network namespace ``name`` (sockets made here stay in it), then back."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(target, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {name}")
-        yield
-    finally:
-        assert libc.setns(own, CLONE_NEWNET) == 0
-        os.close(own)
-        os.close(target)
 
 
 def _frame(k: int, length: int) -> bytes:
@@ -75,7 +57,7 @@ class Rig:
     """Ports 1..n: ring-side sockets (the switch's ``s`` ends) and the test ends' sockets."""
 
     def __init__(self, rig: VethRig, ignore_outgoing: bool = True) -> None:
-        with _in_namespace(rig.namespace):
+        with in_namespace(rig.namespace):
             self.ports = [RawSocketPort(n, ifname) for n, ifname in sorted(rig.switch_interfaces().items())]
             self.peers = []
             for _, ifname in sorted(rig.test_interfaces().items()):
@@ -175,7 +157,7 @@ def test_frames_the_port_sent_itself_are_skipped(version: int) -> None:
         test_rig = Rig(veths, ignore_outgoing=False)  # as on a kernel without PACKET_IGNORE_OUTGOING
         port = test_rig.ports[0]
         rings = packet_ring.PacketRings([port.sock], [1], [port.ifname], version=version)
-        with _in_namespace(veths.namespace):
+        with in_namespace(veths.namespace):
             other = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
         other.bind((port.ifname, 0))
         try:

@@ -4,20 +4,17 @@ reuseport groups and on raw fanout groups, and segmented sends follow the rule."
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import socket
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from netagg import steering, udpgso, wire
-from netagg.bmv2.netns import VethRig, can_create_namespaces
+from netagg.bmv2.netns import VethRig, can_create_namespaces, in_namespace
 
-CLONE_NEWNET = 0x40000000
 ETH_P_ALL = 0x0003
 CASES = [(job, slot) for job in (1, 2, 7, 65535) for slot in (0, 1, 63, 64, 65, 130, 200, 1000, 65535)]
 
@@ -116,21 +113,6 @@ def _misplaced(socks: list[socket.socket], job: int) -> list[int]:
     return sorted(misplaced)
 
 
-@contextlib.contextmanager
-def _in_namespace(name: str) -> Iterator[None]:
-    libc = ctypes.CDLL(None, use_errno=True)
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(target, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {name}")
-        yield
-    finally:
-        assert libc.setns(own, CLONE_NEWNET) == 0
-        os.close(own)
-        os.close(target)
-
-
 def _frame(job: int, slot: int, ihl: int = 5, dport: int = wire.NETAGG_UDP_PORT) -> bytes:
     eth = bytes.fromhex("020000000002" "020000000001") + wire.ETHERTYPE_IPV4.to_bytes(2, "big")
     payload = _header(job, slot) + bytes(wire.PAYLOAD_BYTES)
@@ -146,7 +128,7 @@ def test_fanout_group_delivers_each_frame_to_its_slots_shard_and_hides_outgoing_
     if not ok:
         pytest.skip(f"fanout on a veth pair: {why}")
     shards = 3
-    with VethRig(f"st{os.getpid() % 100000}", 1) as rig, _in_namespace(rig.namespace):
+    with VethRig(f"st{os.getpid() % 100000}", 1) as rig, in_namespace(rig.namespace):
         (switch_if,) = rig.switch_interfaces().values()
         (test_if,) = rig.test_interfaces().values()
         members = []
