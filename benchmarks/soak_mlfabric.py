@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks import mlfabric_convergence as conv
 from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
 from netagg.bmv2.dynamics import make_plan
-from netagg.bmv2.netns import can_create_namespaces
+from netagg.bmv2.netns import can_create_namespaces, ns_exec, run
 
 #: The dynamic cluster of docs/mlfabric.md's evaluation (more rate changes, stragglers, another tenant).
 DYNAMIC = ["--max-seconds", "90", "--slots", "64", "--hidden", "4096", "--rate-mbit", "40", "--batch-window", "0.3",
@@ -38,6 +38,18 @@ _CUT_OFF = re.compile(r"push.*(closed|reset|broken pipe|eof|timed? ?out)|(closed
 def classify(error: str) -> str:
     """``push cut off`` (the intermittent failure the soak looks for) or ``other``."""
     return "push cut off" if _CUT_OFF.search(error) else "other"
+
+
+def _link_counters(cluster: EmulatedCluster) -> dict[str, str]:
+    """Every host's link queue right after a failed run (``tc -s qdisc``: rate, sent, drops, backlog since
+    the cluster began), to tell a dead or overflowing link from a stuck process."""
+    namespaces = {host: cluster.namespace_of(host) for host in [*cluster.worker_hosts, cluster.ps_host]}
+    namespaces["switch"] = cluster.topology.switch_namespace
+    out = {}
+    for name, namespace in namespaces.items():
+        result = run(ns_exec(namespace, ["tc", "-s", "qdisc", "show"]), check=False)
+        out[name] = " ".join(result.stdout.split())[:1500 if name == "switch" else 400]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                     result["class"] = "other"
             except Exception as err:  # a failed run is the finding: report it and go on
                 ps_log = cluster.workdir / f"mlfabric-ps-{kind}.log"
-                result = {"kind": kind, "ok": False, "failure": str(err)[-1500:], "class": classify(str(err)),
-                          "ps_log": ps_log.read_text(errors="replace")[-1500:] if ps_log.exists() else ""}
+                text = str(err)
+                result = {"kind": kind, "ok": False, "who": text.split(":", 1)[0][:80], "failure": text[-1500:],
+                          "class": classify(text),
+                          "ps_log": ps_log.read_text(errors="replace")[-1500:] if ps_log.exists() else "",
+                          "links": _link_counters(cluster)}
             result["run"] = index
             result["seconds"] = round(time.monotonic() - began, 1)
             runs.append(result)
