@@ -52,6 +52,15 @@ def _link_counters(cluster: EmulatedCluster) -> dict[str, str]:
     return out
 
 
+def _switch_drops(cluster: EmulatedCluster) -> str:
+    """The switch's drop counters by reason (``netagg top --once``), since the switch started."""
+    try:
+        view = cluster.cli("top", "--once")
+    except Exception as err:  # a diagnostic: say why it is missing
+        return f"unavailable: {err}"
+    return view[view.find("drops"):][:800] if "drops" in view else view[-800:]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = conv.build_parser()
     parser.description = __doc__
@@ -88,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = {"kind": kind, "ok": False, "who": text.split(":", 1)[0][:80], "failure": text[-1500:],
                           "class": classify(text),
                           "ps_log": ps_log.read_text(errors="replace")[-1500:] if ps_log.exists() else "",
-                          "links": _link_counters(cluster)}
+                          "links": _link_counters(cluster), "switch_drops": _switch_drops(cluster)}
             result["run"] = index
             result["seconds"] = round(time.monotonic() - began, 1)
             runs.append(result)
