@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from netagg import wire
 from netagg.hoststack import blocks as blk
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.kv import KVWorker
@@ -25,6 +26,14 @@ from netagg.localports import free_ports
 from netagg.softswitch.faults import FaultInjector
 
 LOCALHOST = "127.0.0.1"
+
+
+def block_scaled_inputs(n: int, size: int, seed: int, decades: int = 20) -> list[np.ndarray]:
+    """Per rank, ``size`` float32 normal values, each 64-value block at its own scale in
+    10^-decades..10^decades (so blocks have very different exponents); seeded."""
+    rng = np.random.default_rng(seed)
+    scales = 10.0 ** rng.integers(-decades, decades, max(1, -(-size // wire.K))).repeat(wire.K)[:size]
+    return [(rng.standard_normal(size) * scales).astype(np.float32) for _ in range(n)]
 
 
 def expected_allreduce(inputs: Sequence[Any]) -> tuple[Any, np.ndarray]:

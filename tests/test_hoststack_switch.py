@@ -11,7 +11,7 @@ import pytest
 
 from netagg import wire
 from netagg.hoststack.server import SGD, KVServer
-from netagg.hoststack.testing import expected_allreduce, run_workers
+from netagg.hoststack.testing import block_scaled_inputs, expected_allreduce, run_workers
 from netagg.hoststack.transport import SubsetRound, TransportError, subset_round_uses
 from netagg.jobconfig import Endpoint
 from netagg.localports import free_ports
@@ -24,9 +24,7 @@ SLOTS = 16
 
 
 def make_inputs(n: int = N, size: int = SIZE, seed: int = 3) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    scales = 10.0 ** rng.integers(-20, 20, -(-size // wire.K)).repeat(wire.K)[:size]
-    return [(rng.standard_normal(size) * scales).astype(np.float32) for _ in range(n)]
+    return block_scaled_inputs(n, size, seed, decades=20)
 
 
 @pytest.mark.parametrize("loss", [0.0, 0.01, 0.05, 0.2])

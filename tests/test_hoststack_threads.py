@@ -15,7 +15,7 @@ import yaml
 
 from netagg import steering, wire
 from netagg.hoststack.envconfig import config_from_env
-from netagg.hoststack.testing import expected_allreduce, run_workers
+from netagg.hoststack.testing import block_scaled_inputs, expected_allreduce, run_workers
 from netagg.hoststack.threads import split_blocks, thread_shares
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
 
@@ -25,9 +25,7 @@ N = 4
 
 
 def _inputs(size: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    scales = 10.0 ** rng.integers(-20, 20, -(-size // wire.K)).repeat(wire.K)[:size]
-    return [(rng.standard_normal(size) * scales).astype(np.float32) for _ in range(N)]
+    return block_scaled_inputs(N, size, seed, decades=20)
 
 
 def test_thread_shares_are_contiguous_whole_blocks_covering_every_slot():

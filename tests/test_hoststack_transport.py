@@ -14,6 +14,7 @@ from netagg.hoststack import quantization as qz
 from netagg.hoststack.kv import KVWorker
 from netagg.hoststack.testing import (
     LossyRelay,
+    block_scaled_inputs,
     expected_allreduce,
     fallback_job,
     job_configs,
@@ -26,9 +27,7 @@ from netagg.jobconfig import Endpoint
 
 def make_inputs(n: int, size: int, seed: int = 0) -> list[np.ndarray]:
     """Per rank: normal values at a few very different scales, so blocks have different exponents."""
-    rng = np.random.default_rng(seed)
-    scales = 10.0 ** rng.integers(-30, 30, max(1, -(-size // wire.K))).repeat(wire.K)[:size]
-    return [(rng.standard_normal(size) * scales).astype(np.float32) for _ in range(n)]
+    return block_scaled_inputs(n, size, seed, decades=30)
 
 
 def check(results: list[np.ndarray], inputs: list[np.ndarray]) -> None:

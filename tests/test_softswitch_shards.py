@@ -14,7 +14,7 @@ from p4.v1 import p4runtime_pb2 as p4rt
 
 from netagg import dataplane as dp
 from netagg import udpgso, wire
-from netagg.hoststack.testing import LossyRelay, expected_allreduce, run_workers
+from netagg.hoststack.testing import LossyRelay, block_scaled_inputs, expected_allreduce, run_workers
 from netagg.jobconfig import Endpoint
 from netagg.localports import free_ports
 from netagg.softswitch import fastpath
@@ -29,9 +29,7 @@ N = 4
 
 
 def _inputs(size: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    scales = 10.0 ** rng.integers(-10, 10, -(-size // wire.K)).repeat(wire.K)[:size]
-    return [(rng.standard_normal(size) * scales).astype(np.float32) for _ in range(N)]
+    return block_scaled_inputs(N, size, seed, decades=10)
 
 
 def test_two_tenants_through_three_shards_get_exact_sums_and_every_shard_aggregates():
