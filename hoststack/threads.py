@@ -70,9 +70,7 @@ def _share_main(conn: Any, config: WorkerConfig, share: tuple[int, int], address
     """A share's process: join the worker's socket group, then run exchanges the parent sends until "stop"."""
     from multiprocessing import shared_memory
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(address)
+    (sock,) = steering.udp_group(*address, 1, SOCKET_BUFFER_BYTES, SOCKET_BUFFER_BYTES, reuse=True)  # joins it
     transport = Transport(config, sock=sock, slot_range=share, connect=False, **options)
     conn.send(("ready", None))
     shm = None

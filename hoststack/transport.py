@@ -585,6 +585,10 @@ class Transport:
     # -- used by Exchange (one exchange's state and loop; it also reads and writes the per-slot rows and round
     # state above: ``packets``/``raw``/``words``/``rows``, ``shadow``/``uses``/``resend``, ``rounds``/``next_pool``/
     # ``seq``/``probe_seq``, ``members``, and the receive batch ``rx_*``/``allowed``/``poller``) --
+    def blocks_of(self, slots: np.ndarray) -> np.ndarray:
+        """The steering blocks of this transport's rows ``slots`` (job-relative slot >> 6)."""
+        return (slots + self.slot_base) >> wire.SEGMENT_BLOCK_SHIFT
+
     def transmit(self, slots: np.ndarray, resend_buffer: bool = False, blocks: np.ndarray | None = None) -> int:
         """Send the rows of ``slots`` as they are (one sendmmsg per batch); returns how many failed.
 
@@ -603,7 +607,7 @@ class Transport:
         errors = 0
         addresses = self.resend_addr if resend_buffer else self.row_addr
         if blocks is None:
-            blocks = (slots + self.slot_base) >> wire.SEGMENT_BLOCK_SHIFT
+            blocks = self.blocks_of(slots)
         for first in range(0, slots.shape[0], tx.capacity):
             chunk = slots[first:first + tx.capacity]
             headers = tx.plan_uniform(addresses[chunk], _NETAGG_BYTES, *self._tx_name,
@@ -864,7 +868,7 @@ class Exchange:
         rows[:] = np.where(outstanding[:, None], t.shadow[slots], t.raw[slots])
         rows[:, 1] |= wire.FLAG_RETRANSMIT
         errors = t.transmit(np.arange(n, dtype=np.int64), resend_buffer=True,
-                            blocks=(slots + t.slot_base) >> wire.SEGMENT_BLOCK_SHIFT)
+                            blocks=t.blocks_of(slots))
         t.stats.packets_sent += n - errors
         t.stats.socket_errors += errors
         t.stats.shadow_resends += n - errors

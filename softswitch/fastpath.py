@@ -186,39 +186,37 @@ class FastPipeline:
     its own and a lock of its own, so shards run batches at the same time (on disjoint slots:
     ``netagg.steering``) while control-plane writes still see every shard between batches."""
 
-    def __init__(self, state: ForwardingState, p4info: p4info_pb2.P4Info) -> None:
+    def __init__(self, state: ForwardingState, p4info: p4info_pb2.P4Info | None = None, *,
+                 first: FastPipeline | None = None) -> None:
+        """``first``: make another shard of that pipeline (:meth:`add_shard`) instead of a pipeline of its own."""
         from netagg.softswitch import fastpath_kernels as kernels
 
         self._kernels = kernels
         self.state = state
-        sizes = {r.preamble.name: r.size for r in p4info.registers}
-        self.registers = FastRegisters(sizes[dp.REGISTER_SLOT_OWNER])
-        #: This pipeline's shard number (0 for the first) and the lock it holds for a batch.
-        self.shard = 0
-        self.lock: threading.Lock | StateLock = state.lock
-        self._counters = self._shard_counters(0)
-        self._cache = _TableCache(state)
+        if first is None:
+            assert p4info is not None
+            sizes = {r.preamble.name: r.size for r in p4info.registers}
+            self.registers = FastRegisters(sizes[dp.REGISTER_SLOT_OWNER])
+            self._cache = _TableCache(state)
+            #: This pipeline's shard number (0 for the first) and the lock it holds for a batch.
+            self.shard = 0
+            self.lock: threading.Lock | StateLock = state.lock
+        else:
+            self.registers, self._cache = first.registers, first._cache
+            self.shard = state.add_counter_shard()
+            self.lock = state.lock.add_shard()
+        self._counters = tuple(a for name in COUNTERS for a in state.counter_arrays(name, self.shard))
         self._work = np.zeros(65536 + 64, np.uint8)
         self._one_out = np.zeros((0, 0), np.uint8)
-        self._warm_up()
-
-    def _shard_counters(self, shard: int) -> tuple:
-        return tuple(a for name in COUNTERS for a in self.state.counter_arrays(name, shard))
+        if first is None:
+            self._warm_up()
 
     def add_shard(self) -> FastPipeline:
         """A pipeline for one more shard (call before any shard runs); the first call also gives this one
         a shard lock, so from then on no batch holds the whole state lock."""
         if self.lock is self.state.lock:
             self.lock = self.state.lock.add_shard()
-        other = FastPipeline.__new__(FastPipeline)
-        other._kernels, other.state, other.registers, other._cache = self._kernels, self.state, self.registers, \
-            self._cache
-        other.shard = self.state.add_counter_shard()
-        other.lock = self.state.lock.add_shard()
-        other._counters = other._shard_counters(other.shard)
-        other._work = np.zeros_like(self._work)
-        other._one_out = np.zeros((0, 0), np.uint8)
-        return other
+        return FastPipeline(self.state, first=self)
 
     def _warm_up(self) -> None:
         """Compile (or load from numba's cache) the batch kernel now, not on the first packet."""

@@ -15,7 +15,7 @@ import socket
 import struct
 from typing import Protocol
 
-from netagg import wire
+from netagg import steering, wire
 
 ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4
@@ -86,17 +86,7 @@ class LoopbackUdpPort:
                  sock: socket.socket | None = None) -> None:
         """``sock``: a bound, non-blocking UDP socket to serve (one of a shard group's: ``netagg.steering``)."""
         self.number = number
-        if sock is None:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-                sock.bind((host, udp_port))
-            except OSError:
-                sock.close()
-                raise
-            sock.setblocking(False)
-        self.sock = sock
+        self.sock = sock if sock is not None else steering.udp_group(host, udp_port, 1)[0]
         self.address = self.sock.getsockname()
         self._switch_ip = socket.inet_aton(self.address[0])
         self.undeliverable = 0

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from netagg import steering
@@ -109,11 +110,7 @@ class ShardedSwitch:
     @property
     def stats(self) -> PortStats:
         """Frames through the switch, summed over shards."""
-        total = PortStats()
-        for shard in self.shards:
-            for field in ("received", "transmitted", "unknown_port", "transmit_failed"):
-                setattr(total, field, getattr(total, field) + getattr(shard.stats, field))
-        return total
+        return PortStats(*(sum(getattr(shard.stats, f.name) for shard in self.shards) for f in fields(PortStats)))
 
     @property
     def foreign_frames(self) -> int:
