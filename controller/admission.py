@@ -44,6 +44,9 @@ class JobRequest:
     sends them from: the controller also creates the job's *distribution job*, a one-way job of those
     endpoints (the PS nodes its last ranks, its senders) with ``distribution_slots`` slots (default
     ``slots``), linked to this one: created, renewed and deleted with it, or not at all.
+    ``switch_ps`` (with ``switch_aggregation``): one endpoint per PS node (the primary, then the replicas), on
+    that node's host, where it takes part in the job's switch groups: the job's last ranks, so that each
+    group's sum reaches the PS from the switch and no worker pushes it (docs/mlfabric.md).
     """
 
     name: str
@@ -65,9 +68,10 @@ class JobRequest:
     distribution: Sequence[str] | None = None
     distribution_ps: Sequence[str] | None = None
     distribution_slots: int | None = None
+    switch_ps: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("workers", "replica_ps", "distribution", "distribution_ps"):  # JSON lists: frozen
+        for name in ("workers", "replica_ps", "distribution", "distribution_ps", "switch_ps"):  # JSON lists: frozen
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -110,11 +114,46 @@ class JobRequest:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
             raise _bad(f"slots must be >= 1, got {self.slots}")
         distribution = self._distribution_members(config, workers, ps, replicas)
+        switch_members = self._switch_members(config, workers, ps, replicas, distribution)
         lease = config.default_lease_seconds if self.lease_seconds is None else self.lease_seconds
         if lease <= 0:
             raise _bad("lease must be > 0 seconds")
         return ValidJob(self, owner, workers, ps, replicas, distribution,
-                        self.slots if self.distribution_slots is None else self.distribution_slots, lease)
+                        self.slots if self.distribution_slots is None else self.distribution_slots, lease,
+                        switch_members)
+
+    def _switch_members(self, config: ControllerConfig, workers: list[WorkerEndpoint], ps: PsEndpoint | None,
+                        replicas: list[PsEndpoint], distribution: list[WorkerEndpoint] | None,
+                        ) -> list[WorkerEndpoint]:
+        """Check ``switch_ps``; returns the PS nodes' ranks of the job (after the workers'), or []."""
+        if self.switch_ps is None:
+            return []
+        texts = self.switch_ps
+        if isinstance(texts, str) or not isinstance(texts, list | tuple) or not all(isinstance(t, str) for t in texts):
+            raise _bad(f"switch ps: expected a list of HOST:UDP_PORT, got {texts!r}")
+        if not self.switch_aggregation or ps is None:
+            raise _bad("--switch-ps needs --switch-aggregation and --ps (the PS takes part in the switch groups)")
+        chain = [ps, *replicas]
+        if len(texts) != len(chain):
+            raise _bad(f"--switch-ps names {len(texts)} endpoint(s) for {len(chain)} PS node(s) (the primary"
+                       + (f", then its {len(replicas)} replica(s))" if replicas else ")"))
+        if len(workers) + len(chain) > wire.MAX_WORKERS:
+            raise _bad(f"the job would have {len(workers) + len(chain)} ranks (workers and PS nodes), more than "
+                       f"{wire.MAX_WORKERS}")
+        members = []
+        for node, (text, owner) in enumerate(zip(texts, chain)):
+            what = f"switch endpoint of PS node {node}"
+            host, ip, port = _endpoint(config, text, what)
+            if ip != owner.ip:
+                raise _bad(f"{what} ({ip}:{port}) is not on its host ({owner.ip})")
+            members.append(WorkerEndpoint(len(workers) + node, host, ip, port))
+        taken = [(w.ip, w.udp_port) for w in workers] + [(p.ip, p.udp_port) for p in chain] + \
+            [(d.ip, d.udp_port) for d in distribution or []]
+        addresses = [(m.ip, m.udp_port) for m in members]
+        if len(set(addresses)) != len(addresses) or set(addresses) & set(taken):
+            raise _bad("each --switch-ps endpoint must be an address and UDP port of its own (not a worker's, "
+                       "a PS's, a distribution endpoint or another PS node's)")
+        return members
 
     def _replica_endpoints(self, config: ControllerConfig, ps: PsEndpoint | None) -> list[PsEndpoint]:
         """Check the MLfabric options; returns the replica endpoints (named, or the first free configured PSs)."""
@@ -225,6 +264,8 @@ class ValidJob:
     distribution: list[WorkerEndpoint] | None
     distribution_slots: int
     lease: float
+    #: The PS chain's ranks in the job's switch groups (``switch_ps``), after the workers'; [] without.
+    switch_members: list[WorkerEndpoint] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
                         "then the replicas in order, where it sends the versions from")
     create.add_argument("--distribution-slots", type=int,
                         help="with --distribution: the distribution job's slots (default: --slots)")
+    create.add_argument("--switch-ps", metavar="ENDPOINTS",
+                        help="with --switch-aggregation: comma-separated HOST:UDP_PORT per PS node (the primary "
+                        "first, then the replicas), where it takes part in the switch groups: the PS receives each "
+                        "group's sum from the switch, no worker pushes it (its config: `job config --ps-node N`)")
     job.add_parser("list", help="jobs you can see")
     for name, text in (("show", "a job with its live counters"), ("delete", "remove a job, free its slots"),
                        ("renew", "extend a job's lease")):
@@ -99,8 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--rank", type=int, help="the worker's rank (with --distribution the same rank; or --ps-node)")
     config.add_argument("--distribution", action="store_true",
                         help="the config of the job's distribution job (--model-config of the worker or PS)")
-    config.add_argument("--ps-node", type=int, help="with --distribution, instead of --rank: the PS node's config "
-                        "(0: the primary, then the replicas in order; the distribution job's rank workers + N)")
+    config.add_argument("--ps-node", type=int, help="instead of --rank: PS node N's config (0: the primary, then "
+                        "the replicas in order): of the distribution job with --distribution (its rank workers + N), "
+                        "else of the job's switch groups (a job created with --switch-ps; --switch-config of the PS)")
     config.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     return parser
 
@@ -120,6 +125,9 @@ def _format_job(job: dict[str, Any]) -> str:
         lines.append(f"  updates {job.get('update_mode', 'sync')} schedule={job.get('schedule', 'fifo')} "
                      f"delay_bound={'-' if bound is None else bound} replicas {replicas}"
                      + (" switch-aggregation" if job.get("switch_aggregation") else ""))
+    if job.get("ps_members"):
+        lines.append(f"  its last {job['ps_members']} rank(s) the PS chain, in every switch group "
+                     "(the sums reach the PS from the switch)")
     if job.get("distribution") is not None:
         lines.append(f"  distribution job {job['distribution']} (model versions through the switch)")
     if job.get("distribution_of") is not None:
@@ -140,6 +148,8 @@ def _print(result: Any, args: argparse.Namespace) -> None:
         print(f"created job {result['job']['job_id']}: admission {result['admission']} ({result['reason']})")
         print(_format_job(result["job"]))
         print(f"worker configs: netagg job config {result['job']['job_id']} --rank R")
+        if result["job"].get("ps_members"):
+            print(f"PS configs (--switch-config): netagg job config {result['job']['job_id']} --ps-node N")
         if "distribution" in result:
             dist = result["distribution"]
             print(f"created its distribution job {dist['job']['job_id']}: admission {dist['admission']} "
@@ -282,7 +292,8 @@ def _job_command(args: argparse.Namespace) -> int:
             senders=args.senders, threads=args.threads, replica_ps=_split(args.replica_ps) if args.replica_ps else None,
             distribution=None if args.distribution is None else _split(args.distribution),
             distribution_ps=None if args.distribution_ps is None else _split(args.distribution_ps),
-            distribution_slots=args.distribution_slots)
+            distribution_slots=args.distribution_slots,
+            switch_ps=None if args.switch_ps is None else _split(args.switch_ps))
         # Only what is not the default is sent, so an older controller still accepts a plain create.
         result = client.call("create", **request.to_args())
     elif args.action == "list":

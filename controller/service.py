@@ -275,10 +275,13 @@ class JobService:
         slots = admitted.job.slots
         try:
             with self.store.transaction() as conn:
+                # The PS nodes take part in the switch groups only where the job has its switch aggregation.
+                members = job.switch_members if admitted.switch_aggregation else []
                 rows = [JobRecord(
                     job_id=job_id, tenant=job.owner, name=request.name, mode=admitted.mode, state="installing",
                     slot_base=slots.base if slots else 0, slot_count=slots.count if slots else 0,
-                    slots_wanted=request.slots, generation=self.store.next_generation(conn), workers=job.workers,
+                    slots_wanted=request.slots, generation=self.store.next_generation(conn),
+                    workers=[*job.workers, *members], ps_members=len(members),
                     ps=job.ps, lease_seconds=job.lease, lease_expires=now + job.lease, created=now,
                     note=admitted.job.note, update_mode=request.update_mode, delay_bound=request.delay_bound,
                     schedule=request.schedule, replicas=job.replicas, secret=jobsecret.new_secret(),
@@ -354,7 +357,8 @@ class JobService:
                       ps_node: int | None = None) -> WorkerConfig:
         """Rank ``rank``'s config of the job; with ``distribution``, of its distribution job: a worker's
         (``rank``, the same rank as in the job) or a PS node's (``ps_node``: 0 the primary, then the
-        replicas in order; the distribution job's rank ``workers + ps_node``)."""
+        replicas in order; the distribution job's rank ``workers + ps_node``). ``ps_node`` alone: that PS
+        node's rank in the job's own switch groups (a job created with ``switch_ps``)."""
         def bad(message: str) -> ServiceError:
             return ServiceError("invalid_argument", message)
 
@@ -366,7 +370,15 @@ class JobService:
         job = self._owned(caller, job_id)
         if not distribution:
             if ps_node is not None:
-                raise bad("--ps-node needs --distribution (the PS nodes are ranks of the distribution job)")
+                if rank is not None:
+                    raise bad("one of --rank (a worker) or --ps-node (a PS node)")
+                if not job.ps_members:
+                    raise bad(f"job {job_id}'s PS nodes are no ranks of it (create it with --switch-ps); "
+                              "their ranks in its distribution job: --distribution --ps-node")
+                if not 0 <= ps_node < job.ps_members:
+                    raise ServiceError("not_found", f"job {job_id} has PS nodes 0..{job.ps_members - 1} (0: the "
+                                       f"primary, then the replicas), got {ps_node}")
+                return self._config_of(job, len(job.workers) - job.ps_members + ps_node)
             if rank is None:
                 raise bad("a worker config needs --rank")
             return self._config_of(job, rank)
@@ -404,7 +416,8 @@ class JobService:
                             bind=Endpoint(worker.ip, worker.udp_port), ps=ps, tenant=job.tenant,
                             update_mode=job.update_mode, delay_bound=job.delay_bound, schedule=job.schedule,
                             replicas=tuple(Endpoint(r.ip, r.udp_port) for r in job.replicas), secret=job.secret,
-                            switch_aggregation=job.switch_aggregation, senders=job.senders, threads=job.threads)
+                            switch_aggregation=job.switch_aggregation, senders=job.senders, threads=job.threads,
+                            ps_members=job.ps_members)
 
     def reap_expired(self, now: float | None = None) -> list[int]:
         """Delete every job whose lease ran out; returns their ids.

@@ -52,6 +52,7 @@ MIGRATIONS = (
     ("distribution", "INTEGER"),
     ("distribution_of", "INTEGER"),
     ("threads", "INTEGER NOT NULL DEFAULT 1"),
+    ("ps_members", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 
@@ -113,6 +114,9 @@ class JobRecord:
     distribution_of: int | None = None
     #: Processes per worker over its share of the slots (WorkerConfig.threads); 1 unless mode allreduce.
     threads: int = 1
+    #: MLfabric switch aggregation: the last ``ps_members`` ranks are the PS chain's endpoints on the switch,
+    #: members of every switch group (WorkerConfig.ps_members). 0: the workers are every rank.
+    ps_members: int = 0
 
     @property
     def uses_switch(self) -> bool:
@@ -139,6 +143,7 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
         replicas=[PsEndpoint(**r) for r in json.loads(row["replicas"])], secret=row["secret"],
         switch_aggregation=bool(row["switch_aggregation"]), senders=row["senders"],
         distribution=row["distribution"], distribution_of=row["distribution_of"], threads=row["threads"],
+        ps_members=row["ps_members"],
     )
 
 
@@ -187,14 +192,14 @@ class JobStore:
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
             " workers, ps, lease_seconds, lease_expires, created, counter_base, note,"
             " update_mode, delay_bound, schedule, replicas, secret, switch_aggregation, senders, distribution,"
-            " distribution_of, threads) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
-            " ?, ?)",
+            " distribution_of, threads, ps_members) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
+            " ?, ?, ?, ?, ?, ?, ?)",
             (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
              job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
              json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
              job.created, json.dumps(job.counter_base), job.note, job.update_mode, job.delay_bound, job.schedule,
              json.dumps([asdict(r) for r in job.replicas]), job.secret, int(job.switch_aggregation), job.senders,
-             job.distribution, job.distribution_of, job.threads),
+             job.distribution, job.distribution_of, job.threads, job.ps_members),
         )
 
     def set_state(self, job_id: int, state: str, *more: int) -> None:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +62,7 @@ from netagg.mlfabric.model_updates import LogEntry, ModelUpdates
 from netagg.mlfabric.outcome_window import OutcomeWindow
 from netagg.mlfabric.replication import Endpoint
 from netagg.mlfabric.scheduler import Scheduler
+from netagg.mlfabric.switch_sum import SwitchMember
 from netagg.mlfabric.worker_ops import WorkerOps
 
 
@@ -103,6 +104,10 @@ class ServerStats:
     expired_ids: int = 0
     #: State transfers this node installed (it restarted empty or joined the chain).
     snapshots_installed: int = 0
+    #: Switch groups whose sum this PS received from the switch itself (a member of the groups: ``ps_members``),
+    #: and those whose exchange failed or whose sum it could not apply (their members push their own).
+    switch_sums: int = 0
+    switch_sum_failures: int = 0
     applied_by_rank: Counter = field(default_factory=Counter)
     dropped_by_rank: Counter = field(default_factory=Counter)
     last_error: str = ""
@@ -118,21 +123,31 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                  frame_timeout: float = 30.0, outcome_window: int = 1024, log_size: int = 100_000,
                  joining: bool = False, chain_members: Sequence[tuple[str, int]] | None = None,
                  distribution: ModelSender | None = None, gang: bool | None = None,
-                 peer_timeout: float = 0.0, probe_timeout: float = 1.0) -> None:
+                 peer_timeout: float = 0.0, probe_timeout: float = 1.0,
+                 switch_member: WorkerConfig | None = None, **member_options: Any) -> None:
         """``gang``: plan gang rounds (scheduler item 6); default: when this node sends versions (``distribution``).
 
         ``peer_timeout`` > 0 makes the chain keep itself (docs/mlfabric.md, "Replication"): a successor
         without contact for that long is removed, and a replica without upstream for that long (at once if
         ``joining``) joins the live chain's tail by itself, retrying with backoff. 0: an operator does both.
         ``probe_timeout``: how long to wait for each chain node asked for its status (promote, rejoin).
+        ``switch_member``: this node's own rank config in the job's switch groups (a job whose PS chain has ranks
+        on the switch, ``ps_members``): the node takes part in every switch group it plans and applies the sum it
+        receives from the switch; no member pushes it (``member_options`` go to its transport).
         """
         if config.ps is None:
             raise ConfigError("ps: an MLfabric job needs the parameter server's endpoint")
+        if switch_member is not None and (
+                (switch_member.job_id, switch_member.ps_members) != (config.job_id, config.ps_members)
+                or not config.ps_members or switch_member.rank < config.training_workers):
+            raise ConfigError(f"switch member: job {switch_member.job_id}'s rank {switch_member.rank} is not a "
+                              f"PS node's rank of job {config.job_id}'s switch groups (create the job with "
+                              "--switch-aggregation --switch-ps; `job config --ps-node N`)")
         if replica is not None and not 0 <= replica < len(config.replicas):
             raise ConfigError(f"replica {replica}: the job has {len(config.replicas)} replica(s)")
         self.config = config
         self.job_id = config.job_id
-        self.num_workers = config.num_workers
+        self.num_workers = config.training_workers
         #: Sends each new version through the switch (mlfabric/distribution.py) while this node is primary.
         self.distribution = distribution
         self.update_mode = config.update_mode
@@ -172,6 +187,13 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
         #: Counters the forwarder's thread updates (it must not take ``_cond``: an apply may hold it, waiting).
         self._chain_lock = threading.Lock()
         self.forwarder = self._forwarder(resolve(successor), 0) if successor is not None else None
+        self.switch_member: SwitchMember | None = None
+        if switch_member is not None:
+            self.switch_member = SwitchMember(switch_member, self._apply_switch_sum, self._switch_group_failed,
+                                              **member_options)
+        #: Update ids of switch groups whose sum this node did not apply (its exchange failed): their
+        #: members' ``outcome`` says so at once, and they push their own updates.
+        self._switch_failed: OrderedDict[str, str] = OrderedDict()
         self.grants: GrantService | None = None
         if config.schedule == "mlfabric":
             self.grants = GrantService(scheduler or Scheduler(self.delay_bound, default_bandwidth=default_bandwidth),
@@ -179,7 +201,9 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                                        switch_slots=config.slot_count if config.switch_aggregation else 0,
                                        switch_floor=lambda: self.switch_floor,
                                        # multicast versions: one switch group per batch serves every worker
-                                       gang=distribution is not None if gang is None else gang)
+                                       gang=distribution is not None if gang is None else gang,
+                                       ps_member=None if self.switch_member is None else self.switch_member.rank,
+                                       on_switch_group=self._take_part)
         #: Past the subset rounds of the primary's switch groups, as of the last update it applied (replicated).
         self.switch_floor = 0
         self.model: np.ndarray | None = None
@@ -238,6 +262,41 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
             self.forwarder.stop()
         if self.distribution is not None:
             self.distribution.close()
+        if self.switch_member is not None:
+            self.switch_member.close()
+
+    # -- the PS as a member of its switch groups ------------------------------------
+    def _take_part(self, grant: dict, size: int) -> None:
+        """A switch group was planned (the grant service's lock is held): the switch member joins it."""
+        if self.switch_member is not None and self.role == "primary":
+            self.switch_member.submit(grant, size // 4)
+
+    def _apply_switch_sum(self, grant: dict, total: np.ndarray) -> None:
+        """The group's sum arrived from the switch: applied as the leader's push of it would be (once, by ids)."""
+        checked = [(str(i), int(r), int(v)) for i, r, v in grant["parts"]]
+        try:
+            with self._cond:
+                if self.model is None or total.size != self.model.size:
+                    raise ValueError(f"a sum of {total.size} values for a model of "
+                                     f"{None if self.model is None else self.model.size}")
+            self._push_async(checked, total)
+            with self._cond:
+                self.stats.switch_sums += 1
+        finally:
+            if self.grants is not None:
+                self.grants.settled([p[0] for p in checked])
+
+    def _switch_group_failed(self, grant: dict, reason: str) -> None:
+        parts = grant["parts"]
+        if self.grants is not None and "group" in grant:
+            self.grants.switch_group_over(grant["group"])
+        with self._cond:
+            self.stats.switch_sum_failures += 1
+            for update_id, _, _ in parts:
+                self._switch_failed[str(update_id)] = reason
+            while len(self._switch_failed) > 4096:
+                self._switch_failed.popitem(last=False)
+            self._cond.notify_all()
 
     def __enter__(self) -> FabricServer:
         return self.start()

@@ -60,6 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="applied updates kept in the log returned by stats (default 100000)")
     parser.add_argument("--model-config", help="the PS's rank in the job's distribution job on the switch: send "
                         "every new model version through it (docs/mlfabric.md)")
+    parser.add_argument("--switch-config", help="this PS node's rank in the job's switch groups (a job created with "
+                        "--switch-ps; `netagg job config JOB --ps-node N`): the PS takes part in every switch group "
+                        "and receives its sum from the switch (docs/mlfabric.md)")
     parser.add_argument("--model-rate-mbit", type=float, default=10.0,
                         help="pace of those sends (the PS link's rate; default 10)")
     parser.add_argument("--batch-window", type=float, default=0.01,
@@ -85,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               bind=resolve(args.bind) if args.bind is not None else None, max_lag=args.max_lag,
                               default_bandwidth=args.default_bandwidth, outcome_window=args.outcome_window,
                               batch_window=args.batch_window, gang=args.gang, peer_timeout=args.peer_timeout,
-                              log_size=args.log_size, joining=args.join is not None or bool(running))
+                              log_size=args.log_size, joining=args.join is not None or bool(running),
+                              switch_member=WorkerConfig.load(args.switch_config) if args.switch_config else None)
     except (ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

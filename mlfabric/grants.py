@@ -90,7 +90,11 @@ class GrantService:
 
     def __init__(self, scheduler: Scheduler, version: Callable[[], int], *, batch_window: float = 0.01,
                  grace: float = 2.0, keep_slots: int = 10_000, switch_slots: int = 0,
-                 switch_floor: Callable[[], int] = lambda: 0, gang: bool = False) -> None:
+                 switch_floor: Callable[[], int] = lambda: 0, gang: bool = False, ps_member: int | None = None,
+                 on_switch_group: Callable[[dict, int], None] | None = None) -> None:
+        """``ps_member``: the PS's own rank in the job's switch groups (``ps_members``): every switch group's
+        members include it, and ``on_switch_group(grant, size)`` is called (under the lock: it must not block)
+        as each is planned, so that the PS takes part and receives the sum; no member is told to push it."""
         self.scheduler = scheduler
         self.clock = scheduler.clock
         self.version = version
@@ -116,6 +120,8 @@ class GrantService:
         self._switch_next: int | None = None
         #: group -> what its members are told (:meth:`switch_grant`), for the switch group in flight (at most one).
         self._switch_grants: dict[int, dict] = {}
+        self.ps_member = ps_member if switch_slots else None
+        self._on_switch_group = on_switch_group
         self._cond = threading.Condition()
 
     def register(self, rank: int, can_aggregate: bool = True) -> None:
@@ -180,10 +186,19 @@ class GrantService:
 
     def switch_grant(self, group: int) -> dict | None:
         """What the members of switch group ``group`` need (None if it is not one in flight): the members'
-        bitmap, the round base (mod 2**16), the leader (who pushes the sum) and the parts it pushes."""
+        bitmap, the round base (mod 2**16), the leader (who pushes the sum) and the parts it pushes; with a PS
+        member, ``ps``: its rank (the PS receives the sum from the switch; nobody pushes it)."""
         with self._cond:
             grant = self._switch_grants.get(group)
             return None if grant is None else {**grant, "parts": [list(p) for p in grant["parts"]]}
+
+    def switch_group_over(self, group: int) -> None:
+        """The PS's part in switch group ``group`` failed: none of its rounds completes for the PS, so the
+        job's slots are free for the next group (whose rounds are past this one's) while its members push
+        their own updates."""
+        with self._cond:
+            self._switch_grants.pop(group, None)
+            self._cond.notify_all()
 
     @property
     def switch_next(self) -> int:
@@ -328,10 +343,16 @@ class GrantService:
                     self._switch_next = self._switch_floor() + SWITCH_ROUND_MARGIN
                 parts = [[p.request.update_id, p.request.rank, p.request.version]
                          for p in batch if p.decision is not None and p.decision.group == group.group]
-                self._switch_grants[group.group] = {
-                    "members": wire.members_of(rank for _, rank, _ in parts), "round": self._switch_next & 0xFFFF,
-                    "leader": group.aggregator, "parts": parts}
+                ranks = [rank for _, rank, _ in parts]
+                grant = {"members": wire.members_of(ranks if self.ps_member is None else [*ranks, self.ps_member]),
+                         "round": self._switch_next & 0xFFFF, "leader": group.aggregator, "parts": parts}
+                if self.ps_member is not None:
+                    grant["ps"] = self.ps_member
+                self._switch_grants[group.group] = grant
                 self._switch_next += switch_round_uses(group.size, self.switch_slots)
+                if self.ps_member is not None and self._on_switch_group is not None:
+                    self._on_switch_group({**grant, "parts": [list(p) for p in parts], "group": group.group},
+                                          group.size)
             self._busy_until[group.aggregator] = group.slot.end
             self.stats.groups += 1
             slots.append((group.slot.start, group.slot.end))

@@ -1,18 +1,29 @@
-"""A worker's side of MLfabric's aggregation in the switch: its update summed in a subset round.
+"""MLfabric's aggregation in the switch: a group's updates summed in a subset round of its members.
 
 When the scheduler groups updates in the switch (``switch_aggregation``), each member gets the
 group's members, the round base and the leader in its grant. :class:`SwitchSummer` runs the
 subset exchange through the job's switch slots (:meth:`KVWorker.allreduce_subset`): every
 member gets the sum of the members' updates. A failed exchange (a member or the switch gone
 quiet) raises :class:`SwitchAggregationFailed`; the next exchange starts on a fresh transport.
+
+:class:`SwitchMember` is the PS's side in a job whose PS chain has ranks of its own on the switch
+(``ps_members``): the primary is a member of every switch group, contributes zeros, and receives
+the group's sum from the switch like every other member (a lost result is sent again from the
+switch's stored copy when the PS resends), so no worker has to push the sum to it.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from netagg import wire
 from netagg.hoststack.kv import KVWorker
 from netagg.hoststack.transport import SubsetRound, TransportError
 from netagg.jobconfig import WorkerConfig
@@ -52,3 +63,84 @@ class SwitchSummer:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SwitchMemberStats:
+    """What the PS's switch member did: groups whose sum it received, groups that failed, bytes on its link."""
+
+    groups: int = 0
+    failures: int = 0
+    #: netagg messages (UDP payloads) the PS sent (its zeros, resends included) and received (results).
+    bytes_out: int = 0
+    bytes_in: int = 0
+    last_error: str = ""
+
+
+class SwitchMember:
+    """The PS as a member of its job's switch groups (``ps_members``): a thread runs each group's subset
+    exchange with zeros, then hands the sum to ``apply(grant, total)``; a failed exchange calls
+    ``fail(grant, reason)`` (the members then push their own updates)."""
+
+    def __init__(self, config: WorkerConfig, apply: Callable[[dict, np.ndarray], None],
+                 fail: Callable[[dict, str], None], **options: Any) -> None:
+        if not config.ps_members or config.rank < config.training_workers:
+            raise ValueError(f"rank {config.rank} of job {config.job_id} is not a PS node's (the job's last "
+                             f"{config.ps_members} ranks are)")
+        self.rank = config.rank
+        self.stats = SwitchMemberStats()
+        self._summer = SwitchSummer(config, **options)
+        self._apply, self._fail = apply, fail
+        self._queue: queue.Queue[tuple[dict, int] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="mlfabric-switch-member", daemon=True)
+        self._thread.start()
+
+    def submit(self, grant: dict, values: int) -> None:
+        """Take part in the switch group ``grant`` (its members, round base and parts) of ``values`` float32s."""
+        self._queue.put((grant, values))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            grant, values = item
+            parts = grant["parts"]
+            before = self._traffic()
+            try:
+                total = self._summer.sum(np.zeros(values, np.float32), int(grant["members"]), int(grant["round"]))
+            except SwitchAggregationFailed as err:
+                self._count(before, failed=str(err))
+                log.warning("switch group %s: the PS's exchange failed (%s); its members push their own", parts, err)
+                self._fail(grant, str(err))
+                continue
+            self._count(before)
+            try:
+                self._apply(grant, total)
+            except Exception as err:
+                self.stats.last_error = str(err)
+                log.warning("switch group %s: not applied: %s", parts, err)
+                self._fail(grant, str(err))
+
+    def _traffic(self) -> tuple[int, int]:
+        worker = self._summer._worker
+        if worker is None:
+            return 0, 0
+        stats = worker.transport.stats
+        return stats.packets_sent, stats.results_accepted + stats.stale_results
+
+    def _count(self, before: tuple[int, int], failed: str = "") -> None:
+        sent, received = self._traffic()
+        if failed:  # the transport was closed: its counters went with it
+            sent, received = before
+            self.stats.failures += 1
+            self.stats.last_error = failed
+        else:
+            self.stats.groups += 1
+        self.stats.bytes_out += max(0, sent - before[0]) * wire.NETAGG_BYTES
+        self.stats.bytes_in += max(0, received - before[1]) * wire.NETAGG_BYTES
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+        self._summer.close()

@@ -243,7 +243,8 @@ def _apply_sum(outcome: dict[str, Any], parts: int, version: int, params: np.nda
 
 def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: SwitchSummer | None,
                       grant: dict[str, Any], update_id: str, version: int, grad: np.ndarray) -> dict[str, Any]:
-    """Sum ``grad`` with the group's in the switch; the leader pushes the sum, the others get its outcome."""
+    """Sum ``grad`` with the group's in the switch; the leader pushes the sum (or, where the PS is a member of
+    the group, ``ps``, the PS received it from the switch), the others get its outcome."""
     if switch is None:
         raise FabricError("the scheduler grouped this update in the switch, but this worker has no switch path")
     try:
@@ -253,7 +254,7 @@ def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: Switch
         return client.push(update_id, version, grad)
     report.switch_aggregated += 1
     summed = {"_sum": total, "_parts": len(grant["parts"])}
-    if int(grant["leader"]) == client.rank:
+    if "ps" not in grant and int(grant["leader"]) == client.rank:
         report.switch_led += 1
         try:
             return {**client.push(update_id, version, total, parts=grant["parts"]), **summed}

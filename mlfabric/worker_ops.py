@@ -206,8 +206,9 @@ class WorkerOps:
         return {"ok": True, "found": True, "blocks": int(blocks.shape[0])}, blocks.tobytes()
 
     def _op_outcome(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
-        """A member of a switch group waits for its update's outcome (the leader pushed the sum): ``known``
-        is false after ``timeout`` seconds without one (the member then pushes its own update)."""
+        """A member of a switch group waits for its update's outcome (the leader pushed the sum, or the PS
+        received it from the switch): ``known`` is false after ``timeout`` seconds without one, or at once when
+        the PS's own part in the group failed (the member then pushes its own update)."""
         header = frame.header
         update_id, rank = str(header["update_id"]), int(header["rank"])
         update_step(update_id, rank)
@@ -218,6 +219,8 @@ class WorkerOps:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return {"ok": True, "known": False}, b""
+                if (failed := self._switch_failed.get(update_id)) is not None:
+                    return {"ok": True, "known": False, "reason": f"the PS's part in the switch group: {failed}"}, b""
                 self._cond.wait(left)
         if outcome.get("outcome") == APPLIED and "seq" in outcome:
             self._await_safe(outcome["seq"])
@@ -249,6 +252,8 @@ class WorkerOps:
                 result["log"] = [asdict(e) for e in self.log]
             if self.distribution is not None:
                 result["distribution"] = asdict(self.distribution.stats)
+            if self.switch_member is not None:
+                result["switch_member"] = asdict(self.switch_member.stats)
             if (forwarder := self._live_forwarder()) is not None:
                 snapshots_sent = forwarder.snapshots_sent  # read first: it counts acknowledged transfers
                 result["replication"] = {"successor": list(forwarder.successor), "snapshots_sent": snapshots_sent,

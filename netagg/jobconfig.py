@@ -97,6 +97,10 @@ class WorkerConfig:
     #: whole 64-slot blocks, each with its own socket and thread (hoststack/threads.py). A job setting like
     #: ``slot_count``: every worker of the job must use the same value.
     threads: int = 1
+    #: MLfabric switch aggregation: the job's last ``ps_members`` ranks are its PS chain (the primary, then the
+    #: replicas), members of every switch group: the primary contributes zeros and receives the group's sum
+    #: from the switch itself, so no worker pushes it (docs/mlfabric.md). The job's workers are the other ranks.
+    ps_members: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -149,6 +153,19 @@ class WorkerConfig:
                               "not MLfabric's switch aggregation)")
         if (self.update_mode == "async" or self.replicas) and self.ps is None:
             raise ConfigError("ps: an async or replicated job needs the parameter server's endpoint")
+        if isinstance(self.ps_members, bool) or not isinstance(self.ps_members, int) or \
+                not 0 <= self.ps_members < self.num_workers:
+            raise ConfigError(f"ps_members: expected an integer in 0..{self.num_workers - 1}, got {self.ps_members!r}")
+        if self.ps_members and not self.switch_aggregation:
+            raise ConfigError("ps_members: the PS is a member of the job's switch groups only with switch_aggregation")
+        if self.ps_members and self.ps_members != 1 + len(self.replicas):
+            raise ConfigError(f"ps_members: {self.ps_members}, but the job's PS chain has {1 + len(self.replicas)} "
+                              "node(s) (the primary and its replicas)")
+
+    @property
+    def training_workers(self) -> int:
+        """The job's workers: its ranks but the PS chain's (``ps_members``)."""
+        return self.num_workers - self.ps_members
 
     def __repr__(self) -> str:  # never print the secret into a log or a traceback
         fields = ", ".join(f"{name}={'<hidden>' if name == 'secret' and self.secret else repr(getattr(self, name))}"

@@ -119,3 +119,35 @@ class SubsetAndWholeJobRoundsShareASlot(NetaggTest):
         self.expect_nothing()
         self.send(workers[2].port, full[2])
         self.expect_on_ports([(w.port, result_for(full[2], w, [6] * wire.K, 0)) for w in workers])
+
+
+class ParameterServerAsAZeroMemberGetsTheSumAndRecoversIt(NetaggTest):
+    """MLfabric's PS as a member of a switch group (docs/mlfabric.md, "The PS in the switch groups"): it
+    contributes zeros with the no-magnitude exponent first, so neither the sums nor the round's exponent move;
+    the last worker's packet sends the sum to the whole group (the PS included); the PS, having lost it,
+    resends its zeros and gets the stored sum back alone, and a second loss is repaired the same way."""
+
+    def runTest(self) -> None:
+        workers = make_workers(4)  # ranks 0..2: the workers; rank 3: the PS
+        job = self.add_job(workers)
+        ps = workers[3]
+        members = _members(workers[0], workers[2], ps)
+        zeros = contribution(job, ps, [0] * wire.K, slot=1, seq=11, exponent=-128, members=members)
+        self.send(ps.port, zeros)
+        first = contribution(job, workers[0], [-7] * wire.K, slot=1, seq=11, exponent=-20, members=members)
+        self.send(workers[0].port, first)
+        self.expect_nothing()
+        last = contribution(job, workers[2], [3] * wire.K, slot=1, seq=11, exponent=-22, members=members)
+        self.send(workers[2].port, last)
+        self.expect_on_ports([(w.port, result_for(last, w, [-4] * wire.K, -20)) for w in workers])
+        before = self.job_counters(job)
+        for _ in range(2):  # the copy to the PS was lost (twice): its resends are answered from storage
+            resend = contribution(job, ps, [0] * wire.K, slot=1, seq=11, exponent=-128, members=members,
+                                  flags=wire.FLAG_RETRANSMIT)
+            self.send(ps.port, resend)
+            self.expect(ps.port, result_for(resend, ps, [-4] * wire.K, -20))
+            self.expect_nothing()
+        after = self.job_counters(job)
+        self.assertEqual(after["retransmit_results"] - before["retransmit_results"], 2)
+        self.assertEqual(after["results"] - before["results"], 0)
+        self.assertEqual(after["contributions"] - before["contributions"], 0)

@@ -154,7 +154,10 @@ def _round(rng: np.random.Generator, ranks: list[int], slot: int, round_: int, d
                 batch.append((rank, wire.Header(JOB, slot, pool, rank, 7, round=round_, members=other), values))
     for rank in senders:
         values = rng.integers(-2**31, 2**31, wire.K).astype(np.int32)
-        header = wire.Header(JOB, slot, pool, rank, round_ * 100 + slot, exponent=int(rng.integers(-128, 128)),
+        exponent = int(rng.integers(-128, 128))
+        if members and rng.random() < 0.2:  # a PS in the group (MLfabric's ps_members): zeros, no magnitude
+            values, exponent = np.zeros(wire.K, np.int32), -128
+        header = wire.Header(JOB, slot, pool, rank, round_ * 100 + slot, exponent=exponent,
                              round=round_, members=members)
         if rng.random() > 0.1:  # 10 % lost
             batch.append((rank, header, values))

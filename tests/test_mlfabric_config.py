@@ -280,7 +280,7 @@ def test_an_mlfabric_job_with_distribution_creates_and_owns_its_distribution_job
             (["--distribution", "--rank", "3"], "not_found", "has no worker rank 3 (ranks 0..2"),
             (["--distribution", "--rank", "0", "--ps-node", "0"], "invalid_argument", "one of --rank"),
             (["--distribution"], "invalid_argument", "one of --rank"),
-            (["--ps-node", "0"], "invalid_argument", "--ps-node needs --distribution"),
+            (["--ps-node", "0"], "invalid_argument", "PS nodes are no ranks of it (create it with --switch-ps)"),
             ([], "invalid_argument", "needs --rank")):
         code, _, err = _cli(capsys, soft_controller, "job", "config", str(job["job_id"]), *option)
         assert code == EXIT_CODES[status] and message in err, (option, err)
@@ -369,3 +369,65 @@ def test_bad_distribution_options_are_refused_with_a_clear_message(capsys, soft_
         assert "Traceback" not in err
     code, out, _ = _cli(capsys, soft_controller, "job", "list")
     assert code == 0 and json.loads(out) == []  # nothing was created
+
+
+def test_a_job_with_switch_ps_gives_its_ps_a_rank_in_every_switch_group(capsys, soft_controller, soft_switch):
+    workers = [free_udp_port() for _ in range(3)]
+    ps_port = free_udp_port()
+    code, out, err = _cli(capsys, soft_controller, "job", "create", "--workers",
+                          ",".join(f"local:{p}" for p in workers), "--slots", "8", "--mode", "allreduce",
+                          "--ps", "ps0", "--sync", "async", "--schedule", "mlfabric", "--switch-aggregation",
+                          "--switch-ps", f"local:{ps_port}")
+    assert code == 0, err
+    job = json.loads(out)["job"]
+    assert job["ps_members"] == 1 and [w["udp_port"] for w in job["workers"]] == [*workers, ps_port]
+    # The PS's rank (3) is in the job's group (it receives every sum) and in its workers table (it sends).
+    assert _switch_view(soft_switch, job["job_id"]) == ([1, 2, 3, 4], [0, 1, 2, 3])
+    configs = {}
+    for option in (["--rank", "1"], ["--ps-node", "0"]):
+        code, out, err = _cli(capsys, soft_controller, "job", "config", str(job["job_id"]), *option)
+        assert code == 0, err
+        configs[option[0]] = WorkerConfig.from_dict(yaml.safe_load(out))
+    worker, ps = configs["--rank"], configs["--ps-node"]
+    assert (worker.rank, worker.num_workers, worker.ps_members, worker.training_workers) == (1, 4, 1, 3)
+    assert (ps.rank, ps.bind, ps.ps_members, ps.switch_aggregation) == (3, Endpoint("127.0.0.1", ps_port), 1, True)
+    # The PS started with them counts three workers, and takes part in the switch groups as rank 3.
+    server = FabricServer(worker, switch_member=ps, gate_timeout=0)
+    try:
+        assert server.num_workers == 3 and server.switch_member is not None and server.switch_member.rank == 3
+        assert server.grants is not None and server.grants.ps_member == 3
+    finally:
+        server.stop()
+    with pytest.raises(ConfigError, match="is not a PS node's rank"):
+        FabricServer(worker, switch_member=worker, gate_timeout=0)
+    assert main(["--config", str(soft_controller.config), "--token", TOKENS["alice"], "job", "show",
+                 str(job["job_id"])]) == 0
+    assert "its last 1 rank(s) the PS chain" in capsys.readouterr().out
+    for option, status, message in ((["--ps-node", "1"], "not_found", "has PS nodes 0..0"),
+                                    (["--ps-node", "0", "--rank", "0"], "invalid_argument", "one of --rank")):
+        code, _, err = _cli(capsys, soft_controller, "job", "config", str(job["job_id"]), *option)
+        assert code == EXIT_CODES[status] and message in err, (option, err)
+
+
+def test_bad_switch_ps_options_are_refused_with_a_clear_message(capsys, soft_controller):
+    worker, port = (f"local:{free_udp_port()}" for _ in range(2))
+    fabric = ["--mode", "allreduce", "--ps", "ps0", "--sync", "async", "--schedule", "mlfabric"]
+    for args, message in [
+        ([*fabric, "--switch-ps", port], "--switch-ps needs --switch-aggregation and --ps"),
+        ([*fabric, "--switch-aggregation", "--switch-ps", f"{port},local:{free_udp_port()}"],
+         "--switch-ps names 2 endpoint(s) for 1 PS node(s)"),
+        ([*fabric, "--switch-aggregation", "--switch-ps", worker], "must be an address and UDP port of its own"),
+        ([*fabric, "--switch-aggregation", "--switch-ps", "local:29001"], "must be an address and UDP port of its own"),
+        ([*fabric, "--switch-aggregation", "--switch-ps", "nowhere:5"], "switch endpoint of PS node 0: unknown host"),
+        ([*fabric, "--switch-aggregation", "--switch-ps", "local"], "expected HOST:UDP_PORT"),
+    ]:
+        code, _, err = _cli(capsys, soft_controller, "job", "create", "--workers", worker, "--slots", "4", *args)
+        assert code == EXIT_CODES["invalid_argument"], (args, err)
+        assert message in err, (args, err)
+        assert "Traceback" not in err
+    code, out, _ = _cli(capsys, soft_controller, "job", "list")
+    assert code == 0 and json.loads(out) == []
+    with pytest.raises(ConfigError, match="ps_members: the PS is a member of the job's switch groups only"):
+        WorkerConfig(**{**BASE, "ps_members": 1})
+    with pytest.raises(ConfigError, match=r"ps_members: expected an integer in 0\.\.3"):
+        WorkerConfig(**{**BASE, "ps_members": 4})

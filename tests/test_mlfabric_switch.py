@@ -34,6 +34,17 @@ def _configs(switch, num_workers: int, replicas: int = 0) -> list:
             for s, f in zip(on_switch, fabric, strict=True)]
 
 
+def _member_configs(switch, num_workers: int) -> tuple[list, object]:
+    """As :func:`_configs`, with the PS as the job's last rank on the switch (``ps_members``): the workers'
+    configs and the PS's own (what ``job create --switch-ps`` and ``job config --ps-node 0`` write)."""
+    fabric = loopback_configs(num_workers, update_mode="async", delay_bound=10, schedule="mlfabric")
+    on_switch = switch.add_job(num_workers + 1, slot_count=SLOTS)
+    configs = [dataclasses.replace(s, ps=fabric[0].ps, update_mode="async", delay_bound=10, schedule="mlfabric",
+                                   switch_aggregation=True, secret=fabric[0].secret, ps_members=1)
+               for s in on_switch]
+    return configs[:num_workers], configs[num_workers]
+
+
 def _start(configs, **summer_options) -> tuple[list, list, list, list]:
     """The model initialised at the PS; per rank: a SwitchSummer, a gradient (10**rank), a report, an outcome."""
     boot = FabricClient.from_config(configs[0])
@@ -209,3 +220,106 @@ def test_a_member_computes_the_next_model_only_when_its_group_was_applied_right_
     assert _apply_sum({**applied, "version": 8}, 2, 5, params, total) is None  # another update came between
     assert _apply_sum({**applied, "outcome": "dropped"}, 2, 5, params, total) is None
     assert _apply_sum({"outcome": "applied", "version": 7}, 2, 5, params, total) is None  # no step: a sync PS
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.05, 0.25])
+def test_the_ps_as_a_member_receives_the_groups_sum_from_the_switch_and_applies_it_once(loss):
+    faults = {"drop": loss, "duplicate": loss / 2, "reorder": loss / 2, "seed": 9} if loss else {}
+    with testing.LoopbackSwitch(**faults) as switch:
+        configs, ps_config = _member_configs(switch, 3)
+        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
+                              rto_initial=0.01).start()
+        summers: list = []
+        try:
+            summers, grads, reports, outcomes = _start(configs)
+            _run_group(configs, server, grads, range(3), summers, reports, outcomes)
+            assert server.grants.stats.groups == 1 and server.grants.stats.sent == 1
+            assert all(o is not None and o["outcome"] == "applied" for o in outcomes)
+            # Ranks 0 and 1 are summed in the switch with the PS (rank 3): nobody pushes their sum.
+            assert [r.switch_aggregated for r in reports] == [1, 1, 0]
+            assert sum(r.switch_led for r in reports) == 0 and sum(r.switch_fallbacks for r in reports) == 0
+            assert server.stats.pushes == 1  # rank 2's own, sent direct
+            assert (server.stats.switch_sums, server.stats.switch_sum_failures) == (1, 0)
+            assert server.version == 3 and server.stats.applies == 2 and server.stats.aggregated_applies == 1
+            np.testing.assert_allclose(server.model, -(grads[0] + grads[1] + grads[2]), rtol=1e-6)
+            seqs = {e.update_id: e.seq for e in server.log}
+            assert seqs["0:0"] == seqs["1:0"] != seqs["2:0"]
+            blocks = -(-SIZE // wire.K)
+            member = server.switch_member.stats
+            assert member.groups == 1 and member.bytes_in >= blocks * wire.NETAGG_BYTES
+            counters = switch.counters(configs[0].job_id)
+            assert counters["results"] == blocks + SLOTS  # every subset round completed exactly once
+            assert counters["rejects"] == 0
+            if loss >= 0.25:  # copies of the sum were lost, the PS's among them: answered from the switch's copy
+                assert counters["retransmit_results"] > 0
+                assert server.switch_member._summer._worker.transport.stats.retransmissions > 0
+        finally:
+            server.stop()
+            for s in summers:
+                s.close()
+
+
+def test_when_the_ps_cannot_take_part_the_members_push_their_own_and_each_is_applied_once():
+    with testing.LoopbackSwitch() as switch:
+        configs, ps_config = _member_configs(switch, 3)
+        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
+                              rto_initial=0.01, progress_timeout=1.0).start()
+        summers: list = []
+        try:
+            summers, grads, reports, outcomes = _start(configs, progress_timeout=1.0)
+            # Rank 1 was granted but never takes part: no round of the group completes, the PS's exchange fails.
+            _run_group(configs, server, grads, range(3), summers, reports, outcomes, skip={1})
+            assert server.stats.switch_sum_failures == 1 and server.stats.switch_sums == 0
+            assert reports[0].switch_fallbacks == 1
+            assert outcomes[0]["outcome"] == "applied" and outcomes[2]["outcome"] == "applied"
+            assert server.version == 2
+            np.testing.assert_allclose(server.model, -(grads[0] + grads[2]), rtol=1e-6)
+            # The failed group no longer holds the job's slots: the next group may use them (rounds past its own).
+            assert server.grants.stats.groups == 1
+            assert all(server.grants.switch_grant(g) is None for g in list(server.grants._groups))
+        finally:
+            server.stop()
+            for s in summers:
+                s.close()
+
+
+def test_a_member_whose_own_exchange_failed_after_the_ps_got_the_sum_is_not_applied_twice():
+    with testing.LoopbackSwitch() as switch:
+        configs, ps_config = _member_configs(switch, 2)
+        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
+                              rto_initial=0.01).start()
+        try:
+            boot = FabricClient.from_config(configs[0])
+            boot.hello()
+            boot.init(np.zeros(SIZE, np.float32))
+            boot.close()
+            grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(2)]
+            parts = [[f"{r}:0", r, 0] for r in range(2)]
+            grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "parts": parts, "ps": 2}
+            server.switch_member.submit(grant, SIZE)  # as the grant service does when it plans the group
+            sums = [None, None]
+
+            def member(rank: int) -> None:
+                summer = SwitchSummer(configs[rank], rto_initial=0.01)
+                try:
+                    sums[rank] = summer.sum(grads[rank], grant["members"], grant["round"])
+                finally:
+                    summer.close()
+
+            threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            client = FabricClient.from_config(configs[1])
+            outcome = client.call("outcome", {"update_id": "1:0", "timeout": 20.0}, timeout=30.0)[0]
+            assert outcome["known"] and outcome["outcome"] == "applied" and outcome["version"] == 2
+            # Rank 1 pushes its own anyway (say it lost the last results): the PS knows the id, nothing changes.
+            again = client.push("1:0", 0, grads[1])
+            client.close()
+            assert again["duplicate"] and again["outcome"] == "applied"
+            assert server.version == 2 and server.stats.applied == 2 and server.stats.switch_sums == 1
+            np.testing.assert_allclose(server.model, -(grads[0] + grads[1]), rtol=1e-6)
+            assert all(np.array_equal(s, sums[0]) for s in sums)  # every member holds the same sum
+        finally:
+            server.stop()

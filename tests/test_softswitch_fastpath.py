@@ -252,6 +252,8 @@ def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int
         for rank, ip, udp, port in senders:
             values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
             exponent = int(rng.integers(-128, 128))
+            if members and rng.random() < 0.2:  # a PS in the group (MLfabric's ps_members): zeros, no magnitude
+                values, exponent = np.zeros(wire.K, np.int32), -128
             pkt = (contribution(job, rank, ip, udp, slot, pool, round_, round_ * 100 + slot, values, exponent, 0,
                                 members), port)
             if rng.random() > 0.1:  # 10 % lost
