@@ -47,10 +47,16 @@ KINDS = {
     # compute the next model from their group's sum, the others pull.
     "mlfabric-gang": ["--sync", "async", "--schedule", "mlfabric", "--switch-aggregation"],
 }
+# The same with the PS as a member of every switch group (``--switch-ps``): it receives each group's sum from
+# the switch, so no worker pushes it over TCP (docs/mlfabric.md, "The PS in the switch groups").
+for _kind in ("mlfabric-switch", "mlfabric-mcast", "mlfabric-gang"):
+    KINDS[f"{_kind}-ps"] = KINDS[_kind]
 #: Kinds whose PS plans gang rounds (with MULTICAST: by default).
-GANG = {"mlfabric-gang"}
+GANG = {"mlfabric-gang", "mlfabric-gang-ps"}
 #: Kinds whose PS sends the model through the switch.
-MULTICAST = {"mlfabric-mcast"}
+MULTICAST = {"mlfabric-mcast", "mlfabric-mcast-ps"}
+#: Kinds whose PS takes part in the switch groups.
+PS_MEMBER = {kind for kind in KINDS if kind.endswith("-ps")}
 
 
 def create_job(cluster: EmulatedCluster, hosts: list[str], options: list[str], name: str,
@@ -89,7 +95,14 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         sender = cluster.worker_ports([cluster.ps_host], offset=200)[0]
         options += ["--distribution", ",".join(f"{h}:{p}" for h, p in zip(hosts, receivers)),
                     "--distribution-ps", f"{cluster.ps_host}:{sender}"]
+    if kind in PS_MEMBER:  # the PS's rank in the job's switch groups: another UDP port of its host
+        options += ["--switch-ps", f"{cluster.ps_host}:{cluster.worker_ports([cluster.ps_host], offset=300)[0]}"]
     job_id, paths = create_job(cluster, hosts, options, f"mlfabric-{kind}", args.slots)
+    member_args: list[str] = []
+    if kind in PS_MEMBER:
+        member = cluster.workdir / f"mlfabric-job{job_id}-ps-member.yaml"
+        cluster.cli("job", "config", str(job_id), "--ps-node", "0", "-o", str(member))
+        member_args = ["--switch-config", str(member)]
     dist_paths: list[Path] = []
     if kind in MULTICAST:  # each worker's rank, then the PS's (the last rank)
         for rank in range(len(hosts) + 1):
@@ -109,7 +122,8 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
                                str(args.rate_mbit * 1e6 / 8), *(["--gang"] if kind in GANG else [])]
             lr = args.lr if kind != "sync" else args.sync_lr if args.sync_lr is not None else args.lr * args.workers
             ps = subprocess.Popen(cluster.host_command(cluster.ps_host, [*PS_COMMAND, "--config", str(paths[0]),
-                                                                         "--lr", str(lr), *model_args]),
+                                                                         "--lr", str(lr), *model_args,
+                                                                         *member_args]),
                                   stdout=out, stderr=subprocess.STDOUT, env=env, cwd=dp.REPO_ROOT)
         procs.append(ps)
         deadline = time.monotonic() + 30
@@ -150,10 +164,13 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         "switch_fallbacks": sum(r.get("switch_fallbacks", 0) for r in reports),
         "local_models": sum(r.get("local_models", 0) for r in reports),
         "applied_locally": sum(r.get("applied_locally", 0) for r in reports),
-        # The PS's link: model bytes out (pulls, and versions sent through the switch) and update bytes in.
-        "ps_out_mb": round((stats.get("pull_bytes", 0) + (final.get("distribution") or {}).get("bytes_sent", 0))
-                           / 1e6, 1),
-        "ps_in_mb": round(stats.get("push_bytes", 0) / 1e6, 1),
+        # The PS's link: model bytes out (pulls, versions sent through the switch, a switch member's zeros) and
+        # update bytes in (pushes, the sums a switch member received).
+        "ps_out_mb": round((stats.get("pull_bytes", 0) + (final.get("distribution") or {}).get("bytes_sent", 0)
+                            + (final.get("switch_member") or {}).get("bytes_out", 0)) / 1e6, 1),
+        "ps_in_mb": round((stats.get("push_bytes", 0) + (final.get("switch_member") or {}).get("bytes_in", 0))
+                          / 1e6, 1),
+        "switch_sums": stats.get("switch_sums", 0), "switch_sum_failures": stats.get("switch_sum_failures", 0),
         "pulls": sum(r.get("pulls", 0) for r in reports),
         # Per worker: seconds getting models, computing, waiting for grants, sending (training.PHASES).
         "phases": [{k: round(v, 1) for k, v in (r.get("phase_seconds") or {}).items()} for r in reports],
@@ -266,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         times = [r["time_to_target"] for r in rows if r["kind"] == kind]
         if times and all(t is not None for t in times):
             means[kind] = sum(times) / len(times)
-    for fabric in ("mlfabric", "mlfabric-switch", "mlfabric-mcast", "mlfabric-gang"):
+    for fabric in [k for k in KINDS if k.startswith("mlfabric")]:
         if fabric not in means:
             continue
         for other in ("sync", "async"):

@@ -137,7 +137,8 @@ def monitor(args: argparse.Namespace) -> int:
     print(json.dumps({"final": {"time_to_target": reached, "target_loss": args.target_loss, **last,
                                 "stats": stats["stats"], "max_delay": stats["max_delay"],
                                 "scheduler": stats.get("scheduler"),
-                                "distribution": stats.get("distribution")}}), flush=True)
+                                "distribution": stats.get("distribution"),
+                                "switch_member": stats.get("switch_member")}}), flush=True)
     return 0
 
 

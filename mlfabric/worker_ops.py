@@ -224,7 +224,9 @@ class WorkerOps:
                 self._cond.wait(left)
         if outcome.get("outcome") == APPLIED and "seq" in outcome:
             self._await_safe(outcome["seq"])
-        return {"ok": True, "known": True, "duplicate": True, **outcome}, b""
+        # Where nobody pushes a group's sum (the PS received it from the switch), this is how members learn
+        # that the job was halted.
+        return {"ok": True, "known": True, "duplicate": True, **outcome, "halted": self.halted}, b""
 
     def _op_halt(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         with self._cond:

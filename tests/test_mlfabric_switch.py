@@ -316,8 +316,12 @@ def test_a_member_whose_own_exchange_failed_after_the_ps_got_the_sum_is_not_appl
             assert outcome["known"] and outcome["outcome"] == "applied" and outcome["version"] == 2
             # Rank 1 pushes its own anyway (say it lost the last results): the PS knows the id, nothing changes.
             again = client.push("1:0", 0, grads[1])
+            assert again["duplicate"] and again["outcome"] == "applied" and not outcome["halted"]
+            # Nobody pushes such a group's sum: its members learn of a halt from their outcome.
+            client.halt()
+            outcome = client.call("outcome", {"update_id": "1:0", "timeout": 1.0}, timeout=30.0)[0]
             client.close()
-            assert again["duplicate"] and again["outcome"] == "applied"
+            assert outcome["known"] and outcome["halted"]
             assert server.version == 2 and server.stats.applied == 2 and server.stats.switch_sums == 1
             np.testing.assert_allclose(server.model, -(grads[0] + grads[1]), rtol=1e-6)
             assert all(np.array_equal(s, sums[0]) for s in sums)  # every member holds the same sum
