@@ -27,7 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from examples.mlp_digits import init_params
 from netagg import dataplane as dp
+from netagg import wire
 from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
 from netagg.bmv2.deployment import json_result
 from netagg.bmv2.dynamics import ClusterDynamics, DynamicsSpec, Plan, make_plan
@@ -171,6 +173,10 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         "ps_in_mb": round((stats.get("push_bytes", 0) + (final.get("switch_member") or {}).get("bytes_in", 0))
                           / 1e6, 1),
         "switch_sums": stats.get("switch_sums", 0), "switch_sum_failures": stats.get("switch_sum_failures", 0),
+        # The PS's exchange per group it received (a switch member), against one model's frames at the link rate.
+        "ps_exchange_s": round(member["seconds"] / member["groups"], 3) if (member := final.get("switch_member"))
+        and member.get("groups") else None,
+        "link_s": round(-(-_model_values(args.hidden) // wire.K) * wire.FRAME_BYTES * 8 / (args.rate_mbit * 1e6), 3),
         "pulls": sum(r.get("pulls", 0) for r in reports),
         # Per worker: seconds getting models, computing, waiting for grants, sending (training.PHASES).
         "phases": [{k: round(v, 1) for k, v in (r.get("phase_seconds") or {}).items()} for r in reports],
@@ -179,6 +185,11 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         "hints": {k: round(v / 1e3, 1) for k, v in (scheduler.get("hints") or {}).items()},
         "deferred": scheduler.get("deferred", 0),
     }
+
+
+def _model_values(hidden: int) -> int:
+    """Values of examples/mlp_digits.py's MLP with ``hidden`` units."""
+    return sum(a.size for a in init_params(hidden=hidden))
 
 
 def _monitor_result(monitor: subprocess.Popen, timeout: float) -> tuple[dict, list[dict]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,8 @@ class SwitchMemberStats:
     #: netagg messages (UDP payloads) the PS sent (its zeros, resends included) and received (results).
     bytes_out: int = 0
     bytes_in: int = 0
+    #: Seconds the PS's exchanges of the groups it received took (from its first packet to the last result).
+    seconds: float = 0.0
     last_error: str = ""
 
 
@@ -107,6 +110,7 @@ class SwitchMember:
             grant, values = item
             parts = grant["parts"]
             before = self._traffic()
+            began = time.monotonic()
             try:
                 total = self._summer.sum(np.zeros(values, np.float32), int(grant["members"]), int(grant["round"]))
             except SwitchAggregationFailed as err:
@@ -115,6 +119,7 @@ class SwitchMember:
                 self._fail(grant, str(err))
                 continue
             self._count(before)
+            self.stats.seconds += time.monotonic() - began
             try:
                 self._apply(grant, total)
             except Exception as err:

@@ -86,6 +86,7 @@ def test_an_old_database_gains_the_new_columns_and_keeps_its_jobs(tmp_path):
     assert (old.update_mode, old.delay_bound, old.schedule, old.replicas) == ("sync", None, "fifo", [])
     assert old.switch_aggregation is False
     assert (old.distribution, old.distribution_of, old.senders) == (None, None, 0)  # no link: a job on its own
+    assert old.ps_members == 0  # its workers are every rank
     assert old.secret == ""  # made before secrets: its servers keep accepting requests without one
     with store.transaction() as conn:
         store.insert(conn, JobRecord(
@@ -94,7 +95,7 @@ def test_an_old_database_gains_the_new_columns_and_keeps_its_jobs(tmp_path):
             workers=[WorkerEndpoint(0, "local", "127.0.0.1", 40001)], ps=PsEndpoint("local", "127.0.0.1", 29001),
             lease_seconds=60, lease_expires=1e12, created=2, update_mode="async", delay_bound=4,
             schedule="mlfabric", replicas=[PsEndpoint("local", "127.0.0.1", 29002)], secret="s3cret-of-job-2",
-            distribution=3))
+            distribution=3, ps_members=2))
         store.insert(conn, JobRecord(
             job_id=3, tenant="alice", name="new-distribution", mode="allreduce", state="active", slot_base=16,
             slot_count=8, slots_wanted=8, generation=store.next_generation(conn),
@@ -109,6 +110,7 @@ def test_an_old_database_gains_the_new_columns_and_keeps_its_jobs(tmp_path):
     assert "secret" not in new.to_dict() and "s3cret" not in repr(new)
     assert reopened.get(1).update_mode == "sync"
     assert (new.distribution, reopened.get(3).distribution_of, reopened.get(3).senders) == (3, 2, 1)
+    assert (new.ps_members, reopened.get(3).ps_members) == (2, 0)
     reopened.close()
 
 
