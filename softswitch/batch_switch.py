@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import select
 import socket
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -89,7 +90,11 @@ class BatchSwitch(PortLoop):
         self.peers = list(peers)
         #: Frames that reached this shard for another shard's slots (a sender broke the steering rule).
         self.foreign_frames = 0
+        #: Frames the kernel refused to send, by egress port number (a raw port's socket buffer full: its link
+        #: is backed up). Counted in ``stats.transmit_failed`` too; per port for :meth:`port_losses`.
+        self.transmit_failed_by_port: Counter[int] = Counter()  # keys set below: read from other threads
         self._raw = [port for port in ports if isinstance(port, RawSocketPort)]
+        self.transmit_failed_by_port.update({port.number: 0 for port in self._raw})
         self._loopback = [port for port in ports if isinstance(port, LoopbackUdpPort)]
         raw_rows = mmsg.BATCH * max(1, min(len(self._raw), 4))
         self._raw_rx = mmsg.MsgBatch(raw_rows, STRIDE)
@@ -275,7 +280,16 @@ class BatchSwitch(PortLoop):
                 sent, failed = out.send_prepared(self._raw[group].fileno(), count, first)
                 self.stats.transmitted += sent
                 self.stats.transmit_failed += failed
+                if failed:
+                    self.transmit_failed_by_port[self._raw[group].number] += failed
                 first += count
+
+    def port_losses(self) -> dict[int, tuple[int, int]]:
+        """Per raw port: (frames the kernel refused to send out of it, frames its receive ring had no room
+        for) since the switch started. Another thread may call it (the ring counters are the kernel's)."""
+        dropped = self._rings.kernel_drops_by_port() if self._rings is not None else {}
+        failed = dict(self.transmit_failed_by_port)
+        return {port.number: (failed.get(port.number, 0), dropped.get(port.number, 0)) for port in self._raw}
 
 
 class _Both:

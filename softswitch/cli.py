@@ -75,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.info("ready: P4Runtime on %s, ports %s%s, %s engine (%s loop, %d shard%s)", target.grpc_address,
                  sorted(target.switch.ports), where, target.engine, type(target.switch).__name__, target.shards,
                  "" if target.shards == 1 else "s")
-    stop.wait()
+    losses = getattr(target.switch, "port_losses", None)
+    reported: dict[int, tuple[int, int]] = {}
+    while not stop.wait(LOSS_REPORT_SECONDS):
+        if losses is not None:
+            reported = _report_losses(losses(), reported)
     target.stop()
     failed = getattr(target.switch, "failed", None)
     if failed:
@@ -85,6 +89,24 @@ def main(argv: list[str] | None = None) -> int:
     logging.info("stopped: %d frames in, %d out, %d to unknown ports, %d failed", s.received, s.transmitted,
                  s.unknown_port, s.transmit_failed)
     return 0
+
+
+#: How often the switch logs the frames its raw ports lost since the last report (if any).
+LOSS_REPORT_SECONDS = 5.0
+
+
+def _report_losses(now: dict[int, tuple[int, int]], before: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """Log, per raw port, the frames lost since ``before``: sends the kernel refused (the port's link backed up)
+    and frames its receive ring had no room for; returns ``now`` for the next report."""
+    parts = []
+    for port, (failed, dropped) in sorted(now.items()):
+        was = before.get(port, (0, 0))
+        if (failed, dropped) != was:
+            parts.append(f"port {port}: {failed - was[0]} not sent, {dropped - was[1]} not received "
+                         f"(total {failed}, {dropped})")
+    if parts:
+        logging.warning("raw port losses in the last %.0f s: %s", LOSS_REPORT_SECONDS, "; ".join(parts))
+    return now
 
 
 if __name__ == "__main__":

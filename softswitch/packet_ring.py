@@ -55,6 +55,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -442,6 +443,8 @@ class PacketRings:
         self.counts = np.zeros(2, np.int64)
         self._copy = np.full(1, -1, np.int64)
         self._queued = np.zeros(len(self.sockets), np.int64)
+        self._drops: dict[int, int] = {}
+        self._drops_lock = threading.Lock()
         block, blocks, unit, per_block = requests[0][0][2]
         self.layout = (f"TPACKET_V{version} receive ring, {blocks * per_block} x {unit // 1024} KiB "
                        f"{'blocks' if version == 3 else 'slots'} per port"
@@ -490,8 +493,20 @@ class PacketRings:
 
     def kernel_drops(self) -> int:
         """Frames the kernel dropped since the last call because a ring was full (PACKET_STATISTICS)."""
-        return sum(struct.unpack("II", sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))[1]
-                   for sock in self.sockets)
+        return sum(self._read_drops().values())
+
+    def kernel_drops_by_port(self) -> dict[int, int]:
+        """Frames the kernel dropped because a port's ring was full, by port number, since the rings opened
+        (reading PACKET_STATISTICS resets the kernel's count: the totals are kept here)."""
+        for number, drops in self._read_drops().items():
+            self._drops[number] = self._drops.get(number, 0) + drops
+        return dict(self._drops)
+
+    def _read_drops(self) -> dict[int, int]:
+        with self._drops_lock:
+            return {int(self.table[r, T_PORT]): struct.unpack("II", sock.getsockopt(SOL_PACKET, PACKET_STATISTICS,
+                                                                                    8))[1]
+                    for r, sock in enumerate(self.sockets)}
 
     def close(self) -> None:
         """Unmap every ring (before the sockets close: the kernel keeps a mapped ring's pages)."""

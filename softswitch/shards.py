@@ -112,6 +112,15 @@ class ShardedSwitch:
         """Frames through the switch, summed over shards."""
         return PortStats(*(sum(getattr(shard.stats, f.name) for shard in self.shards) for f in fields(PortStats)))
 
+    def port_losses(self) -> dict[int, tuple[int, int]]:
+        """Per raw port: (transmit failures, receive-ring drops), summed over shards."""
+        total: dict[int, tuple[int, int]] = {}
+        for shard in self.shards:
+            for port, (failed, dropped) in shard.port_losses().items():
+                was = total.get(port, (0, 0))
+                total[port] = (was[0] + failed, was[1] + dropped)
+        return total
+
     @property
     def foreign_frames(self) -> int:
         """Frames that reached a shard for another shard's slots (run there under both shards' locks)."""

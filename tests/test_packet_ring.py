@@ -142,6 +142,39 @@ def test_frames_arrive_in_order_byte_exact(rig: Rig, version: int) -> None:
         rings.close()
 
 
+def test_frames_a_full_ring_had_no_room_for_are_counted_for_their_port(rig: Rig) -> None:
+    rings = packet_ring.PacketRings([p.sock for p in rig.ports], [p.number for p in rig.ports],
+                                    [p.ifname for p in rig.ports], version=2)
+    try:
+        slots = packet_ring.V2_RX_SLOTS
+        with _one_cpu():
+            for k in range(slots + 500):  # nobody reads port 2's ring meanwhile: the last ones find it full
+                rig.peers[1].send(_frame(k, 318))
+            rig.peers[0].send(_frame(0, 318))
+        time.sleep(0.2)
+        drops = rings.kernel_drops_by_port()
+        assert drops[1] == 0 and drops[2] >= 500 - 50, drops  # (a few may still sit in the backlog)
+        assert rings.kernel_drops_by_port() == drops  # totals: reading does not lose what was read before
+        got = _drain(rings, slots + 1, timeout=2.0)
+        assert sum(1 for port, _ in got if port == 2) + drops[2] == slots + 500
+    finally:
+        rings.close()
+
+
+def test_the_switch_logs_each_ports_losses_since_its_last_report(caplog: pytest.LogCaptureFixture) -> None:
+    from netagg.softswitch.cli import _report_losses
+
+    with caplog.at_level(logging.WARNING):
+        first = _report_losses({1: (0, 0), 2: (5, 1)}, {})
+        assert first == {1: (0, 0), 2: (5, 1)}
+        assert "port 2: 5 not sent, 1 not received (total 5, 1)" in caplog.text and "port 1" not in caplog.text
+        caplog.clear()
+        _report_losses({1: (0, 0), 2: (5, 1)}, first)  # nothing new: nothing logged
+        assert caplog.text == ""
+        _report_losses({1: (3, 0), 2: (5, 1)}, first)
+        assert "port 1: 3 not sent, 0 not received (total 3, 0)" in caplog.text and "port 2" not in caplog.text
+
+
 def test_a_block_that_does_not_fill_is_handed_over_after_its_timeout(rig: Rig) -> None:
     rings = packet_ring.PacketRings([rig.ports[0].sock], [1], [rig.ports[0].ifname], version=3)
     try:
