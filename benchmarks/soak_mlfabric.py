@@ -61,6 +61,18 @@ def _switch_drops(cluster: EmulatedCluster) -> str:
     return view[view.find("drops"):][:800] if "drops" in view else view[-800:]
 
 
+def _port_losses(cluster: EmulatedCluster, lines: int = 12) -> list[str]:
+    """The switch's last reports of frames its ports lost (softswitch/cli.py: sends refused, receive rings
+    full), each port named by its host, to tell which link lost what around the failure."""
+    names = {host.switch_port: host.name for host in cluster.topology.hosts}
+    log = cluster.workdir / "switch.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    reports = [line for line in text.splitlines() if "raw port losses" in line][-lines:]
+    for port, name in names.items():
+        reports = [line.replace(f"port {port}:", f"port {port} ({name}):") for line in reports]
+    return reports
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = conv.build_parser()
     parser.description = __doc__
@@ -97,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = {"kind": kind, "ok": False, "who": text.split(":", 1)[0][:80], "failure": text[-1500:],
                           "class": classify(text),
                           "ps_log": ps_log.read_text(errors="replace")[-1500:] if ps_log.exists() else "",
-                          "links": _link_counters(cluster), "switch_drops": _switch_drops(cluster)}
+                          "links": _link_counters(cluster), "switch_drops": _switch_drops(cluster),
+                          "port_losses": _port_losses(cluster)}
             result["run"] = index
             result["seconds"] = round(time.monotonic() - began, 1)
             runs.append(result)

@@ -36,12 +36,25 @@ class ConnectionClosed(ConnectionError):
 
 
 def send_frame(sock: socket.socket, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"") -> None:
-    """Send one frame (the socket's timeout applies)."""
+    """Send one frame. The socket's timeout bounds each wait for room to send, not the whole frame: a large
+    frame over a slow link takes as long as it takes while it moves, and fails once it stops moving for the
+    timeout (as receiving does, one ``recv`` at a time)."""
     text = json.dumps(header, separators=(",", ":")).encode()
     view = memoryview(blob).cast("B")
-    sock.sendall(_FRAME.pack(len(text), view.nbytes) + text)
+    _send_all(sock, memoryview(_FRAME.pack(len(text), view.nbytes) + text))
     if view.nbytes:
-        sock.sendall(view)
+        _send_all(sock, view)
+
+
+def _send_all(sock: socket.socket, view: memoryview) -> None:
+    """``sendall`` whose timeout applies to each ``send`` (Python's ``sendall`` applies it to the total)."""
+    sent = 0
+    while sent < view.nbytes:
+        sent += sock.send(view[sent:sent + _SEND_CHUNK])
+
+
+#: Bytes handed to the kernel per ``send`` (each one waits at most the socket's timeout for room).
+_SEND_CHUNK = 1 << 20
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytearray:

@@ -90,8 +90,8 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
     """Train until ``steps``, a halt, or ``max_seconds``; returns the report (raises Unavailable)."""
     report = WorkerReport(rank=client.rank)
     started = time.monotonic()
-    client.hello()
-    client.init(np.asarray(initial, np.float32))
+    if not client.hello().get("initialized"):  # else no need to send the whole model (first offer wins)
+        client.init(np.asarray(initial, np.float32))
     cache = ModelCache(distribution, int(np.asarray(initial).size)) if distribution is not None else None
     version = -1
     #: (version, model) the last switch group's outcome lets this worker compute (see _switch_aggregate).

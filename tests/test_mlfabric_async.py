@@ -16,7 +16,7 @@ from netagg.mlfabric.aggregation import AggregationService
 from netagg.mlfabric.async_server import FabricServer, OutcomeWindow
 from netagg.mlfabric.protocol import Connection, Refused
 from netagg.mlfabric.testing import collect, loopback_configs, start_ps, start_workers, stop, write_configs
-from netagg.mlfabric.training import WorkerReport, _send
+from netagg.mlfabric.training import WorkerReport, _send, run_worker
 from netagg.mlfabric.worker import FabricClient, Unavailable
 
 pytestmark = pytest.mark.timeout(120)
@@ -415,4 +415,26 @@ def test_a_push_whose_connection_stalls_past_the_failover_timeout_is_sent_again_
         client.close()
     finally:
         relay.close()
+        server.stop()
+
+
+def test_a_worker_sends_the_initial_model_only_while_the_ps_has_none():
+    server, configs = _server(2, update_mode="async", gate_timeout=0)
+    try:
+        sent = []
+
+        class Counting(FabricClient):
+            def init(self, model):
+                sent.append(self.rank)
+                return super().init(model)
+
+        initial = np.arange(8, dtype=np.float32)
+        for rank in (0, 1):  # rank 1 starts after rank 0 set the model: it does not send its own
+            client = Counting.from_config(configs[rank])
+            report = run_worker(client, lambda params, step: (0.0, np.zeros_like(params)), initial, steps=0)
+            client.close()
+            assert not report.errors
+        assert sent == [0]
+        assert np.array_equal(server.model, initial)
+    finally:
         server.stop()
