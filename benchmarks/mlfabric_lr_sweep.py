@@ -4,9 +4,9 @@
 examples/mlp_digits.py's MLP in one process, the way each kind of the convergence benchmark
 updates the model, so that every kind can be run at a learning rate that suits it:
 
-* ``sync``: each round the mean of 4 workers' gradients, ``w -= lr * mean``;
+* ``sync``: each round the mean of the workers' gradients (``--workers``, 4), ``w -= lr * mean``;
 * ``async``: one gradient at a time, computed on the model ``delay`` updates old,
-  ``w -= lr * g`` (4 workers taking turns, delay 3: what plain async sees on the cluster);
+  ``w -= lr * g`` (the workers taking turns, delay workers - 1: what plain async sees on the cluster);
 * ``gang``: each round the sum of k gradients of the same model, ``w -= lr * sum``.
 
 Prints, per rule and learning rate, the updates (rounds or gradients) and the gradients it
@@ -23,20 +23,19 @@ import numpy as np
 from benchmarks.mlfabric_worker import load_digits_fast, model_loss
 from examples.mlp_digits import batch_indices, flatten, init_params, loss_and_grads, unflatten
 
-WORKERS = 4
-
 
 class Trainer:
     """The model, the data and a worker's minibatch gradient, as in benchmarks/mlfabric_worker.py."""
 
-    def __init__(self, hidden: int, seed: int = 0) -> None:
+    def __init__(self, hidden: int, seed: int = 0, workers: int = 4) -> None:
+        self.workers = workers
         self.data = load_digits_fast(seed)
         self.like = init_params(seed, hidden=hidden)
         self.initial = flatten(self.like)
         self.seed = seed
 
     def grad(self, w: np.ndarray, step: int, rank: int) -> np.ndarray:
-        idx = batch_indices(step, rank, WORKERS, len(self.data.x_train), self.seed)
+        idx = batch_indices(step, rank, self.workers, len(self.data.x_train), self.seed)
         _, grads = loss_and_grads(unflatten(w, self.like), self.data.x_train[idx], self.data.y_train[idx])
         return flatten(grads)
 
@@ -59,8 +58,8 @@ def stale(trainer: Trainer, lr: float, delay: int, target: float, cap: int) -> i
     """Single gradients computed ``delay`` updates back, workers in turn, until the loss is <= target."""
     history = [trainer.initial.copy()]
     for t in range(cap):
-        w = history[-1] - np.float32(lr) * trainer.grad(history[max(0, len(history) - 1 - delay)], t // WORKERS,
-                                                        t % WORKERS)
+        w = history[-1] - np.float32(lr) * trainer.grad(history[max(0, len(history) - 1 - delay)],
+                                                        t // trainer.workers, t % trainer.workers)
         history = [*history[-delay:], w]
         if trainer.loss(w) <= target:
             return t + 1
@@ -72,16 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--target-loss", type=float, default=0.2)
     parser.add_argument("--cap", type=int, default=150, help="updates at most per run")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--lrs", type=float, nargs="+", default=[0.00625, 0.0125, 0.025, 0.05, 0.1],
+                        help="steps per gradient to try (sync: times the workers, on the mean)")
+    parser.add_argument("--gang", type=int, nargs="+", default=[2, 3], help="group sizes of the gang rule")
     args = parser.parse_args(argv)
-    trainer = Trainer(args.hidden)
-    print(f"MLP hidden {args.hidden}, {WORKERS} workers, target loss {args.target_loss}")
+    w = args.workers
+    trainer = Trainer(args.hidden, workers=w)
+    print(f"MLP hidden {args.hidden}, {w} workers, target loss {args.target_loss}")
     print(f"{'rule':<22} {'lr':>7} {'updates':>7} {'gradients':>9}")
-    runs = [("sync (mean of 4)", lr, lambda lr: rounds(trainer, WORKERS, lr, True, args.target_loss, args.cap), 4)
-            for lr in (0.025, 0.05, 0.1, 0.2)]
-    runs += [("async (delay 3)", lr, lambda lr: stale(trainer, lr, 3, args.target_loss, args.cap), 1)
-             for lr in (0.00625, 0.0125, 0.025, 0.05, 0.1)]
+    runs = [(f"sync (mean of {w})", lr * w, lambda lr: rounds(trainer, w, lr, True, args.target_loss, args.cap), w)
+            for lr in args.lrs]
+    runs += [(f"async (delay {w - 1})", lr, lambda lr: stale(trainer, lr, w - 1, args.target_loss, args.cap), 1)
+             for lr in args.lrs]
     runs += [(f"gang (sum of {k})", lr, lambda lr, k=k: rounds(trainer, k, lr, False, args.target_loss, args.cap), k)
-             for k in (2, 3) for lr in (0.0125, 0.025)]
+             for k in args.gang for lr in args.lrs]
     for rule, lr, run, per_update in runs:
         updates = run(lr)
         shown = "-" if updates is None else str(updates)

@@ -9,6 +9,7 @@ class _Quadratic:
     """loss = |w|^2 / 2, gradient w (the same for every worker and step): the rules' arithmetic in closed form."""
 
     initial = np.full(3, 1.0, np.float32)
+    workers = 4
 
     def grad(self, w, step, rank):
         return w.copy()
