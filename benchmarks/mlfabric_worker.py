@@ -72,7 +72,7 @@ def train(args: argparse.Namespace) -> int:
     like = init_params(args.seed, hidden=args.hidden)
 
     def grad_fn(flat: np.ndarray, step: int) -> tuple[float, np.ndarray]:
-        idx = batch_indices(step, config.rank, config.num_workers, len(data.x_train), args.seed)
+        idx = batch_indices(step, config.rank, config.training_workers, len(data.x_train), args.seed)
         loss, grads = loss_and_grads(unflatten(flat, like), data.x_train[idx], data.y_train[idx])
         return loss, flatten(grads)
 

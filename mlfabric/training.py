@@ -86,11 +86,15 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
                compute_delay: float = 0.0, max_seconds: float | None = None,
                on_step: Callable[[int, dict[str, Any]], None] | None = None,
                switch: SwitchSummer | None = None, distribution: WorkerConfig | None = None,
-               local_wait: float = 0.05, local_slack: int = 0) -> WorkerReport:
-    """Train until ``steps``, a halt, or ``max_seconds``; returns the report (raises Unavailable)."""
+               local_wait: float = 0.05, local_slack: int = 0, init_wait: float = 10.0) -> WorkerReport:
+    """Train until ``steps``, a halt, or ``max_seconds``; returns the report (raises Unavailable).
+
+    The model is initialised by rank 0; another rank offers its own (the first offer wins) only if the PS
+    still has none after ``init_wait`` seconds (rank 0 is gone): N workers starting at once do not all send
+    the whole model into the PS's link."""
     report = WorkerReport(rank=client.rank)
     started = time.monotonic()
-    if not client.hello().get("initialized"):  # else no need to send the whole model (first offer wins)
+    if not _initialized(client, 0.0 if client.rank == 0 else init_wait):
         client.init(np.asarray(initial, np.float32))
     cache = ModelCache(distribution, int(np.asarray(initial).size)) if distribution is not None else None
     version = -1
@@ -128,6 +132,16 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
     report.failovers = client.failovers
     report.seconds = time.monotonic() - started
     return report
+
+
+def _initialized(client: FabricClient, wait: float) -> bool:
+    """Whether the PS has a model, asking (``hello``, which carries no model) until it has or ``wait`` passed."""
+    deadline = time.monotonic() + wait
+    while not client.hello().get("initialized"):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _delivered(client: FabricClient, cache: ModelCache | None, step: int, version: int, floor: int,

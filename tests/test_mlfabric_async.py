@@ -29,8 +29,9 @@ def test_a_slow_workers_stale_updates_are_dropped_and_no_applied_update_exceeds_
     paths = write_configs(configs, tmp_path)
     ps = start_ps(paths[0], tmp_path / "ps.log")
     try:
-        # Ranks 0-2 compute as fast as they can; rank 3 takes 0.2 s more per step.
-        args = [["--steps", "40"]] * 3 + [["--steps", "12", "--compute-delay", "0.2"]]
+        # Ranks 0-2 compute as fast as they can; rank 3 takes 0.5 s more per step (a busy machine still runs
+        # more than the bound's updates of the others meanwhile).
+        args = [["--steps", "40"]] * 3 + [["--steps", "8", "--compute-delay", "0.5"]]
         reports = collect(start_workers(paths, args), timeout=100)
         observer = FabricClient.from_config(configs[0], observer=True)
         stats, _ = observer.stats(log=True)
@@ -429,12 +430,37 @@ def test_a_worker_sends_the_initial_model_only_while_the_ps_has_none():
                 return super().init(model)
 
         initial = np.arange(8, dtype=np.float32)
-        for rank in (0, 1):  # rank 1 starts after rank 0 set the model: it does not send its own
+
+        def start(rank: int, **options) -> None:
             client = Counting.from_config(configs[rank])
-            report = run_worker(client, lambda params, step: (0.0, np.zeros_like(params)), initial, steps=0)
+            report = run_worker(client, lambda params, step: (0.0, np.zeros_like(params)), initial + rank, steps=0,
+                                **options)
             client.close()
             assert not report.errors
+
+        # Rank 1 starts first: it waits for rank 0's model instead of sending its own.
+        late = threading.Thread(target=start, args=(1,))
+        late.start()
+        time.sleep(0.5)
+        start(0)
+        late.join(10)
+        start(1)  # and a rank that starts after the model was set does not send one either
         assert sent == [0]
+        assert np.array_equal(server.model, initial)
+    finally:
+        server.stop()
+
+
+def test_without_rank_0_another_rank_initialises_the_model_after_its_wait():
+    server, configs = _server(2, update_mode="async", gate_timeout=0)
+    try:
+        initial = np.arange(8, dtype=np.float32)
+        client = FabricClient.from_config(configs[1])
+        began = time.monotonic()
+        report = run_worker(client, lambda params, step: (0.0, np.zeros_like(params)), initial, steps=0,
+                            init_wait=0.5)
+        client.close()
+        assert not report.errors and time.monotonic() - began >= 0.5
         assert np.array_equal(server.model, initial)
     finally:
         server.stop()
