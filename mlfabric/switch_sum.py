@@ -29,6 +29,8 @@ from netagg.hoststack.kv import KVWorker
 from netagg.hoststack.transport import SubsetRound, TransportError
 from netagg.jobconfig import WorkerConfig
 
+log = logging.getLogger(__name__)
+
 
 class SwitchAggregationFailed(RuntimeError):
     """The subset exchange did not complete; the member sends its own update instead."""
@@ -64,9 +66,6 @@ class SwitchSummer:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
