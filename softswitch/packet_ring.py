@@ -492,21 +492,18 @@ class PacketRings:
         return sent, failed, unknown
 
     def kernel_drops(self) -> int:
-        """Frames the kernel dropped since the last call because a ring was full (PACKET_STATISTICS)."""
-        return sum(self._read_drops().values())
+        """Frames the kernel dropped because a ring was full (PACKET_STATISTICS), since the rings opened."""
+        return sum(self.kernel_drops_by_port().values())
 
     def kernel_drops_by_port(self) -> dict[int, int]:
         """Frames the kernel dropped because a port's ring was full, by port number, since the rings opened
-        (reading PACKET_STATISTICS resets the kernel's count: the totals are kept here)."""
-        for number, drops in self._read_drops().items():
-            self._drops[number] = self._drops.get(number, 0) + drops
-        return dict(self._drops)
-
-    def _read_drops(self) -> dict[int, int]:
+        (reading PACKET_STATISTICS resets the kernel's count: the totals are kept here). Thread-safe."""
         with self._drops_lock:
-            return {int(self.table[r, T_PORT]): struct.unpack("II", sock.getsockopt(SOL_PACKET, PACKET_STATISTICS,
-                                                                                    8))[1]
-                    for r, sock in enumerate(self.sockets)}
+            for r, sock in enumerate(self.sockets):
+                number = int(self.table[r, T_PORT])
+                drops = struct.unpack("II", sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))[1]
+                self._drops[number] = self._drops.get(number, 0) + drops
+            return dict(self._drops)
 
     def close(self) -> None:
         """Unmap every ring (before the sockets close: the kernel keeps a mapped ring's pages)."""
