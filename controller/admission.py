@@ -142,11 +142,8 @@ class JobRequest:
                        f"{wire.MAX_WORKERS}")
         members = []
         for node, (text, owner) in enumerate(zip(texts, chain)):
-            what = f"switch endpoint of PS node {node}"
-            host, ip, port = _endpoint(config, text, what)
-            if ip != owner.ip:
-                raise _bad(f"{what} ({ip}:{port}) is not on its host ({owner.ip})")
-            members.append(WorkerEndpoint(len(workers) + node, host, ip, port))
+            members.append(_endpoint_on_host(config, text, f"switch endpoint of PS node {node}",
+                                             len(workers) + node, owner.ip))
         taken = [(w.ip, w.udp_port) for w in workers] + [(p.ip, p.udp_port) for p in chain] + \
             [(d.ip, d.udp_port) for d in distribution or []]
         addresses = [(m.ip, m.udp_port) for m in members]
@@ -236,10 +233,8 @@ class JobRequest:
             node = index - len(receivers)
             what = f"distribution endpoint of worker {index}" if node < 0 else \
                 f"distribution endpoint of PS node {node}"
-            host, ip, port = _endpoint(config, text, what)
-            if ip != owner.ip:  # the worker receives (the PS sends) the versions itself, from its own host
-                raise _bad(f"{what} ({ip}:{port}) is not on its host ({owner.ip})")
-            members.append(WorkerEndpoint(index, host, ip, port))
+            # the worker receives (the PS sends) the versions itself, from its own host
+            members.append(_endpoint_on_host(config, text, what, index, owner.ip))
         addresses = [(m.ip, m.udp_port) for m in members]
         if len(set(addresses)) != len(addresses):
             raise _bad("two distribution endpoints share an address and UDP port")
@@ -384,6 +379,14 @@ def _endpoint(config: ControllerConfig, text: str, what: str) -> tuple[str, str,
         raise _bad(f"{what}: expected HOST:UDP_PORT, got {text!r}")
     host, ip = _resolve_host(config, host_text, what)
     return host, ip, int(port_text)
+
+
+def _endpoint_on_host(config: ControllerConfig, text: str, what: str, rank: int, owner_ip: str) -> WorkerEndpoint:
+    """Rank ``rank``'s endpoint ``text``, which must be on its owner's host (``owner_ip``)."""
+    host, ip, port = _endpoint(config, text, what)
+    if ip != owner_ip:
+        raise _bad(f"{what} ({ip}:{port}) is not on its host ({owner_ip})")
+    return WorkerEndpoint(rank, host, ip, port)
 
 
 def _parse_workers(config: ControllerConfig, workers: Sequence[str]) -> list[WorkerEndpoint]:

@@ -35,6 +35,10 @@ class ConnectionClosed(ConnectionError):
     """The peer closed the connection between frames."""
 
 
+#: Bytes handed to the kernel per ``send`` (each one waits at most the socket's timeout for room).
+_SEND_CHUNK = 1 << 20
+
+
 def send_frame(sock: socket.socket, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"") -> None:
     """Send one frame. The socket's timeout bounds each wait for room to send, not the whole frame: a large
     frame over a slow link takes as long as it takes while it moves, and fails once it stops moving for the
@@ -51,10 +55,6 @@ def _send_all(sock: socket.socket, view: memoryview) -> None:
     sent = 0
     while sent < view.nbytes:
         sent += sock.send(view[sent:sent + _SEND_CHUNK])
-
-
-#: Bytes handed to the kernel per ``send`` (each one waits at most the socket's timeout for room).
-_SEND_CHUNK = 1 << 20
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytearray:
