@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hidden", type=int, default=64,
                         help="hidden units of the MLP: 64 is 4,874 values (19.5 kB); 8192 is 606k (2.4 MB)")
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
+    parser.add_argument("--tcp-congestion", help="TCP congestion control in the hosts (default: configs/cluster.yaml's "
+                        "tcp_congestion, or the machine's default where it has none); the soak also takes a "
+                        "comma-separated list and alternates them run by run")
     return parser
 
 
@@ -250,10 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"mlfabric_convergence: the emulated cluster {why}; nothing measured")
         return 2
-    spec = ClusterSpec.load(num_workers=args.workers, rate_mbit=args.rate_mbit, target="soft")
+    spec = ClusterSpec.load(num_workers=args.workers, rate_mbit=args.rate_mbit, target="soft",
+                            tcp_congestion=args.tcp_congestion)
     dynamics = dynamics_spec(args)
     print(f"emulated cluster: {args.workers} workers + PS host, soft switch, {spec.rate_mbit} Mbit/s and "
-          f"{spec.delay_ms} ms per link, {dynamics}; "
+          f"{spec.delay_ms} ms per link, TCP {spec.tcp_congestion or 'the machine default'}, {dynamics}; "
           f"MLP hidden {args.hidden}, delay bound {args.delay_bound}, lr {args.lr} per gradient "
           f"(sync: {args.sync_lr or args.lr * args.workers} on the mean), target loss {args.target_loss}; "
           f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)

@@ -73,6 +73,12 @@ def _port_losses(cluster: EmulatedCluster, lines: int = 12) -> list[str]:
     return reports
 
 
+def _default_congestion() -> str:
+    """The machine's default TCP congestion control (what the hosts run when the cluster sets none)."""
+    path = Path("/proc/sys/net/ipv4/tcp_congestion_control")
+    return f"{path.read_text().strip()} (the machine's default)" if path.exists() else "the machine's default"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = conv.build_parser()
     parser.description = __doc__
@@ -83,10 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"soak_mlfabric: the emulated cluster {why}; nothing run")
         return 2
-    spec = ClusterSpec.load(num_workers=args.workers, rate_mbit=args.rate_mbit, target="soft")
+    congestion = args.tcp_congestion.split(",") if args.tcp_congestion else []
+    spec = ClusterSpec.load(num_workers=args.workers, rate_mbit=args.rate_mbit, target="soft",
+                            tcp_congestion=congestion[0] if congestion else None)
     dynamics = conv.dynamics_spec(args)
     print(f"soak: {args.minutes:g} min of runs of {', '.join(args.kinds)}; {args.workers} workers, "
-          f"{args.rate_mbit} Mbit/s, {dynamics}; each run at most {args.max_seconds:g} s", flush=True)
+          f"{args.rate_mbit} Mbit/s, TCP {' then '.join(congestion) or _default_congestion()}, {dynamics}; "
+          f"each run at most {args.max_seconds:g} s", flush=True)
     runs: list[dict] = []
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="netagg-soak-") as tmp, EmulatedCluster(Path(tmp), spec) as cluster:
@@ -94,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         index = 0
         while time.monotonic() - start < args.minutes * 60:
             kind = args.kinds[index % len(args.kinds)]
+            if len(congestion) > 1:  # interleaved: every kind runs under each in turn
+                cluster.topology.set_tcp_congestion(congestion[(index // len(args.kinds)) % len(congestion)])
             began = time.monotonic()
             try:
                 row = conv.run(cluster, kind, args, plan)
@@ -111,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                           "ps_log": ps_log.read_text(errors="replace")[-1500:] if ps_log.exists() else "",
                           "links": _link_counters(cluster), "switch_drops": _switch_drops(cluster),
                           "port_losses": _port_losses(cluster)}
+            result["tcp"] = cluster.topology.tcp_congestion or _default_congestion()
             result["run"] = index
             result["seconds"] = round(time.monotonic() - began, 1)
             runs.append(result)
@@ -124,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         times = [r["time_to_target"] for r in mine if r["ok"]]
         spread = f"{min(times):.1f}-{max(times):.1f} s to the target" if times else "-"
         print(f"  {kind:<16} runs {len(mine):>3}  failed {sum(not r['ok'] for r in mine):>2}  {spread}")
+    if len(congestion) > 1:
+        for algorithm in congestion:
+            mine = [r for r in runs if r["tcp"] == algorithm]
+            print(f"  TCP {algorithm:<12} runs {len(mine):>3}  failed {sum(not r['ok'] for r in mine):>2}  "
+                  f"pushes cut off {sum(r.get('class') == 'push cut off' for r in mine):>2}")
     classes = Counter(r["class"] for r in failed)
     print(f"  pushes cut off: {classes.get('push cut off', 0)}; other failures: {classes.get('other', 0)}")
     return 1 if failed else 0

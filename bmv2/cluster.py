@@ -38,6 +38,8 @@ class ClusterSpec:
     queue_packets: int = 1000
     mtu: int = 1500
     slots: int = 1024
+    #: TCP congestion control in the hosts (None: the machine's default; see configs/cluster.yaml).
+    tcp_congestion: str | None = None
 
     @classmethod
     def load(cls, path: Path = CLUSTER_CONFIG, **overrides: object) -> ClusterSpec:
@@ -66,7 +68,8 @@ class EmulatedCluster(Deployment):
         self.spec = spec
         self.prefix = prefix or f"nc{os.getpid() % 100000}"
         self.topology = Topology(self.prefix, spec.num_workers + 1, mtu=spec.mtu,
-                                 shape=LinkShape(spec.rate_mbit, spec.delay_ms, spec.queue_packets))
+                                 shape=LinkShape(spec.rate_mbit, spec.delay_ms, spec.queue_packets),
+                                 tcp_congestion=spec.tcp_congestion)
 
     @property
     def worker_hosts(self) -> list[str]:

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 #: MAC every host uses for its neighbours (the switch answers for all of them).
 SWITCH_MAC = "02:00:00:00:00:fe"
@@ -115,6 +116,8 @@ class Topology:
     subnet: int = 77
     mtu: int = 1500
     shape: LinkShape = field(default_factory=LinkShape)
+    #: TCP congestion control of the hosts' connections (None: the kernel's default, whatever the machine has).
+    tcp_congestion: str | None = None
     hosts: list[Host] = field(default_factory=list)
 
     @property
@@ -156,6 +159,12 @@ class Topology:
     def __exit__(self, *exc: object) -> None:
         self.destroy()
 
+    def set_tcp_congestion(self, algorithm: str) -> None:
+        """Switch every host's TCP congestion control; connections opened (or accepted) from now on use it."""
+        for host in self.hosts:
+            set_congestion_control(host.namespace, f"10.{self.subnet}.0.0/24", host.ifname, host.ip, algorithm)
+        self.tcp_congestion = algorithm
+
     def _add_namespace(self, name: str) -> None:
         run(["ip", "netns", "add", name])
         run(ns_exec(name, ["ip", "link", "set", "lo", "up"]))
@@ -180,6 +189,8 @@ class Topology:
         run(ns_exec(namespace, ["ip", "addr", "add", f"{ip}/24", "dev", host_if]))
         run(ns_exec(sw, ["ip", "link", "set", switch_if, "up"]))
         run(ns_exec(namespace, ["ip", "link", "set", host_if, "up"]))
+        if self.tcp_congestion:
+            set_congestion_control(namespace, f"10.{self.subnet}.0.0/24", host_if, ip, self.tcp_congestion)
         return Host(f"h{i}", namespace, host_if, ip, mac, switch_port=i + 1, switch_ifname=switch_if)
 
     def _static_arp(self, host: Host) -> None:
@@ -191,6 +202,21 @@ class Topology:
         """Shape both ends of the host's link, so each direction is shaped once."""
         for ns, ifname in ((host.namespace, host.ifname), (self.switch_namespace, host.switch_ifname)):
             shape_link(ns, ifname, self.shape, self.mtu)
+
+
+def set_congestion_control(namespace: str, prefix: str, ifname: str, src: str, algorithm: str) -> None:
+    """Make TCP over the host's subnet route use ``algorithm`` (``congctl`` on the route: a namespace may not set a
+    default outside ``net.ipv4.tcp_allowed_congestion_control``, a route may). Both ends of a connection between
+    two hosts follow it: the client's SYN and the server's accepted socket take it from their route."""
+    available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+    if available.exists() and algorithm not in available.read_text().split():
+        if shutil.which("modprobe"):
+            run(["modprobe", f"tcp_{algorithm}"], check=False)
+        if algorithm not in available.read_text().split():
+            raise NetnsError(f"TCP congestion control {algorithm!r} is not available in this kernel "
+                             f"(it has: {available.read_text().strip()})")
+    run(ns_exec(namespace, ["ip", "route", "replace", prefix, "dev", ifname, "proto", "kernel", "scope", "link",
+                            "src", src, "congctl", algorithm]))
 
 
 def shape_link(namespace: str, ifname: str, shape: LinkShape, mtu: int) -> str:

@@ -104,3 +104,40 @@ def _program(grpc_address: str, topo: Topology, device_config: bytes) -> None:
         client.set_pipeline(config.p4info, device_config)
         SwitchProgrammer(client, config).reconcile([job])
         assert len(client.read_entries("NetaggIngress.ipv4_forward.routes")) == 3
+
+
+CONGESTION_PROBE = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setblocking(False)
+    s.connect_ex((sys.argv[1], 9))  # the congestion control is chosen at connect, before the SYN leaves
+    print(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\\0").decode())
+""")
+
+
+def test_the_hosts_tcp_congestion_control_is_the_topologys_not_the_machines():
+    """The emulated hosts run the congestion control the cluster names (configs/cluster.yaml), whatever the
+    machine's default is, and a change applies to the connections opened after it (the soak's A/B)."""
+    _skip_unless("soft")
+    prefix = f"tc{os.getpid() % 10000}"
+
+    def probe(topo: Topology) -> str:
+        out = subprocess.run(ns_exec(topo.hosts[0].namespace, [sys.executable, "-c", CONGESTION_PROBE,
+                                                                topo.hosts[1].ip]),
+                             capture_output=True, text=True, timeout=30, check=True)
+        return out.stdout.strip()
+
+    with Topology(prefix, num_hosts=2, tcp_congestion="cubic") as topo:
+        assert probe(topo) == "cubic"
+        topo.set_tcp_congestion("reno")
+        assert probe(topo) == "reno"
+
+
+def test_an_unknown_congestion_control_is_a_clear_error():
+    _skip_unless("soft")
+    from netagg.bmv2.netns import NetnsError
+
+    with pytest.raises(NetnsError, match="not available"), \
+            Topology(f"tu{os.getpid() % 10000}", num_hosts=1, tcp_congestion="no-such-cc"):
+        pass
+    assert not [ns for ns in list_namespaces() if ns.startswith(f"tu{os.getpid() % 10000}-")]
