@@ -29,6 +29,9 @@ TABLE_WORKERS = "NetaggIngress.worker_lookup.workers"
 TABLE_ROUTES = "NetaggIngress.ipv4_forward.routes"
 TABLE_REPLICAS = "NetaggEgress.result_rewrite.replicas"
 TABLE_SOURCES = "NetaggIngress.source_guard.sources"
+#: A tree of switches (p4src/v1model/control/tree_links.p4, docs/hierarchy.md).
+TABLE_UP_LINKS = "NetaggIngress.up_link.up_links"
+TABLE_DOWN_LINKS = "NetaggIngress.down_link.down_links"
 
 # Actions.
 ACTION_SET_JOB = "NetaggIngress.worker_lookup.set_job"
@@ -41,6 +44,8 @@ ACTION_SET_DESTINATION = "NetaggEgress.result_rewrite.set_destination"
 ACTION_NO_REPLICA = "NetaggEgress.result_rewrite.no_replica"
 ACTION_SWITCH_ONLY = "NetaggIngress.source_guard.switch_only"
 ACTION_BIND_TO_PORT = "NetaggIngress.source_guard.bind_to_port"
+ACTION_SET_UP_LINK = "NetaggIngress.up_link.set_up_link"
+ACTION_SET_DOWN_LINK = "NetaggIngress.down_link.set_down_link"
 
 # Counters.
 COUNTER_DROP_REASONS = "NetaggIngress.drop_reasons"
@@ -62,6 +67,7 @@ JOB_COUNTERS: dict[str, str] = {
 
 # Registers (not readable over P4Runtime on BMv2, see p4lang/PI#376).
 REGISTER_SLOT_OWNER = "NetaggIngress.slot_owner.slot_owner"
+REGISTER_LEVEL_STATE = "NetaggIngress.level_state.level_state"
 
 #: Port value v1model uses for "drop".
 DROP_PORT = 511
@@ -86,6 +92,14 @@ class DropReason(IntEnum):
     SPOOFED_SOURCE = 13
     NOT_A_MEMBER = 14
     MEMBERS_MISMATCH = 15
+
+
+class Level(IntEnum):
+    """Where a (slot, pool)'s round stands in a tree of switches (LEVEL_* in defines.p4)."""
+
+    OPEN = 0  #: collecting (or complete on a switch without an up link)
+    UP = 1  #: complete here, the partial sent to the parent, its result not yet back
+    FINAL = 2  #: the parent's result is stored in the slot
 
 
 class ValueOp(IntEnum):

@@ -46,6 +46,7 @@ class NetaggValues(Packet):
 
 bind_layers(UDP, Netagg, dport=wire.NETAGG_UDP_PORT)
 bind_layers(UDP, Netagg, sport=wire.NETAGG_UDP_PORT)
+bind_layers(UDP, Netagg, dport=wire.NETAGG_TREE_UDP_PORT)
 bind_layers(Netagg, NetaggValues)
 
 

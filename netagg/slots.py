@@ -19,7 +19,7 @@ from enum import IntEnum
 import numpy as np
 
 from netagg import wire
-from netagg.dataplane import DropReason, ValueOp
+from netagg.dataplane import DropReason, Level, ValueOp
 
 
 class RoundState(IntEnum):
@@ -58,6 +58,7 @@ class Delivery(IntEnum):
     NONE = 0  #: absorbed into the slot, a duplicate or refused: nothing leaves
     GROUP = 1  #: the round's completing contribution: the result to the job's multicast group
     SENDER = 2  #: a retransmission after completion: the stored result, back to its sender only
+    UP = 3  #: a tree: the completed partial (or its resend) to the parent switch (``UpDelivery``)
 
 
 @dataclass(slots=True)
@@ -69,12 +70,14 @@ class Verdict:
     delivery: Delivery
     exponent: int  #: the exponent the packet leaves with
     values: np.ndarray  #: the values the packet leaves with (the stored sums, or its own if untouched)
+    resend: bool = False  #: a retransmission's answer (an UP packet then carries FLAG_RETRANSMIT)
 
 
 _CONTRIBUTION = ("contributions",)
 _COMPLETION = ("contributions", "results")
 _RETRANSMIT_RESULT = ("retransmit_results",)
 _DUPLICATE = ("duplicates",)
+_RESULT = ("results",)
 
 
 class SlotRegisters:
@@ -88,6 +91,8 @@ class SlotRegisters:
         self.bitmaps = [0] * (num_slots * wire.NUM_POOLS)
         self.counts = [0] * (num_slots * wire.NUM_POOLS)
         self.exponents = [0] * (num_slots * wire.NUM_POOLS)
+        #: ``LevelState``: where each (slot, pool)'s round stands in a tree of switches (``dataplane.Level``).
+        self.levels = [0] * (num_slots * wire.NUM_POOLS)
         self.values = np.zeros((num_slots * wire.NUM_POOLS, wire.K), np.int32)
 
     def reset(self) -> None:
@@ -99,7 +104,8 @@ class SlotRegisters:
         return {"owner": np.array(self.owner, np.int64), "rounds": np.array(self.rounds, np.int64),
                 "members": np.array(self.members, np.int64),
                 "bitmaps": np.array(self.bitmaps, np.int64), "counts": np.array(self.counts, np.int64),
-                "exponents": np.array(self.exponents, np.int64), "values": self.values.copy()}
+                "exponents": np.array(self.exponents, np.int64), "levels": np.array(self.levels, np.int64),
+                "values": self.values.copy()}
 
     @staticmethod
     def pool_index(slot: int, pool: int) -> int:
@@ -173,33 +179,64 @@ class SlotRegisters:
         return SlotDecision(op, state, first, fresh, complete, late)
 
     def aggregate(self, slot: int, pool: int, round_: int, worker_mask: int, num_workers: int, generation: int,
-                  members: int, exponent: int, values: np.ndarray) -> Verdict:
+                  members: int, exponent: int, values: np.ndarray, has_up: bool = False) -> Verdict:
         """One packet from ``SlotOwner`` to the delivery decision (``NetaggIngress.apply``).
 
-        ``decide``, then the counting (a new contribution; the completing one is a result too;
-        a retransmission after completion is answered; anything else is a duplicate), then
-        ``ExponentMax`` and ``ValueSum`` when the decision's op says so.
+        ``decide``, then ``LevelState`` and the counting (a new contribution; the completing one is a
+        result too, unless it goes up; a retransmission after completion is answered, from the stored
+        result or, while the parent's result is outstanding, by the partial sent up again; anything
+        else is a duplicate), then ``ExponentMax`` and ``ValueSum`` when the decision's op says so.
+        ``has_up``: the job has an up link on this switch (``up_links``, docs/hierarchy.md).
         """
         decision = self.decide(slot, pool, round_, worker_mask, num_workers, generation, members)
         if decision.members_mismatch:
             return Verdict(DropReason.MEMBERS_MISMATCH, (), Delivery.NONE, exponent, values)
-        op = decision.op
         if decision.round_state == RoundState.OLD:
-            counts = _DUPLICATE
-        elif decision.fresh and not decision.late:
-            counts = _COMPLETION if decision.complete else _CONTRIBUTION
+            return Verdict(DropReason.NONE, _DUPLICATE, Delivery.NONE, exponent, values)
+        index = self.pool_index(slot, pool)
+        level = self.level_state(index, decision.first, has_up and decision.complete and not decision.late)
+        op = decision.op
+        delivery = Delivery.NONE
+        if decision.fresh and not decision.late:
+            counts = _COMPLETION if decision.complete and not has_up else _CONTRIBUTION
+            if decision.complete:
+                delivery = Delivery.UP if has_up else Delivery.GROUP
         elif op == ValueOp.READ:
             counts = _RETRANSMIT_RESULT
+            delivery = Delivery.UP if has_up and level != Level.FINAL else Delivery.SENDER
         else:
             counts = _DUPLICATE
         if op != ValueOp.NONE:
-            index = self.pool_index(slot, pool)
             exponent = self.exponent(index, op, exponent)
             values = self.sums(index, op, values)
-        delivery = Delivery.NONE
-        if decision.delivers:
-            delivery = Delivery.GROUP if decision.fresh else Delivery.SENDER
-        return Verdict(DropReason.NONE, counts, delivery, exponent, values)
+        return Verdict(DropReason.NONE, counts, delivery, exponent, values, resend=op == ValueOp.READ)
+
+    def accept_down(self, slot: int, pool: int, round_: int, generation: int, exponent: int,
+                    values: np.ndarray) -> Verdict:
+        """A parent's result for this switch's (slot, pool) (``down_links`` matched; docs/hierarchy.md).
+
+        Nothing is taken over or started: a slot of another generation, or a round other than the
+        pool's current one, makes it a duplicate (``SlotOwner`` and ``RoundCheck`` only read). For the
+        current round while the partial is up, the result replaces the partial (exponent and sums
+        written), the round becomes FINAL and the result goes to the local group; otherwise (not sent
+        up yet, already final) it is a duplicate and changes nothing.
+        """
+        if self.owner[slot] != generation or self.rounds[pool][slot] != round_ & 0xFFFF:
+            return Verdict(DropReason.NONE, _DUPLICATE, Delivery.NONE, exponent, values)
+        index = self.pool_index(slot, pool)
+        if self.levels[index] != Level.UP:
+            return Verdict(DropReason.NONE, _DUPLICATE, Delivery.NONE, exponent, values)
+        self.levels[index] = Level.FINAL
+        exponent = self.exponent(index, ValueOp.WRITE, exponent)
+        values = self.sums(index, ValueOp.WRITE, values)
+        return Verdict(DropReason.NONE, _RESULT, Delivery.GROUP, exponent, values)
+
+    def level_state(self, index: int, first: bool, goes_up: bool) -> Level:
+        """LevelState for a contribution: a new round opens; a round completing (or complete) on a switch
+        with an up link is UP unless its result is already FINAL. Returns the level the packet found."""
+        level = Level.OPEN if first else Level(self.levels[index])
+        self.levels[index] = Level.UP if goes_up and level != Level.FINAL else level
+        return level
 
     def exponent(self, index: int, op: ValueOp, exponent: int) -> int:
         """ExponentMax: write / signed max / read; returns what the packet leaves with."""

@@ -23,6 +23,9 @@ import numpy as np
 VERSION = 2
 #: UDP destination port that marks a packet as netagg (below Linux's ephemeral range).
 NETAGG_UDP_PORT = 28900
+#: A tree of switches (docs/hierarchy.md): a switch's partials leave for its parent from this port, and the
+#: parent's results come back to it; the switch parses packets to either port as netagg packets.
+NETAGG_TREE_UDP_PORT = 28901
 #: Values per packet (SwitchML's 64): a build constant shared with the P4 program.
 K = 64
 #: Largest number of workers in one job (one 32-bit bitmap word per slot and pool).

@@ -204,7 +204,10 @@ class BatchSwitch(PortLoop):
             me = self.pipeline.shard
             if count > self._owners.shape[0]:  # the kernel does not check bounds
                 self._owners = np.zeros(count, np.int64)
-            foreign = kernels.frame_owners(buf, in_len, count, len(peers), me, self._owners)
+            with self.pipeline.lock:
+                tables = self.pipeline.tables()
+            foreign = kernels.frame_owners(buf, in_len, in_port, count, len(peers), me, self._owners,
+                                           tables.dn_keys, tables.dn_vals)
             if foreign:
                 self.foreign_frames += foreign
                 self._process_mixed(buf, in_len, in_port, count, me)
@@ -329,7 +332,8 @@ def warm_up() -> None:
                                udpgso.CONTROL_BYTES, udpgso.MAX_SEGMENTS, udpgso.MAX_SEND_BYTES,
                                np.zeros(mmsg.BATCH, np.int64), np.zeros((mmsg.BATCH, 2), np.uint64),
                                np.zeros(mmsg.BATCH, np.int64))
-    kernels.frame_owners(rx.buf, in_len, 0, 2, 0, np.zeros(mmsg.BATCH, np.int64))
+    kernels.frame_owners(rx.buf, in_len, in_len.copy(), 0, 2, 0, np.zeros(mmsg.BATCH, np.int64),
+                         np.full((16, 2), -1, np.int64), np.zeros(16, np.int64))
     udpgso.warm_up()
     packet_ring.warm_up()
     gro = udpgso.GroBatch(4, 128, LOOPBACK_HEADROOM)  # its lengths are contiguous, unlike MsgBatch's view

@@ -68,10 +68,12 @@ class FastRegisters:
         self.counts = np.zeros(pools, np.uint8)
         self.exponents = np.zeros(pools, np.int8)
         self.values = np.zeros((pools, wire.K), np.int32)
+        self.levels = np.zeros(pools, np.uint8)
 
     def arrays(self) -> tuple:
-        """The registers as the kernels take them (``regs`` in fastpath_kernels), in P4 order."""
-        return (self.owner, self.rounds, self.members, self.bitmaps, self.counts, self.exponents, self.values)
+        """The registers as the kernels take them (``regs`` in fastpath_kernels), in P4 order (LevelState's last)."""
+        return (self.owner, self.rounds, self.members, self.bitmaps, self.counts, self.exponents, self.values,
+                self.levels)
 
     def reset(self) -> None:
         for array in self.arrays():
@@ -82,7 +84,8 @@ class FastRegisters:
         return {"owner": self.owner.astype(np.int64), "rounds": self.rounds.astype(np.int64),
                 "members": self.members.astype(np.int64),
                 "bitmaps": self.bitmaps.astype(np.int64), "counts": self.counts.astype(np.int64),
-                "exponents": self.exponents.astype(np.int64), "values": self.values.copy()}
+                "exponents": self.exponents.astype(np.int64), "levels": self.levels.astype(np.int64),
+                "values": self.values.copy()}
 
 
 class CompiledTables:
@@ -152,13 +155,33 @@ class CompiledTables:
             items.extend(groups.get(gid, ()))
         self.grp_off[top + 1] = len(items)
         self.grp_items = np.array(items, np.int64).reshape(-1, 2)
+        self.up_valid = np.zeros(1 << 16, np.bool_)
+        self.up_params = np.zeros((1 << 16, 5), np.int64)
+        for e in state.table(dp.TABLE_UP_LINKS).entries():
+            if e.result[0] == dp.ACTION_SET_UP_LINK:
+                (job,) = e.key
+                self.up_valid[job] = True
+                self.up_params[job] = e.params  # port, parent_job, parent_rank, parent_mac, parent_addr
+        downs = [e for e in state.table(dp.TABLE_DOWN_LINKS).entries() if e.result[0] == dp.ACTION_SET_DOWN_LINK]
+        size = _hash_size(len(downs))
+        self.dn_keys = np.full((size, 2), -1, np.int64)
+        self.dn_vals = np.zeros(size, np.int64)
+        for e in downs:
+            ingress, src, job = e.key
+            key = _signed64((job << 48) | (ingress << 32) | src)
+            h = _hash_slot(key & _M64, size - 1)
+            while self.dn_keys[h, 1] != -1:
+                h = (h + 1) & (size - 1)
+            self.dn_keys[h] = (key, ingress)
+            self.dn_vals[h] = e.params[0]  # the local job
         #: The most frames one input can emit (the largest group, or 1).
         self.max_out = max([1, *(len(r) for r in groups.values())])
 
     def arrays(self) -> tuple:
         """The tables as the kernels take them (``tables`` in fastpath_kernels)."""
         return (self.job_valid, self.job_params, self.w_keys, self.w_vals, self.src_keys, self.src_vals,
-                self.route_vm, self.route_out, self.rep_keys, self.rep_vals, self.grp_off, self.grp_items)
+                self.route_vm, self.route_out, self.rep_keys, self.rep_vals, self.grp_off, self.grp_items,
+                self.up_valid, self.up_params, self.dn_keys, self.dn_vals)
 
 
 class _TableCache:

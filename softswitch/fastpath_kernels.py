@@ -5,7 +5,8 @@
 One function per control of ``p4src/v1model`` (named after its instance in ``netagg.p4``:
 ``netagg_parser``, ``source_guard``, ``ipv4_forward``, ``worker_lookup``, ``slot_owner``,
 ``round_check``, ``member_check``, ``bitmap_check``, ``worker_count``, ``exponent_max``,
-``value_sum``, ``result_delivery``, ``netagg_ingress``, ``result_rewrite``, ``netagg_egress``,
+``value_sum``, ``result_delivery``, ``down_link``, ``level_state``, ``up_delivery``, ``netagg_ingress``,
+``result_rewrite``, ``netagg_egress``,
 ``netagg_compute_checksum``), each inlined (``inline="always"``) into ``run_batch``, which runs
 every frame through them in the V1Switch's order, exactly like the readable model in
 :mod:`netagg.softswitch.pipeline` (the reference). Packets of a batch are
@@ -26,7 +27,7 @@ from numba import njit
 
 from netagg import dataplane as dp
 from netagg import wire
-from netagg.dataplane import DropReason, ValueOp
+from netagg.dataplane import DropReason, Level, ValueOp
 from netagg.slots import RoundState
 from netagg.udpgso_kernels import gso_header
 
@@ -34,6 +35,7 @@ wire.check_compiled_layout(__name__, version=2, header_bytes=20, k=64)  # see ch
 
 K = wire.K
 NETAGG_PORT = wire.NETAGG_UDP_PORT
+TREE_PORT = wire.NETAGG_TREE_UDP_PORT
 IPV4_TOTAL_LENGTH = wire.IPV4_TOTAL_LENGTH
 UDP_LENGTH = wire.UDP_LENGTH
 FRAME_BYTES = wire.FRAME_BYTES
@@ -67,6 +69,8 @@ D_NO_REPLICA = int(DropReason.NO_REPLICA)
 D_SPOOFED = int(DropReason.SPOOFED_SOURCE)
 D_NOT_MEMBER = int(DropReason.NOT_A_MEMBER)
 D_MEMBERS = int(DropReason.MEMBERS_MISMATCH)
+LEVEL_OPEN, LEVEL_UP, LEVEL_FINAL = int(Level.OPEN), int(Level.UP), int(Level.FINAL)
+FLAG_RETRANSMIT = wire.FLAG_RETRANSMIT
 OP_NONE, OP_WRITE, OP_MERGE, OP_READ = int(ValueOp.NONE), int(ValueOp.WRITE), int(ValueOp.MERGE), int(ValueOp.READ)
 ROUND_SAME, ROUND_NEW, ROUND_OLD = int(RoundState.SAME), int(RoundState.NEW), int(RoundState.OLD)
 #: Actions of the sources table as compiled.
@@ -172,7 +176,8 @@ def netagg_parser(b, length):
                     error = True
                 else:
                     udp = True
-                    if _u16(b, UDP + 2) == NETAGG_PORT:
+                    dport = _u16(b, UDP + 2)
+                    if dport in (NETAGG_PORT, TREE_PORT):
                         if length < FRAME_BYTES:
                             error = True
                         else:
@@ -375,11 +380,106 @@ def result_delivery(b, frame, ingress, to_group):
 
 
 @njit(cache=True, inline="always")
-def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, counters, regs):
-    """NetaggIngress.apply for a netagg packet: WorkerLookup, the slot registers, the job counters, ResultDelivery.
+def _down_key(ingress, src, job):
+    return (np.int64(job) << 48) | (np.int64(ingress) << 32) | np.int64(src)
+
+
+@njit(cache=True, inline="always")
+def down_link(b, ingress, dn_keys, dn_vals):
+    """DownLink: the local job a parent's result (a RESULT from the parent's address on the up port) is for.
+
+    Returns (down, local job)."""
+    key = _down_key(ingress, _u32(b, IP + 12), _u16(b, NA + 2))
+    mask = dn_keys.shape[0] - 1
+    h = _slot_of(key, mask)
+    while dn_keys[h, 1] != -1:
+        if dn_keys[h, 0] == key and dn_keys[h, 1] == ingress:
+            return True, dn_vals[h]
+        h = (h + 1) & mask
+    return False, np.int64(0)
+
+
+@njit(cache=True, inline="always")
+def level_state(regs_levels, index, first, goes_up):
+    """LevelState for a contribution: a new round opens; completing on a switch with an up link makes it UP
+    unless already FINAL. Returns the level the packet found (netagg.slots.SlotRegisters.level_state)."""
+    level = LEVEL_OPEN if first else np.int64(regs_levels[index])
+    if goes_up and level != LEVEL_FINAL:
+        regs_levels[index] = LEVEL_UP
+    else:
+        regs_levels[index] = level
+    return level
+
+
+@njit(cache=True, inline="always")
+def up_delivery(b, frame, up, fresh):
+    """UpDelivery: the partial as a contribution to the parent (``up``: port, parent job, rank there, parent
+    MAC and address), from the tree port. Returns egress_spec (the up port)."""
+    _copy(b, 6, frame, 0, 6)
+    mac = up[3]
+    for i in range(6):
+        b[i] = (mac >> (8 * (5 - i))) & 0xFF
+    _copy(b, IP + 12, frame, IP + 16, 4)
+    _put32(b, IP + 16, up[4])
+    b[IP + 8] = RESULT_TTL
+    _put16(b, UDP, TREE_PORT)
+    _put16(b, UDP + 2, NETAGG_PORT)
+    _put16(b, UDP + 6, 0)
+    _put16(b, NA + 2, up[1])
+    b[NA + 7] = up[2] & 0xFF
+    _put32(b, NA + 16, 0)
+    b[NA + 1] = 0 if fresh else FLAG_RETRANSMIT
+    return up[0]
+
+
+@njit(cache=True, inline="always")
+def _down(b, frame, length, ingress, job_valid, job_params, counters, regs):
+    """NetaggIngress.apply for a parent's result (its job id already the local job's): the job, SlotOwner and
+    RoundCheck reading only, LevelState; stored and sent to the group while the round is UP, else a duplicate.
+
+    Returns (egress_spec, to_group, mgid)."""
+    regs_owner, regs_rounds, regs_exps, regs_values, regs_levels = regs[0], regs[1], regs[5], regs[6], regs[7]
+    job = _u16(b, NA + 2)
+    zero = np.int64(0)
+    if not job_valid[job]:
+        _bump(counters[0], counters[1], D_UNKNOWN_JOB, length)
+        return DROP_PORT, False, zero
+    slot_rel = _u16(b, NA + 4)
+    pool = np.int64(b[NA + 6])
+    mgid = job_params[job, 3]
+    drop = D_NONE
+    if slot_rel >= job_params[job, 2]:
+        drop = D_SLOT_RANGE
+    elif pool >= 2:
+        drop = D_BAD_POOL
+    if drop != D_NONE:
+        _bump(counters[12], counters[13], job, length)
+        _bump(counters[0], counters[1], drop, length)
+        return DROP_PORT, False, mgid
+    slot_index = (job_params[job, 1] + slot_rel) & 0xFFFFFFFF
+    if slot_index >= regs_owner.shape[0]:  # the controller never installs such a range
+        return DROP_PORT, False, mgid
+    index = slot_index * POOLS + pool
+    if (np.int64(regs_owner[slot_index]) != job_params[job, 4]
+            or np.int64(regs_rounds[pool, slot_index]) != _u16(b, NA + 10)
+            or regs_levels[index] != LEVEL_UP):
+        _bump(counters[8], counters[9], job, length)
+        return DROP_PORT, False, mgid
+    regs_levels[index] = LEVEL_FINAL
+    _bump(counters[6], counters[7], job, length)
+    exponent_max(b, regs_exps, index, OP_WRITE)
+    value_sum(b, regs_values, index, OP_WRITE)
+    return result_delivery(b, frame, ingress, True), True, mgid
+
+
+@njit(cache=True, inline="always")
+def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, up_valid, up_params, counters,
+               regs):
+    """NetaggIngress.apply for a contribution: WorkerLookup, the slot registers, LevelState, the job counters,
+    then ResultDelivery or (a job with an up link) UpDelivery.
 
     Returns (egress_spec, to_group, mgid); egress_spec DROP_PORT: dropped (mark_to_drop)."""
-    regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, regs_exps, regs_values = regs
+    regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, regs_exps, regs_values, regs_levels = regs
     job = _u16(b, NA + 2)
     drop, num_workers, slot_index, mgid, generation, worker_mask = worker_lookup(
         b, ingress, job_valid, job_params, w_keys, w_vals)
@@ -405,22 +505,31 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
         return DROP_PORT, False, mgid
     first, fresh = bitmap_check(regs_bitmaps, index, round_state, worker_mask)
     complete, late = worker_count(regs_counts, index, first, fresh, members, num_workers)
+    has_up = up_valid[job]
+    level = level_state(regs_levels, index, first, has_up and complete and not late)
     op = OP_NONE
     to_group = False
+    to_up = False
     if fresh and not late:
         _bump(counters[4], counters[5], job, length)
         op = OP_WRITE if first else OP_MERGE
         if complete:
-            to_group = True
-            _bump(counters[6], counters[7], job, length)
+            if has_up:
+                to_up = True
+            else:
+                to_group = True
+                _bump(counters[6], counters[7], job, length)
     elif not fresh and complete:
         op = OP_READ
         _bump(counters[10], counters[11], job, length)
+        to_up = has_up and level != LEVEL_FINAL
     else:
         _bump(counters[8], counters[9], job, length)
     if op != OP_NONE:
         exponent_max(b, regs_exps, index, op)
         value_sum(b, regs_values, index, op)
+    if to_up:
+        return up_delivery(b, frame, up_params[job], fresh), False, mgid
     if not (complete and not late):  # absorbed into the slot, or a duplicate
         return DROP_PORT, False, mgid
     return result_delivery(b, frame, ingress, to_group), to_group, mgid
@@ -430,14 +539,20 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
 def netagg_ingress(b, frame, length, ingress, tables, counters, regs):
     """NetaggIngress.apply. Returns (egress_spec, to_group, mgid); egress_spec DROP_PORT: dropped (mark_to_drop)."""
     job_valid, job_params, w_keys, w_vals, src_keys, src_vals, route_vm, route_out = tables[:8]
+    up_valid, up_params, dn_keys, dn_vals = tables[12:]
     error, ipv4, udp, netagg = netagg_parser(b, length)
     drop = D_NONE
+    down = False
+    down_job = np.int64(0)
     if error:
         drop = D_MALFORMED
     elif not ipv4:
         drop = D_NOT_IPV4
     else:
-        drop = source_guard(b, udp, ingress, src_keys, src_vals)
+        if netagg and b[NA + 1] & FLAG_RESULT:  # a parent's result on the up port is not a forgery
+            down, down_job = down_link(b, ingress, dn_keys, dn_vals)
+        if not down:
+            drop = source_guard(b, udp, ingress, src_keys, src_vals)
     egress_spec = DROP_PORT
     if drop != D_NONE:
         pass  # counted below
@@ -447,10 +562,14 @@ def netagg_ingress(b, frame, length, ingress, tables, counters, regs):
         drop = D_BAD_VERSION
     elif _u16(b, IP + 2) != IPV4_TOTAL_LENGTH or _u16(b, UDP + 4) != UDP_LENGTH or (_u16(b, IP + 6) & 0x3FFF):
         drop = D_MALFORMED
-    elif b[NA + 1] & FLAG_RESULT:
+    elif b[NA + 1] & FLAG_RESULT and not down:
         drop = D_RESULT_FROM_HOST
+    elif down:
+        _put16(b, NA + 2, down_job)  # from here on a packet of the local job
+        return _down(b, frame, length, ingress, job_valid, job_params, counters, regs)
     else:
-        return _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, counters, regs)
+        return _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, up_valid, up_params,
+                          counters, regs)
     if drop != D_NONE:
         _bump(counters[0], counters[1], drop, length)
         return DROP_PORT, False, np.int64(0)
@@ -506,7 +625,7 @@ def run_batch(in_buf, in_len, in_port, count, work, out_buf, out_len, out_port, 
     one more inlined level cost a third of the throughput (numba copies the tuple of arrays at each use)."""
     n = 0
     cap = out_buf.shape[0]
-    rep_keys, rep_vals, grp_off, grp_items = tables[8:]
+    rep_keys, rep_vals, grp_off, grp_items = tables[8:12]
     for i in range(count):
         if n + max_out > cap:
             return i, n
@@ -706,10 +825,12 @@ def loopback_gso_sends(out_buf, out_len, out_port, count, port_number, row_addr,
 
 
 @njit(cache=True, nogil=True)
-def frame_owners(buf, lengths, count, shards, me, owners):
+def frame_owners(buf, lengths, ports, count, shards, me, owners, dn_keys, dn_vals):
     """The shard that owns each frame's slot (``netagg.steering.shard_of``: job and slot of a netagg
     frame), or -1 for a frame of no slot (not IPv4/UDP to netagg's port, too short): any shard may run
-    it. Writes ``owners[0..count-1]``; returns how many frames belong to a shard other than ``me``."""
+    it. A parent's result coming down (``down_links``) is owned by the shard of the local job's slot,
+    which the steering (by the parent's job id) cannot know. Writes ``owners[0..count-1]``; returns how
+    many frames belong to a shard other than ``me``."""
     foreign = 0
     for i in range(count):
         b = buf[i]
@@ -718,9 +839,14 @@ def frame_owners(buf, lengths, count, shards, me, owners):
         if length < IP + 20 or _u16(b, 12) != 0x0800 or b[IP + 9] != 17:
             continue
         udp = IP + (b[IP] & 0x0F) * 4
-        if udp + 14 > length or _u16(b, udp + 2) != NETAGG_PORT:
+        dport = _u16(b, udp + 2)
+        if udp + 14 > length or (dport != NETAGG_PORT and dport != TREE_PORT):
             continue
         job = np.int64(_u16(b, udp + 10))
+        if udp == UDP and length >= FRAME_BYTES and b[NA + 1] & FLAG_RESULT:
+            down, local = down_link(b, ports[i], dn_keys, dn_vals)
+            if down:
+                job = local
         slot = np.int64(_u16(b, udp + 12))
         owner = (job + (slot >> BLOCK_SHIFT)) % shards
         owners[i] = owner

@@ -27,6 +27,8 @@ _UDP = struct.Struct("!HHHH")
 _VALUES_DTYPE = wire.WIRE_VALUE_DTYPE
 _MF_BIT = 0x2000
 _FRAG_OFFSET_MASK = 0x1FFF
+#: UDP destination ports the parser takes for netagg packets (the tree port: tree_links.p4).
+_NETAGG_PORTS = (wire.NETAGG_UDP_PORT, wire.NETAGG_TREE_UDP_PORT)
 
 
 @dataclass(slots=True)
@@ -62,7 +64,7 @@ def parse(frame: bytes) -> ParsedPacket:
                 return pkt
             pkt.udp = list(_UDP.unpack_from(frame, offset))
             offset += wire.UDP_HEADER_BYTES
-            if pkt.udp[1] == wire.NETAGG_UDP_PORT:
+            if pkt.udp[1] in _NETAGG_PORTS:
                 if len(frame) < offset + wire.HEADER_BYTES:
                     pkt.parser_error = True
                     return pkt
@@ -118,6 +120,8 @@ class _Meta:
     slot_count: int = 0
     mgid: int = 0
     generation: int = 0
+    down: bool = False  # a parent's result for the local job down_job (DownLink)
+    down_job: int = 0
     rank: int = 0
     worker_mask: int = 0
     slot_index: int = 0
@@ -140,6 +144,8 @@ class NetaggPipeline:
         self._routes = state.table(dp.TABLE_ROUTES)
         self._replicas = state.table(dp.TABLE_REPLICAS)
         self._sources = state.table(dp.TABLE_SOURCES)
+        self._up_links = state.table(dp.TABLE_UP_LINKS)
+        self._down_links = state.table(dp.TABLE_DOWN_LINKS)
 
     # -- top level ---------------------------------------------------------
     def process(self, frame: bytes, ingress_port: int) -> list[tuple[int, bytes]]:
@@ -171,7 +177,10 @@ class NetaggPipeline:
         elif pkt.ipv4 is None:
             meta.drop_reason = DropReason.NOT_IPV4
         else:
-            self._source_guard(pkt, meta, ingress_port)
+            if pkt.netagg is not None and pkt.netagg[_FLAGS] & wire.FLAG_RESULT:
+                self._down_link(pkt, meta, ingress_port)
+            if not meta.down:
+                self._source_guard(pkt, meta, ingress_port)
         if meta.drop_reason != DropReason.NONE:
             pass  # counted below
         elif pkt.netagg is None:
@@ -184,7 +193,7 @@ class NetaggPipeline:
             or pkt.ipv4[4] & (_MF_BIT | _FRAG_OFFSET_MASK)
         ):
             meta.drop_reason = DropReason.MALFORMED
-        elif pkt.netagg[_FLAGS] & wire.FLAG_RESULT:
+        elif pkt.netagg[_FLAGS] & wire.FLAG_RESULT and not meta.down:
             meta.drop_reason = DropReason.RESULT_FROM_HOST
         else:
             return self._aggregate(pkt, meta, ingress_port, length)
@@ -201,6 +210,13 @@ class NetaggPipeline:
         action, params = self._sources.lookup((int.from_bytes(pkt.ipv4[8], "big"),))
         if action == dp.ACTION_SWITCH_ONLY or (action == dp.ACTION_BIND_TO_PORT and params[0] != ingress_port):
             meta.drop_reason = DropReason.SPOOFED_SOURCE
+
+    def _down_link(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int) -> None:
+        """DownLink: a RESULT from the parent's address on the up port is the parent's result for a local job."""
+        action, params = self._down_links.lookup((ingress_port, int.from_bytes(pkt.ipv4[8], "big"),
+                                                  pkt.netagg[_JOB]))
+        if action == dp.ACTION_SET_DOWN_LINK:
+            meta.down, meta.down_job = True, params[0]
 
     def _ipv4_forward(self, pkt: ParsedPacket, meta: _Meta) -> int:
         """Ipv4Forward: LPM on the destination, TTL decrement without options."""
@@ -227,6 +243,15 @@ class NetaggPipeline:
             meta.drop_reason = DropReason.UNKNOWN_JOB
             return
         meta.num_workers, meta.slot_base, meta.slot_count, meta.mgid, meta.generation = params
+        if meta.down:  # a parent's result: no sender to look up or check
+            if hdr[_SLOT] >= meta.slot_count:
+                meta.drop_reason = DropReason.SLOT_OUT_OF_RANGE
+            elif hdr[_POOL] >= wire.NUM_POOLS:
+                meta.drop_reason = DropReason.BAD_POOL
+            else:
+                meta.slot_index = (meta.slot_base + hdr[_SLOT]) & 0xFFFFFFFF
+                meta.pool_index = ((meta.slot_index << 1) + hdr[_POOL]) & 0xFFFFFFFF
+            return
         src_addr = int.from_bytes(pkt.ipv4[8], "big")
         action, params = self._workers.lookup((hdr[_JOB], src_addr, pkt.udp[0], ingress_port))
         if action != dp.ACTION_SET_WORKER:
@@ -246,8 +271,11 @@ class NetaggPipeline:
             meta.pool_index = ((meta.slot_index << 1) + hdr[_POOL]) & 0xFFFFFFFF
 
     def _aggregate(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int, length: int) -> int | None:
-        """WorkerLookup, then the slot registers (SlotOwner .. ValueSum), the job counters and the delivery."""
+        """WorkerLookup, then the slot registers (SlotOwner .. ValueSum, LevelState), the job counters and the
+        delivery: to the group or the sender (ResultDelivery), or up to the parent switch (UpDelivery)."""
         hdr = pkt.netagg
+        if meta.down:
+            hdr[_JOB] = meta.down_job  # from here on a packet of the local job
         job = hdr[_JOB]
         self._worker_lookup(pkt, meta, ingress_port)
         if meta.drop_reason == DropReason.NONE:
@@ -255,8 +283,16 @@ class NetaggPipeline:
             if meta.slot_index >= regs.num_slots:
                 # The controller never installs such a range; BMv2 leaves it undefined.
                 return None
-            verdict = regs.aggregate(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.worker_mask, meta.num_workers,
-                                     meta.generation, hdr[_MEMBERS], hdr[_EXP], pkt.values)
+            if meta.down:
+                verdict = regs.accept_down(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.generation, hdr[_EXP],
+                                           pkt.values)
+                up = None
+            else:
+                action, up = self._up_links.lookup((job,))
+                up = up if action == dp.ACTION_SET_UP_LINK else None
+                verdict = regs.aggregate(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.worker_mask,
+                                         meta.num_workers, meta.generation, hdr[_MEMBERS], hdr[_EXP], pkt.values,
+                                         has_up=up is not None)
             meta.drop_reason = verdict.drop
         if meta.drop_reason != DropReason.NONE:
             if meta.drop_reason != DropReason.UNKNOWN_JOB:
@@ -268,8 +304,27 @@ class NetaggPipeline:
         hdr[_EXP], pkt.values = verdict.exponent, verdict.values
         if verdict.delivery == Delivery.NONE:
             return None
+        if verdict.delivery == Delivery.UP:
+            return self._up_delivery(pkt, up, verdict.resend)
         meta.to_group = verdict.delivery == Delivery.GROUP
         return self._result_delivery(pkt, meta, ingress_port)
+
+    @staticmethod
+    def _up_delivery(pkt: ParsedPacket, up: tuple[int, ...], resend: bool) -> int:
+        """UpDelivery: the partial as a contribution to the parent switch, out of the up port."""
+        port, parent_job, parent_rank, parent_mac, parent_addr = up
+        eth, ip, udp, hdr = pkt.eth, pkt.ipv4, pkt.udp, pkt.netagg
+        eth[1] = eth[0]
+        eth[0] = parent_mac.to_bytes(6, "big")
+        ip[8] = ip[9]
+        ip[9] = parent_addr.to_bytes(4, "big")
+        ip[5] = 64
+        udp[0] = wire.NETAGG_TREE_UDP_PORT
+        udp[1] = wire.NETAGG_UDP_PORT
+        udp[3] = 0
+        hdr[_JOB], hdr[_RANK], hdr[_MEMBERS] = parent_job, parent_rank, 0
+        hdr[_FLAGS] = wire.FLAG_RETRANSMIT if resend else 0
+        return port
 
     def _result_delivery(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int) -> int:
         """ResultDelivery: a RESULT from the aggregator address, to the group or the sender."""

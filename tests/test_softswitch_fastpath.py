@@ -98,7 +98,9 @@ class Twins:
         does; frames of no slot go to a random shard) and each part runs on its shard's pipeline in order:
         outputs must then be identical per owner (shards interleave, slots never do)."""
         n = len(self.shards)
-        owner_of = [_owner(frame, n) for frame, _ in frames]
+        with self.fast.lock:
+            tables = self.fast.tables()
+        owner_of = [_owner(frame, port, n, tables) for frame, port in frames]
         want: dict[int, list[tuple[int, bytes]]] = {}
         for (frame, port), owner in zip(frames, owner_of):
             want.setdefault(owner, []).extend(self.ref.process(frame, port))
@@ -269,13 +271,15 @@ def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int
     return frames
 
 
-def _owner(frame: bytes, shards: int) -> int:
-    """The shard of the frame's slot (netagg.steering), -1 for a frame of no slot; one owner without shards."""
+def _owner(frame: bytes, port: int, shards: int, tables) -> int:
+    """The shard of the frame's slot (netagg.steering; a parent's result: its local job's), -1 for a frame of no
+    slot; one owner without shards."""
     if shards == 1:
         return 0
     owners = np.zeros(1, np.int64)
     row = np.frombuffer(frame, np.uint8).reshape(1, -1) if frame else np.zeros((1, 1), np.uint8)
-    fastpath_kernels.frame_owners(row, np.array([len(frame)], np.int64), 1, shards, 0, owners)
+    fastpath_kernels.frame_owners(row, np.array([len(frame)], np.int64), np.array([port], np.int64), 1, shards, 0,
+                                  owners, tables.dn_keys, tables.dn_vals)
     return int(owners[0])
 
 
@@ -372,3 +376,91 @@ def test_single_frame_interface_matches_the_model():
     for frame_, port in _traffic(rng, {1: (TENANT_A, 4)}, 400, hostile=0.2):
         assert twins.fast.process(frame_, port) == twins.ref.process(frame_, port)
     twins.assert_same_state()
+
+
+# A tree of switches (docs/hierarchy.md): job 1's segment here is a leaf, its parent behind port 8.
+PARENT_IP, UP_PORT, PARENT_JOB = "10.0.8.254", 8, 55
+
+
+def _add_tree_links(twins: Twins, kind: int = p4rt.Update.INSERT) -> None:
+    twins.entry(kind, dp.TABLE_UP_LINKS, {"job_id": 1}, *(() if kind == p4rt.Update.DELETE else (
+        dp.ACTION_SET_UP_LINK, {"port": UP_PORT, "parent_job": PARENT_JOB, "parent_rank": 3,
+                                "parent_mac": 0x02000000080E, "parent_addr": _ip(PARENT_IP)})))
+    twins.entry(kind, dp.TABLE_DOWN_LINKS, {"ingress_port": UP_PORT, "ipv4_src": _ip(PARENT_IP),
+                                            "job_id": PARENT_JOB},
+                *(() if kind == p4rt.Update.DELETE else (dp.ACTION_SET_DOWN_LINK, {"job": 1})))
+
+
+def _down(slot: int, pool: int, round_: int, values: np.ndarray, exponent: int = 0, src: str = PARENT_IP,
+          job: int = PARENT_JOB, sport: int = wire.NETAGG_UDP_PORT) -> bytes:
+    header = wire.Header(job_id=job, slot=slot, pool=pool, rank=0, seq=round_, exponent=exponent,
+                         flags=wire.FLAG_RESULT, round=round_ & 0xFFFF)
+    return frame(src, AGGREGATOR, sport, wire.NETAGG_TREE_UDP_PORT, wire.pack(header, values))
+
+
+def _tree_traffic(rng: np.random.Generator, slots: int, n: int, rounds: dict[int, int]) -> list:
+    """Rounds of the leaf job 1 with loss, duplicates and resends (which go up again while the round is up,
+    or are answered from the final result), interleaved with the parent's results: on time, early (before
+    the round went up), late (another round), twice, lost; and forgeries of them from a worker's port, from
+    another address, for another parent job, from another source port, and cut short."""
+    frames: list[tuple[bytes, int]] = []
+    while len(frames) < n:
+        slot = int(rng.integers(slots))
+        round_ = rounds.get(slot, 0) + 1
+        rounds[slot] = round_
+        pool = round_ % 2
+        batch = []
+        for rank, ip, udp, port in TENANT_A:
+            values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
+            pkt = (contribution(1, rank, ip, udp, slot, pool, round_, round_, values, int(rng.integers(-20, 20))),
+                   port)
+            if rng.random() > 0.1:
+                batch.append(pkt)
+            if rng.random() < 0.3:  # a resend, perhaps after completion: up again, or the final result
+                batch.append((contribution(1, rank, ip, udp, slot, pool, round_, round_, values, 0,
+                                           wire.FLAG_RETRANSMIT), port))
+        total = rng.integers(-2**30, 2**30, wire.K).astype(np.int32)
+        for _ in range(int(rng.choice([0, 1, 1, 1, 2]))):  # the parent's result: lost, once or twice
+            batch.append((_down(slot, pool, round_, total, int(rng.integers(-30, 30))), UP_PORT))
+        if rng.random() < 0.2:  # a late one, for the round before
+            batch.append((_down(slot, 1 - pool, round_ - 1, total), UP_PORT))
+        if rng.random() < 0.3:  # forgeries
+            forged = [(_down(slot, pool, round_, total), TENANT_A[0][3]),
+                      (_down(slot, pool, round_, total, src="10.0.8.7"), UP_PORT),
+                      (_down(slot, pool, round_, total, job=PARENT_JOB + 1), UP_PORT),
+                      (_down(slot, pool, round_, total, src=TENANT_A[1][1], sport=5555), TENANT_A[1][3]),
+                      (_down(slot, pool, round_, total)[:-8], UP_PORT),
+                      (_down(slots + 3, pool, round_, total), UP_PORT)]
+            batch.append(forged[int(rng.integers(len(forged)))])
+        rng.shuffle(batch)
+        frames.extend(batch)
+        if rng.random() < 0.3:  # resends after everything else of the round
+            rank, ip, udp, port = TENANT_A[int(rng.integers(len(TENANT_A)))]
+            frames.append((contribution(1, rank, ip, udp, slot, pool, round_, round_,
+                                        np.zeros(wire.K, np.int32), 0, wire.FLAG_RETRANSMIT), port))
+    return frames
+
+
+@pytest.mark.parametrize(("seed", "shards"), [(5, 1), (6, 1), (7, 3)])
+def test_tree_paths_give_identical_frames_counters_and_registers(seed, shards):
+    """The up and down paths (tree_links.p4) on both engines: a leaf job beside a flat one, links removed
+    and installed again mid-way (a round then completes to the group, and a result from above is a host's)."""
+    rng = np.random.default_rng(seed)
+    twins = Twins(shards)
+    _setup(twins)
+    twins.add_job(1, TENANT_A, base=0, count=4, gen=100)
+    twins.add_job(2, TENANT_B, base=4, count=3, gen=101)
+    _add_tree_links(twins)
+    rounds: dict[int, int] = {}
+    tree, flat = _tree_traffic(rng, 4, 900, rounds), _traffic(rng, {2: (TENANT_B, 3)}, 400, hostile=0.1)
+    picks = rng.permutation([0] * len(tree) + [1] * len(flat))  # the two jobs interleaved, each in its order
+    sources = [iter(tree), iter(flat)]
+    twins.run([next(sources[pick]) for pick in picks], rng)
+    ups = twins.ref_state.counter_total(dp.COUNTER_JOB_CONTRIBUTIONS)
+    _add_tree_links(twins, p4rt.Update.DELETE)
+    twins.run(_tree_traffic(rng, 4, 200, rounds), rng)
+    _add_tree_links(twins)
+    twins.run(_tree_traffic(rng, 4, 600, rounds), rng)
+    twins.assert_same_state()
+    levels = twins.ref.registers.snapshot()["levels"]
+    assert ups > 300 and {1, 2} <= set(levels.tolist())  # rounds went up, and results came down

@@ -5,6 +5,8 @@
 
 #define NETAGG_VERSION 2
 #define NETAGG_UDP_PORT 28900
+/* A tree of switches: up packets leave from it, the parent's results come back to it (docs/hierarchy.md). */
+#define NETAGG_TREE_UDP_PORT 28901
 /* Values per packet. FOR_EACH_VALUE below must list exactly NETAGG_K indices. */
 #define NETAGG_K 64
 #define MAX_WORKERS 32
@@ -20,6 +22,7 @@
 #define REPLICA_TABLE_SIZE 8192
 #define IPV4_TABLE_SIZE 1024
 #define SOURCE_TABLE_SIZE 1024
+#define TREE_LINK_TABLE_SIZE 1024
 #define DROP_REASONS 16
 
 /* Expected lengths of a netagg packet (no IPv4 options). */
@@ -59,6 +62,11 @@
 #define ROUND_SAME 0
 #define ROUND_NEW 1
 #define ROUND_OLD 2
+
+/* Where a (slot, pool)'s round stands in a tree of switches (docs/hierarchy.md). */
+#define LEVEL_OPEN 0
+#define LEVEL_UP 1
+#define LEVEL_FINAL 2
 
 /* What the value and exponent registers do with a packet. */
 #define OP_NONE 0

@@ -31,6 +31,18 @@ struct metadata_t {
     bit<1> late;               /* contribution to a round that already completed */
     bit<8> value_op;
     bit<1> to_group;           /* deliver the result to the job's multicast group */
+    /* A tree of switches (tree_links.p4). */
+    bit<1> down;               /* a parent's result, for the local job down_job */
+    bit<16> down_job;
+    bit<1> has_up;             /* the job's up link, from up_links */
+    port_t up_port;
+    bit<16> up_job;
+    bit<8> up_rank;
+    mac_addr_t up_mac;
+    ipv4_addr_t up_addr;
+    bit<8> level;              /* LEVEL_* of the round, as the packet found it */
+    bit<1> down_accepted;      /* the parent's result was stored (the round was UP) */
+    bit<1> to_up;              /* send the partial to the parent */
 }
 
 #endif

@@ -3,8 +3,11 @@
  * Workers send K quantized int32 values per packet to an aggregation slot of
  * their job; the switch sums them exactly once per (slot, pool version), keeps
  * the maximum block exponent, and delivers the completed sum to the job's
- * multicast group (all workers, or the job's parameter server). Everything else
- * is IPv4-forwarded. See docs/protocol.md and docs/tofino.md. */
+ * multicast group (all workers, or the job's parameter server). In a tree of
+ * switches, a switch with an up link for the job sends the completed partial to its
+ * parent instead and delivers the parent's result when it comes down (tree_links.p4).
+ * Everything else is IPv4-forwarded. See docs/protocol.md, docs/hierarchy.md and
+ * docs/tofino.md. */
 #include <core.p4>
 #include <v1model.p4>
 
@@ -22,6 +25,7 @@
 #include "v1model/control/exponent_max.p4"
 #include "v1model/control/value_sum.p4"
 #include "v1model/control/result_delivery.p4"
+#include "v1model/control/tree_links.p4"
 #include "v1model/control/ipv4_forward.p4"
 
 control NetaggVerifyChecksum(inout headers_t hdr, inout metadata_t meta) {
@@ -39,6 +43,7 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
     @id(0x12000005) counter(MAX_JOBS, CounterType.packets) job_retransmit_results;
     @id(0x12000006) counter(MAX_JOBS, CounterType.packets) job_rejects;
 
+    DownLink() down_link;
     SourceGuard() source_guard;
     WorkerLookup() worker_lookup;
     SlotOwner() slot_owner;
@@ -46,21 +51,37 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
     MemberCheck() member_check;
     BitmapCheck() bitmap_check;
     WorkerCount() worker_count;
+    UpLink() up_link;
+    LevelState() level_state;
     ExponentMax() exponent_max;
     ValueSum() value_sum;
     ResultDelivery() result_delivery;
+    UpDelivery() up_delivery;
     Ipv4Forward() ipv4_forward;
 
     apply {
         meta.drop_reason = DROP_NONE;
         meta.value_op = OP_NONE;
         meta.to_group = 0;
+        meta.to_up = 0;
+        meta.down = 0;
+        meta.has_up = 0;
+        meta.first = 0;
+        meta.fresh = 0;
+        meta.complete = 0;
+        meta.late = 0;
         if (standard_metadata.parser_error != error.NoError) {
             meta.drop_reason = DROP_MALFORMED;
         } else if (!hdr.ipv4.isValid()) {
             meta.drop_reason = DROP_NOT_IPV4;
         } else {
-            source_guard.apply(hdr, standard_metadata.ingress_port, meta);
+            if (hdr.netagg.isValid() && (hdr.netagg.flags & FLAG_RESULT) != 0) {
+                /* A parent's result on the up port (tree_links.p4) is not a forgery. */
+                down_link.apply(hdr, standard_metadata.ingress_port, meta);
+            }
+            if (meta.down == 0) {
+                source_guard.apply(hdr, standard_metadata.ingress_port, meta);
+            }
         }
         if (meta.drop_reason != DROP_NONE) {
             /* Counted and dropped below. */
@@ -72,25 +93,43 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                    || hdr.udp.length != NETAGG_UDP_LENGTH
                    || hdr.ipv4.flags[0:0] == 1 || hdr.ipv4.frag_offset != 0) {
             meta.drop_reason = DROP_MALFORMED;
-        } else if ((hdr.netagg.flags & FLAG_RESULT) != 0) {
+        } else if ((hdr.netagg.flags & FLAG_RESULT) != 0 && meta.down == 0) {
             meta.drop_reason = DROP_RESULT_FROM_HOST;
         } else {
+            if (meta.down == 1) {
+                /* From here on the parent's result is a packet of the local job. */
+                hdr.netagg.job_id = meta.down_job;
+            }
             worker_lookup.apply(hdr, standard_metadata.ingress_port, meta);
             if (meta.drop_reason == DROP_NONE) {
                 slot_owner.apply(meta);
                 round_check.apply(hdr, meta);
-                if (meta.round_state != ROUND_OLD) {
+                if (meta.round_state != ROUND_OLD && meta.down == 0) {
                     member_check.apply(hdr, meta);
                 }
             }
             if (meta.drop_reason == DROP_NONE && meta.round_state == ROUND_OLD) {
-                /* A copy of a round that has been superseded: harmless, dropped. */
+                /* A copy of a round that has been superseded (or, coming down, is not this
+                 * slot's current round): harmless, dropped. */
                 job_duplicates.count((bit<32>)hdr.netagg.job_id);
                 mark_to_drop(standard_metadata);
             } else if (meta.drop_reason == DROP_NONE) {
-                bitmap_check.apply(hdr, meta);
-                worker_count.apply(hdr, meta);
-                if (meta.fresh == 1 && meta.late == 0) {
+                if (meta.down == 0) {
+                    bitmap_check.apply(hdr, meta);
+                    worker_count.apply(hdr, meta);
+                    up_link.apply(hdr, meta);
+                }
+                level_state.apply(meta);
+                if (meta.down == 1) {
+                    if (meta.down_accepted == 1) {
+                        /* The parent's result replaces the partial and goes to the local group. */
+                        meta.value_op = OP_WRITE;
+                        meta.to_group = 1;
+                        job_results.count((bit<32>)hdr.netagg.job_id);
+                    } else {
+                        job_duplicates.count((bit<32>)hdr.netagg.job_id);
+                    }
+                } else if (meta.fresh == 1 && meta.late == 0) {
                     job_contributions.count((bit<32>)hdr.netagg.job_id);
                     if (meta.first == 1) {
                         meta.value_op = OP_WRITE;
@@ -98,12 +137,21 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                         meta.value_op = OP_MERGE;
                     }
                     if (meta.complete == 1) {
-                        meta.to_group = 1;
-                        job_results.count((bit<32>)hdr.netagg.job_id);
+                        if (meta.has_up == 1) {
+                            meta.to_up = 1;
+                        } else {
+                            meta.to_group = 1;
+                            job_results.count((bit<32>)hdr.netagg.job_id);
+                        }
                     }
                 } else if (meta.fresh == 0 && meta.complete == 1) {
+                    /* A resend to a complete round: the stored result back to the sender, or,
+                     * while the parent's result is outstanding, the partial to the parent again. */
                     meta.value_op = OP_READ;
                     job_retransmit_results.count((bit<32>)hdr.netagg.job_id);
+                    if (meta.has_up == 1 && meta.level != LEVEL_FINAL) {
+                        meta.to_up = 1;
+                    }
                 } else {
                     job_duplicates.count((bit<32>)hdr.netagg.job_id);
                 }
@@ -111,7 +159,9 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                     exponent_max.apply(hdr, meta);
                     value_sum.apply(hdr, meta);
                 }
-                if (meta.complete == 1 && meta.late == 0) {
+                if (meta.to_up == 1) {
+                    up_delivery.apply(hdr, meta, standard_metadata);
+                } else if (meta.to_group == 1 || (meta.complete == 1 && meta.late == 0)) {
                     result_delivery.apply(hdr, meta, standard_metadata);
                 } else {
                     /* Absorbed into the slot, or a duplicate: nothing leaves. */

@@ -1,5 +1,5 @@
 /* netagg: parser and deparser. A packet is netagg iff it is IPv4 without
- * options, UDP, to NETAGG_UDP_PORT. A truncated one ends with a parser error,
+ * options, UDP, to NETAGG_UDP_PORT (or NETAGG_TREE_UDP_PORT: a parent switch's results, tree_links.p4). A truncated one ends with a parser error,
  * which ingress drops and counts as malformed. */
 #ifndef _NETAGG_PARSER_P4_
 #define _NETAGG_PARSER_P4_
@@ -30,6 +30,7 @@ parser NetaggParser(packet_in packet,
         packet.extract(hdr.udp);
         transition select(hdr.udp.dst_port) {
             NETAGG_UDP_PORT: parse_netagg;
+            NETAGG_TREE_UDP_PORT: parse_netagg;
             default: accept;
         }
     }

@@ -10,7 +10,9 @@
  * behind this packet: the round just before it (round - 1, the other pool's) is then
  * still ahead and starts afresh (a worker that lost its result after a restart finishes it
  * with the others' copies), and no host sends round - 2 in the other pool (rounds alternate
- * pools), so no packet is SAME with the other pool's leftover registers. */
+ * pools), so no packet is SAME with the other pool's leftover registers. A parent's result
+ * coming down (meta.down) changes nothing: SAME if it is the current round of a slot this job
+ * owns, else OLD. */
 #ifndef _NETAGG_ROUND_CHECK_P4_
 #define _NETAGG_ROUND_CHECK_P4_
 
@@ -26,7 +28,14 @@ control RoundCheck(in headers_t hdr, inout metadata_t meta) {
             current = tags[31:16];
         }
         bit<16> ahead = hdr.netagg.round - current;
-        if (meta.stale == 1) {
+        if (meta.down == 1) {
+            /* A parent's result only reads: it is for the slot's current round, or it is OLD. */
+            if (meta.stale == 0 && ahead == 0) {
+                meta.round_state = ROUND_SAME;
+            } else {
+                meta.round_state = ROUND_OLD;
+            }
+        } else if (meta.stale == 1) {
             meta.round_state = ROUND_NEW;
             bit<16> behind = hdr.netagg.round - 2;
             if (hdr.netagg.pool == 0) {

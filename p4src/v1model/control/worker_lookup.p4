@@ -4,7 +4,8 @@
  *          (the ingress port: a host cannot contribute under another host's address)
  * A miss, a slot outside the job's range, a pool other than 0/1, a rank that
  * differs from the sender's registered rank or a sender outside a subset round's
- * members sets meta.drop_reason. */
+ * members sets meta.drop_reason. A parent's result coming down (meta.down, tree_links.p4)
+ * only needs the job: it skips the workers table and the sender checks. */
 #ifndef _NETAGG_WORKER_LOOKUP_P4_
 #define _NETAGG_WORKER_LOOKUP_P4_
 
@@ -66,7 +67,7 @@ control WorkerLookup(in headers_t hdr, in bit<9> ingress_port, inout metadata_t 
 
     apply {
         jobs.apply();
-        if (meta.drop_reason == DROP_NONE) {
+        if (meta.drop_reason == DROP_NONE && meta.down == 0) {
             workers.apply();
         }
         if (meta.drop_reason == DROP_NONE) {
@@ -74,6 +75,10 @@ control WorkerLookup(in headers_t hdr, in bit<9> ingress_port, inout metadata_t 
                 meta.drop_reason = DROP_SLOT_OUT_OF_RANGE;
             } else if (hdr.netagg.pool >= NUM_POOLS) {
                 meta.drop_reason = DROP_BAD_POOL;
+            } else if (meta.down == 1) {
+                /* A parent's result (tree_links.p4): no sender rank or members to check. */
+                meta.slot_index = meta.slot_base + (slot_index_t)hdr.netagg.slot;
+                meta.pool_index = (meta.slot_index << 1) + (slot_index_t)hdr.netagg.pool;
             } else if (hdr.netagg.rank != meta.rank) {
                 meta.drop_reason = DROP_RANK_MISMATCH;
             } else if (hdr.netagg.members != 0 && (hdr.netagg.members & meta.worker_mask) == 0) {
