@@ -219,6 +219,10 @@ def set_congestion_control(namespace: str, prefix: str, ifname: str, src: str, a
                             "src", src, "congctl", algorithm]))
 
 
+#: The largest segment the stack hands a qdisc (the default gso_max_size; a veth keeps it).
+GSO_MAX_BYTES = 65536
+
+
 def shape_link(namespace: str, ifname: str, shape: LinkShape, mtu: int) -> str:
     """netem (rate + delay) where the kernel has it, else tbf (rate only); returns the qdisc used."""
     netem = ["netem", "limit", str(shape.queue_packets)]
@@ -231,9 +235,12 @@ def shape_link(namespace: str, ifname: str, shape: LinkShape, mtu: int) -> str:
         return "netem"
     if "unknown" not in result.stderr or not shape.rate_mbit:
         raise NetnsError(f"tc netem on {ifname}: {result.stderr.strip()}")
-    # No sch_netem in this kernel: a token bucket gives the rate; the delay is not emulated.
+    # No sch_netem in this kernel: a token bucket gives the rate; the delay is not emulated. The bucket holds
+    # the largest packet the stack can queue: TCP and UDP hand the qdisc segments of up to 64 kB (software
+    # GSO runs after it, whatever the device's offloads), and a queued packet larger than the bucket is never
+    # sent. A slower rate's smaller bucket would strand the queue's head until the rate rose again.
     rate_bytes = shape.rate_mbit * 1e6 / 8
-    burst = max(2 * (mtu + 14), int(rate_bytes / 250) + mtu)
+    burst = max(GSO_MAX_BYTES + mtu + 14, int(rate_bytes / 250) + mtu)
     limit = shape.queue_packets * (mtu + 14)
     run(ns_exec(namespace, ["tc", "qdisc", "replace", "dev", ifname, "root", "tbf", "rate",
                             f"{shape.rate_mbit}mbit", "burst", str(burst), "limit", str(limit)]))
