@@ -51,7 +51,7 @@ def _netagg(config_path: str, size: int, iterations: int,
     from netagg.jobconfig import WorkerConfig
 
     config = WorkerConfig.load(config_path)
-    times, result, stats = time_allreduce(config, tensor_for(config.rank, size), iterations, congestion_control)
+    times, result, stats = time_allreduce(config, tensor_for(config.global_rank, size), iterations, congestion_control)
     extra = {"packets_sent": stats.packets_sent, "retransmissions": stats.retransmissions,
              "window_decreases": stats.window_decreases, "smallest_window": stats.smallest_window}
     return times, result, extra

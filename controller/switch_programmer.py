@@ -17,8 +17,10 @@ from netagg.controller.config import ControllerConfig
 from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord
 
-#: Tables the controller owns completely (anything else found there is removed).
-MANAGED_TABLES = (dp.TABLE_JOBS, dp.TABLE_WORKERS, dp.TABLE_REPLICAS, dp.TABLE_ROUTES, dp.TABLE_SOURCES)
+#: Tables the controller owns completely (anything else found there is removed). A controller of one switch
+#: writes no up or down links (a tree of switches: controller/topology.py), so any it finds are strays.
+MANAGED_TABLES = (dp.TABLE_JOBS, dp.TABLE_WORKERS, dp.TABLE_REPLICAS, dp.TABLE_ROUTES, dp.TABLE_SOURCES,
+                  dp.TABLE_UP_LINKS, dp.TABLE_DOWN_LINKS)
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,51 @@ class ReconcileReport:
         return any((self.inserted, self.modified, self.deleted, self.groups_set, self.groups_deleted))
 
 
+def reconcile_state(client: P4RuntimeClient, desired: DesiredState,
+                    tables: Iterable[str] = MANAGED_TABLES) -> ReconcileReport:
+    """Make the switch hold exactly ``desired`` in ``tables`` and its multicast groups (both ways)."""
+    actual = actual_entries(client, set(tables))
+    report = ReconcileReport()
+    for key, entry in actual.items():
+        if key not in desired.entries:
+            client.delete_entry(entry.table, dict(entry.match))
+            report.deleted += 1
+    for key, entry in desired.entries.items():
+        current = actual.get(key)
+        if current != entry:
+            _put(client, entry, current)
+            if current is None:
+                report.inserted += 1
+            else:
+                report.modified += 1
+    groups = {gid: tuple(sorted(r)) for gid, r in client.read_multicast_groups().items()}
+    for gid in groups.keys() - desired.groups.keys():
+        client.delete_multicast_group(gid)
+        report.groups_deleted += 1
+    for gid, replicas in desired.groups.items():
+        if groups.get(gid) != replicas:
+            client.set_multicast_group(gid, list(replicas))
+            report.groups_set += 1
+    return report
+
+
+def _put(client: P4RuntimeClient, entry: Entry, current: Entry | None) -> None:
+    if current == entry:
+        return
+    write = client.insert_entry if current is None else client.modify_entry
+    write(entry.table, dict(entry.match), entry.action, dict(entry.params))
+
+
+def actual_entries(client: P4RuntimeClient, tables: set[str]) -> dict[tuple, Entry]:
+    """What the switch holds in ``tables``, as comparable entries."""
+    found: dict[tuple, Entry] = {}
+    for table in sorted(tables):
+        for view in client.read_entries(table):
+            entry = Entry.make(view.table, dict(view.match), view.action, dict(view.params))
+            found[entry.key] = entry
+    return found
+
+
 class SwitchProgrammer:
     """Installs and removes jobs' entries through one P4Runtime client."""
 
@@ -173,44 +220,13 @@ class SwitchProgrammer:
 
     def reconcile(self, jobs: Iterable[JobRecord]) -> ReconcileReport:
         """Make the switch hold exactly the desired state of ``jobs`` (both ways)."""
-        desired = desired_state(self.config, jobs)
-        actual = self._actual_entries(set(MANAGED_TABLES))
-        report = ReconcileReport()
-        for key, entry in actual.items():
-            if key not in desired.entries:
-                self.client.delete_entry(entry.table, dict(entry.match))
-                report.deleted += 1
-        for key, entry in desired.entries.items():
-            current = actual.get(key)
-            if current != entry:
-                self._put(entry, current)
-                if current is None:
-                    report.inserted += 1
-                else:
-                    report.modified += 1
-        groups = {gid: tuple(sorted(r)) for gid, r in self.client.read_multicast_groups().items()}
-        for gid in groups.keys() - desired.groups.keys():
-            self.client.delete_multicast_group(gid)
-            report.groups_deleted += 1
-        for gid, replicas in desired.groups.items():
-            if groups.get(gid) != replicas:
-                self.client.set_multicast_group(gid, list(replicas))
-                report.groups_set += 1
-        return report
+        return reconcile_state(self.client, desired_state(self.config, jobs))
 
     def _put(self, entry: Entry, current: Entry | None) -> None:
-        if current == entry:
-            return
-        write = self.client.insert_entry if current is None else self.client.modify_entry
-        write(entry.table, dict(entry.match), entry.action, dict(entry.params))
+        _put(self.client, entry, current)
 
     def _actual_entries(self, tables: set[str]) -> dict[tuple, Entry]:
-        found: dict[tuple, Entry] = {}
-        for table in sorted(tables):
-            for view in self.client.read_entries(table):
-                entry = Entry.make(view.table, dict(view.match), view.action, dict(view.params))
-                found[entry.key] = entry
-        return found
+        return actual_entries(self.client, tables)
 
     def read_job_counters(self, job_id: int) -> dict[str, int]:
         """Packets counted per job counter (absolute; the daemon subtracts the job's baseline)."""

@@ -66,7 +66,8 @@ class KVWorker:
         socket already bound to the config's port (see :class:`Transport`)."""
         self.config = config if config is not None else config_from_env()
         self.mode = self.config.mode
-        self.num_workers = self.config.num_workers
+        #: The job's workers (over a tree of switches the whole job's, not this worker's leaf segment's).
+        self.num_workers = self.config.total_workers
         config = self.config
         #: Failover to the job's PS when the switch stays away (hoststack/failover.py); it waits for the
         #: other workers' votes as long as an exchange waits for a result.

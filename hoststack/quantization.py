@@ -45,9 +45,10 @@ def _fused(*arrays: np.ndarray) -> bool:
 
 
 def scale_bits(num_workers: int) -> int:
-    """P: the largest integer with ``num_workers * 2**P <= 2**31``."""
-    if not 1 <= num_workers <= wire.MAX_WORKERS:
-        raise ValueError(f"num_workers {num_workers} not in 1..{wire.MAX_WORKERS}")
+    """P: the largest integer with ``num_workers * 2**P <= 2**31``. ``num_workers`` is the whole job's, up to
+    ``wire.MAX_JOB_WORKERS`` over a tree of switches (docs/hierarchy.md): every level's partial stays below it."""
+    if not 1 <= num_workers <= wire.MAX_JOB_WORKERS:
+        raise ValueError(f"num_workers {num_workers} not in 1..{wire.MAX_JOB_WORKERS}")
     return 31 - (num_workers - 1).bit_length()
 
 

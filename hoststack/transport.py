@@ -359,7 +359,7 @@ class Transport:
         self.rounds = np.zeros(self.slot_count, np.uint16)
         self.seq = 0
         self.probe_seq = 0
-        self.encode = qz.factor_tables(self.num_workers)[:2]
+        self.encode = qz.factor_tables(config.total_workers)[:2]  # the whole job's (a tree: more than its leaf's)
         # Batched I/O (module docstring): segmented sends whose iovecs point at the rows above, coalesced
         # receives split into rows; else one send/recvfrom_into per packet.
         self._batched = mmsg.AVAILABLE

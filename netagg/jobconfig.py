@@ -101,6 +101,11 @@ class WorkerConfig:
     #: replicas), members of every switch group: the primary contributes zeros and receives the group's sum
     #: from the switch itself, so no worker pushes it (docs/mlfabric.md). The job's workers are the other ranks.
     ps_members: int = 0
+    #: A job over a tree of switches (docs/hierarchy.md): the whole job's worker count and this worker's rank
+    #: in it, while ``num_workers`` and ``rank`` are its leaf segment's (what the switch checks). 0 and -1:
+    #: the same as ``num_workers`` and ``rank`` (a job on one switch). Every worker quantizes for the whole job.
+    job_workers: int = 0
+    job_rank: int = -1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -158,9 +163,31 @@ class WorkerConfig:
             raise ConfigError(f"ps_members: expected an integer in 0..{self.num_workers - 1}, got {self.ps_members!r}")
         if self.ps_members and not self.switch_aggregation:
             raise ConfigError("ps_members: the PS is a member of the job's switch groups only with switch_aggregation")
+        for key in ("job_workers", "job_rank"):
+            if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int):
+                raise ConfigError(f"{key}: expected an integer, got {getattr(self, key)!r}")
+        if self.job_workers or self.job_rank != -1:
+            if not self.num_workers <= self.job_workers <= wire.MAX_JOB_WORKERS:
+                raise ConfigError(f"job_workers: {self.job_workers} not in {self.num_workers}..{wire.MAX_JOB_WORKERS} "
+                                  "(the whole job's workers, at least its segment's num_workers)")
+            if not 0 <= self.job_rank < self.job_workers:
+                raise ConfigError(f"job_rank: {self.job_rank} not in 0..{self.job_workers - 1}")
+            if self.mode != "allreduce" or self.update_mode != "sync" or self.senders or self.ps_members:
+                raise ConfigError("job_workers: a job over a tree of switches is a plain allreduce job (mode "
+                                  "allreduce, sync, every rank both sends and receives)")
         if self.ps_members and self.ps_members != 1 + len(self.replicas):
             raise ConfigError(f"ps_members: {self.ps_members}, but the job's PS chain has {1 + len(self.replicas)} "
                               "node(s) (the primary and its replicas)")
+
+    @property
+    def total_workers(self) -> int:
+        """The whole job's workers (``job_workers`` over a tree of switches): what values are quantized for."""
+        return self.job_workers or self.num_workers
+
+    @property
+    def global_rank(self) -> int:
+        """This worker's rank in the whole job (``job_rank`` over a tree of switches)."""
+        return self.job_rank if self.job_rank >= 0 else self.rank
 
     @property
     def training_workers(self) -> int:

@@ -30,6 +30,9 @@ NETAGG_TREE_UDP_PORT = 28901
 K = 64
 #: Largest number of workers in one job (one 32-bit bitmap word per slot and pool).
 MAX_WORKERS = 32
+#: Largest number of workers in a job over a tree of switches: 32 members per segment, three levels
+#: (docs/hierarchy.md). Quantization leaves one bit of headroom per doubling of it.
+MAX_JOB_WORKERS = MAX_WORKERS ** 3
 #: Pool versions per slot (SwitchML's shadow copies).
 NUM_POOLS = 2
 

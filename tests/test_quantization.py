@@ -51,13 +51,14 @@ def assert_within_bound(result: dict[str, np.ndarray], n: int) -> None:
 
 
 def test_scale_bits_is_the_largest_safe_power_of_two():
-    for n in range(1, 33):
+    for n in [*range(1, 65), 1000, 1024, 1025, wire.MAX_JOB_WORKERS]:  # past 32: jobs over a tree of switches
         p = qz.scale_bits(n)
         assert n * 2**p <= 2**31 < n * 2 ** (p + 1)
+    assert qz.scale_bits(wire.MAX_JOB_WORKERS) == 16  # three levels of 32: bfloat16's precision, still exact sums
     with pytest.raises(ValueError):
         qz.scale_bits(0)
     with pytest.raises(ValueError):
-        qz.scale_bits(33)
+        qz.scale_bits(wire.MAX_JOB_WORKERS + 1)
 
 
 def test_block_exponent_is_floor_log2_of_the_largest_magnitude():

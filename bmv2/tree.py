@@ -1,0 +1,164 @@
+"""An emulated tree of switches (docs/hierarchy.md): a namespace per switch and per host, veths between them.
+
+``EmulatedTree(workdir, topology)`` builds what a ``controller.topology.Topology`` describes on this
+machine: each switch its own software target process in its own namespace (ports named after the
+topology's port numbers), each host a namespace on its switch port, each parent link a veth pair
+between the two switches' namespaces (optionally shaped: the links between racks are the bottleneck of
+real clusters). Each switch gets its own primary P4Runtime session; the fabric's entries
+(``topology.fabric_state``) are installed on start, a job's (``topology.tree_state``) with
+:meth:`EmulatedTree.install_job`. Everything is torn down on exit, whatever happens.
+
+Not yet the controller's: it programs the switches directly from the topology module, as the controller
+will once it drives several switches (docs/hierarchy.md, "What comes next").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from netagg import dataplane as dp
+from netagg.bmv2.netns import SWITCH_MAC, LinkShape, ns_exec, remove_stale, run, shape_link
+from netagg.bmv2.targets import TargetProcess, start_target
+from netagg.controller.p4runtime_client import P4RuntimeClient
+from netagg.controller.switch_programmer import DesiredState, reconcile_state
+from netagg.controller.topology import (
+    Allocation,
+    Topology,
+    TreePlan,
+    TreeWorker,
+    fabric_state,
+    tree_state,
+)
+
+
+class EmulatedTree:
+    """The switches and hosts of ``topology`` in namespaces, the switches running ``target``."""
+
+    def __init__(self, workdir: Path, topology: Topology, prefix: str, target: str = "soft",
+                 link_shape: LinkShape | None = None, mtu: int = 1500) -> None:
+        if len(prefix) > 6:
+            raise ValueError("prefix must be at most 6 characters (interface names are short)")
+        self.workdir = workdir
+        self.topology = topology
+        self.prefix = prefix
+        self.target = target
+        self.link_shape = link_shape
+        self.mtu = mtu
+        self.switches: dict[str, TargetProcess] = {}
+        self.clients: dict[str, P4RuntimeClient] = {}
+        #: The entries each switch holds: the fabric's plus every installed job's.
+        self.state: dict[str, DesiredState] = {}
+        self._ports: dict[str, dict[int, str]] = {name: {} for name in topology.switches}
+
+    # -- names ---------------------------------------------------------------
+    def namespace_of(self, node: str) -> str:
+        """A switch's or host's namespace."""
+        return f"{self.prefix}-{node}"
+
+    def _port_ifname(self, switch: str, port: int) -> str:
+        index = list(self.topology.switches).index(switch)
+        return f"{self.prefix}s{index}p{port}"
+
+    def host_ifname(self, host: str) -> str:
+        return f"{self.prefix}h{list(self.topology.hosts).index(host)}"
+
+    def host_command(self, host: str, cmd: Sequence[str]) -> list[str]:
+        return ns_exec(self.namespace_of(host), cmd)
+
+    # -- lifecycle -----------------------------------------------------------
+    def __enter__(self) -> EmulatedTree:
+        try:
+            self._build()
+            self._start_switches()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for client in self.clients.values():
+            with contextlib.suppress(Exception):
+                client.close()
+        self.clients.clear()
+        for switch in self.switches.values():
+            with contextlib.suppress(Exception):
+                switch.stop()
+        self.switches.clear()
+        remove_stale(self.prefix + "-")
+
+    def _build(self) -> None:
+        remove_stale(self.prefix + "-")
+        for name in [*self.topology.switches, *self.topology.hosts]:
+            ns = self.namespace_of(name)
+            run(["ip", "netns", "add", ns])
+            run(ns_exec(ns, ["ip", "link", "set", "lo", "up"]))
+            run(ns_exec(ns, ["sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"]), check=False)
+        for switch in self.topology.switches.values():
+            if switch.parent is None:
+                continue
+            assert switch.up_port is not None and switch.parent_port is not None
+            up = self._veth(switch.name, switch.up_port, self.namespace_of(switch.parent),
+                            self._port_ifname(switch.parent, switch.parent_port))
+            self._ports[switch.parent][switch.parent_port] = self._port_ifname(switch.parent, switch.parent_port)
+            if self.link_shape is not None:  # both directions of the link between the racks
+                shape_link(self.namespace_of(switch.name), up, self.link_shape, self.mtu)
+                shape_link(self.namespace_of(switch.parent), self._port_ifname(switch.parent, switch.parent_port),
+                           self.link_shape, self.mtu)
+        for host in self.topology.hosts.values():
+            ns, ifname = self.namespace_of(host.name), self.host_ifname(host.name)
+            self._veth(host.switch, host.port, ns, ifname)
+            leaf = self.topology.switches[host.switch]
+            run(ns_exec(ns, ["ip", "link", "set", ifname, "address", host.mac]))
+            run(ns_exec(ns, ["ip", "addr", "add", f"{host.ip}/32", "dev", ifname]))
+            # Everything goes through the leaf: its aggregator address and every other host.
+            for ip in [leaf.aggregator_ip, *(h.ip for h in self.topology.hosts.values() if h is not host)]:
+                run(ns_exec(ns, ["ip", "route", "add", f"{ip}/32", "dev", ifname]))
+                run(ns_exec(ns, ["ip", "neigh", "replace", ip, "lladdr", SWITCH_MAC, "dev", ifname,
+                                 "nud", "permanent"]))
+
+    def _veth(self, switch: str, port: int, peer_ns: str, peer_ifname: str) -> str:
+        """A veth pair from ``switch``'s ``port`` to ``peer_ifname`` in ``peer_ns``, both ends up."""
+        mine = self._port_ifname(switch, port)
+        sw_ns = self.namespace_of(switch)
+        run(["ip", "link", "add", mine, "type", "veth", "peer", "name", peer_ifname])
+        run(["ip", "link", "set", mine, "netns", sw_ns])
+        run(["ip", "link", "set", peer_ifname, "netns", peer_ns])
+        for ns, ifname in ((sw_ns, mine), (peer_ns, peer_ifname)):
+            run(ns_exec(ns, ["ip", "link", "set", ifname, "mtu", str(self.mtu)]))
+            run(ns_exec(ns, ["ethtool", "-K", ifname, "tx", "off", "rx", "off", "tso", "off", "gso", "off"]),
+                check=False)
+            run(ns_exec(ns, ["ip", "link", "set", ifname, "up"]))
+        self._ports[switch][port] = mine
+        return mine
+
+    def _start_switches(self) -> None:
+        fabric = fabric_state(self.topology)
+        for name in self.topology.switches:
+            sock = self.workdir / f"{name}.p4rt.sock"
+            self.switches[name] = start_target(self.target, self._ports[name], self.workdir / f"{name}.log",
+                                               grpc_address=f"unix:{sock}", namespace=self.namespace_of(name))
+            client = P4RuntimeClient(self.switches[name].grpc_address, device_id=1, election_id=(0, 1))
+            client.connect()
+            client.set_pipeline(dp.P4INFO_PATH, b"")
+            self.clients[name] = client
+            self.state[name] = fabric[name]
+            reconcile_state(client, fabric[name])
+
+    # -- jobs ----------------------------------------------------------------
+    def install_job(self, plan: TreePlan, allocations: dict[str, Allocation], workers: Iterable[TreeWorker]) -> None:
+        """Add a job's entries (``tree_state``) to every switch of its tree."""
+        for name, job in tree_state(self.topology, plan, allocations, list(workers)).items():
+            merged = DesiredState(dict(self.state[name].entries), dict(self.state[name].groups))
+            merged.entries.update(job.entries)
+            merged.groups.update(job.groups)
+            reconcile_state(self.clients[name], merged)
+            self.state[name] = merged
+
+    def counters(self, switch: str, job_id: int) -> dict[str, int]:
+        """The job counters of one segment (packets since the switch started)."""
+        return {short: self.clients[switch].read_counter(name, job_id)[0] for short, name in dp.JOB_COUNTERS.items()}

@@ -1,0 +1,91 @@
+"""A job over two racks on an emulated tree of switches: three software targets in their own namespaces,
+each programmed over its own P4Runtime session with the entries ``controller.topology`` computes, and four
+workers (two per rack) running the host stack's allreduce through their leaf switches.
+
+Every worker must get the same result, bit for bit what the job's four contributions give when summed at
+one place (``hoststack.testing.expected_allreduce``: the quantized sum of all four, dequantized), and each
+switch must have summed each round once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks.allreduce_worker import tensor_for
+from netagg import dataplane as dp
+from netagg import wire
+from netagg.bmv2.netns import LinkShape, can_create_namespaces, list_namespaces
+from netagg.bmv2.tree import EmulatedTree
+from netagg.controller.topology import Allocation, TreeWorker, parse_topology, plan_tree
+from netagg.hoststack.testing import expected_allreduce
+from netagg.jobconfig import Endpoint, WorkerConfig
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
+
+TOPOLOGY = {
+    "switches": {
+        "root": {"grpc_address": "unix:/unused", "aggregator": {"ip": "10.70.0.254", "mac": "02:00:00:70:00:fe"}},
+        "rack0": {"grpc_address": "unix:/unused", "aggregator": {"ip": "10.71.0.254", "mac": "02:00:00:71:00:fe"},
+                  "parent": {"switch": "root", "up_port": 9, "port": 1}},
+        "rack1": {"grpc_address": "unix:/unused", "aggregator": {"ip": "10.72.0.254", "mac": "02:00:00:72:00:fe"},
+                  "parent": {"switch": "root", "up_port": 9, "port": 2}},
+    },
+    "hosts": [{"name": f"w{r}", "switch": f"rack{r // 2}", "port": 1 + r % 2, "ip": f"10.7{1 + r // 2}.0.{1 + r % 2}",
+               "mac": f"02:00:00:7{1 + r // 2}:00:{1 + r % 2:02x}"} for r in range(4)],
+}
+SIZE = 20_000
+
+
+def test_a_job_over_two_racks_gets_the_exact_sum_through_a_tree_of_three_switches(tmp_path):
+    ok, why = can_create_namespaces()
+    if not ok:
+        pytest.skip(f"emulated tree: {why}")
+    topo = parse_topology(TOPOLOGY, "<test>")
+    workers = [TreeWorker(r, f"w{r}", 41000 + r) for r in range(4)]
+    plan = plan_tree(topo, workers)
+    assert plan.root == "root" and set(plan.segments) == {"root", "rack0", "rack1"}
+    allocations = {"root": Allocation(7, 32, 64, 3001), "rack0": Allocation(3, 0, 64, 3002),
+                   "rack1": Allocation(9, 64, 64, 3003)}
+    prefix = f"tt{os.getpid() % 10000}"
+    # The links between the racks and the root at 200 Mbit/s: shaped, as the bottleneck they are.
+    with EmulatedTree(tmp_path, topo, prefix, link_shape=LinkShape(200.0, 0.0, 1000)) as tree:
+        tree.install_job(plan, allocations, workers)
+        procs = []
+        for w in workers:
+            leaf = topo.hosts[w.host].switch
+            members = plan.segments[leaf].members
+            config = WorkerConfig(
+                job_id=allocations[leaf].job_id, rank=next(m.local_rank for m in members if m.rank == w.rank),
+                num_workers=len(members), slot_count=64, mode="allreduce",
+                aggregator=Endpoint(topo.switches[leaf].aggregator_ip, wire.NETAGG_UDP_PORT),
+                bind=Endpoint(topo.hosts[w.host].ip, w.udp_port), failover_after=0,
+                job_workers=len(workers), job_rank=w.rank)
+            path = tmp_path / f"w{w.rank}.yaml"
+            config.save(path)
+            procs.append(subprocess.Popen(tree.host_command(w.host, [
+                sys.executable, "-m", "benchmarks.allreduce_worker", "--netagg", str(path), "--size", str(SIZE),
+                "--iterations", "2"]), cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        counters = {name: tree.counters(name, allocations[name].job_id) for name in plan.segments}
+        namespaces = [ns for ns in list_namespaces() if ns.startswith(prefix + "-")]
+        assert len(namespaces) == 7  # three switches, four hosts
+    expected, _ = expected_allreduce([tensor_for(r, SIZE) for r in range(4)])
+    digest = hashlib.sha256(np.ascontiguousarray(expected, np.float32).tobytes()).hexdigest()
+    assert [r["digest"] for r in results] == [digest] * 4  # bit-identical, on every worker
+    # Every round completed once at every level: the root's results are each leaf's (a leaf counts a round
+    # when the root's result comes down), and a leaf's partial went up once per round, resends aside.
+    results_at = {name: seen["results"] for name, seen in counters.items()}
+    assert len(set(results_at.values())) == 1 and results_at["root"] >= 3 * SIZE // wire.K, results_at
+    assert counters["root"]["contributions"] == 2 * counters["root"]["results"]
+    assert not [ns for ns in list_namespaces() if ns.startswith(prefix + "-")]
