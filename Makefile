@@ -7,7 +7,7 @@ DEMO_STAMP := $(VENV)/.demo-stamp
 TARGET ?= soft
 PYTEST_ARGS ?=
 
-.PHONY: setup build build-tofino p4info test ptf demo bench bench-switch bench-tenants bench-sparse chaos soak-mlfabric lint clean
+.PHONY: setup build build-tofino p4info test ptf demo bench bench-switch bench-tenants bench-sparse bench-tree chaos soak-mlfabric lint clean
 
 $(VENV)/.created:
 	@scripts/setup-system.sh
@@ -61,6 +61,10 @@ bench-switch: build
 ## bench: allreduce on the emulated cluster: netagg vs PS fallback vs Gloo ring (root; torch optional)
 bench: setup
 	$(BIN)/python -m benchmarks.cluster_allreduce
+
+## bench-tree: a job over two racks through a tree of switches vs one switch vs Gloo's ring across the racks (root)
+bench-tree: setup
+	$(BIN)/python -m benchmarks.tree_allreduce $(TREE_ARGS)
 
 ## bench-sparse: Libra: a sparse model's embedding table aggregated all-PS, Libra (hot rows in the switch), dense (root)
 bench-sparse: setup
