@@ -51,6 +51,13 @@ def _parser() -> argparse.ArgumentParser:
     shell.add_argument("--election-id", type=int, help="the shell's election id, below the controller's "
                        "(default: the controller's minus 1)")
 
+    topo = top.add_parser("topology", help="a tree of switches (docs/hierarchy.md): check a topology file, plan a "
+                          "job's tree").add_subparsers(dest="action", required=True)
+    check = topo.add_parser("check", help="validate a topology file (configs/topology.yaml) and summarize it")
+    check.add_argument("file", type=Path)
+    plan = topo.add_parser("plan", help="the tree a job over these hosts would use: its segments and their members")
+    plan.add_argument("file", type=Path)
+    plan.add_argument("--hosts", required=True, help="the workers' hosts in rank order, comma-separated")
     job = top.add_parser("job", help="tenant jobs").add_subparsers(dest="action", required=True)
     create = job.add_parser("create", help="admit a job and program the switch")
     create.add_argument("--name", default="job")
@@ -319,6 +326,30 @@ def _job_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _topology_command(args: argparse.Namespace) -> int:
+    """``topology check`` and ``topology plan``: read the file, no switch or daemon needed."""
+    from netagg.controller.topology import TreeWorker, load_topology, plan_tree
+
+    topo = load_topology(args.file)
+    if args.action == "check":
+        print(f"{args.file}: {len(topo.switches)} switch(es), {len(topo.hosts)} host(s)")
+        for switch in sorted(topo.switches.values(), key=lambda s: (len(topo.path_to_root(s.name)), s.name)):
+            hosts = sum(1 for h in topo.hosts.values() if h.switch == switch.name)
+            up = (f", up port {switch.up_port} to {switch.parent} port {switch.parent_port}"
+                  if switch.parent else " (root)")
+            print(f"  {switch.name}: {switch.grpc_address}, aggregator {switch.aggregator_ip}, {hosts} host(s){up}")
+        return 0
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    plan = plan_tree(topo, [TreeWorker(rank, host, 0) for rank, host in enumerate(hosts)])
+    print(f"{len(hosts)} worker(s), {len(plan.segments)} segment(s), root {plan.root}")
+    for name, segment in plan.segments.items():
+        members = ", ".join(f"{m.local_rank}=" + (f"switch {m.switch}" if m.switch else f"rank {m.rank} ({m.host})")
+                            for m in segment.members)
+        parent = f", rank {plan.rank_at_parent(name)} in {segment.parent}" if segment.parent else ""
+        print(f"  {name}{parent}: {members}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -331,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.area == "switch":
             return _switch_shell(args)
+        if args.area == "topology":
+            return _topology_command(args)
         return _job_command(args)
     except ApiError as err:
         print(f"netagg: {err}", file=sys.stderr)

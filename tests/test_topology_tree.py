@@ -235,3 +235,16 @@ def test_64_workers_in_two_racks_get_the_exact_sum_through_three_switches(engine
     # Each level summed each of its members once per round: 4 rounds at each switch.
     for name in allocations:
         assert fabric.pipes[name].state.counter_total(dp.COUNTER_JOB_RESULTS) == 4, name
+
+
+def test_the_cli_checks_the_committed_topology_and_plans_a_job(capsys):
+    from netagg.controller.cli import main
+
+    path = dp.REPO_ROOT / "configs" / "topology.yaml"
+    assert main(["topology", "check", str(path)]) == 0
+    assert "3 switch(es), 4 host(s)" in capsys.readouterr().out
+    assert main(["topology", "plan", str(path), "--hosts", "r0h0,r1h0,r0h1"]) == 0
+    out = capsys.readouterr().out
+    assert "root root" in out and "rack1, rank 1 in root: 0=rank 1 (r1h0)" in out
+    assert main(["topology", "plan", str(path), "--hosts", "r0h0,nobody"]) == 2
+    assert "unknown host 'nobody'" in capsys.readouterr().err
