@@ -322,3 +322,32 @@ class SixtyFourWorkersThroughATwoLevelTree(_Tree):
             got[key] = (pkt[Netagg], pkt[Netagg].payload.values)
         self.assertFalse(wanted - set(got), f"{len(wanted - set(got))} workers got no result")
         return got
+
+
+class TwoTenantsShareTheUpLink(_Tree):
+    """Two tenants' leaf segments behind the same up port, to parent jobs 77 and 78: each parent result goes to
+    its own tenant's workers only, and one tenant's result changes nothing of the other's round."""
+
+    def runTest(self) -> None:
+        tenant_a = make_workers(2)
+        tenant_b = make_workers(2, first_ip=20, udp_base=42000)
+        job_a = self.add_job(tenant_a, slot_base=0)
+        job_b = self.add_job(tenant_b, slot_base=4)
+        self.add_links(job_a, PARENT_PORT, PARENT_IP, 77, 0)
+        self.add_links(job_b, PARENT_PORT, PARENT_IP, 78, 1)
+        for job, workers, value, parent_job, rank in ((job_a, tenant_a, 1, 77, 0), (job_b, tenant_b, 2, 78, 1)):
+            packets = [contribution(job, w, [value] * wire.K) for w in workers]
+            for w, p in zip(workers, packets):
+                self.send(w.port, p)
+            self.expect(PARENT_PORT, self.up_for(packets[-1], [2 * value] * wire.K, 0, parent_job=parent_job,
+                                                 parent_rank=rank))
+        before_a = self.job_counters(job_a)
+        down_b = self.down([222] * wire.K, 0, job_id=78)
+        self.send(PARENT_PORT, down_b)
+        self.expect_on_ports([(w.port, self.down_result(down_b, job_b, w, [222] * wire.K, 0)) for w in tenant_b])
+        self.expect_nothing()
+        self.assertEqual(self.job_counters(job_a), before_a)  # tenant A's round is still up, untouched
+        down_a = self.down([111] * wire.K, 0, job_id=77)
+        self.send(PARENT_PORT, down_a)
+        self.expect_on_ports([(w.port, self.down_result(down_a, job_a, w, [111] * wire.K, 0)) for w in tenant_a])
+        self.expect_nothing()
