@@ -15,6 +15,7 @@ Prints one JSON object per step (rank 0 only by default) and a final summary lin
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -152,18 +153,21 @@ def train_worker(config_path: str, steps: int, seed: int = 0, report_every: int 
     loss = float("nan")
     try:
         for step in range(steps):
-            idx = batch_indices(step, config.rank, config.num_workers, len(data.x_train), seed)
+            # The whole job's rank and size (a job over a tree of switches: not its leaf segment's).
+            idx = batch_indices(step, config.global_rank, config.total_workers, len(data.x_train), seed)
             loss, grads = loss_and_grads(params, data.x_train[idx], data.y_train[idx])
             total = worker.allreduce(flatten(grads))
-            mean = unflatten(total / config.num_workers, params)
+            mean = unflatten(total / config.total_workers, params)
             params = [p - LEARNING_RATE * g for p, g in zip(params, mean)]
-            if not quiet and step % report_every == 0 and config.rank == 0:
+            if not quiet and step % report_every == 0 and config.global_rank == 0:
                 print(json.dumps({"step": step, "loss": round(loss, 4), **transfer_stats(worker)}), flush=True)
-        result = {"rank": config.rank, "steps": steps, "loss": loss,
+        result = {"rank": config.global_rank, "steps": steps, "loss": loss,
                   "test_loss": loss_and_grads(params, data.x_test, data.y_test)[0],
                   "test_accuracy": accuracy(params, data.x_test, data.y_test),
                   "seconds": time.perf_counter() - started,
-                  "param_checksum": float(sum(float(np.abs(p).sum()) for p in params)), **transfer_stats(worker)}
+                  "param_checksum": float(sum(float(np.abs(p).sum()) for p in params)),
+                  "param_digest": hashlib.sha256(flatten(params).astype(np.float32).tobytes()).hexdigest(),
+                  **transfer_stats(worker)}
     finally:
         worker.close()
     print(json.dumps({"final": result}), flush=True)

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,3 +90,55 @@ def test_a_job_over_two_racks_gets_the_exact_sum_through_a_tree_of_three_switche
     assert len(set(results_at.values())) == 1 and results_at["root"] >= 3 * SIZE // wire.K, results_at
     assert counters["root"]["contributions"] == 2 * counters["root"]["results"]
     assert not [ns for ns in list_namespaces() if ns.startswith(prefix + "-")]
+
+
+def _train(tree: EmulatedTree, workdir: Path, steps: int) -> list[dict]:
+    """The demo model (examples/mlp_digits.py), one worker per host of ``tree``, every rank's final line."""
+    topo = tree.topology
+    workers = [TreeWorker(r, f"w{r}", 41000 + r) for r in range(len(topo.hosts))]
+    plan = plan_tree(topo, workers)
+    allocations = {name: Allocation(3 + i, 0, 64, 5000 + i) for i, name in enumerate(plan.segments)}
+    tree.install_job(plan, allocations, workers)
+    procs = []
+    for w in workers:
+        leaf = topo.hosts[w.host].switch
+        members = plan.segments[leaf].members
+        tree_fields = {"job_workers": len(workers), "job_rank": w.rank} if len(plan.segments) > 1 else {}
+        config = WorkerConfig(job_id=allocations[leaf].job_id,
+                              rank=next(m.local_rank for m in members if m.rank == w.rank),
+                              num_workers=len(members), slot_count=64, mode="allreduce",
+                              aggregator=Endpoint(topo.switches[leaf].aggregator_ip, wire.NETAGG_UDP_PORT),
+                              bind=Endpoint(topo.hosts[w.host].ip, w.udp_port), failover_after=0, **tree_fields)
+        path = workdir / f"{tree.prefix}-train{w.rank}.yaml"
+        config.save(path)
+        procs.append(subprocess.Popen(tree.host_command(w.host, [
+            sys.executable, str(dp.REPO_ROOT / "examples" / "mlp_digits.py"), "--config", str(path),
+            "--steps", str(steps), "--quiet"]), cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    finals = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        finals.append(json.loads(out.strip().splitlines()[-1])["final"])
+    return finals
+
+
+def test_the_demo_model_trains_bit_identically_over_two_racks_and_through_one_switch(tmp_path):
+    """The same 4-worker training (examples/mlp_digits.py) over a tree of three switches and through one
+    switch: every worker ends with the same parameters, bit for bit, in both, and the model learned."""
+    ok, why = can_create_namespaces()
+    if not ok:
+        pytest.skip(f"emulated tree: {why}")
+    pytest.importorskip("sklearn")
+    two_racks = parse_topology(TOPOLOGY, "<test>")
+    one_switch = parse_topology({"switches": {"rack0": TOPOLOGY["switches"]["rack0"] | {"parent": None}},
+                                 "hosts": [h | {"switch": "rack0", "port": 1 + i, "ip": f"10.71.0.{1 + i}"}
+                                           for i, h in enumerate(TOPOLOGY["hosts"])]}, "<test>")
+    prefix = f"tm{os.getpid() % 10000}"
+    with EmulatedTree(tmp_path, two_racks, prefix) as tree:
+        over_tree = _train(tree, tmp_path, steps=40)
+    with EmulatedTree(tmp_path, one_switch, prefix) as flat:
+        through_one = _train(flat, tmp_path, steps=40)
+    digests = {r["param_digest"] for r in over_tree + through_one}
+    assert len(digests) == 1, [(r["rank"], r["param_digest"][:12]) for r in over_tree + through_one]
+    assert over_tree[0]["test_accuracy"] == through_one[0]["test_accuracy"] > 0.8
