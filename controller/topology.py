@@ -160,11 +160,7 @@ def parse_topology(data: Any, source: str) -> Topology:
     switches: dict[str, TopoSwitch] = {}
     for name, spec in raw_switches.items():
         where = f"switches.{name}"
-        if not isinstance(spec, dict):
-            raise fail(where, "expected a mapping")
-        for key in spec:
-            if key not in _SWITCH_KEYS:
-                raise fail(f"{where}.{key}", f"unknown key (allowed: {', '.join(sorted(_SWITCH_KEYS))})")
+        _check_mapping(spec, where, _SWITCH_KEYS, fail)
         address = _string(spec, "grpc_address", where, fail)
         if not _ADDRESS.match(address):
             raise fail(f"{where}.grpc_address", f"{address!r} is not host:port or unix:/path")
@@ -194,11 +190,7 @@ def parse_topology(data: Any, source: str) -> Topology:
         raise fail("hosts", "expected a list")
     for i, item in enumerate(items):
         where = f"hosts[{i}]"
-        if not isinstance(item, dict):
-            raise fail(where, "expected a mapping")
-        for key in item:
-            if key not in _HOST_KEYS:
-                raise fail(f"{where}.{key}", f"unknown key (allowed: {', '.join(sorted(_HOST_KEYS))})")
+        _check_mapping(item, where, _HOST_KEYS, fail)
         name = _string(item, "name", where, fail)
         if name in hosts:
             raise fail(f"{where}.name", f"duplicate host {name!r}")
@@ -210,6 +202,14 @@ def parse_topology(data: Any, source: str) -> Topology:
                                _mac(_string(item, "mac", where, fail), f"{where}.mac", fail))
     _check_ports_and_addresses(switches, hosts, fail)
     return Topology(source, switches, hosts)
+
+
+def _check_mapping(node: Any, where: str, allowed: set[str], fail) -> None:
+    if not isinstance(node, dict):
+        raise fail(where, "expected a mapping")
+    for key in node:
+        if key not in allowed:
+            raise fail(f"{where}.{key}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
 
 
 def _string(node: Mapping, key: str, where: str, fail) -> str:

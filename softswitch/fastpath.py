@@ -88,17 +88,24 @@ class FastRegisters:
                 "values": self.values.copy()}
 
 
+def _by_job_id(state: ForwardingState, table: str, action: str, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A table keyed by the job id alone as two arrays indexed by it: hit, and the action's parameters."""
+    valid = np.zeros(1 << 16, np.bool_)
+    params = np.zeros((1 << 16, width), np.int64)
+    for e in state.table(table).entries():
+        if e.result[0] == action:
+            (job,) = e.key
+            valid[job] = True
+            params[job] = e.params
+    return valid, params
+
+
 class CompiledTables:
     """The tables and multicast groups of a ``ForwardingState`` as the kernels' arrays."""
 
     def __init__(self, state: ForwardingState) -> None:
-        self.job_valid = np.zeros(1 << 16, np.bool_)
-        self.job_params = np.zeros((1 << 16, 5), np.int64)
-        for e in state.table(dp.TABLE_JOBS).entries():
-            if e.result[0] == dp.ACTION_SET_JOB:
-                (job,) = e.key
-                self.job_valid[job] = True
-                self.job_params[job] = e.params  # num_workers, slot_base, slot_count, mgid, generation
+        # num_workers, slot_base, slot_count, mgid, generation
+        self.job_valid, self.job_params = _by_job_id(state, dp.TABLE_JOBS, dp.ACTION_SET_JOB, 5)
         workers = [e for e in state.table(dp.TABLE_WORKERS).entries() if e.result[0] == dp.ACTION_SET_WORKER]
         size = _hash_size(len(workers))
         self.w_keys = np.full((size, 2), -1, np.int64)
@@ -155,13 +162,8 @@ class CompiledTables:
             items.extend(groups.get(gid, ()))
         self.grp_off[top + 1] = len(items)
         self.grp_items = np.array(items, np.int64).reshape(-1, 2)
-        self.up_valid = np.zeros(1 << 16, np.bool_)
-        self.up_params = np.zeros((1 << 16, 5), np.int64)
-        for e in state.table(dp.TABLE_UP_LINKS).entries():
-            if e.result[0] == dp.ACTION_SET_UP_LINK:
-                (job,) = e.key
-                self.up_valid[job] = True
-                self.up_params[job] = e.params  # port, parent_job, parent_rank, parent_mac, parent_addr
+        # port, parent_job, parent_rank, parent_mac, parent_addr
+        self.up_valid, self.up_params = _by_job_id(state, dp.TABLE_UP_LINKS, dp.ACTION_SET_UP_LINK, 5)
         downs = [e for e in state.table(dp.TABLE_DOWN_LINKS).entries() if e.result[0] == dp.ACTION_SET_DOWN_LINK]
         size = _hash_size(len(downs))
         self.dn_keys = np.full((size, 2), -1, np.int64)
