@@ -31,6 +31,7 @@ from netagg.controller.topology import (
     fabric_state,
     tree_state,
 )
+from netagg.controller.tree_programmer import install_tree_job, remove_tree_job
 
 
 class EmulatedTree:
@@ -150,14 +151,17 @@ class EmulatedTree:
             reconcile_state(client, fabric[name])
 
     # -- jobs ----------------------------------------------------------------
-    def install_job(self, plan: TreePlan, allocations: dict[str, Allocation], workers: Iterable[TreeWorker]) -> None:
-        """Add a job's entries (``tree_state``) to every switch of its tree."""
-        for name, job in tree_state(self.topology, plan, allocations, list(workers)).items():
-            merged = DesiredState(dict(self.state[name].entries), dict(self.state[name].groups))
-            merged.entries.update(job.entries)
-            merged.groups.update(job.groups)
-            reconcile_state(self.clients[name], merged)
-            self.state[name] = merged
+    def install_job(self, plan: TreePlan, allocations: dict[str, Allocation], workers: Iterable[TreeWorker],
+                    ) -> dict[str, DesiredState]:
+        """Add a job's entries (``tree_state``) to every switch of its tree, root first, all or nothing
+        (``tree_programmer``); returns the job's share of each switch (for :meth:`remove_job`)."""
+        job = tree_state(self.topology, plan, allocations, list(workers))
+        self.state = install_tree_job(self.clients, self.state, job, plan.switches)
+        return job
+
+    def remove_job(self, plan: TreePlan, job: dict[str, DesiredState]) -> None:
+        """Take a job's entries off every switch of its tree, leaves first."""
+        self.state = remove_tree_job(self.clients, self.state, job, plan.switches)
 
     def counters(self, switch: str, job_id: int) -> dict[str, int]:
         """The job counters of one segment (packets since the switch started)."""

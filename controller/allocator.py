@@ -98,3 +98,46 @@ class SlotAllocator:
         if after and after.base == end:
             end, stop = after.end, i + 1
         self._free[start:stop] = [SlotRange(base, end - base)]
+
+
+class FabricAllocator:
+    """Slots on several switches at once: a job over a tree of switches takes the same number of slots on every
+    switch of its tree, or none anywhere (docs/hierarchy.md)."""
+
+    def __init__(self, capacities: dict[str, int]) -> None:
+        self.allocators = {switch: SlotAllocator(capacity) for switch, capacity in capacities.items()}
+
+    def allocate(self, switches: list[str], want: int, minimum: int | None = None) -> dict[str, SlotRange] | None:
+        """Reserve ``n`` contiguous slots on each of ``switches``, with ``n`` the most up to ``want`` that all of
+        them have (at least ``minimum``, default ``want``); None, and nothing reserved, where they have not."""
+        if want < 1:
+            raise AllocationError(f"cannot allocate {want} slots")
+        minimum = want if minimum is None else minimum
+        if not 1 <= minimum <= want:
+            raise AllocationError(f"minimum {minimum} must be in 1..{want}")
+        unknown = [s for s in switches if s not in self.allocators]
+        if unknown or not switches:
+            raise AllocationError(f"unknown switch(es) {unknown}" if unknown else "no switches")
+        count = min(want, *(self.allocators[s].largest_free() for s in switches))
+        if count < minimum:
+            return None
+        taken: dict[str, SlotRange] = {}
+        try:
+            for switch in switches:
+                got = self.allocators[switch].allocate(count)
+                if got is None:  # cannot happen (the count fits every switch's largest range): undo anyway
+                    raise AllocationError(f"switch {switch} could not give {count} slots")
+                taken[switch] = got
+        except BaseException:
+            self.release(taken)
+            raise
+        return taken
+
+    def release(self, taken: dict[str, SlotRange]) -> None:
+        for switch, slots in taken.items():
+            self.allocators[switch].release(slots)
+
+    def reserve(self, taken: dict[str, SlotRange]) -> None:
+        """Mark ranges used (restoring a tree job from the database)."""
+        for switch, slots in taken.items():
+            self.allocators[switch].reserve(slots)

@@ -248,3 +248,19 @@ def test_the_cli_checks_the_committed_topology_and_plans_a_job(capsys):
     assert "root root" in out and "rack1, rank 1 in root: 0=rank 1 (r1h0)" in out
     assert main(["topology", "plan", str(path), "--hosts", "r0h0,nobody"]) == 2
     assert "unknown host 'nobody'" in capsys.readouterr().err
+
+
+def test_a_tree_takes_the_same_slots_on_every_switch_or_none():
+    from netagg.controller.allocator import FabricAllocator, SlotRange
+
+    fabric = FabricAllocator({"root": 64, "rack0": 64, "rack1": 64})
+    fabric.allocators["rack1"].allocate(40)  # another job's
+    got = fabric.allocate(["root", "rack0", "rack1"], want=32, minimum=8)
+    assert {s: r.count for s, r in got.items()} == {"root": 24, "rack0": 24, "rack1": 24}  # what all of them have
+    free = {s: a.free_slots for s, a in fabric.allocators.items()}
+    assert fabric.allocate(["root", "rack0", "rack1"], want=16) is None  # rack1 is full: nothing taken anywhere
+    assert {s: a.free_slots for s, a in fabric.allocators.items()} == free
+    fabric.release(got)
+    assert fabric.allocators["root"].free_ranges == (SlotRange(0, 64),)
+    with pytest.raises(ValueError, match="unknown switch"):
+        fabric.allocate(["root", "nowhere"], want=4)

@@ -142,3 +142,38 @@ def test_the_demo_model_trains_bit_identically_over_two_racks_and_through_one_sw
     digests = {r["param_digest"] for r in over_tree + through_one}
     assert len(digests) == 1, [(r["rank"], r["param_digest"][:12]) for r in over_tree + through_one]
     assert over_tree[0]["test_accuracy"] == through_one[0]["test_accuracy"] > 0.8
+
+
+def test_a_job_is_on_all_of_its_switches_or_on_none(tmp_path):
+    """A switch of the tree that cannot take its share: the others are put back as they were (root first, so
+    the leaves' partials never meet a missing parent segment); then the job installs and is removed cleanly."""
+    ok, why = can_create_namespaces()
+    if not ok:
+        pytest.skip(f"emulated tree: {why}")
+    from netagg.controller.errors import P4RuntimeError
+    from netagg.controller.switch_programmer import MANAGED_TABLES, actual_entries
+
+    topo = parse_topology(TOPOLOGY, "<test>")
+    workers = [TreeWorker(r, f"w{r}", 41000 + r) for r in range(4)]
+    plan = plan_tree(topo, workers)
+    allocations = {"root": Allocation(7, 0, 8, 1), "rack0": Allocation(3, 0, 8, 2), "rack1": Allocation(9, 0, 8, 3)}
+    assert plan.switches == ["root", "rack0", "rack1"]
+
+    def held(tree: EmulatedTree, name: str) -> tuple:
+        client = tree.clients[name]
+        return actual_entries(client, set(MANAGED_TABLES)), client.read_multicast_groups()
+
+    with EmulatedTree(tmp_path, topo, f"tr{os.getpid() % 10000}") as tree:
+        fabric = {name: held(tree, name) for name in ("root", "rack0")}
+        assert not fabric["root"][1]  # no job yet: no group
+        tree.switches["rack1"].stop()  # the last switch of the tree is gone
+        with pytest.raises(P4RuntimeError):
+            tree.install_job(plan, allocations, workers)
+        for name in ("root", "rack0"):
+            assert held(tree, name) == fabric[name], name  # put back: no entry, no group of the job
+        # A tree whose switches all answer takes it, and gives it back.
+        small = plan_tree(topo, workers[:2])  # rack0 alone: one segment
+        job = tree.install_job(small, {"rack0": allocations["rack0"]}, workers[:2])
+        assert held(tree, "rack0") != fabric["rack0"]
+        tree.remove_job(small, job)
+        assert held(tree, "rack0") == fabric["rack0"]
