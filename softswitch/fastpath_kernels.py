@@ -225,8 +225,9 @@ def ipv4_forward(b, frame, route_vm, route_out):
 
 
 @njit(cache=True, inline="always")
-def worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals):
+def worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals, down):
     """WorkerLookup: jobs, workers (keyed by the ingress port too), then the slot/pool/rank/member checks.
+    ``down``: a parent's result (tree_links.p4), which has no sender to look up or check.
 
     Returns (drop reason, num_workers, slot_index, mgid, generation, worker_mask)."""
     zero = np.int64(0)
@@ -238,31 +239,33 @@ def worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals):
     slot_count = job_params[job, 2]
     mgid = job_params[job, 3]
     generation = job_params[job, 4]
-    key = (job << 48) | (_u16(b, UDP) << 32) | _u32(b, IP + 12)
-    mask = w_keys.shape[0] - 1
-    h = _slot_of(key ^ (np.int64(ingress) << 20), mask)
     found = -1
-    while w_keys[h, 1] != -1:
-        if w_keys[h, 0] == key and w_keys[h, 1] == ingress:
-            found = h
-            break
-        h = (h + 1) & mask
+    if not down:
+        key = (job << 48) | (_u16(b, UDP) << 32) | _u32(b, IP + 12)
+        mask = w_keys.shape[0] - 1
+        h = _slot_of(key ^ (np.int64(ingress) << 20), mask)
+        while w_keys[h, 1] != -1:
+            if w_keys[h, 0] == key and w_keys[h, 1] == ingress:
+                found = h
+                break
+            h = (h + 1) & mask
     slot_rel = _u16(b, NA + 4)
     members = _u32(b, NA + 16)
     drop = D_NONE
-    if found < 0:
+    if not down and found < 0:
         drop = D_UNKNOWN_WORKER
     elif slot_rel >= slot_count:
         drop = D_SLOT_RANGE
     elif b[NA + 6] >= 2:
         drop = D_BAD_POOL
-    elif np.int64(b[NA + 7]) != w_vals[found, 0]:
+    elif not down and np.int64(b[NA + 7]) != w_vals[found, 0]:
         drop = D_RANK
-    elif members != 0 and (members & w_vals[found, 1]) == 0:
+    elif not down and members != 0 and (members & w_vals[found, 1]) == 0:
         drop = D_NOT_MEMBER
     if drop != D_NONE:
         return drop, zero, zero, zero, zero, zero
-    return D_NONE, num_workers, (slot_base + slot_rel) & 0xFFFFFFFF, mgid, generation, w_vals[found, 1]
+    mask_bit = zero if down else w_vals[found, 1]
+    return D_NONE, num_workers, (slot_base + slot_rel) & 0xFFFFFFFF, mgid, generation, mask_bit
 
 
 @njit(cache=True, inline="always")
@@ -433,34 +436,25 @@ def up_delivery(b, frame, up, fresh):
 
 
 @njit(cache=True, inline="always")
-def _down(b, frame, length, ingress, job_valid, job_params, counters, regs):
-    """NetaggIngress.apply for a parent's result (its job id already the local job's): the job, SlotOwner and
-    RoundCheck reading only, LevelState; stored and sent to the group while the round is UP, else a duplicate.
+def _down(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, counters, regs):
+    """NetaggIngress.apply for a parent's result (its job id already the local job's): WorkerLookup without a
+    sender, SlotOwner and RoundCheck reading only, LevelState; stored and sent to the group while the round is
+    UP, else a duplicate.
 
     Returns (egress_spec, to_group, mgid)."""
     regs_owner, regs_rounds, regs_exps, regs_values, regs_levels = regs[0], regs[1], regs[5], regs[6], regs[7]
     job = _u16(b, NA + 2)
-    zero = np.int64(0)
-    if not job_valid[job]:
-        _bump(counters[0], counters[1], D_UNKNOWN_JOB, length)
-        return DROP_PORT, False, zero
-    slot_rel = _u16(b, NA + 4)
-    pool = np.int64(b[NA + 6])
-    mgid = job_params[job, 3]
-    drop = D_NONE
-    if slot_rel >= job_params[job, 2]:
-        drop = D_SLOT_RANGE
-    elif pool >= 2:
-        drop = D_BAD_POOL
+    drop, _, slot_index, mgid, generation, _ = worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals, True)
     if drop != D_NONE:
-        _bump(counters[12], counters[13], job, length)
+        if drop != D_UNKNOWN_JOB:
+            _bump(counters[12], counters[13], job, length)
         _bump(counters[0], counters[1], drop, length)
         return DROP_PORT, False, mgid
-    slot_index = (job_params[job, 1] + slot_rel) & 0xFFFFFFFF
     if slot_index >= regs_owner.shape[0]:  # the controller never installs such a range
         return DROP_PORT, False, mgid
+    pool = np.int64(b[NA + 6])
     index = slot_index * POOLS + pool
-    if (np.int64(regs_owner[slot_index]) != job_params[job, 4]
+    if (np.int64(regs_owner[slot_index]) != generation
             or np.int64(regs_rounds[pool, slot_index]) != _u16(b, NA + 10)
             or regs_levels[index] != LEVEL_UP):
         _bump(counters[8], counters[9], job, length)
@@ -482,7 +476,7 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
     regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, regs_exps, regs_values, regs_levels = regs
     job = _u16(b, NA + 2)
     drop, num_workers, slot_index, mgid, generation, worker_mask = worker_lookup(
-        b, ingress, job_valid, job_params, w_keys, w_vals)
+        b, ingress, job_valid, job_params, w_keys, w_vals, False)
     round_state = ROUND_SAME
     index = np.int64(0)
     members = _u32(b, NA + 16)
@@ -566,7 +560,7 @@ def netagg_ingress(b, frame, length, ingress, tables, counters, regs):
         drop = D_RESULT_FROM_HOST
     elif down:
         _put16(b, NA + 2, down_job)  # from here on a packet of the local job
-        return _down(b, frame, length, ingress, job_valid, job_params, counters, regs)
+        return _down(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, counters, regs)
     else:
         return _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, up_valid, up_params,
                           counters, regs)

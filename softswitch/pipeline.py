@@ -243,28 +243,20 @@ class NetaggPipeline:
             meta.drop_reason = DropReason.UNKNOWN_JOB
             return
         meta.num_workers, meta.slot_base, meta.slot_count, meta.mgid, meta.generation = params
-        if meta.down:  # a parent's result: no sender to look up or check
-            if hdr[_SLOT] >= meta.slot_count:
-                meta.drop_reason = DropReason.SLOT_OUT_OF_RANGE
-            elif hdr[_POOL] >= wire.NUM_POOLS:
-                meta.drop_reason = DropReason.BAD_POOL
-            else:
-                meta.slot_index = (meta.slot_base + hdr[_SLOT]) & 0xFFFFFFFF
-                meta.pool_index = ((meta.slot_index << 1) + hdr[_POOL]) & 0xFFFFFFFF
-            return
-        src_addr = int.from_bytes(pkt.ipv4[8], "big")
-        action, params = self._workers.lookup((hdr[_JOB], src_addr, pkt.udp[0], ingress_port))
-        if action != dp.ACTION_SET_WORKER:
-            meta.drop_reason = DropReason.UNKNOWN_WORKER
-            return
-        meta.rank, meta.worker_mask = params
+        if not meta.down:  # a parent's result has no sender to look up or check
+            src_addr = int.from_bytes(pkt.ipv4[8], "big")
+            action, params = self._workers.lookup((hdr[_JOB], src_addr, pkt.udp[0], ingress_port))
+            if action != dp.ACTION_SET_WORKER:
+                meta.drop_reason = DropReason.UNKNOWN_WORKER
+                return
+            meta.rank, meta.worker_mask = params
         if hdr[_SLOT] >= meta.slot_count:
             meta.drop_reason = DropReason.SLOT_OUT_OF_RANGE
         elif hdr[_POOL] >= wire.NUM_POOLS:
             meta.drop_reason = DropReason.BAD_POOL
-        elif hdr[_RANK] != meta.rank:
+        elif not meta.down and hdr[_RANK] != meta.rank:
             meta.drop_reason = DropReason.RANK_MISMATCH
-        elif hdr[_MEMBERS] and not hdr[_MEMBERS] & meta.worker_mask:
+        elif not meta.down and hdr[_MEMBERS] and not hdr[_MEMBERS] & meta.worker_mask:
             meta.drop_reason = DropReason.NOT_A_MEMBER
         else:
             meta.slot_index = (meta.slot_base + hdr[_SLOT]) & 0xFFFFFFFF
