@@ -33,8 +33,7 @@ from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.netns import LinkShape, can_create_namespaces, ns_exec, shape_link
 from netagg.bmv2.tree import EmulatedTree
-from netagg.controller.topology import Allocation, Topology, TreeWorker, parse_topology, plan_tree
-from netagg.jobconfig import Endpoint, WorkerConfig
+from netagg.controller.topology import Allocation, Topology, TreeWorker, parse_topology, plan_tree, worker_config
 
 WORKER = [sys.executable, "-m", "benchmarks.allreduce_worker"]
 GLOO_PORT = 29500
@@ -108,14 +107,7 @@ def run_netagg(tree: EmulatedTree, workdir: Path, size: int, iterations: int, sl
     tree.install_job(plan, allocations, workers)
     procs = []
     for w in workers:
-        leaf = topo.hosts[w.host].switch
-        members = plan.segments[leaf].members
-        config = WorkerConfig(job_id=allocations[leaf].job_id,
-                              rank=next(m.local_rank for m in members if m.rank == w.rank),
-                              num_workers=len(members), slot_count=slots, mode="allreduce",
-                              aggregator=Endpoint(topo.switches[leaf].aggregator_ip, wire.NETAGG_UDP_PORT),
-                              bind=Endpoint(topo.hosts[w.host].ip, w.udp_port), failover_after=0,
-                              **({"job_workers": len(workers), "job_rank": w.rank} if len(plan.segments) > 1 else {}))
+        config = worker_config(topo, plan, allocations, w, len(workers))
         path = workdir / f"{tree.prefix}-w{w.rank}.yaml"
         config.save(path)
         procs.append(subprocess.Popen(tree.host_command(w.host, [*WORKER, "--netagg", str(path), "--size", str(size),

@@ -28,7 +28,7 @@ from typing import Any
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.controller.switch_programmer import DesiredState, Entry, ip_to_int, mac_to_int
-from netagg.jobconfig import ConfigError, read_yaml
+from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig, read_yaml
 
 _MAC = re.compile(r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$")
 _ADDRESS = re.compile(r"^([\w.\-\[\]:]+:\d+|unix:/\S+)$")
@@ -111,6 +111,14 @@ class TreePlan:
     @property
     def switches(self) -> list[str]:
         return list(self.segments)
+
+    def leaf_of(self, rank: int) -> tuple[str, int]:
+        """The switch whose segment has the job's worker ``rank``, and the worker's rank in that segment."""
+        for name, segment in self.segments.items():
+            for m in segment.members:
+                if m.rank == rank:
+                    return name, m.local_rank
+        raise KeyError(f"no worker of rank {rank} in the tree")
 
     def rank_at_parent(self, switch: str) -> int:
         """The local rank of ``switch``'s segment in its parent's."""
@@ -362,6 +370,20 @@ def tree_state(topology: Topology, plan: TreePlan, allocations: Mapping[str, All
                                  dp.ACTION_SET_DOWN_LINK, {"job": alloc.job_id}))
         states[name] = state
     return states
+
+
+def worker_config(topology: Topology, plan: TreePlan, allocations: Mapping[str, Allocation], worker: TreeWorker,
+                  job_workers: int, **options: Any) -> WorkerConfig:
+    """``worker``'s config for a job over ``plan``: its leaf segment's job id, rank and size (what the switch
+    checks) and aggregator address, and over several switches the whole job's size and its rank in it
+    (``job_workers``/``job_rank``: what it quantizes for). No PS, so no failover; ``options``: more fields."""
+    leaf, rank = plan.leaf_of(worker.rank)
+    tree = {"job_workers": job_workers, "job_rank": worker.rank} if len(plan.segments) > 1 else {}
+    return WorkerConfig(job_id=allocations[leaf].job_id, rank=rank, num_workers=len(plan.segments[leaf].members),
+                        slot_count=allocations[leaf].slot_count, mode="allreduce",
+                        aggregator=Endpoint(topology.switches[leaf].aggregator_ip, wire.NETAGG_UDP_PORT),
+                        bind=Endpoint(topology.hosts[worker.host].ip, worker.udp_port),
+                        **{"failover_after": 0, **tree, **options})
 
 
 def fabric_state(topology: Topology) -> dict[str, DesiredState]:

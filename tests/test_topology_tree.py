@@ -184,7 +184,7 @@ def _send(topo, plan, allocations, w: TreeWorker, values: np.ndarray, exponent: 
     """Worker ``w``'s packet into its leaf's port: its leaf segment's job id and its rank there."""
     host = topo.hosts[w.host]
     leaf = topo.switches[host.switch]
-    rank = next(m.local_rank for m in plan.segments[leaf.name].members if m.rank == w.rank)
+    _, rank = plan.leaf_of(w.rank)
     header = wire.Header(job_id=allocations[leaf.name].job_id, rank=rank, exponent=exponent, flags=flags, **fields)
     return (leaf.name, host.port, _frame(host.mac, leaf.aggregator_mac, host.ip, leaf.aggregator_ip, w.udp_port,
                                          wire.pack(header, values)))

@@ -24,9 +24,8 @@ from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.netns import LinkShape, can_create_namespaces, list_namespaces
 from netagg.bmv2.tree import EmulatedTree
-from netagg.controller.topology import Allocation, TreeWorker, parse_topology, plan_tree
+from netagg.controller.topology import Allocation, TreeWorker, parse_topology, plan_tree, worker_config
 from netagg.hoststack.testing import expected_allreduce
-from netagg.jobconfig import Endpoint, WorkerConfig
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -60,14 +59,8 @@ def test_a_job_over_two_racks_gets_the_exact_sum_through_a_tree_of_three_switche
         tree.install_job(plan, allocations, workers)
         procs = []
         for w in workers:
-            leaf = topo.hosts[w.host].switch
-            members = plan.segments[leaf].members
-            config = WorkerConfig(
-                job_id=allocations[leaf].job_id, rank=next(m.local_rank for m in members if m.rank == w.rank),
-                num_workers=len(members), slot_count=64, mode="allreduce",
-                aggregator=Endpoint(topo.switches[leaf].aggregator_ip, wire.NETAGG_UDP_PORT),
-                bind=Endpoint(topo.hosts[w.host].ip, w.udp_port), failover_after=0,
-                job_workers=len(workers), job_rank=w.rank)
+            config = worker_config(topo, plan, allocations, w, len(workers))
+            assert (config.num_workers, config.job_workers, config.job_rank) == (2, 4, w.rank)
             path = tmp_path / f"w{w.rank}.yaml"
             config.save(path)
             procs.append(subprocess.Popen(tree.host_command(w.host, [
@@ -101,14 +94,7 @@ def _train(tree: EmulatedTree, workdir: Path, steps: int) -> list[dict]:
     tree.install_job(plan, allocations, workers)
     procs = []
     for w in workers:
-        leaf = topo.hosts[w.host].switch
-        members = plan.segments[leaf].members
-        tree_fields = {"job_workers": len(workers), "job_rank": w.rank} if len(plan.segments) > 1 else {}
-        config = WorkerConfig(job_id=allocations[leaf].job_id,
-                              rank=next(m.local_rank for m in members if m.rank == w.rank),
-                              num_workers=len(members), slot_count=64, mode="allreduce",
-                              aggregator=Endpoint(topo.switches[leaf].aggregator_ip, wire.NETAGG_UDP_PORT),
-                              bind=Endpoint(topo.hosts[w.host].ip, w.udp_port), failover_after=0, **tree_fields)
+        config = worker_config(topo, plan, allocations, w, len(workers))
         path = workdir / f"{tree.prefix}-train{w.rank}.yaml"
         config.save(path)
         procs.append(subprocess.Popen(tree.host_command(w.host, [
