@@ -31,7 +31,7 @@ from pathlib import Path
 from benchmarks.cluster_allreduce import E_TCP, torch_available
 from netagg import dataplane as dp
 from netagg import wire
-from netagg.bmv2.netns import LinkShape, can_create_namespaces, ns_exec, shape_link
+from netagg.bmv2.netns import LinkShape, can_create_namespaces, ns_exec
 from netagg.bmv2.tree import EmulatedTree
 from netagg.controller.topology import Allocation, Topology, TreeWorker, parse_topology, plan_tree, worker_config
 
@@ -70,16 +70,9 @@ def topology(workers_per_rack: int, racks: int) -> Topology:
     return parse_topology({"switches": switches, "hosts": hosts}, "<bench>")
 
 
-def _shape_hosts(tree: EmulatedTree, rate: float) -> None:
-    shape = LinkShape(rate, 0.0, 1000)
-    for host in tree.topology.hosts.values():
-        shape_link(tree.namespace_of(host.name), tree.host_ifname(host.name), shape, tree.mtu)
-        shape_link(tree.namespace_of(host.switch), tree._port_ifname(host.switch, host.port), shape, tree.mtu)
-
-
 def _uplink_bytes(tree: EmulatedTree) -> tuple[int, int]:
     """(sent, received) bytes on rack0's up port so far."""
-    ns, ifname = tree.namespace_of("rack0"), tree._port_ifname("rack0", UP_PORT)
+    ns, ifname = tree.namespace_of("rack0"), tree.port_ifname("rack0", UP_PORT)
     out = []
     for what in ("tx_bytes", "rx_bytes"):
         result = subprocess.run(ns_exec(ns, ["cat", f"/sys/class/net/{ifname}/statistics/{what}"]),
@@ -155,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="netagg-tree-") as tmp:
         work = Path(tmp)
         up = LinkShape(args.uplink_mbit, 0.0, 1000)
-        with EmulatedTree(work, topology(args.workers_per_rack, 2), prefix, link_shape=up) as tree:
-            _shape_hosts(tree, args.rate_mbit)
+        hosts = LinkShape(args.rate_mbit, 0.0, 1000)
+        with EmulatedTree(work, topology(args.workers_per_rack, 2), prefix, link_shape=up, host_shape=hosts) as tree:
             before = _uplink_bytes(tree)
             results = run_netagg(tree, work, size, args.iterations, args.slots)
             after = _uplink_bytes(tree)
@@ -174,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                                 (after[1] - before[1]) / per / 1e6, uplink_bound))
             else:
                 print("gloo ring: torch is not installed (pip install torch); not measured", flush=True)
-        with EmulatedTree(work, topology(n, 1), prefix) as flat:
-            _shape_hosts(flat, args.rate_mbit)
+        with EmulatedTree(work, topology(n, 1), prefix, host_shape=hosts) as flat:
             results = run_netagg(flat, work, size, args.iterations, args.slots)
             rows.append(Row("netagg one switch", max(r["seconds"] for r in results),
                             tensor_bytes / (e * args.rate_mbit * 1e6 / 8), len({r["digest"] for r in results}) == 1))

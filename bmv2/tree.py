@@ -38,7 +38,8 @@ class EmulatedTree:
     """The switches and hosts of ``topology`` in namespaces, the switches running ``target``."""
 
     def __init__(self, workdir: Path, topology: Topology, prefix: str, target: str = "soft",
-                 link_shape: LinkShape | None = None, mtu: int = 1500) -> None:
+                 link_shape: LinkShape | None = None, mtu: int = 1500, host_shape: LinkShape | None = None) -> None:
+        """``link_shape``: the links between switches; ``host_shape``: the hosts' links (None: unshaped)."""
         if len(prefix) > 6:
             raise ValueError("prefix must be at most 6 characters (interface names are short)")
         self.workdir = workdir
@@ -46,6 +47,7 @@ class EmulatedTree:
         self.prefix = prefix
         self.target = target
         self.link_shape = link_shape
+        self.host_shape = host_shape
         self.mtu = mtu
         self.switches: dict[str, TargetProcess] = {}
         self.clients: dict[str, P4RuntimeClient] = {}
@@ -58,7 +60,7 @@ class EmulatedTree:
         """A switch's or host's namespace."""
         return f"{self.prefix}-{node}"
 
-    def _port_ifname(self, switch: str, port: int) -> str:
+    def port_ifname(self, switch: str, port: int) -> str:
         index = list(self.topology.switches).index(switch)
         return f"{self.prefix}s{index}p{port}"
 
@@ -103,16 +105,12 @@ class EmulatedTree:
             if switch.parent is None:
                 continue
             assert switch.up_port is not None and switch.parent_port is not None
-            up = self._veth(switch.name, switch.up_port, self.namespace_of(switch.parent),
-                            self._port_ifname(switch.parent, switch.parent_port))
-            self._ports[switch.parent][switch.parent_port] = self._port_ifname(switch.parent, switch.parent_port)
-            if self.link_shape is not None:  # both directions of the link between the racks
-                shape_link(self.namespace_of(switch.name), up, self.link_shape, self.mtu)
-                shape_link(self.namespace_of(switch.parent), self._port_ifname(switch.parent, switch.parent_port),
-                           self.link_shape, self.mtu)
+            parent_side = self.port_ifname(switch.parent, switch.parent_port)
+            self._veth(switch.name, switch.up_port, self.namespace_of(switch.parent), parent_side, self.link_shape)
+            self._ports[switch.parent][switch.parent_port] = parent_side
         for host in self.topology.hosts.values():
             ns, ifname = self.namespace_of(host.name), self.host_ifname(host.name)
-            self._veth(host.switch, host.port, ns, ifname)
+            self._veth(host.switch, host.port, ns, ifname, self.host_shape)
             leaf = self.topology.switches[host.switch]
             run(ns_exec(ns, ["ip", "link", "set", ifname, "address", host.mac]))
             run(ns_exec(ns, ["ip", "addr", "add", f"{host.ip}/32", "dev", ifname]))
@@ -122,9 +120,10 @@ class EmulatedTree:
                 run(ns_exec(ns, ["ip", "neigh", "replace", ip, "lladdr", SWITCH_MAC, "dev", ifname,
                                  "nud", "permanent"]))
 
-    def _veth(self, switch: str, port: int, peer_ns: str, peer_ifname: str) -> str:
-        """A veth pair from ``switch``'s ``port`` to ``peer_ifname`` in ``peer_ns``, both ends up."""
-        mine = self._port_ifname(switch, port)
+    def _veth(self, switch: str, port: int, peer_ns: str, peer_ifname: str, shape: LinkShape | None) -> str:
+        """A veth pair from ``switch``'s ``port`` to ``peer_ifname`` in ``peer_ns``, both ends up (and shaped with
+        ``shape``: each direction once)."""
+        mine = self.port_ifname(switch, port)
         sw_ns = self.namespace_of(switch)
         run(["ip", "link", "add", mine, "type", "veth", "peer", "name", peer_ifname])
         run(["ip", "link", "set", mine, "netns", sw_ns])
@@ -134,6 +133,8 @@ class EmulatedTree:
             run(ns_exec(ns, ["ethtool", "-K", ifname, "tx", "off", "rx", "off", "tso", "off", "gso", "off"]),
                 check=False)
             run(ns_exec(ns, ["ip", "link", "set", ifname, "up"]))
+            if shape is not None:
+                shape_link(ns, ifname, shape, self.mtu)
         self._ports[switch][port] = mine
         return mine
 
