@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from netagg import wire
-from netagg.controller.allocator import SlotAllocator, SlotRange
+from netagg.controller.allocator import SlotAllocator, SlotRange, TreeAllocator, TreeSlots
 from netagg.controller.config import ControllerConfig
 from netagg.controller.errors import ServiceError
 from netagg.controller.store import PsEndpoint, WorkerEndpoint
@@ -113,6 +113,8 @@ class JobRequest:
             raise _bad(f"mode {self.mode} needs --ps")
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
             raise _bad(f"slots must be >= 1, got {self.slots}")
+        if config.topology is not None:
+            self._check_for_tree()
         distribution = self._distribution_members(config, workers, ps, replicas)
         switch_members = self._switch_members(config, workers, ps, replicas, distribution)
         lease = config.default_lease_seconds if self.lease_seconds is None else self.lease_seconds
@@ -121,6 +123,21 @@ class JobRequest:
         return ValidJob(self, owner, workers, ps, replicas, distribution,
                         self.slots if self.distribution_slots is None else self.distribution_slots, lease,
                         switch_members)
+
+    def _check_for_tree(self) -> None:
+        """A controller of a tree of switches (docs/hierarchy.md) runs synchronous allreduce jobs, with a PS only
+        to fall back to when the switches have no slots; the rest needs one switch."""
+        unsupported = [option for option, asked in (
+            ("--mode ps", self.mode == "ps"), ("--sync async", self.update_mode != "sync"),
+            ("--switch-aggregation", self.switch_aggregation), ("--senders", bool(self.senders)),
+            ("--threads", self.threads != 1), ("--distribution", self.distribution is not None),
+            ("--switch-ps", self.switch_ps is not None),
+            ("--replicas", bool(self.replicas) or bool(self.replica_ps))) if asked]
+        if self.ps is not None and len(self.workers) > wire.MAX_WORKERS:
+            unsupported.append(f"--ps with more than {wire.MAX_WORKERS} workers (a PS serves one bitmap word)")
+        if unsupported:
+            raise _bad(f"{', '.join(unsupported)}: not on a controller of a tree of switches (topology:) yet; "
+                       "it runs allreduce jobs, with --ps to fall back to (docs/hierarchy.md)")
 
     def _switch_members(self, config: ControllerConfig, workers: list[WorkerEndpoint], ps: PsEndpoint | None,
                         replicas: list[PsEndpoint], distribution: list[WorkerEndpoint] | None,
@@ -267,7 +284,7 @@ class ValidJob:
 class Grant:
     """The slots one job gets (None: none, fallback mode) and how it was admitted (full, partial, fallback)."""
 
-    slots: SlotRange | None
+    slots: SlotRange | TreeSlots | None
     admission: str
     reason: str
 
@@ -290,14 +307,14 @@ class Admission:
         """The job's grant, then its distribution job's (if it has one)."""
         return (self.job,) if self.distribution is None else (self.job, self.distribution)
 
-    def release(self, allocator: SlotAllocator) -> None:
+    def release(self, allocator: SlotAllocator | TreeAllocator) -> None:
         """Give the slots back (the create did not go through)."""
         for grant in self.grants:
             if grant.slots:
                 allocator.release(grant.slots)
 
 
-def admit(job: ValidJob, allocator: SlotAllocator, min_slots: int) -> Admission:
+def admit(job: ValidJob, allocator: SlotAllocator | TreeAllocator, min_slots: int) -> Admission:
     """Take the job's slots (and its distribution job's) from the allocator: best effort.
 
     Fewer slots than asked (at least ``min_slots``) is a partial admission; none at all is fallback
@@ -306,7 +323,7 @@ def admit(job: ValidJob, allocator: SlotAllocator, min_slots: int) -> Admission:
     """
     request = job.request
     slots, mode, switch_aggregation = request.slots, request.mode, request.switch_aggregation
-    taken: SlotRange | None = None
+    taken: SlotRange | TreeSlots | None = None
     if mode == "fallback":
         grant = Grant(None, "full", "fallback mode asked for")
     else:
@@ -339,7 +356,7 @@ def admit(job: ValidJob, allocator: SlotAllocator, min_slots: int) -> Admission:
     return Admission(mode, switch_aggregation, grant, distribution)
 
 
-def _slots_grant(taken: SlotRange, wanted: int) -> Grant:
+def _slots_grant(taken: SlotRange | TreeSlots, wanted: int) -> Grant:
     if taken.count < wanted:
         return Grant(taken, "partial", f"{taken.count} of {wanted} slots (largest free range); fewer packets "
                      "in flight")
@@ -390,8 +407,10 @@ def _endpoint_on_host(config: ControllerConfig, text: str, what: str, rank: int,
 
 
 def _parse_workers(config: ControllerConfig, workers: Sequence[str]) -> list[WorkerEndpoint]:
-    if not 1 <= len(workers) <= wire.MAX_WORKERS:
-        raise _bad(f"a job has 1..{wire.MAX_WORKERS} workers, got {len(workers)}")
+    # Over a tree of switches a job may outgrow one bitmap word: the tree's segments each hold 32 members.
+    most = wire.MAX_WORKERS if config.topology is None else wire.MAX_JOB_WORKERS
+    if isinstance(workers, str) or not isinstance(workers, list | tuple) or not 1 <= len(workers) <= most:
+        raise _bad(f"a job has 1..{most} workers, got {len(workers) if isinstance(workers, list | tuple) else 0}")
     endpoints = []
     for rank, text in enumerate(workers):
         host, ip, port = _endpoint(config, text, f"worker {rank}")

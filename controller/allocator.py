@@ -141,3 +141,41 @@ class FabricAllocator:
         """Mark ranges used (restoring a tree job from the database)."""
         for switch, slots in taken.items():
             self.allocators[switch].reserve(slots)
+
+
+@dataclass(frozen=True)
+class TreeSlots:
+    """The same number of slots on each switch of a job's tree (root first); ``base`` is the root's."""
+
+    ranges: tuple[tuple[str, SlotRange], ...]
+
+    @property
+    def count(self) -> int:
+        return self.ranges[0][1].count
+
+    @property
+    def base(self) -> int:
+        return self.ranges[0][1].base
+
+    def as_dict(self) -> dict[str, SlotRange]:
+        return dict(self.ranges)
+
+
+class TreeAllocator:
+    """A :class:`FabricAllocator` seen by one job's tree (``switches``, root first): what admission takes its
+    slots from, with the same calls as a :class:`SlotAllocator`."""
+
+    def __init__(self, fabric: FabricAllocator, switches: list[str]) -> None:
+        self.fabric = fabric
+        self.switches = list(switches)
+
+    def largest_free(self) -> int:
+        """The most slots every switch of the tree has in one range."""
+        return min(self.fabric.allocators[s].largest_free() for s in self.switches)
+
+    def allocate(self, want: int, minimum: int | None = None) -> TreeSlots | None:
+        taken = self.fabric.allocate(self.switches, want, minimum)
+        return None if taken is None else TreeSlots(tuple((s, taken[s]) for s in self.switches))
+
+    def release(self, taken: TreeSlots) -> None:
+        self.fabric.release(taken.as_dict())

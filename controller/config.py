@@ -10,11 +10,14 @@ import ipaddress
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.jobconfig import ConfigError, read_yaml
+
+if TYPE_CHECKING:
+    from netagg.controller.topology import Topology
 
 _MAC = re.compile(r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$")
 
@@ -65,13 +68,17 @@ class ControllerConfig:
     #: How long ``controller run`` waits for an unreachable switch at start before it gives up (exit 6);
     #: None: forever (it serves the API meanwhile and connects when the switch appears).
     startup_wait_seconds: float | None = None
+    #: A tree of switches (``topology:``, docs/hierarchy.md): the controller drives every switch of it, and
+    #: its hosts are the hosts; None: one switch (``switch:``). With a topology, ``grpc_address``,
+    #: ``device_id`` and the aggregator fields are the root switch's.
+    topology: Topology | None = None
 
     def host_by_ip(self, ip: str) -> HostConfig | None:
         return next((h for h in self.hosts.values() if h.ip == ip), None)
 
 
 _SCHEMA: dict[str, set[str]] = {
-    "": {"switch", "slots", "jobs", "controller", "tenants", "hosts", "parameter_servers"},
+    "": {"switch", "slots", "jobs", "controller", "tenants", "hosts", "parameter_servers", "topology"},
     "switch": {"grpc_address", "device_id", "election_id", "p4info", "bmv2_json", "aggregator",
                "startup_wait_seconds"},
     "switch.aggregator": {"ip", "mac", "udp_port"},
@@ -183,10 +190,15 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
     r = _Reader(source, data)
     _check_keys(r)
     r.section("switch")
-    grpc_address = r.value("switch.grpc_address", str)
-    if not (re.match(r"^[\w.\-\[\]:]+:\d+$", grpc_address) or re.match(r"^unix:/\S+$", grpc_address)):
-        raise r.fail("switch.grpc_address", f"{grpc_address!r} is not host:port or unix:/path")
-    device_id = r.value("switch.device_id", int, 1)
+    topology = _topology(r, base)
+    if topology is None:
+        grpc_address = r.value("switch.grpc_address", str)
+        if not (re.match(r"^[\w.\-\[\]:]+:\d+$", grpc_address) or re.match(r"^unix:/\S+$", grpc_address)):
+            raise r.fail("switch.grpc_address", f"{grpc_address!r} is not host:port or unix:/path")
+        device_id = r.value("switch.device_id", int, 1)
+    else:
+        root = next(s for s in topology.switches.values() if s.parent is None)
+        grpc_address, device_id = root.grpc_address, root.device_id
     election_id = r.value("switch.election_id", int, 1)
     if election_id < 1:
         raise r.fail("switch.election_id", "must be >= 1")
@@ -198,12 +210,16 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
     startup_wait = r.value("switch.startup_wait_seconds", float, None)
     if startup_wait is not None and startup_wait < 0:
         raise r.fail("switch.startup_wait_seconds", "must be >= 0 (or left out: wait forever)")
-    r.section("switch.aggregator")
-    aggregator_ip = _ip(r, "switch.aggregator.ip", r.value("switch.aggregator.ip", str))
-    aggregator_mac = _mac(r, "switch.aggregator.mac", r.value("switch.aggregator.mac", str, "02:00:00:00:00:fe"))
-    aggregator_port = r.value("switch.aggregator.udp_port", int, wire.NETAGG_UDP_PORT)
-    if not 0 < aggregator_port < 65536:
-        raise r.fail("switch.aggregator.udp_port", f"{aggregator_port} is not a UDP port")
+    if topology is None:
+        r.section("switch.aggregator")
+        aggregator_ip = _ip(r, "switch.aggregator.ip", r.value("switch.aggregator.ip", str))
+        aggregator_mac = _mac(r, "switch.aggregator.mac",
+                              r.value("switch.aggregator.mac", str, "02:00:00:00:00:fe"))
+        aggregator_port = r.value("switch.aggregator.udp_port", int, wire.NETAGG_UDP_PORT)
+        if not 0 < aggregator_port < 65536:
+            raise r.fail("switch.aggregator.udp_port", f"{aggregator_port} is not a UDP port")
+    else:
+        aggregator_ip, aggregator_mac, aggregator_port = root.aggregator_ip, root.aggregator_mac, wire.NETAGG_UDP_PORT
 
     r.section("slots", required=False)
     capacity = r.value("slots.capacity", int, 4096)
@@ -240,6 +256,8 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         tenants[token] = str(tenant)
 
     hosts: dict[str, HostConfig] = {}
+    if topology is not None:
+        hosts = {h.name: HostConfig(h.name, h.ip, h.mac, h.port) for h in topology.hosts.values()}
     for i, item in enumerate(data.get("hosts") or []):
         where = f"hosts[{i}]"
         name = r.value("name", str, node=item, name=f"{where}.name")
@@ -271,5 +289,27 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         aggregator_port=aggregator_port, slot_capacity=capacity, min_slots=min_slots,
         default_lease_seconds=lease, database=database, api_socket=api_socket, admin_token=admin_token,
         tenants=tenants, hosts=hosts, parameter_servers=servers, metrics_address=metrics_address,
-        startup_wait_seconds=startup_wait,
+        startup_wait_seconds=startup_wait, topology=topology,
     )
+
+
+def _topology(r: _Reader, base: Path) -> Topology | None:
+    """The ``topology:`` file, validated; with it, the switches and hosts are the topology's, so ``switch:``
+    keeps only what is the same for every switch (program, election id, start-up wait)."""
+    value = r.value("topology", str, None)
+    if value is None:
+        return None
+    from netagg.controller.topology import load_topology  # the topology module needs this one's types
+
+    for key in ("grpc_address", "device_id", "aggregator"):
+        if r._get(f"switch.{key}") is not None:
+            raise r.fail(f"switch.{key}", "not with a topology (each switch's is in the topology file)")
+    if r.data.get("hosts"):
+        raise r.fail("hosts", "not with a topology (the hosts are the topology file's)")
+    path = _relative(base, value)
+    if not path.is_file():
+        raise r.fail("topology", f"no such file {path}")
+    try:
+        return load_topology(path)
+    except ConfigError as err:
+        raise r.fail("topology", str(err)) from None

@@ -1,5 +1,7 @@
 """``netagg controller run``: connect, recover, serve the API (and metrics), reclaim expired leases,
 and watch the switch (``switch_watch.py``: reconnect and re-install everything when it comes back).
+Under a topology (``topology:``, docs/hierarchy.md) every switch of the tree has its own session and
+watch; a switch that is away holds up only the jobs whose tree it is in.
 
 The daemon does not need the switch to start: if it cannot be reached (or is not primary), the
 daemon says so, serves the API anyway (job requests that need the switch are refused with
@@ -18,7 +20,6 @@ from netagg.controller.api import ApiServer
 from netagg.controller.config import ControllerConfig
 from netagg.controller.errors import P4RuntimeError, ServiceError
 from netagg.controller.metrics import ControllerCollector
-from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.service import JobService
 from netagg.controller.store import JobStore
 from netagg.controller.switch_watch import SwitchWatch
@@ -43,10 +44,10 @@ class ControllerDaemon:
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
         self.store = JobStore(config.database)
-        self.client = P4RuntimeClient(config.grpc_address, device_id=config.device_id,
-                                      election_id=(0, config.election_id))
-        self.service = JobService(config, self.store, self.client)
-        self.watch = SwitchWatch(self.service)
+        self.service = JobService(config, self.store)
+        #: One watch per switch (the one switch first, or the root first).
+        self.watches = [SwitchWatch(self.service, name) for name in self.service.sessions]
+        self.watch = self.watches[0]
         self._started = time.monotonic()
         self.api: ApiServer | None = None
         self.metrics: MetricsServer | None = None
@@ -60,17 +61,19 @@ class ControllerDaemon:
         ``switch.startup_wait_seconds: 0``)."""
         self.service.load()
         self._started = time.monotonic()
-        try:
-            self.watch.sync_first(STARTUP_CONNECT_TIMEOUT)
-        except (P4RuntimeError, ServiceError) as err:
-            if not _retryable(err) or self.config.startup_wait_seconds == 0:
-                raise
-            limit = self.config.startup_wait_seconds
-            log.warning("switch %s unavailable at start (%s): serving the API without it, job create/delete/show "
-                        "are refused until it is reached; retrying with backoff up to %g s%s", self.config.grpc_address,
-                        err, self.watch.backoff_max, f" for {limit:g} s (switch.startup_wait_seconds)" if limit else "")
+        for watch in self.watches:
+            try:
+                watch.sync_first(STARTUP_CONNECT_TIMEOUT)
+            except (P4RuntimeError, ServiceError) as err:
+                if not _retryable(err) or self.config.startup_wait_seconds == 0:
+                    raise
+                limit = self.config.startup_wait_seconds
+                log.warning("switch %s unavailable at start (%s): serving the API without it, job "
+                            "create/delete/show that need it are refused until it is reached; retrying with backoff "
+                            "up to %g s%s", watch.label, err, watch.backoff_max,
+                            f" for {limit:g} s (switch.startup_wait_seconds)" if limit else "")
         if self.config.metrics_address is not None:
-            collector = ControllerCollector(self.service, lambda: self.lease_expiries, watch=self.watch)
+            collector = ControllerCollector(self.service, lambda: self.lease_expiries, watches=self.watches)
             try:
                 self.metrics = MetricsServer.at(self.config.metrics_address, collector)
             except OSError as err:
@@ -79,7 +82,8 @@ class ControllerDaemon:
             log.info("metrics on http://%s:%d/metrics", *self.metrics.address)
         self.api = ApiServer(self.config.api_socket, self.service, self.config.tenants, self.config.admin_token)
         self.api.start()
-        self.watch.start()
+        for watch in self.watches:
+            watch.start()
         log.info("controller ready: api on %s, %d jobs", self.config.api_socket, len(self.store.all()))
 
     def serve(self) -> None:
@@ -87,8 +91,9 @@ class ControllerDaemon:
         ``switch.startup_wait_seconds``."""
         limit = self.config.startup_wait_seconds
         while not self._stop.wait(REAP_INTERVAL_SECONDS):
-            if limit is not None and not self.watch.ever_synced and time.monotonic() - self._started > limit:
-                raise P4RuntimeError("UNAVAILABLE", f"the switch at {self.config.grpc_address} was not reached "
+            never = [w for w in self.watches if not w.ever_synced]
+            if limit is not None and never and time.monotonic() - self._started > limit:
+                raise P4RuntimeError("UNAVAILABLE", f"the switch {never[0].label} was not reached "
                                      f"within {limit:g} s (switch.startup_wait_seconds)")
             for job_id in self.service.reap_expired():
                 self.lease_expiries += 1
@@ -98,12 +103,13 @@ class ControllerDaemon:
         self._stop.set()
 
     def close(self) -> None:
-        self.watch.stop()
+        for watch in self.watches:
+            watch.stop()
         if self.metrics is not None:
             self.metrics.stop()
         if self.api is not None:
             self.api.stop()
-        self.client.close()
+        self.service.fabric.close()
         self.store.close()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from netagg import dataplane as dp
+from netagg.controller.allocator import FabricAllocator
 from netagg.p4info import P4InfoIndex, load_p4info
 
 if TYPE_CHECKING:
@@ -79,77 +80,106 @@ class ControllerCollector(Collector):
     """Builds every controller metric from current state on each scrape."""
 
     def __init__(self, service: JobService, lease_expiries: Callable[[], int] = lambda: 0,
-                 timeout: float = SWITCH_READ_TIMEOUT, watch: SwitchWatch | None = None) -> None:
+                 timeout: float = SWITCH_READ_TIMEOUT, watches: Sequence[SwitchWatch] = ()) -> None:
         self.service = service
         self.timeout = timeout
-        #: The daemon's switch watch (restarts, outages); None: only this scrape's read says whether it is up.
-        self.watch = watch
+        #: The daemon's switch watches (restarts, outages), one per switch; none: only this scrape's read says
+        #: whether a switch is up.
+        self.watches = {w.switch: w for w in watches}
         self.index = P4InfoIndex(load_p4info(service.config.p4info))
         #: How many jobs the daemon reclaimed because their lease ran out.
         self.lease_expiries = lease_expiries
 
-    def _read_switch(self, job_ids: list[int]) -> SwitchCounters | None:
+    def _read_switch(self, switch: str, job_ids: list[int]) -> SwitchCounters | None:
+        session = self.service.sessions[switch]
         try:
-            return read_switch_counters(self.service.client.stub, self.service.config.device_id, self.index,
-                                        job_ids, self.timeout)
+            return read_switch_counters(session.client.stub, session.device_id, self.index, job_ids, self.timeout)
         except Exception as err:  # deadline, connection refused, not connected: the switch is reported down
-            log.debug("metrics: switch read failed: %s", err)
+            log.debug("metrics: switch %s read failed: %s", switch, err)
             return None
+
+    def _slots(self) -> Iterator[object]:
+        """The slot gauges: of the one switch, or (a ``switch`` label) of each switch of the topology."""
+        allocator = self.service.allocator
+        tree = isinstance(allocator, FabricAllocator)
+        per_switch = allocator.allocators if tree else {"": allocator}
+        families = [GaugeMetricFamily(name, text, labels=["switch"] if tree else [])
+                    for name, text in (("netagg_slots_capacity", "Slots the controller hands out"),
+                                       ("netagg_slots_in_use", "Slots held by jobs"),
+                                       ("netagg_slots_free", "Slots not held by any job"),
+                                       ("netagg_slots_largest_free_range", "Largest contiguous free range (the "
+                                        "biggest full grant possible now)"))]
+        for switch, one in per_switch.items():
+            free = one.free_ranges  # one tuple copy: consistent without the service lock
+            free_slots = sum(r.count for r in free)
+            values = (one.capacity, one.capacity - free_slots, free_slots, max((r.count for r in free), default=0))
+            for family, value in zip(families, values):
+                family.add_metric([switch] if tree else [], value)
+        yield from families
 
     def collect(self) -> Iterator[object]:
         started = time.monotonic()
-        config = self.service.config
+        fabric = self.service.fabric
         jobs = [j for j in self.service.store.all() if j.state != "deleting"]
-        on_switch = [j for j in jobs if j.uses_switch]
-        in_sync = self.watch is None or self.watch.up
-        # A switch the watch knows is away is not read (no deadline to wait out on every scrape).
-        counters = self._read_switch([j.job_id for j in on_switch]) if in_sync else None
+        counters: dict[str, SwitchCounters | None] = {}
+        for switch in self.service.sessions:
+            watch = self.watches.get(switch)
+            # A switch the watch knows is away is not read (no deadline to wait out on every scrape).
+            counters[switch] = self._read_switch(switch, [j.job_id for j in jobs if switch in fabric.switches_of(j)]) \
+                if watch is None or watch.up else None
 
         up = GaugeMetricFamily("netagg_switch_up", "1 if the controller's session with the switch is up and in "
                                "sync with the jobs, and the switch answered this scrape's counter read, else 0",
                                labels=["grpc_address"])
-        up.add_metric([config.grpc_address], 1.0 if counters is not None else 0.0)
+        for switch, session in self.service.sessions.items():
+            up.add_metric([session.address], 1.0 if counters[switch] is not None else 0.0)
         yield up
-        if self.watch is not None:
-            address = [config.grpc_address]
+        if self.watches:
             restarts = CounterMetricFamily("netagg_switch_restarts", "Times the switch came back without the "
                                            "pipeline it had (restarted): pipeline and every job re-installed",
                                            labels=["grpc_address"])
-            restarts.add_metric(address, self.watch.restarts)
-            yield restarts
             reconnects = CounterMetricFamily("netagg_switch_reconnects", "Times the controller re-established its "
                                              "session with the switch after losing it (restarts included)",
                                              labels=["grpc_address"])
-            reconnects.add_metric(address, self.watch.reconnects)
-            yield reconnects
             away = CounterMetricFamily("netagg_switch_unavailable_seconds", "Seconds since the controller started "
                                        "during which the switch was not in sync (unreachable, or reached but not yet "
                                        "re-installed); the ongoing outage included", labels=["grpc_address"])
-            away.add_metric(address, self.watch.unavailable_seconds)
-            yield away
+            for watch in self.watches.values():
+                restarts.add_metric([watch.address], watch.restarts)
+                reconnects.add_metric([watch.address], watch.reconnects)
+                away.add_metric([watch.address], watch.unavailable_seconds)
+            yield from (restarts, reconnects, away)
 
-        per_job = {short: CounterMetricFamily(f"netagg_job_{short}", help_text, labels=JOB_LABELS)
+        # Under a topology a job has counters on each switch of its tree: a ``switch`` label tells them apart.
+        job_labels = [*JOB_LABELS, "switch"] if fabric.is_tree else list(JOB_LABELS)
+        per_job = {short: CounterMetricFamily(f"netagg_job_{short}", help_text, labels=job_labels)
                    for short, help_text in (
                        ("contributions", "Worker packets the switch aggregated for the job"),
                        ("results", "Results the switch multicast for the job (completed slot rounds)"),
                        ("duplicates", "Contributions the switch had already counted (retransmitted packets)"),
                        ("retransmit_results", "Results the switch resent to answer retransmissions"),
                        ("rejects", "Packets of the job the switch rejected (bad slot, pool, rank, ...)"))}
-        if counters is not None:
-            for job in on_switch:
-                current = counters.jobs.get(job.job_id, {})
-                labels = [str(job.job_id), job.tenant, job.name]
+        for job in jobs:
+            for switch in fabric.switches_of(job):
+                found = counters[switch]
+                if found is None:
+                    continue
+                current = found.jobs.get(job.job_id, {})
+                base = job.counter_base.get(switch, {}) if fabric.is_tree else job.counter_base
+                labels = [str(job.job_id), job.tenant, job.name, *([switch] if fabric.is_tree else [])]
                 for short, family in per_job.items():
                     if short in current:
-                        family.add_metric(labels, max(0, current[short] - job.counter_base.get(short, 0)))
+                        family.add_metric(labels, max(0, current[short] - base.get(short, 0)))
         yield from per_job.values()
 
         drops = CounterMetricFamily("netagg_switch_drops", "Packets the switch dropped, by pipeline stage and reason",
-                                    labels=["stage", "reason"])
-        if counters is not None:
-            for (stage, reason), value in sorted(counters.drops.items()):
+                                    labels=["stage", "reason", *(["switch"] if fabric.is_tree else [])])
+        for switch, found in counters.items():
+            if found is None:
+                continue
+            for (stage, reason), value in sorted(found.drops.items()):
                 if reason != dp.DropReason.NONE:
-                    drops.add_metric([stage, drop_reason_name(reason)], value)
+                    drops.add_metric([stage, drop_reason_name(reason), *([switch] if fabric.is_tree else [])], value)
         yield drops
 
         info = GaugeMetricFamily("netagg_job_info", "1 per job; its mode and state as labels",
@@ -176,14 +206,7 @@ class ControllerCollector(Collector):
             count.add_metric([mode, state], n)
         yield count
 
-        allocator = self.service.allocator
-        free = allocator.free_ranges  # one tuple copy: consistent without the service lock
-        free_slots = sum(r.count for r in free)
-        yield GaugeMetricFamily("netagg_slots_capacity", "Slots the controller hands out", value=allocator.capacity)
-        yield GaugeMetricFamily("netagg_slots_in_use", "Slots held by jobs", value=allocator.capacity - free_slots)
-        yield GaugeMetricFamily("netagg_slots_free", "Slots not held by any job", value=free_slots)
-        yield GaugeMetricFamily("netagg_slots_largest_free_range", "Largest contiguous free range (the biggest "
-                                "full grant possible now)", value=max((r.count for r in free), default=0))
+        yield from self._slots()
 
         admissions = CounterMetricFamily("netagg_admissions", "Job admission decisions since the controller started",
                                          labels=["decision"])

@@ -24,15 +24,26 @@ from dataclasses import dataclass
 
 from p4.config.v1 import p4info_pb2
 
+from netagg import dataplane as dp
 from netagg import jobsecret
 from netagg.controller.admission import Admission, JobRequest, ValidJob, admit
-from netagg.controller.allocator import SlotAllocator, SlotRange
+from netagg.controller.allocator import (
+    AllocationError,
+    FabricAllocator,
+    SlotAllocator,
+    SlotRange,
+    TreeAllocator,
+    TreeSlots,
+)
 from netagg.controller.config import ControllerConfig
 from netagg.controller.errors import P4RuntimeError, ServiceError
+from netagg.controller.fabric import Fabric, SwitchSession
 from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord, JobStore
-from netagg.controller.switch_programmer import ReconcileReport, SwitchProgrammer
-from netagg.jobconfig import Endpoint, WorkerConfig
+from netagg.controller.switch_programmer import ReconcileReport
+from netagg.controller.topology import TreeWorker, plan_tree
+from netagg.controller.topology import worker_config as tree_worker_config
+from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
 from netagg.p4info import P4InfoIndex, load_p4info, p4info_differences
 
 log = logging.getLogger(__name__)
@@ -69,14 +80,15 @@ class Caller:
 
 
 class JobService:
-    """Job lifecycle on one switch."""
+    """Job lifecycle on the controller's switches: one, or a tree of them (``fabric.py``)."""
 
-    def __init__(self, config: ControllerConfig, store: JobStore, client: P4RuntimeClient) -> None:
+    def __init__(self, config: ControllerConfig, store: JobStore, fabric: Fabric | None = None) -> None:
         self.config = config
         self.store = store
-        self.client = client
-        self.programmer = SwitchProgrammer(client, config)
-        self.allocator = SlotAllocator(config.slot_capacity)
+        self.fabric = fabric if fabric is not None else Fabric(config)
+        self.allocator: SlotAllocator | FabricAllocator = (
+            FabricAllocator({name: config.slot_capacity for name in self.fabric.sessions}) if self.fabric.is_tree
+            else SlotAllocator(config.slot_capacity))
         self.max_jobs = 0
         #: Admission decisions since start (full, partial, fallback, refused), for the metrics endpoint.
         self.admissions: Counter[str] = Counter()
@@ -85,13 +97,20 @@ class JobService:
         self._loaded = False
         #: The cookie this controller pushes its pipeline with (from the program: the same across restarts).
         self.pipeline_cookie = 0
-        #: The cookie of the pipeline found or pushed at the last sync (None before the first).
-        self.expected_cookie: int | None = None
-        #: monotonic time since when the switch is unavailable to requests (None: connected and in sync).
-        self._unavailable_since: float | None = time.monotonic()
-        self._unavailable_reason = "not connected yet"
 
-    # -- start-up and the switch's comings and goings --------------------------
+    @property
+    def sessions(self) -> dict[str, SwitchSession]:
+        return self.fabric.sessions
+
+    @property
+    def client(self) -> P4RuntimeClient:
+        """The first switch's client (the only one without a topology; the root's with one)."""
+        return next(iter(self.sessions.values())).client
+
+    def session(self, switch: str | None) -> SwitchSession:
+        return self.sessions[switch] if switch is not None else next(iter(self.sessions.values()))
+
+    # -- start-up and the switches' comings and goings --------------------------
     def check_program(self) -> None:
         """Read the program (P4Info, BMv2 JSON) and check the slot capacity against it (once; no switch)."""
         if self._program is not None:
@@ -113,8 +132,9 @@ class JobService:
                                    f"cannot read {self.config.bmv2_json}: {err.strerror}") from None
         self._program = (expected, device_config)
         self.pipeline_cookie = pipeline_cookie(expected, device_config)
-        if self.client.index is None:  # entries are named through our P4Info, whoever pushed the pipeline
-            self.client.index = index
+        for session in self.sessions.values():  # entries are named through our P4Info, whoever pushed the pipeline
+            if session.client.index is None:
+                session.client.index = index
 
     def load(self) -> None:
         """Check the program and rebuild the slot allocator from the database (once; no switch)."""
@@ -123,20 +143,32 @@ class JobService:
             if self._loaded:
                 return
             for job in self.store.all():
-                if job.uses_switch:
+                if not job.uses_switch:
+                    continue
+                if isinstance(self.allocator, FabricAllocator):
+                    try:
+                        self.fabric.check_job(job)
+                        self.allocator.reserve({s: SlotRange(*r) for s, r in job.segments.items()})
+                    except (ConfigError, AllocationError) as err:
+                        raise ServiceError("invalid_argument", f"{self.config.source}: {err}") from None
+                else:
                     self.allocator.reserve(SlotRange(job.slot_base, job.slot_count))
             self._loaded = True
 
-    def connect_switch(self, timeout: float | None = None) -> str:
+    def connect_switch(self, timeout: float | None = None, switch: str | None = None) -> str:
         """Become primary and make sure the switch runs our pipeline (pushing it only if not).
 
         ``timeout``: how long to wait for the switch to accept the connection (default: the client's).
         """
         self.check_program()
-        self.client.connect(timeout)
-        return self.ensure_pipeline()[0]
+        self.session(switch).client.connect(timeout)
+        return self.ensure_pipeline(switch)[0]
 
-    def ensure_pipeline(self) -> tuple[str, bool]:
+    def expected_cookie(self, switch: str | None = None) -> int | None:
+        """The cookie of the pipeline found or pushed at the switch's last sync (None before the first)."""
+        return self.session(switch).expected_cookie
+
+    def ensure_pipeline(self, switch: str | None = None) -> tuple[str, bool]:
         """Make sure the switch runs our pipeline; returns (what was done, whether the switch lost it).
 
         One COOKIE_ONLY read when the switch holds the pipeline this controller pushed. Otherwise the
@@ -148,31 +180,35 @@ class JobService:
         self.check_program()
         assert self._program is not None
         expected, device_config = self._program
-        before = self.expected_cookie
-        cookie = self.client.get_pipeline_cookie()
+        session = self.session(switch)
+        client = session.client
+        before = session.expected_cookie
+        cookie = client.get_pipeline_cookie()
         lost = before is not None and cookie != before
         if cookie is not None and cookie == self.pipeline_cookie:
-            self.expected_cookie = cookie
+            session.expected_cookie = cookie
             return "kept the pipeline already on the switch", lost
-        current = self.client.get_pipeline_p4info() if cookie is not None else None
+        current = client.get_pipeline_p4info() if cookie is not None else None
         if current is not None and not p4info_differences(expected, current):
-            self.expected_cookie = cookie
+            session.expected_cookie = cookie
             return "kept the pipeline already on the switch", lost
-        self.client.set_pipeline(expected, device_config, cookie=self.pipeline_cookie)
-        self.expected_cookie = self.pipeline_cookie
+        client.set_pipeline(expected, device_config, cookie=self.pipeline_cookie)
+        session.expected_cookie = self.pipeline_cookie
         return ("pushed the pipeline" if current is None else "replaced a different pipeline"), lost
 
-    def recover(self) -> ReconcileReport:
+    def recover(self, switch: str | None = None) -> ReconcileReport:
         """Rebuild the allocator from the database, finish interrupted steps, reconcile the switch.
 
         Needs a connected client (``connect_switch``); marks the switch available."""
         self.load()
+        session = self.session(switch)
         with self._lock:
-            report, _ = self._sync_jobs(reset_counters=False)
-            self._unavailable_since = None
+            report, _ = self._sync_jobs(session.name, reset_counters=False)
+            session.unavailable_since = None
+            self._finish_pending()
             return report
 
-    def resync(self) -> SwitchSync:
+    def resync(self, switch: str | None = None) -> SwitchSync:
         """After (re)connecting: our pipeline on the switch, then every job as the database has it.
 
         Runs under the service lock, so no request interleaves: interrupted deletes are finished,
@@ -180,61 +216,80 @@ class JobService:
         removed), jobs caught ``installing`` are activated; if the switch had lost its state, the
         jobs' counter baselines are read again (its counters restarted from 0). Then the switch is
         available to requests again. Raises P4RuntimeError/ServiceError when the switch fails it
-        (it stays unavailable; the caller retries).
+        (it stays unavailable; the caller retries). Under a topology, a job on several switches is
+        activated (or its delete finished) once every one of them is in sync.
         """
         self.load()
+        session = self.session(switch)
         with self._lock:
-            pipeline, lost = self.ensure_pipeline()
-            report, jobs = self._sync_jobs(reset_counters=lost)
-            self._unavailable_since = None
+            pipeline, lost = self.ensure_pipeline(session.name)
+            report, jobs = self._sync_jobs(session.name, reset_counters=lost)
+            session.unavailable_since = None
+            self._finish_pending()
             return SwitchSync(pipeline, lost, report, jobs)
 
-    def _sync_jobs(self, reset_counters: bool) -> tuple[ReconcileReport, int]:
+    def _sync_jobs(self, switch: str, reset_counters: bool) -> tuple[ReconcileReport, int]:
         jobs = self.store.all()
-        for job in [j for j in jobs if j.state == "deleting"]:
-            self._finish_delete(job)
         live = [j for j in jobs if j.state != "deleting"]
-        report = self.programmer.reconcile(live)
-        for job in live:
-            if reset_counters and job.uses_switch:
-                self.store.set_counter_base(job.job_id, self.programmer.read_job_counters(job.job_id))
-            if job.state == "installing":
-                self._activate(job)
-        return report, sum(1 for j in live if j.uses_switch)
+        # The switch is made to hold exactly the live jobs' share: a job being deleted is taken off here.
+        report = self.fabric.reconcile(switch, live)
+        on_switch = [j for j in live if switch in self.fabric.switches_of(j)]
+        if reset_counters:
+            for job in on_switch:
+                self._set_counter_base(job, [switch])
+        return report, len(on_switch)
 
-    def reconnect_switch(self, timeout: float) -> None:
+    def _finish_pending(self) -> None:
+        """Finish what waits for switches now in sync: deletes (their rows and slots), activations."""
+        for job in self.store.all():
+            if not all(self.sessions[s].available for s in self.fabric.switches_of(job)):
+                continue
+            if job.state == "deleting":
+                self._finish_delete(job)
+            elif job.state == "installing":
+                self._activate(job)
+
+    def reconnect_switch(self, timeout: float, switch: str | None = None) -> None:
         """A fresh P4Runtime session (channel, StreamChannel, arbitration); P4RuntimeError unless primary.
 
         Under the service lock: no request is using the client while its channel is replaced."""
+        session = self.session(switch)
+        client = session.client
         with self._lock:
-            self.client.reconnect(timeout)
-        if not self.client.is_primary:
-            primary = self.client.primary_election_id
-            raise P4RuntimeError("PERMISSION_DENIED", f"not primary on {self.config.grpc_address}: another "
+            client.reconnect(timeout)
+        if not client.is_primary:
+            primary = client.primary_election_id
+            raise P4RuntimeError("PERMISSION_DENIED", f"not primary on {session.address}: another "
                                  f"controller is (election id {primary[1] if primary else '?'}; ours is "
                                  f"{self.config.election_id})")
 
     @property
     def switch_available(self) -> bool:
-        """Whether the switch is connected and in sync (False from a loss until the next resync)."""
-        return self._unavailable_since is None
+        """Whether every switch is connected and in sync (False from a loss until the next resync)."""
+        return all(s.available for s in self.sessions.values())
 
-    def mark_switch_unavailable(self, reason: str) -> bool:
-        """The switch is gone (or lost its state): refuse switch requests until ``resync``; True if it was up."""
-        was_up = self._unavailable_since is None
+    def mark_switch_unavailable(self, reason: str, switch: str | None = None) -> bool:
+        """The switch is gone (or lost its state): refuse requests that need it until ``resync``; True if it
+        was up."""
+        session = self.session(switch)
+        was_up = session.available
         if was_up:
-            self._unavailable_reason = reason
-            self._unavailable_since = time.monotonic()
+            session.unavailable_reason = reason
+            session.unavailable_since = time.monotonic()
         return was_up
 
-    def _require_switch(self, what: str) -> None:
-        since = self._unavailable_since
-        if since is None:
-            return
-        raise ServiceError("switch_unavailable", (
-            f"cannot {what}: the switch at {self.config.grpc_address} is unavailable "
-            f"({self._unavailable_reason}; for {time.monotonic() - since:.1f} s); the controller is "
-            "reconnecting and re-installs every job when it is back: retry then (nothing was changed)"))
+    def _require_switch(self, what: str, switches: list[str] | None = None) -> None:
+        """Refuse (``switch_unavailable``) unless ``switches`` (default: all) are connected and in sync."""
+        for name in self.sessions if switches is None else switches:
+            session = self.sessions[name]
+            since = session.unavailable_since
+            if since is None:
+                continue
+            which = f"switch {name} at {session.address}" if self.fabric.is_tree else f"switch at {session.address}"
+            raise ServiceError("switch_unavailable", (
+                f"cannot {what}: the {which} is unavailable ({session.unavailable_reason}; for "
+                f"{time.monotonic() - since:.1f} s); the controller is reconnecting and re-installs every job "
+                "when it is back: retry then (nothing was changed)"))
 
     # -- requests ----------------------------------------------------------
     def create_job(self, caller: Caller, request: JobRequest) -> dict:
@@ -244,29 +299,44 @@ class JobService:
         entry: that job and how it was admitted (both are created, or neither).
         """
         job = request.validated(self.config, caller.tenant)
+        switches = self._tree_of(job)
         with self._lock:
-            self._require_switch("create a job")
+            self._require_switch("create a job", switches)
             job_id = self._free_job_id()
             dist_id = None if job.distribution is None else self._free_job_id(exclude={job_id})
+            allocator = self.allocator if switches is None else TreeAllocator(self.allocator, switches)
             try:
-                admitted = admit(job, self.allocator, self.config.min_slots)
+                admitted = admit(job, allocator, self.config.min_slots)
             except ServiceError:
                 self.admissions["refused"] += 1
                 raise
             created = self._write_new_jobs(job, admitted, job_id, dist_id)
             for one in created:
                 try:
-                    self.programmer.install_job(one)
-                except P4RuntimeError as err:
+                    self.fabric.install(one, [j for j in self.store.all() if j.job_id != one.job_id])
+                except (P4RuntimeError, OSError) as err:
                     for undo in created:  # both or neither
                         self._abort_create(undo)
-                    raise ServiceError("switch_error", f"switch refused job {one.job_id}: {err}") from None
+                    which = "a switch of its tree" if self.fabric.is_tree else "switch"
+                    raise ServiceError("switch_error", f"{which} refused job {one.job_id}: {err}"
+                                       + (" (no switch of its tree holds it)" if self.fabric.is_tree else "")
+                                       ) from None
             activated = [self._activate(one) for one in created]
             answers = []
             for one, grant in zip(activated, admitted.grants):
                 self.admissions[grant.admission] += 1
                 answers.append({"job": self._view(one), "admission": grant.admission, "reason": grant.reason})
             return {**answers[0], **({"distribution": answers[1]} if len(answers) > 1 else {})}
+
+    def _tree_of(self, job: ValidJob) -> list[str] | None:
+        """Under a topology, the switches of the job's tree, root first (None: one switch)."""
+        if self.config.topology is None:
+            return None
+        try:
+            return plan_tree(self.config.topology, [TreeWorker(w.rank, w.host, w.udp_port) for w in job.workers]
+                             ).switches
+        except ConfigError as err:
+            raise ServiceError("invalid_argument", str(err)) from None
 
     def _write_new_jobs(self, job: ValidJob, admitted: Admission, job_id: int, dist_id: int | None,
                         ) -> list[JobRecord]:
@@ -287,6 +357,8 @@ class JobService:
                     schedule=request.schedule, replicas=job.replicas, secret=jobsecret.new_secret(),
                     switch_aggregation=admitted.switch_aggregation, senders=request.senders, distribution=dist_id,
                     threads=request.threads if admitted.mode == "allreduce" else 1,
+                    segments={switch: (r.base, r.count) for switch, r in slots.ranges}
+                    if isinstance(slots, TreeSlots) else {},
                 )]
                 self.store.insert(conn, rows[0])
                 if job.distribution is not None:
@@ -311,7 +383,7 @@ class JobService:
         """Delete a job (with its distribution job, if it has one); a distribution job goes only with its job."""
         with self._lock:
             job = self._owned(caller, job_id)
-            self._require_switch(f"delete job {job_id}")
+            self._require_switch(f"delete job {job_id}", self._switches_with(job))
             served = self._served_job(job)
             if served is not None:
                 raise ServiceError("invalid_argument", f"job {job_id} is the distribution job of job "
@@ -334,13 +406,26 @@ class JobService:
         job = self._owned(caller, job_id)
         view = self._view(job)
         if job.uses_switch:
-            self._require_switch(f"read the counters of job {job_id}")
+            switches = self.fabric.switches_of(job)
+            self._require_switch(f"read the counters of job {job_id}", switches)
             try:
-                current = self.programmer.read_job_counters(job.job_id)
+                current = {s: self.fabric.read_counters(s, job.job_id) for s in switches}
             except P4RuntimeError as err:
                 raise ServiceError("switch_error", f"cannot read counters of job {job_id}: {err}") from None
-            view["counters"] = {k: v - job.counter_base.get(k, 0) for k, v in current.items()}
+            if not self.fabric.is_tree:
+                base = job.counter_base
+                view["counters"] = {k: v - base.get(k, 0) for k, v in current[switches[0]].items()}
+            else:  # per switch of its tree, and their sum
+                view["switch_counters"] = {s: {k: v - job.counter_base.get(s, {}).get(k, 0) for k, v in c.items()}
+                                           for s, c in current.items()}
+                view["counters"] = {k: sum(c[k] for c in view["switch_counters"].values())
+                                    for k in dp.JOB_COUNTERS}
         return view
+
+    def _switches_with(self, job: JobRecord) -> list[str] | None:
+        """The switches a delete of ``job`` needs: under a topology those of its tree (a fallback job's none);
+        None, every switch, without one (the one switch, as for any request)."""
+        return self.fabric.switches_of(job) if self.fabric.is_tree else None
 
     def renew_job(self, caller: Caller, job_id: int) -> dict:
         """Extend a job's lease; a job and its distribution job are renewed together (either id will do)."""
@@ -408,6 +493,10 @@ class JobService:
         if worker is None:
             raise ServiceError("not_found", f"job {job.job_id} has no rank {rank} "
                                f"(ranks 0..{len(job.workers) - 1})")
+        if self.config.topology is not None and job.uses_switch:  # its leaf's segment; no PS to fail over to
+            return tree_worker_config(self.config.topology, self.fabric.plan(job), self.fabric.allocations(job),
+                                      TreeWorker(worker.rank, worker.host, worker.udp_port), len(job.workers),
+                                      tenant=job.tenant, secret=job.secret)
         ps = Endpoint(job.ps.ip, job.ps.udp_port) if job.ps else None
         aggregator = ps if job.mode == "fallback" else Endpoint(self.config.aggregator_ip,
                                                                   self.config.aggregator_port)
@@ -423,13 +512,14 @@ class JobService:
         """Delete every job whose lease ran out; returns their ids.
 
         A distribution job goes with its job (their leases are renewed together). Nothing is reaped while
-        the switch is unavailable: those jobs go once it is back (deleting needs the switch)."""
-        if not self.switch_available:
-            return []
+        the switch is unavailable: those jobs go once it is back (deleting needs the switch). Under a
+        topology, a job waits only for the switches of its tree."""
         reaped = []
         for job in self.store.expired(time.time() if now is None else now):
             if self.store.get(job.job_id) is None:
                 continue  # went with its job a moment ago
+            if not all(self.sessions[s].available for s in self._switches_with(job) or self.sessions):
+                continue
             served = self._served_job(job)
             if served is not None:  # goes with its job (renewed with it, so expiring with it)
                 continue
@@ -444,32 +534,54 @@ class JobService:
 
     # -- internals -----------------------------------------------------------
     def _activate(self, job: JobRecord) -> JobRecord:
-        base = {}
-        if job.uses_switch and not job.counter_base:
-            base = self.programmer.read_job_counters(job.job_id)
-            self.store.set_counter_base(job.job_id, base)
+        switches = self.fabric.switches_of(job)
+        missing = [s for s in switches if s not in job.counter_base] if self.fabric.is_tree else \
+            (switches if not job.counter_base else [])
+        if missing:
+            self._set_counter_base(job, missing)
         self.store.set_state(job.job_id, "active")
         return self.store.get(job.job_id)
 
-    def _abort_create(self, job: JobRecord) -> None:
-        try:
-            self.programmer.remove_job(job)
-        except P4RuntimeError as err:
-            log.warning("cleanup after failed create of job %d: %s", job.job_id, err)
-        self.store.remove(job.job_id)
-        if job.uses_switch:
+    def _set_counter_base(self, job: JobRecord, switches: list[str]) -> None:
+        """Read the job's counters on ``switches`` as its baseline (they count from the switch's start)."""
+        if not switches:
+            return
+        if self.fabric.is_tree:
+            base = {**job.counter_base, **{s: self.fabric.read_counters(s, job.job_id) for s in switches}}
+        else:
+            base = self.fabric.read_counters(switches[0], job.job_id)
+        self.store.set_counter_base(job.job_id, base)
+        job.counter_base = base
+
+    def _release_slots(self, job: JobRecord) -> None:
+        if not job.uses_switch:
+            return
+        if isinstance(self.allocator, FabricAllocator):
+            self.allocator.release({s: SlotRange(*r) for s, r in job.segments.items()})
+        else:
             self.allocator.release(SlotRange(job.slot_base, job.slot_count))
 
-    def _finish_delete(self, job: JobRecord) -> None:
-        """Remove the job from the switch, then the database, then free its slots."""
+    def _others(self, job: JobRecord) -> list[JobRecord]:
+        return [j for j in self.store.all() if j.job_id != job.job_id]
+
+    def _abort_create(self, job: JobRecord) -> None:
         try:
-            self.programmer.remove_job(job)
-        except P4RuntimeError as err:
-            raise ServiceError("switch_error", f"cannot remove job {job.job_id} from the switch "
-                               f"(it stays marked deleting and is retried on restart): {err}") from None
+            self.fabric.remove(job, self._others(job))
+        except (P4RuntimeError, OSError) as err:
+            log.warning("cleanup after failed create of job %d: %s", job.job_id, err)
         self.store.remove(job.job_id)
-        if job.uses_switch:
-            self.allocator.release(SlotRange(job.slot_base, job.slot_count))
+        self._release_slots(job)
+
+    def _finish_delete(self, job: JobRecord) -> None:
+        """Remove the job from its switches, then the database, then free its slots."""
+        try:
+            self.fabric.remove(job, self._others(job))
+        except (P4RuntimeError, OSError) as err:
+            raise ServiceError("switch_error", f"cannot remove job {job.job_id} from the switch "
+                               f"(it stays marked deleting and is retried when the switch is back and on restart): "
+                               f"{err}") from None
+        self.store.remove(job.job_id)
+        self._release_slots(job)
 
     def _free_job_id(self, exclude: set[int] | frozenset[int] = frozenset()) -> int:
         used = {j.job_id for j in self.store.all()} | exclude

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -53,6 +54,7 @@ MIGRATIONS = (
     ("distribution_of", "INTEGER"),
     ("threads", "INTEGER NOT NULL DEFAULT 1"),
     ("ps_members", "INTEGER NOT NULL DEFAULT 0"),
+    ("segments", "TEXT NOT NULL DEFAULT '{}'"),
 )
 
 
@@ -93,7 +95,7 @@ class JobRecord:
     lease_seconds: float
     lease_expires: float
     created: float
-    counter_base: dict[str, int] = field(default_factory=dict)
+    counter_base: dict[str, Any] = field(default_factory=dict)
     note: str = ""
     #: MLfabric options (docs/mlfabric.md): sync/async, delay bound, update order, PS replicas.
     update_mode: str = "sync"
@@ -117,6 +119,10 @@ class JobRecord:
     #: MLfabric switch aggregation: the last ``ps_members`` ranks are the PS chain's endpoints on the switch,
     #: members of every switch group (WorkerConfig.ps_members). 0: the workers are every rank.
     ps_members: int = 0
+    #: Under a topology (docs/hierarchy.md): the job's slots on each switch of its tree, root first
+    #: (switch -> (slot base, slot count)); written with the row, in its transaction. Its counter baselines
+    #: are then per switch too (switch -> counter -> value). Empty on a controller of one switch.
+    segments: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def uses_switch(self) -> bool:
@@ -144,6 +150,7 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
         switch_aggregation=bool(row["switch_aggregation"]), senders=row["senders"],
         distribution=row["distribution"], distribution_of=row["distribution_of"], threads=row["threads"],
         ps_members=row["ps_members"],
+        segments={switch: (base, count) for switch, (base, count) in json.loads(row["segments"]).items()},
     )
 
 
@@ -192,14 +199,15 @@ class JobStore:
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
             " workers, ps, lease_seconds, lease_expires, created, counter_base, note,"
             " update_mode, delay_bound, schedule, replicas, secret, switch_aggregation, senders, distribution,"
-            " distribution_of, threads, ps_members) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
-            " ?, ?, ?, ?, ?, ?, ?)",
+            " distribution_of, threads, ps_members, segments)"
+            f" VALUES ({', '.join('?' * 28)})",
             (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
              job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
              json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
              job.created, json.dumps(job.counter_base), job.note, job.update_mode, job.delay_bound, job.schedule,
              json.dumps([asdict(r) for r in job.replicas]), job.secret, int(job.switch_aggregation), job.senders,
-             job.distribution, job.distribution_of, job.threads, job.ps_members),
+             job.distribution, job.distribution_of, job.threads, job.ps_members,
+             json.dumps({switch: list(r) for switch, r in job.segments.items()})),
         )
 
     def set_state(self, job_id: int, state: str, *more: int) -> None:
@@ -208,7 +216,7 @@ class JobStore:
             for one in (job_id, *more):
                 conn.execute("UPDATE jobs SET state = ? WHERE job_id = ?", (state, one))
 
-    def set_counter_base(self, job_id: int, base: dict[str, int]) -> None:
+    def set_counter_base(self, job_id: int, base: dict[str, Any]) -> None:
         with self.transaction() as conn:
             conn.execute("UPDATE jobs SET counter_base = ? WHERE job_id = ?", (json.dumps(base), job_id))
 

@@ -55,12 +55,18 @@ STILL_DOWN_LOG_INTERVAL = 30.0
 class SwitchWatch:
     """Keeps the controller's session with its switch alive and the switch in sync with the database."""
 
-    def __init__(self, service: JobService, poll_interval: float = POLL_INTERVAL,
+    def __init__(self, service: JobService, switch: str | None = None, poll_interval: float = POLL_INTERVAL,
                  probe_timeout: float = PROBE_TIMEOUT, probe_failures: int = PROBE_FAILURES,
                  backoff_initial: float = BACKOFF_INITIAL, backoff_max: float = BACKOFF_MAX,
                  connect_timeout: float = CONNECT_TIMEOUT) -> None:
         self.service = service
-        self.address = service.config.grpc_address
+        session = service.session(switch)
+        #: The switch's name in the fabric (``fabric.ONE_SWITCH`` without a topology) and its address.
+        self.switch = session.name
+        self.address = session.address
+        self.client = session.client
+        #: How the logs name the switch: its address, and its name under a topology.
+        self.label = f"{session.name} ({session.address})" if service.fabric.is_tree else session.address
         self.poll_interval = poll_interval
         self.probe_timeout = probe_timeout
         self.probe_failures = probe_failures
@@ -109,14 +115,14 @@ class SwitchWatch:
     def sync_first(self, timeout: float) -> SwitchSync:
         """Connect and resync once; raises P4RuntimeError/ServiceError when that fails (the thread retries)."""
         self.service.check_program()
-        self.service.reconnect_switch(timeout)
-        result = self.service.resync()
+        self.service.reconnect_switch(timeout, self.switch)
+        result = self.service.resync(self.switch)
         self._synced(result)
         return result
 
     # -- the thread ------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="netagg-switch-watch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"netagg-switch-watch-{self.switch}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -146,14 +152,14 @@ class SwitchWatch:
                 self._failed(err)
                 if time.monotonic() - last_reminder >= STILL_DOWN_LOG_INTERVAL:
                     last_reminder = time.monotonic()
-                    log.info("switch %s still unavailable after %.0f s (%d attempts; last: %s)", self.address,
+                    log.info("switch %s still unavailable after %.0f s (%d attempts; last: %s)", self.label,
                              self.down_for or 0.0, self._attempts, self._last_error)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.backoff_max)
 
     def _watch(self, failures: int) -> int:
         """One poll of a switch in sync; returns the consecutive failed reads so far."""
-        client = self.service.client
+        client = self.client
         if client.wait_disconnected(self.poll_interval):
             if not self._stop.is_set():
                 error = client.stream_error
@@ -168,9 +174,9 @@ class SwitchWatch:
             if err.code == "UNAVAILABLE" or failures >= self.probe_failures:
                 self._lost(f"{err}" + (f" ({failures} reads in a row)" if failures > 1 else ""))
                 return 0
-            log.debug("switch %s: pipeline read failed (%d in a row): %s", self.address, failures, err)
+            log.debug("switch %s: pipeline read failed (%d in a row): %s", self.label, failures, err)
             return failures
-        expected = self.service.expected_cookie
+        expected = self.service.expected_cookie(self.switch)
         if cookie != expected:
             self._reconnect = False  # the session is fine: only the switch's state is not ours any more
             self._lost("it has no pipeline" if cookie is None else
@@ -181,14 +187,14 @@ class SwitchWatch:
     def _attempt(self) -> None:
         """Reconnect if the session is gone, then resync (both raise on failure)."""
         self._attempts += 1
-        client = self.service.client
+        client = self.client
         if self._reconnect or not (client.connected and client.is_primary):
-            self.service.reconnect_switch(self.connect_timeout)
-        self._synced(self.service.resync())
+            self.service.reconnect_switch(self.connect_timeout, self.switch)
+        self._synced(self.service.resync(self.switch))
 
     # -- transitions -------------------------------------------------------------
     def _lost(self, reason: str) -> None:
-        self.service.mark_switch_unavailable(reason)
+        self.service.mark_switch_unavailable(reason, self.switch)
         with self._lock:
             if self._down_since is not None:
                 return
@@ -196,7 +202,7 @@ class SwitchWatch:
             self._down_reason = reason
             self._attempts = 0
         log.warning("switch %s lost: %s; reconnecting (backoff %g s to %g s); job create/delete/show are "
-                    "refused until it is back", self.address, reason, self.backoff_initial, self.backoff_max)
+                    "refused until it is back", self.label, reason, self.backoff_initial, self.backoff_max)
 
     def _failed(self, err: Exception) -> None:
         # A failure while up (e.g. the switch died during a reconcile of the resync) is a loss too.
@@ -204,11 +210,11 @@ class SwitchWatch:
             text = str(err)
         else:
             text = f"{type(err).__name__}: {err}"
-            log.exception("switch %s: unexpected error in the switch watch", self.address)
+            log.exception("switch %s: unexpected error in the switch watch", self.label)
         self._last_error = text
         self._reconnect = True  # whatever failed, the next attempt starts from a fresh session
         self._lost(text)
-        log.debug("switch %s: attempt %d failed: %s", self.address, self._attempts, text)
+        log.debug("switch %s: attempt %d failed: %s", self.label, self._attempts, text)
 
     def _synced(self, result: SwitchSync) -> None:
         # Jobs that failed over to their PS while the switch was away may come back now (a thread: a PS that
@@ -232,12 +238,12 @@ class SwitchWatch:
         changes = (f"inserted {report.inserted}, modified {report.modified}, deleted {report.deleted} entries, "
                    f"set {report.groups_set} and deleted {report.groups_deleted} groups")
         if first and self._attempts:  # the daemon started without its switch
-            log.info("switch %s reached after %.2f s (%d attempts): %s; reconcile %s", self.address, away,
+            log.info("switch %s reached after %.2f s (%d attempts): %s; reconcile %s", self.label, away,
                      self._attempts, result.pipeline, changes)
             return
         if first:
-            log.info("switch %s: %s; reconcile %s", self.address, result.pipeline, changes)
+            log.info("switch %s: %s; reconcile %s", self.label, result.pipeline, changes)
             return
         what = "it had lost its state (restarted)" if result.lost_state else "it had kept its state"
         log.info("switch %s back after %.2f s away (lost: %s; %d attempts): %s; %s; reconciled %d jobs: %s",
-                 self.address, away, reason, self._attempts, what, result.pipeline, result.jobs, changes)
+                 self.label, away, reason, self._attempts, what, result.pipeline, result.jobs, changes)
