@@ -4,12 +4,13 @@
 machine: each switch its own software target process in its own namespace (ports named after the
 topology's port numbers), each host a namespace on its switch port, each parent link a veth pair
 between the two switches' namespaces (optionally shaped: the links between racks are the bottleneck of
-real clusters). Each switch gets its own primary P4Runtime session; the fabric's entries
-(``topology.fabric_state``) are installed on start, a job's (``topology.tree_state``) with
-:meth:`EmulatedTree.install_job`. Everything is torn down on exit, whatever happens.
+real clusters). Everything is torn down on exit, whatever happens.
 
-Not yet the controller's: it programs the switches directly from the topology module, as the controller
-will once it drives several switches (docs/hierarchy.md, "What comes next").
+Who programs the switches: the controller daemon (``programmed=False``: the targets start bare, and
+:meth:`EmulatedTree.topology_data` is the topology file to give it, with the targets' P4Runtime
+addresses), or the tree itself (the default, for packet-level tests without a controller): each switch
+gets its own primary P4Runtime session, the fabric's entries (``topology.fabric_state``) on start and a
+job's (``topology.tree_state``) with :meth:`EmulatedTree.install_job`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from netagg.controller.topology import (
     Topology,
     TreePlan,
     TreeWorker,
+    dump_topology,
     fabric_state,
     tree_state,
 )
@@ -38,8 +40,10 @@ class EmulatedTree:
     """The switches and hosts of ``topology`` in namespaces, the switches running ``target``."""
 
     def __init__(self, workdir: Path, topology: Topology, prefix: str, target: str = "soft",
-                 link_shape: LinkShape | None = None, mtu: int = 1500, host_shape: LinkShape | None = None) -> None:
-        """``link_shape``: the links between switches; ``host_shape``: the hosts' links (None: unshaped)."""
+                 link_shape: LinkShape | None = None, mtu: int = 1500, host_shape: LinkShape | None = None,
+                 programmed: bool = True) -> None:
+        """``link_shape``: the links between switches; ``host_shape``: the hosts' links (None: unshaped);
+        ``programmed``: the tree programs its switches itself (False: a controller does)."""
         if len(prefix) > 6:
             raise ValueError("prefix must be at most 6 characters (interface names are short)")
         self.workdir = workdir
@@ -49,6 +53,7 @@ class EmulatedTree:
         self.link_shape = link_shape
         self.host_shape = host_shape
         self.mtu = mtu
+        self.programmed = programmed
         self.switches: dict[str, TargetProcess] = {}
         self.clients: dict[str, P4RuntimeClient] = {}
         #: The entries each switch holds: the fabric's plus every installed job's.
@@ -144,12 +149,27 @@ class EmulatedTree:
             sock = self.workdir / f"{name}.p4rt.sock"
             self.switches[name] = start_target(self.target, self._ports[name], self.workdir / f"{name}.log",
                                                grpc_address=f"unix:{sock}", namespace=self.namespace_of(name))
+            if not self.programmed:
+                continue
             client = P4RuntimeClient(self.switches[name].grpc_address, device_id=1, election_id=(0, 1))
             client.connect()
             client.set_pipeline(dp.P4INFO_PATH, b"")
             self.clients[name] = client
             self.state[name] = fabric[name]
             reconcile_state(client, fabric[name])
+
+    def topology_data(self) -> dict:
+        """The topology file for a controller of this tree: the switches at their targets' addresses."""
+        return dump_topology(self.topology, {name: target.grpc_address for name, target in self.switches.items()})
+
+    def restart_switch(self, name: str) -> None:
+        """Kill one switch's target and start it again, bare (a rebooted switch: no pipeline, no entries)."""
+        old = self.switches[name]
+        old.stop()
+        sock = self.workdir / f"{name}.p4rt.sock"
+        sock.unlink(missing_ok=True)
+        self.switches[name] = start_target(self.target, self._ports[name], self.workdir / f"{name}.log",
+                                           grpc_address=f"unix:{sock}", namespace=self.namespace_of(name))
 
     # -- jobs ----------------------------------------------------------------
     def install_job(self, plan: TreePlan, allocations: dict[str, Allocation], workers: Iterable[TreeWorker],

@@ -105,7 +105,10 @@ class Fabric:
         """The switches the job is on, root first (none for a fallback job)."""
         if not job.uses_switch:
             return []
-        return list(job.segments) if self.is_tree else [ONE_SWITCH]
+        if not self.is_tree:
+            return [ONE_SWITCH]
+        order = list(self.sessions)  # the root first, then by depth
+        return sorted(job.segments, key=order.index)
 
     def check_job(self, job: JobRecord) -> None:
         """Raise ConfigError when a stored tree job's segments are not the tree its workers have in the topology
@@ -113,8 +116,8 @@ class Fabric:
         if not self.is_tree or not job.uses_switch:
             return
         plan = self.plan(job)
-        if list(plan.segments) != list(job.segments):
-            raise ConfigError(f"job {job.job_id}'s switches {list(job.segments)} are not its tree in "
+        if set(plan.segments) != set(job.segments):
+            raise ConfigError(f"job {job.job_id}'s switches {sorted(job.segments)} are not its tree in "
                               f"{self.config.topology.source if self.topology else ''} ({plan.switches}): "
                               "the topology changed under it; restore the file, or delete the job first")
 

@@ -212,6 +212,21 @@ def parse_topology(data: Any, source: str) -> Topology:
     return Topology(source, switches, hosts)
 
 
+def dump_topology(topology: Topology, addresses: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The topology as a mapping :func:`parse_topology` reads back (a topology file's content); ``addresses``:
+    switches' P4Runtime addresses to put instead of theirs (an emulated tree's, once its targets run)."""
+    addresses = addresses or {}
+    switches: dict[str, Any] = {}
+    for s in topology.switches.values():
+        switches[s.name] = {"grpc_address": addresses.get(s.name, s.grpc_address), "device_id": s.device_id,
+                            "aggregator": {"ip": s.aggregator_ip, "mac": s.aggregator_mac}}
+        if s.parent is not None:
+            switches[s.name]["parent"] = {"switch": s.parent, "up_port": s.up_port, "port": s.parent_port}
+    hosts = [{"name": h.name, "switch": h.switch, "port": h.port, "ip": h.ip, "mac": h.mac}
+             for h in topology.hosts.values()]
+    return {"switches": switches, "hosts": hosts}
+
+
 def _check_mapping(node: Any, where: str, allowed: set[str], fail) -> None:
     if not isinstance(node, dict):
         raise fail(where, "expected a mapping")
