@@ -186,7 +186,8 @@ _TOP_COUNTERS = ("contributions", "results", "duplicates", "retransmit_results",
 
 
 def _switch_drops(args: argparse.Namespace) -> dict[tuple[str, int], int] | None:
-    """The switch's drop counters, read over P4Runtime (read only, no arbitration); None if unreachable."""
+    """The switch's drop counters (under a topology, every switch's, summed), read over P4Runtime (read only, no
+    arbitration); None if one is unreachable."""
     import grpc
     from p4.v1 import p4runtime_pb2_grpc
 
@@ -195,17 +196,23 @@ def _switch_drops(args: argparse.Namespace) -> dict[tuple[str, int], int] | None
 
     try:
         config = load_config(args.config)
-        channel = grpc.insecure_channel(config.grpc_address)
+        index = P4InfoIndex(load_p4info(config.p4info))
     except (ConfigError, OSError):
         return None
-    try:
-        stub = p4runtime_pb2_grpc.P4RuntimeStub(channel)
-        index = P4InfoIndex(load_p4info(config.p4info))
-        return read_switch_counters(stub, config.device_id, index, [], SWITCH_READ_TIMEOUT).drops
-    except Exception:  # unreachable or refusing: the view says so
-        return None
-    finally:
-        channel.close()
+    switches = [(s.grpc_address, s.device_id) for s in config.topology.switches.values()] \
+        if config.topology is not None else [(config.grpc_address, config.device_id)]
+    total: dict[tuple[str, int], int] = {}
+    for address, device_id in switches:
+        channel = grpc.insecure_channel(address)
+        try:
+            stub = p4runtime_pb2_grpc.P4RuntimeStub(channel)
+            for key, value in read_switch_counters(stub, device_id, index, [], SWITCH_READ_TIMEOUT).drops.items():
+                total[key] = total.get(key, 0) + value
+        except Exception:  # unreachable or refusing: the view says so
+            return None
+        finally:
+            channel.close()
+    return total
 
 
 def _render_top(jobs: list[dict[str, Any]], previous: dict[int, dict[str, int]], elapsed: float | None,

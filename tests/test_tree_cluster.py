@@ -18,14 +18,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from benchmarks.allreduce_worker import tensor_for
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.netns import LinkShape, can_create_namespaces, list_namespaces
 from netagg.bmv2.tree import EmulatedTree
+from netagg.controller.cli import main
 from netagg.controller.topology import Allocation, TreeWorker, parse_topology, plan_tree, worker_config
 from netagg.hoststack.testing import expected_allreduce
+
+from conftest import ADMIN_TOKEN, TOKENS, start_controller
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -85,33 +89,53 @@ def test_a_job_over_two_racks_gets_the_exact_sum_through_a_tree_of_three_switche
     assert not [ns for ns in list_namespaces() if ns.startswith(prefix + "-")]
 
 
-def _train(tree: EmulatedTree, workdir: Path, steps: int) -> list[dict]:
-    """The demo model (examples/mlp_digits.py), one worker per host of ``tree``, every rank's final line."""
-    topo = tree.topology
-    workers = [TreeWorker(r, f"w{r}", 41000 + r) for r in range(len(topo.hosts))]
-    plan = plan_tree(topo, workers)
-    allocations = {name: Allocation(3 + i, 0, 64, 5000 + i) for i, name in enumerate(plan.segments)}
-    tree.install_job(plan, allocations, workers)
-    procs = []
-    for w in workers:
-        config = worker_config(topo, plan, allocations, w, len(workers))
-        path = workdir / f"{tree.prefix}-train{w.rank}.yaml"
-        config.save(path)
-        procs.append(subprocess.Popen(tree.host_command(w.host, [
-            sys.executable, str(dp.REPO_ROOT / "examples" / "mlp_digits.py"), "--config", str(path),
-            "--steps", str(steps), "--quiet"]), cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True))
-    finals = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err[-3000:]
-        finals.append(json.loads(out.strip().splitlines()[-1])["final"])
-    return finals
+def _train(capsys, tree: EmulatedTree, workdir: Path, steps: int) -> list[dict]:
+    """The demo model (examples/mlp_digits.py), one worker per host of ``tree``, every rank's final line: the
+    job made by a controller daemon that drives the tree's switches (``topology:``), each worker's config its
+    ``job config``."""
+    workdir = workdir / tree.prefix
+    workdir.mkdir()
+    topology = workdir / "topology.yaml"
+    topology.write_text(yaml.safe_dump(tree.topology_data()))
+    config = workdir / "controller.yaml"
+    config.write_text(yaml.safe_dump({
+        "topology": str(topology), "switch": {"election_id": 10, "p4info": str(dp.P4INFO_PATH)},
+        "controller": {"database": str(workdir / "ctl.db"), "api_socket": str(workdir / "ctl.sock"),
+                       "admin_token": ADMIN_TOKEN},
+        "tenants": {"alice": {"token": TOKENS["alice"]}}}))
+    ctl = start_controller(config, workdir / "controller.log")
+    try:
+        hosts = list(tree.topology.hosts)
+        code = main(["--config", str(config), "--token", TOKENS["alice"], "--json", "job", "create", "--slots", "64",
+                     "--workers", ",".join(f"{h}:{41000 + r}" for r, h in enumerate(hosts))])
+        out, err = capsys.readouterr()
+        assert code == 0, err + ctl.log.read_text()[-3000:]
+        job = json.loads(out)["job"]
+        procs = []
+        for rank, host in enumerate(hosts):
+            path = workdir / f"train{rank}.yaml"
+            code = main(["--config", str(config), "--token", TOKENS["alice"], "job", "config", str(job["job_id"]),
+                         "--rank", str(rank), "-o", str(path)])
+            assert code == 0, capsys.readouterr()
+            capsys.readouterr()
+            procs.append(subprocess.Popen(tree.host_command(host, [
+                sys.executable, str(dp.REPO_ROOT / "examples" / "mlp_digits.py"), "--config", str(path),
+                "--steps", str(steps), "--quiet"]), cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True))
+        finals = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, err[-3000:]
+            finals.append(json.loads(out.strip().splitlines()[-1])["final"])
+        return finals
+    finally:
+        ctl.stop()
 
 
-def test_the_demo_model_trains_bit_identically_over_two_racks_and_through_one_switch(tmp_path):
+def test_the_demo_model_trains_bit_identically_over_two_racks_and_through_one_switch(capsys, tmp_path):
     """The same 4-worker training (examples/mlp_digits.py) over a tree of three switches and through one
-    switch: every worker ends with the same parameters, bit for bit, in both, and the model learned."""
+    switch, each job made by the controller daemon driving that fabric: every worker ends with the same
+    parameters, bit for bit, in both, and the model learned."""
     ok, why = can_create_namespaces()
     if not ok:
         pytest.skip(f"emulated tree: {why}")
@@ -121,10 +145,10 @@ def test_the_demo_model_trains_bit_identically_over_two_racks_and_through_one_sw
                                  "hosts": [h | {"switch": "rack0", "port": 1 + i, "ip": f"10.71.0.{1 + i}"}
                                            for i, h in enumerate(TOPOLOGY["hosts"])]}, "<test>")
     prefix = f"tm{os.getpid() % 10000}"
-    with EmulatedTree(tmp_path, two_racks, prefix) as tree:
-        over_tree = _train(tree, tmp_path, steps=40)
-    with EmulatedTree(tmp_path, one_switch, prefix) as flat:
-        through_one = _train(flat, tmp_path, steps=40)
+    with EmulatedTree(tmp_path, two_racks, prefix, programmed=False) as tree:
+        over_tree = _train(capsys, tree, tmp_path, steps=40)
+    with EmulatedTree(tmp_path, one_switch, f"tf{os.getpid() % 10000}", programmed=False) as flat:
+        through_one = _train(capsys, flat, tmp_path, steps=40)
     digests = {r["param_digest"] for r in over_tree + through_one}
     assert len(digests) == 1, [(r["rank"], r["param_digest"][:12]) for r in over_tree + through_one]
     assert over_tree[0]["test_accuracy"] == through_one[0]["test_accuracy"] > 0.8
