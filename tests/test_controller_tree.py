@@ -11,11 +11,13 @@ controller restart; a job of more than 32 workers is admitted over the tree.
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from test_controller_switch_restart import cli, kill9, switch_state, wait_for
 
 from netagg import dataplane as dp
@@ -33,6 +35,7 @@ from netagg.controller.topology import (
     tree_state,
 )
 from netagg.jobconfig import ConfigError, WorkerConfig
+from netagg.localports import free_ports
 
 from conftest import ADMIN_TOKEN, ControllerProcess, free_udp_port, start_controller
 
@@ -67,7 +70,8 @@ def targets(tmp_path: Path) -> Iterator[dict[str, TargetProcess]]:
             target.stop()
 
 
-def tree_config(tmp_path: Path, targets: dict[str, TargetProcess], capacity: int = 64) -> Path:
+def tree_config(tmp_path: Path, targets: dict[str, TargetProcess], capacity: int = 64,
+                metrics_port: int | None = None) -> Path:
     topology = parse_topology(TOPOLOGY, "<test>")
     topo_path = tmp_path / "topology.yaml"
     topo_path.write_text(yaml.safe_dump(dump_topology(topology, {n: t.grpc_address for n, t in targets.items()})))
@@ -77,7 +81,8 @@ def tree_config(tmp_path: Path, targets: dict[str, TargetProcess], capacity: int
         "slots": {"capacity": capacity, "min_per_job": 4},
         "jobs": {"lease_seconds": 3600},
         "controller": {"database": str(tmp_path / "ctl.db"), "api_socket": str(tmp_path / "ctl.sock"),
-                       "admin_token": ADMIN_TOKEN},
+                       "admin_token": ADMIN_TOKEN,
+                       **({"metrics_address": f"127.0.0.1:{metrics_port}"} if metrics_port else {})},
         "tenants": {"alice": {"token": "alice-test-token"}},
         "parameter_servers": [{"name": "ps0", "host": "r0h1", "udp_port": 29001}],
     }
@@ -166,8 +171,15 @@ def test_a_job_over_two_racks_is_on_every_switch_of_its_tree_and_a_rack_job_on_i
         ctl.stop()
 
 
+def samples(port: int) -> list[tuple[str, dict, float]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20) as response:
+        text = response.read().decode()
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
 def test_a_switch_away_refuses_only_the_jobs_of_its_trees_and_gets_its_share_back(capsys, tmp_path, targets):
-    ctl = start_controller(tree_config(tmp_path, targets), tmp_path / "controller.log")
+    port = free_ports(1, kind="tcp")[0]
+    ctl = start_controller(tree_config(tmp_path, targets, metrics_port=port), tmp_path / "controller.log")
     try:
         wait_for(lambda: all(held(targets).values()), "the controller to push the pipeline to every switch")
         code, made, err = create(capsys, ctl, ["r0h0:41000", "r1h0:41001"])
@@ -180,6 +192,10 @@ def test_a_switch_away_refuses_only_the_jobs_of_its_trees_and_gets_its_share_bac
         assert code == EXIT_CODES["switch_unavailable"], err
         assert "rack1" in err and "retry" in err and "Traceback" not in err
         assert held({n: targets[n] for n in ("root", "rack0")}) == before  # nothing left anywhere
+        up = {labels["grpc_address"]: value for name, labels, value in samples(port) if name == "netagg_switch_up"}
+        assert up == {t.grpc_address: float(n != "rack1") for n, t in targets.items()}
+        in_use = {labels["switch"]: value for name, labels, value in samples(port) if name == "netagg_slots_in_use"}
+        assert in_use == {"root": 8.0, "rack0": 8.0, "rack1": 8.0}
         # A job inside rack0 does not need rack1.
         code, made, err = create(capsys, ctl, ["r0h1:41020", "r0h0:41021"])
         assert code == 0, err
@@ -192,6 +208,9 @@ def test_a_switch_away_refuses_only_the_jobs_of_its_trees_and_gets_its_share_bac
         assert wait_for(lambda: held(targets) == expected, "rack1 re-installed")
         code, made, err = create(capsys, ctl, ["r0h1:41030", "r1h1:41031"])
         assert code == 0, err
+        contributions = {labels["switch"] for name, labels, _ in samples(port)
+                         if name == "netagg_job_contributions_total" and labels["job_id"] == str(first["job_id"])}
+        assert contributions == {"root", "rack0", "rack1"}
     finally:
         ctl.stop()
 
