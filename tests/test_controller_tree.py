@@ -24,7 +24,7 @@ from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.targets import TargetProcess, start_target
 from netagg.controller.cli import EXIT_CODES
-from netagg.controller.config import parse_config
+from netagg.controller.config import load_config, parse_config
 from netagg.controller.topology import (
     Allocation,
     TreeWorker,
@@ -240,6 +240,8 @@ def test_a_job_of_more_than_32_workers_over_two_racks(capsys, tmp_path, targets)
 
 
 def test_a_topology_config_is_checked(tmp_path):
+    shipped = load_config(dp.REPO_ROOT / "configs" / "controller-tree.yaml")
+    assert shipped.topology is not None and shipped.parameter_servers["ps0"].host in shipped.topology.hosts
     topo_path = tmp_path / "topology.yaml"
     topo_path.write_text(yaml.safe_dump(TOPOLOGY))
     base = {"topology": str(topo_path), "switch": {"p4info": str(dp.P4INFO_PATH)},
