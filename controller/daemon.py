@@ -95,6 +95,7 @@ class ControllerDaemon:
             if limit is not None and never and time.monotonic() - self._started > limit:
                 raise P4RuntimeError("UNAVAILABLE", f"the switch {never[0].label} was not reached "
                                      f"within {limit:g} s (switch.startup_wait_seconds)")
+            self.service.finish_pending()
             for job_id in self.service.reap_expired():
                 self.lease_expiries += 1
                 log.info("job %d reclaimed: lease expired", job_id)

@@ -11,6 +11,10 @@ The switch can go away and come back (``switch_watch.py``): from the moment it i
 lost until :meth:`JobService.resync` has put everything back (under the same lock),
 requests that need it (create, delete, show) are refused with ``switch_unavailable``
 and change nothing; the service never queues them.
+
+The switches are the fabric's (``fabric.py``): one, or a tree of them under a topology, where a
+job has a segment (its slots) on each switch of its tree, all written in its row, and a switch
+that is away holds up only the requests of jobs whose tree it is in.
 """
 
 from __future__ import annotations
@@ -95,6 +99,8 @@ class JobService:
         self._lock = threading.RLock()
         self._program: tuple[p4info_pb2.P4Info, bytes] | None = None
         self._loaded = False
+        #: Jobs whose pending delete or activation failed and was logged (``finish_pending``).
+        self._pending_warned: set[int] = set()
         #: The cookie this controller pushes its pipeline with (from the program: the same across restarts).
         self.pipeline_cookie = 0
 
@@ -239,15 +245,30 @@ class JobService:
                 self._set_counter_base(job, [switch])
         return report, len(on_switch)
 
-    def _finish_pending(self) -> None:
+    def finish_pending(self) -> None:
+        """What the daemon retries every second: deletes and activations left by a failure of a switch that did
+        not end its session (a refused write), once all of the job's switches are in sync again."""
+        with self._lock:
+            self._finish_pending(retry=True)
+
+    def _finish_pending(self, retry: bool = False) -> None:
         """Finish what waits for switches now in sync: deletes (their rows and slots), activations."""
         for job in self.store.all():
             if not all(self.sessions[s].available for s in self.fabric.switches_of(job)):
                 continue
-            if job.state == "deleting":
-                self._finish_delete(job)
-            elif job.state == "installing":
-                self._activate(job)
+            try:
+                if job.state == "deleting":
+                    self._finish_delete(job)
+                elif job.state == "installing":
+                    self._activate(job)
+                self._pending_warned.discard(job.job_id)
+            except (ServiceError, P4RuntimeError, OSError) as err:  # another of its switches: retried
+                if not (self.fabric.is_tree or retry):
+                    raise
+                # Said once per job (retried every second): the operator sees it, the log is not flooded.
+                (log.debug if job.job_id in self._pending_warned else log.warning)(
+                    "job %d stays %s (retried every second): %s", job.job_id, job.state, err)
+                self._pending_warned.add(job.job_id)
 
     def reconnect_switch(self, timeout: float, switch: str | None = None) -> None:
         """A fresh P4Runtime session (channel, StreamChannel, arbitration); P4RuntimeError unless primary.

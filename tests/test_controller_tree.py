@@ -11,8 +11,11 @@ controller restart; a job of more than 32 workers is admitted over the tree.
 from __future__ import annotations
 
 import json
+import random
+import threading
 import urllib.request
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from test_controller_switch_restart import cli, kill9, switch_state, wait_for
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.targets import TargetProcess, start_target
+from netagg.controller.api import ApiClient, ApiError
 from netagg.controller.cli import EXIT_CODES
 from netagg.controller.config import load_config, parse_config
 from netagg.controller.topology import (
@@ -101,7 +105,7 @@ def expected_on(targets: dict[str, TargetProcess], jobs: list[dict]) -> dict[str
     """What each switch must hold for ``jobs`` (their views), from the topology module directly."""
     topology = parse_topology(TOPOLOGY, "<test>")
     states = fabric_state(topology)
-    for job in jobs:
+    for job in [j for j in jobs if j["segments"]]:  # not the fallback jobs: on no switch
         workers = [TreeWorker(w["rank"], w["host"], w["udp_port"]) for w in job["workers"]]
         allocations = {s: Allocation(job["job_id"], base, count, job["generation"])
                        for s, (base, count) in job["segments"].items()}
@@ -260,3 +264,51 @@ def test_a_topology_config_is_checked(tmp_path):
     topo_path.write_text(yaml.safe_dump(broken))
     with pytest.raises(ConfigError, match=r"topology.*nowhere"):
         parse_config(base, "<test>")
+
+
+def _burst_over_racks(client: ApiClient, stop: threading.Event, seed: int) -> None:
+    """Creates (over one rack or both) and deletes until stopped or the controller is killed under it."""
+    rng = random.Random(seed)
+    hosts = [h["name"] for h in TOPOLOGY["hosts"]]
+    mine: list[int] = []
+    while not stop.is_set():
+        try:
+            if mine and rng.random() < 0.4:
+                client.call("delete", job_id=mine.pop(rng.randrange(len(mine))))
+            else:
+                workers = [f"{rng.choice(hosts)}:{free_udp_port()}" for _ in range(rng.randint(1, 4))]
+                mine.append(client.call("create", name="burst", workers=workers, slots=rng.randint(1, 8))
+                            ["job"]["job_id"])
+        except ApiError as err:
+            if err.code == "unreachable":
+                return  # the controller was killed under us
+            if err.code != "capacity_exhausted":
+                raise
+
+
+def test_kill_9_of_the_controller_among_tree_creates_leaves_every_switch_as_its_database_says(tmp_path, targets):
+    config = tree_config(tmp_path, targets, capacity=256)
+    for round_ in range(3):
+        ctl = start_controller(config, tmp_path / "controller.log")
+        wait_for(lambda: all(held(targets).values()), "every switch in sync")
+        stop = threading.Event()
+        thread = threading.Thread(target=_burst_over_racks, args=(ApiClient(ctl.socket, "alice-test-token"), stop,
+                                                                   round_))
+        thread.start()
+        threading.Event().wait(0.8 + 0.4 * round_)
+        ctl.kill()  # SIGKILL: no clean-up of any kind
+        stop.set()
+        thread.join(timeout=30)
+    ctl = start_controller(config, tmp_path / "controller.log")
+    try:
+        jobs = ApiClient(ctl.socket, ADMIN_TOKEN).call("list")
+        assert jobs, "the bursts should have left jobs behind"
+        assert any(len(j["segments"]) == 3 for j in jobs) and any(len(j["segments"]) == 1 for j in jobs)
+        expected = expected_on(targets, jobs)
+        assert wait_for(lambda: held(targets) == expected, "every switch as the database says")
+        assert all(j["state"] == "active" for j in ApiClient(ctl.socket, ADMIN_TOKEN).call("list"))
+        for switch in SWITCHES:  # no slot of a switch is in two jobs
+            ranges = sorted((b, b + c) for j in jobs for s, (b, c) in j["segments"].items() if s == switch)
+            assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(ranges)), (switch, ranges)
+    finally:
+        ctl.stop()
