@@ -55,10 +55,10 @@ def topology(workers_per_rack: int, racks: int) -> Topology:
     """``racks`` leaves under a root (``racks`` = 1: one switch, no root), W hosts on each."""
     switches: dict = {}
     if racks > 1:
-        switches["root"] = {"grpc_address": "unix:/unused", "aggregator": {"ip": "10.60.0.254",
+        switches["root"] = {"grpc_address": "unix:/unused/root", "aggregator": {"ip": "10.60.0.254",
                                                                            "mac": "02:00:00:60:00:fe"}}
     for i in range(racks):
-        switches[f"rack{i}"] = {"grpc_address": "unix:/unused",
+        switches[f"rack{i}"] = {"grpc_address": f"unix:/unused/rack{i}",
                                 "aggregator": {"ip": f"10.6{1 + i}.0.254", "mac": f"02:00:00:6{1 + i}:00:fe"}}
         if racks > 1:
             switches[f"rack{i}"]["parent"] = {"switch": "root", "up_port": UP_PORT, "port": 1 + i}

@@ -280,7 +280,8 @@ def _check_tree(switches: dict[str, TopoSwitch], fail) -> None:
 
 
 def _check_ports_and_addresses(switches: dict[str, TopoSwitch], hosts: dict[str, TopoHost], fail) -> None:
-    """No switch port used twice (hosts, up link, children's links); no address or MAC used twice."""
+    """No switch port used twice (hosts, up link, children's links); no P4Runtime address (and device id), MAC or
+    IPv4 address used twice."""
     used: dict[tuple[str, int], str] = {}
 
     def take(switch: str, port: int, what: str) -> None:
@@ -295,6 +296,18 @@ def _check_ports_and_addresses(switches: dict[str, TopoSwitch], hosts: dict[str,
             take(s.parent, s.parent_port, f"switches.{s.name}.parent.port")
     for h in hosts.values():
         take(h.switch, h.port, f"host {h.name!r}")
+    sessions: dict[tuple[str, int], str] = {}
+    for s in switches.values():  # one controller session per switch: two names for one switch would fight
+        other = sessions.setdefault((s.grpc_address, s.device_id), s.name)
+        if other != s.name:
+            raise fail(f"switches.{s.name}.grpc_address", f"{s.grpc_address} (device {s.device_id}) is already "
+                                                          f"switch {other!r}'s")
+    macs: dict[str, str] = {}
+    for what, mac in [*((f"switches.{s.name}.aggregator.mac", s.aggregator_mac) for s in switches.values()),
+                      *((f"host {h.name!r}", h.mac) for h in hosts.values())]:
+        other = macs.setdefault(mac, what)
+        if other != what:
+            raise fail(what, f"MAC {mac} is already {other}'s")
     addresses: dict[str, str] = {}
     for what, ip in [*((f"switches.{s.name}.aggregator.ip", s.aggregator_ip) for s in switches.values()),
                      *((f"host {h.name!r}", h.ip) for h in hosts.values())]:

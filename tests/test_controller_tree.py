@@ -48,10 +48,10 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 SWITCHES = ("root", "rack0", "rack1")
 TOPOLOGY = {
     "switches": {
-        "root": {"grpc_address": "unix:/unused", "aggregator": {"ip": "10.60.0.254", "mac": "02:00:00:60:00:fe"}},
-        "rack0": {"grpc_address": "unix:/unused", "aggregator": {"ip": "10.61.0.254", "mac": "02:00:00:61:00:fe"},
+        "root": {"grpc_address": "unix:/unused/root", "aggregator": {"ip": "10.60.0.254", "mac": "02:00:00:60:00:fe"}},
+        "rack0": {"grpc_address": "unix:/unused/rack0", "aggregator": {"ip": "10.61.0.254", "mac": "02:00:00:61:00:fe"},
                   "parent": {"switch": "root", "up_port": 32, "port": 1}},
-        "rack1": {"grpc_address": "unix:/unused", "aggregator": {"ip": "10.62.0.254", "mac": "02:00:00:62:00:fe"},
+        "rack1": {"grpc_address": "unix:/unused/rack1", "aggregator": {"ip": "10.62.0.254", "mac": "02:00:00:62:00:fe"},
                   "parent": {"switch": "root", "up_port": 32, "port": 2}},
     },
     "hosts": [{"name": f"r{r}h{h}", "switch": f"rack{r}", "port": 1 + h, "ip": f"10.6{1 + r}.0.{1 + h}",
@@ -252,7 +252,7 @@ def test_a_topology_config_is_checked(tmp_path):
             "controller": {"database": "x.db", "api_socket": "x.sock", "admin_token": ADMIN_TOKEN}}
     config = parse_config(base, "<test>")
     assert config.topology is not None and set(config.hosts) == {"r0h0", "r0h1", "r1h0", "r1h1"}
-    assert config.grpc_address == "unix:/unused" and config.aggregator_ip == "10.60.0.254"  # the root's
+    assert config.grpc_address == "unix:/unused/root" and config.aggregator_ip == "10.60.0.254"  # the root's
     for extra, key in (({"switch": {**base["switch"], "grpc_address": "1.2.3.4:9559"}}, "switch.grpc_address"),
                        ({"hosts": [{"name": "a", "ip": "1.2.3.4", "mac": "02:00:00:00:00:01", "port": 1}]}, "hosts"),
                        ({"topology": str(tmp_path / "missing.yaml")}, "topology")):

@@ -63,6 +63,8 @@ def _workers(topology, hosts: list[str]) -> list[TreeWorker]:
     (lambda d: d["switches"]["leaf0"]["aggregator"].update(ip="300.1.1.1"), "not an IPv4 address"),
     (lambda d: d["switches"]["leaf0"].update(grpc_address="nowhere"), "not host:port"),
     (lambda d: d["hosts"][0].update(port=511), "switch port"),
+    (lambda d: d["switches"]["leaf1"].update(grpc_address="127.0.0.1:9600"), "is already switch 'leaf0'"),
+    (lambda d: d["hosts"][1].update(mac="02:00:00:91:00:fe"), "MAC 02:00:00:91:00:fe is already"),
 ])
 def test_a_wrong_topology_is_refused_naming_the_key(change, message):
     data = _topology(workers_per_leaf=2)

@@ -35,10 +35,10 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
 
 TOPOLOGY = {
     "switches": {
-        "root": {"grpc_address": "unix:/unused", "aggregator": {"ip": "10.70.0.254", "mac": "02:00:00:70:00:fe"}},
-        "rack0": {"grpc_address": "unix:/unused", "aggregator": {"ip": "10.71.0.254", "mac": "02:00:00:71:00:fe"},
+        "root": {"grpc_address": "unix:/unused/root", "aggregator": {"ip": "10.70.0.254", "mac": "02:00:00:70:00:fe"}},
+        "rack0": {"grpc_address": "unix:/unused/rack0", "aggregator": {"ip": "10.71.0.254", "mac": "02:00:00:71:00:fe"},
                   "parent": {"switch": "root", "up_port": 9, "port": 1}},
-        "rack1": {"grpc_address": "unix:/unused", "aggregator": {"ip": "10.72.0.254", "mac": "02:00:00:72:00:fe"},
+        "rack1": {"grpc_address": "unix:/unused/rack1", "aggregator": {"ip": "10.72.0.254", "mac": "02:00:00:72:00:fe"},
                   "parent": {"switch": "root", "up_port": 9, "port": 2}},
     },
     "hosts": [{"name": f"w{r}", "switch": f"rack{r // 2}", "port": 1 + r % 2, "ip": f"10.7{1 + r // 2}.0.{1 + r % 2}",
