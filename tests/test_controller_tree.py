@@ -11,7 +11,6 @@ controller restart; a job of more than 32 workers is admitted over the tree.
 from __future__ import annotations
 
 import json
-import random
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -21,12 +20,13 @@ from pathlib import Path
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from test_controller_recovery import burst
 from test_controller_switch_restart import cli, kill9, switch_state, wait_for
 
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.targets import TargetProcess, start_target
-from netagg.controller.api import ApiClient, ApiError
+from netagg.controller.api import ApiClient
 from netagg.controller.cli import EXIT_CODES
 from netagg.controller.config import load_config, parse_config
 from netagg.controller.topology import (
@@ -266,34 +266,15 @@ def test_a_topology_config_is_checked(tmp_path):
         parse_config(base, "<test>")
 
 
-def _burst_over_racks(client: ApiClient, stop: threading.Event, seed: int) -> None:
-    """Creates (over one rack or both) and deletes until stopped or the controller is killed under it."""
-    rng = random.Random(seed)
-    hosts = [h["name"] for h in TOPOLOGY["hosts"]]
-    mine: list[int] = []
-    while not stop.is_set():
-        try:
-            if mine and rng.random() < 0.4:
-                client.call("delete", job_id=mine.pop(rng.randrange(len(mine))))
-            else:
-                workers = [f"{rng.choice(hosts)}:{free_udp_port()}" for _ in range(rng.randint(1, 4))]
-                mine.append(client.call("create", name="burst", workers=workers, slots=rng.randint(1, 8))
-                            ["job"]["job_id"])
-        except ApiError as err:
-            if err.code == "unreachable":
-                return  # the controller was killed under us
-            if err.code != "capacity_exhausted":
-                raise
-
-
 def test_kill_9_of_the_controller_among_tree_creates_leaves_every_switch_as_its_database_says(tmp_path, targets):
     config = tree_config(tmp_path, targets, capacity=256)
     for round_ in range(3):
         ctl = start_controller(config, tmp_path / "controller.log")
         wait_for(lambda: all(held(targets).values()), "every switch in sync")
         stop = threading.Event()
-        thread = threading.Thread(target=_burst_over_racks, args=(ApiClient(ctl.socket, "alice-test-token"), stop,
-                                                                   round_))
+        hosts = tuple(h["name"] for h in TOPOLOGY["hosts"])
+        thread = threading.Thread(target=burst, args=(ApiClient(ctl.socket, "alice-test-token"), stop, round_, hosts,
+                                                      ("capacity_exhausted",)))
         thread.start()
         threading.Event().wait(0.8 + 0.4 * round_)
         ctl.kill()  # SIGKILL: no clean-up of any kind
