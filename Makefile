@@ -7,7 +7,7 @@ DEMO_STAMP := $(VENV)/.demo-stamp
 TARGET ?= soft
 PYTEST_ARGS ?=
 
-.PHONY: setup build build-tofino p4info test ptf demo bench bench-switch bench-tenants bench-sparse bench-tree chaos soak-mlfabric lint clean
+.PHONY: setup build build-tofino p4info test ptf demo demo-tree bench bench-switch bench-tenants bench-sparse bench-tree chaos soak-mlfabric lint clean
 
 $(VENV)/.created:
 	@scripts/setup-system.sh
@@ -53,6 +53,11 @@ ptf: build
 ## demo: switch + controller + 4 workers train an MLP through the switch (TARGET=soft: embedded default; bmv2)
 demo: $(DEMO_STAMP)
 	$(BIN)/python -m netagg.apps.demo --target $(TARGET)
+
+## demo-tree: the same over two racks: a switch per rack under a root, each its own software target in a
+## namespace, one controller over all three (needs root)
+demo-tree: $(DEMO_STAMP)
+	$(BIN)/python -m netagg.apps.demo --racks 2
 
 ## bench-switch: aggregated packets/s of the software target (and BMv2 where installed)
 bench-switch: build

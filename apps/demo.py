@@ -36,6 +36,8 @@ class DemoResult:
     reference: dict = field(default_factory=dict)
     job: dict = field(default_factory=dict)
     counters: dict = field(default_factory=dict)
+    #: Over a tree of switches: each switch's counters for the job (``counters`` is their sum).
+    switch_counters: dict = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
@@ -59,8 +61,13 @@ def _progress(line: str, steps: int, started: float) -> None:
           f"{time.monotonic() - started:5.1f} s", flush=True)
 
 
-def _deployment(workdir: Path, target: str, num_workers: int) -> Deployment:
-    """The embedded default (software target, loopback UDP), or BMv2 in the namespace topology."""
+def _deployment(workdir: Path, target: str, num_workers: int, racks: int = 1) -> Deployment:
+    """The embedded default (software target, loopback UDP), BMv2 in the namespace topology, or (``racks`` > 1)
+    an emulated tree of switches: the workers spread over the racks, one controller over every switch."""
+    if racks > 1:
+        from netagg.bmv2.cluster import EmulatedTreeCluster
+
+        return EmulatedTreeCluster(workdir, racks=racks, workers_per_rack=-(-num_workers // racks), target=target)
     if target in ("soft", "soft-ref"):
         return LocalDeployment(workdir, switch=target)
     from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
@@ -69,12 +76,12 @@ def _deployment(workdir: Path, target: str, num_workers: int) -> Deployment:
 
 
 def run_demo(workdir: Path, num_workers: int = 4, steps: int = 150, slots: int = 16, mode: str = "allreduce",
-             report_every: int = 10, quiet: bool = False, target: str = "soft") -> DemoResult:
-    """The whole demo; raises DeploymentError when a process fails."""
+             report_every: int = 10, quiet: bool = False, target: str = "soft", racks: int = 1) -> DemoResult:
+    """The whole demo; raises DeploymentError when a process fails. ``racks`` > 1: over a tree of switches."""
     result = DemoResult(steps=steps)
     started = time.monotonic()
     say = (lambda *_: None) if quiet else print
-    with _deployment(workdir, target, num_workers) as deployment:
+    with _deployment(workdir, target, num_workers, racks) as deployment:
         say(f"switch: {deployment.describe()}; controller up")
         created = deployment.create_job(deployment.worker_hosts[:num_workers], slots, mode=mode, name="mlp-digits")
         result.job = created["job"]
@@ -108,6 +115,7 @@ def run_demo(workdir: Path, num_workers: int = 4, steps: int = 150, slots: int =
         result.reference = json.loads(out.strip().splitlines()[-1])["reference"]
         shown = json.loads(deployment.cli("--json", "job", "show", str(job_id)))
         result.counters = shown.get("counters", {})
+        result.switch_counters = shown.get("switch_counters", {})
         deployment.cli("job", "delete", str(job_id))
     result.seconds = time.monotonic() - started
     return result
@@ -126,13 +134,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="soft: the embedded default (loopback UDP); soft-ref: the same on the software "
                              "target's reference model; bmv2: simple_switch_grpc in the namespace topology of "
                              "configs/cluster.yaml (root, p4c and BMv2 installed)")
+    parser.add_argument("--racks", type=int, default=1,
+                        help="above 1: the workers in that many racks, each under its own switch, the racks under a "
+                             "root switch, one controller over all of them (namespaces: needs root)")
     args = parser.parse_args(argv)
+    if args.racks < 1 or (args.racks > 1 and args.target == "bmv2"):
+        parser.error("--racks: at least 1; above 1 with a software target (soft, soft-ref)")
     print(f"netagg demo: {args.workers} workers train an MLP on scikit-learn's digits for {args.steps} steps; "
           "every gradient is summed in the switch")
     try:
         with tempfile.TemporaryDirectory(prefix="netagg-demo-") as tmp:
             workdir = args.workdir or Path(tmp)
-            result = run_demo(workdir, args.workers, args.steps, slots=args.slots, mode=args.mode, target=args.target)
+            result = run_demo(workdir, args.workers, args.steps, slots=args.slots, mode=args.mode, target=args.target,
+                              racks=args.racks)
     except (DeploymentError, KeyboardInterrupt) as err:
         print(f"demo failed: {err}", file=sys.stderr)
         return 1
@@ -146,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  workers hold identical parameters: {result.workers_agree}")
     print(f"  per worker: {rank0['packets_sent']} packets, {rank0['retransmissions']} retransmissions, "
           f"{rank0['packets_sent'] * wire.PAYLOAD_BYTES / 1e6:.2f} MB of gradients")
-    print("  switch counters for the job: " + ", ".join(f"{k}={v}" for k, v in result.counters.items()))
+    if result.switch_counters:  # a tree: each switch's own
+        for switch, counters in result.switch_counters.items():
+            print(f"  switch {switch} counters for the job: " + ", ".join(f"{k}={v}" for k, v in counters.items()))
+    else:
+        print("  switch counters for the job: " + ", ".join(f"{k}={v}" for k, v in result.counters.items()))
     print(f"  wall time {result.seconds:.1f} s; every process stopped")
     return 0 if ok else 1
 

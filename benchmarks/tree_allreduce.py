@@ -32,12 +32,11 @@ from benchmarks.cluster_allreduce import E_TCP, torch_available
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.netns import LinkShape, can_create_namespaces, ns_exec
-from netagg.bmv2.tree import EmulatedTree
-from netagg.controller.topology import Allocation, Topology, TreeWorker, parse_topology, plan_tree, worker_config
+from netagg.bmv2.tree import UP_PORT, EmulatedTree, racks_topology
+from netagg.controller.topology import Allocation, TreeWorker, plan_tree, worker_config
 
 WORKER = [sys.executable, "-m", "benchmarks.allreduce_worker"]
 GLOO_PORT = 29500
-UP_PORT = 60
 
 
 @dataclass
@@ -49,25 +48,6 @@ class Row:
     uplink_mb_up: float = float("nan")
     uplink_mb_down: float = float("nan")
     uplink_bound_mb: float = float("nan")
-
-
-def topology(workers_per_rack: int, racks: int) -> Topology:
-    """``racks`` leaves under a root (``racks`` = 1: one switch, no root), W hosts on each."""
-    switches: dict = {}
-    if racks > 1:
-        switches["root"] = {"grpc_address": "unix:/unused/root", "aggregator": {"ip": "10.60.0.254",
-                                                                           "mac": "02:00:00:60:00:fe"}}
-    for i in range(racks):
-        switches[f"rack{i}"] = {"grpc_address": f"unix:/unused/rack{i}",
-                                "aggregator": {"ip": f"10.6{1 + i}.0.254", "mac": f"02:00:00:6{1 + i}:00:fe"}}
-        if racks > 1:
-            switches[f"rack{i}"]["parent"] = {"switch": "root", "up_port": UP_PORT, "port": 1 + i}
-    hosts = []
-    for r in range(racks * workers_per_rack):
-        rack = r // workers_per_rack if racks > 1 else 0
-        hosts.append({"name": f"w{r}", "switch": f"rack{rack}", "port": 1 + r % workers_per_rack,
-                      "ip": f"10.6{1 + rack}.0.{1 + r}", "mac": f"02:00:00:6{1 + rack}:00:{1 + r:02x}"})
-    return parse_topology({"switches": switches, "hosts": hosts}, "<bench>")
 
 
 def _uplink_bytes(tree: EmulatedTree) -> tuple[int, int]:
@@ -149,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         up = LinkShape(args.uplink_mbit, 0.0, 1000)
         hosts = LinkShape(args.rate_mbit, 0.0, 1000)
-        with EmulatedTree(work, topology(args.workers_per_rack, 2), prefix, link_shape=up, host_shape=hosts) as tree:
+        two_racks = racks_topology(2, args.workers_per_rack)
+        with EmulatedTree(work, two_racks, prefix, link_shape=up, host_shape=hosts) as tree:
             before = _uplink_bytes(tree)
             results = run_netagg(tree, work, size, args.iterations, args.slots)
             after = _uplink_bytes(tree)
@@ -167,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                                 (after[1] - before[1]) / per / 1e6, uplink_bound))
             else:
                 print("gloo ring: torch is not installed (pip install torch); not measured", flush=True)
-        with EmulatedTree(work, topology(n, 1), prefix, host_shape=hosts) as flat:
+        with EmulatedTree(work, racks_topology(1, n), prefix, host_shape=hosts) as flat:
             results = run_netagg(flat, work, size, args.iterations, args.slots)
             rows.append(Row("netagg one switch", max(r["seconds"] for r in results),
                             tensor_bytes / (e * args.rate_mbit * 1e6 / 8), len({r["digest"] for r in results}) == 1))

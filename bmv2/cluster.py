@@ -1,4 +1,5 @@
-"""The emulated cluster: N worker hosts and a PS host in network namespaces around one switch.
+"""The emulated cluster: N worker hosts and a PS host in network namespaces around one switch, or
+(:class:`EmulatedTreeCluster`) racks of worker hosts under leaf switches and a root.
 
 Each host hangs off its own switch port by a veth pair shaped with ``tc`` (rate,
 delay) from ``configs/cluster.yaml``; the switch — BMv2 or the software target on raw
@@ -13,6 +14,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from netagg import dataplane as dp
 from netagg import wire
@@ -107,6 +110,54 @@ class EmulatedCluster(Deployment):
 
     def host_command(self, host: str, cmd: Sequence[str]) -> list[str]:
         return ns_exec(self.namespace_of(host), cmd)
+
+    def worker_ports(self, hosts: Sequence[str], offset: int = 0) -> list[int]:
+        return [WORKER_PORT_BASE + offset + i for i in range(len(hosts))]
+
+
+class EmulatedTreeCluster(Deployment):
+    """Racks of worker hosts, each rack's leaf switch linked to a root (``bmv2/tree.py``: a software target per
+    switch in its own namespace, shaped links), and one controller daemon driving every switch through its
+    topology. Hosts ``w0 ..`` rack by rack; ``ps`` on rack 0 (the PS a job falls back to when no slots)."""
+
+    def __init__(self, workdir: Path, racks: int = 2, workers_per_rack: int = 2, target: str = "soft",
+                 uplink: LinkShape | None = None, host_links: LinkShape | None = None, prefix: str | None = None,
+                 slots: int = 1024) -> None:
+        from netagg.bmv2.tree import EmulatedTree, racks_topology
+
+        super().__init__(workdir)
+        self.slots = slots
+        self.tree = EmulatedTree(workdir, racks_topology(racks, workers_per_rack, ps_host=True),
+                                 prefix or f"nt{os.getpid() % 10000}", target=target, link_shape=uplink,
+                                 host_shape=host_links, programmed=False)
+
+    @property
+    def worker_hosts(self) -> list[str]:
+        return [name for name in self.tree.topology.hosts if name != "ps"]
+
+    @property
+    def ps_host(self) -> str:
+        return "ps"
+
+    def describe(self) -> str:
+        switches = self.tree.topology.switches
+        return (f"{len(switches)} switches ({', '.join(switches)}), {self.tree.target} targets, each in its "
+                f"namespace; one controller over the topology")
+
+    def _start(self) -> None:
+        self.tree.__enter__()
+        topology = self.workdir / "topology.yaml"
+        topology.write_text(yaml.safe_dump(self.tree.topology_data(), sort_keys=False))
+        self.start_controller(self.topology_controller_config(topology, self.ps_host, PS_PORT, self.slots))
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            self.tree.stop()
+
+    def host_command(self, host: str, cmd: Sequence[str]) -> list[str]:
+        return self.tree.host_command(host, cmd)
 
     def worker_ports(self, hosts: Sequence[str], offset: int = 0) -> list[int]:
         return [WORKER_PORT_BASE + offset + i for i in range(len(hosts))]

@@ -75,13 +75,20 @@ class Deployment:
                   "aggregator": {"ip": aggregator_ip, "udp_port": aggregator_port}}
         if bmv2_json is not None:
             switch["bmv2_json"] = str(bmv2_json)
+        return {"switch": switch, **self._controller_common(ps_host, ps_port, capacity), "hosts": hosts}
+
+    def topology_controller_config(self, topology: Path, ps_host: str, ps_port: int, capacity: int) -> dict:
+        """The controller's configuration for a tree of switches: the topology file names the switches and the
+        hosts (docs/controller.md, "The daemon over a topology")."""
+        return {"topology": str(topology), "switch": {"p4info": str(dp.P4INFO_PATH)},
+                **self._controller_common(ps_host, ps_port, capacity)}
+
+    def _controller_common(self, ps_host: str, ps_port: int, capacity: int) -> dict:
         return {
-            "switch": switch,
             "slots": {"capacity": capacity, "min_per_job": 4},
             "controller": {"database": str(self.workdir / "controller.db"),
                            "api_socket": str(self.workdir / "controller.sock"), "admin_token": ADMIN_TOKEN},
             "tenants": {"demo": {"token": TENANT_TOKEN}},
-            "hosts": hosts,
             "parameter_servers": [{"name": "ps0", "host": ps_host, "udp_port": ps_port}],
         }
 

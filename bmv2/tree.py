@@ -31,9 +31,36 @@ from netagg.controller.topology import (
     TreeWorker,
     dump_topology,
     fabric_state,
+    parse_topology,
     tree_state,
 )
 from netagg.controller.tree_programmer import install_tree_job, remove_tree_job
+
+#: Each rack switch's port toward the root in :func:`racks_topology`.
+UP_PORT = 60
+
+
+def racks_topology(racks: int, workers_per_rack: int, ps_host: bool = False) -> Topology:
+    """``racks`` leaf switches under a root (``racks`` = 1: one switch, no root), with ``workers_per_rack`` hosts
+    ``w0, w1, ...`` on each (rack-major: rack 0's first) and, with ``ps_host``, a host ``ps`` on rack 0."""
+    switches: dict = {}
+    if racks > 1:
+        switches["root"] = {"grpc_address": "unix:/unset/root",
+                            "aggregator": {"ip": "10.60.0.254", "mac": "02:00:00:60:00:fe"}}
+    for i in range(racks):
+        switches[f"rack{i}"] = {"grpc_address": f"unix:/unset/rack{i}",
+                                "aggregator": {"ip": f"10.6{1 + i}.0.254", "mac": f"02:00:00:6{1 + i}:00:fe"}}
+        if racks > 1:
+            switches[f"rack{i}"]["parent"] = {"switch": "root", "up_port": UP_PORT, "port": 1 + i}
+    hosts = []
+    for r in range(racks * workers_per_rack):
+        rack = r // workers_per_rack
+        hosts.append({"name": f"w{r}", "switch": f"rack{rack}", "port": 1 + r % workers_per_rack,
+                      "ip": f"10.6{1 + rack}.0.{1 + r}", "mac": f"02:00:00:6{1 + rack}:00:{1 + r:02x}"})
+    if ps_host:
+        hosts.append({"name": "ps", "switch": "rack0", "port": workers_per_rack + 1, "ip": "10.61.0.200",
+                      "mac": "02:00:00:61:00:c8"})
+    return parse_topology({"switches": switches, "hosts": hosts}, f"<{racks} racks of {workers_per_rack}>")
 
 
 class EmulatedTree:

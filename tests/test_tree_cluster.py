@@ -14,22 +14,17 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from benchmarks.allreduce_worker import tensor_for
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.netns import LinkShape, can_create_namespaces, list_namespaces
 from netagg.bmv2.tree import EmulatedTree
-from netagg.controller.cli import main
 from netagg.controller.topology import Allocation, TreeWorker, parse_topology, plan_tree, worker_config
 from netagg.hoststack.testing import expected_allreduce
-
-from conftest import ADMIN_TOKEN, TOKENS, start_controller
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -89,69 +84,27 @@ def test_a_job_over_two_racks_gets_the_exact_sum_through_a_tree_of_three_switche
     assert not [ns for ns in list_namespaces() if ns.startswith(prefix + "-")]
 
 
-def _train(capsys, tree: EmulatedTree, workdir: Path, steps: int) -> list[dict]:
-    """The demo model (examples/mlp_digits.py), one worker per host of ``tree``, every rank's final line: the
-    job made by a controller daemon that drives the tree's switches (``topology:``), each worker's config its
-    ``job config``."""
-    workdir = workdir / tree.prefix
-    workdir.mkdir()
-    topology = workdir / "topology.yaml"
-    topology.write_text(yaml.safe_dump(tree.topology_data()))
-    config = workdir / "controller.yaml"
-    config.write_text(yaml.safe_dump({
-        "topology": str(topology), "switch": {"election_id": 10, "p4info": str(dp.P4INFO_PATH)},
-        "controller": {"database": str(workdir / "ctl.db"), "api_socket": str(workdir / "ctl.sock"),
-                       "admin_token": ADMIN_TOKEN},
-        "tenants": {"alice": {"token": TOKENS["alice"]}}}))
-    ctl = start_controller(config, workdir / "controller.log")
-    try:
-        hosts = list(tree.topology.hosts)
-        code = main(["--config", str(config), "--token", TOKENS["alice"], "--json", "job", "create", "--slots", "64",
-                     "--workers", ",".join(f"{h}:{41000 + r}" for r, h in enumerate(hosts))])
-        out, err = capsys.readouterr()
-        assert code == 0, err + ctl.log.read_text()[-3000:]
-        job = json.loads(out)["job"]
-        procs = []
-        for rank, host in enumerate(hosts):
-            path = workdir / f"train{rank}.yaml"
-            code = main(["--config", str(config), "--token", TOKENS["alice"], "job", "config", str(job["job_id"]),
-                         "--rank", str(rank), "-o", str(path)])
-            assert code == 0, capsys.readouterr()
-            capsys.readouterr()
-            procs.append(subprocess.Popen(tree.host_command(host, [
-                sys.executable, str(dp.REPO_ROOT / "examples" / "mlp_digits.py"), "--config", str(path),
-                "--steps", str(steps), "--quiet"]), cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True))
-        finals = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=240)
-            assert proc.returncode == 0, err[-3000:]
-            finals.append(json.loads(out.strip().splitlines()[-1])["final"])
-        return finals
-    finally:
-        ctl.stop()
-
-
-def test_the_demo_model_trains_bit_identically_over_two_racks_and_through_one_switch(capsys, tmp_path):
-    """The same 4-worker training (examples/mlp_digits.py) over a tree of three switches and through one
-    switch, each job made by the controller daemon driving that fabric: every worker ends with the same
-    parameters, bit for bit, in both, and the model learned."""
+def test_the_demo_model_trains_bit_identically_over_two_racks_and_through_one_switch(tmp_path):
+    """The demo (``apps/demo.py``: 4 workers train examples/mlp_digits.py) over two racks of an emulated tree,
+    the job made by one controller daemon over the three switches (``--racks 2``), and on the embedded default
+    (one switch): every worker ends with the same parameters, bit for bit, in both, and the model learned."""
     ok, why = can_create_namespaces()
     if not ok:
         pytest.skip(f"emulated tree: {why}")
     pytest.importorskip("sklearn")
-    two_racks = parse_topology(TOPOLOGY, "<test>")
-    one_switch = parse_topology({"switches": {"rack0": TOPOLOGY["switches"]["rack0"] | {"parent": None}},
-                                 "hosts": [h | {"switch": "rack0", "port": 1 + i, "ip": f"10.71.0.{1 + i}"}
-                                           for i, h in enumerate(TOPOLOGY["hosts"])]}, "<test>")
-    prefix = f"tm{os.getpid() % 10000}"
-    with EmulatedTree(tmp_path, two_racks, prefix, programmed=False) as tree:
-        over_tree = _train(capsys, tree, tmp_path, steps=40)
-    with EmulatedTree(tmp_path, one_switch, f"tf{os.getpid() % 10000}", programmed=False) as flat:
-        through_one = _train(capsys, flat, tmp_path, steps=40)
-    digests = {r["param_digest"] for r in over_tree + through_one}
-    assert len(digests) == 1, [(r["rank"], r["param_digest"][:12]) for r in over_tree + through_one]
-    assert over_tree[0]["test_accuracy"] == through_one[0]["test_accuracy"] > 0.8
+    from netagg.apps.demo import run_demo
+
+    over_tree = run_demo(tmp_path / "tree", num_workers=4, steps=40, quiet=True, racks=2)
+    through_one = run_demo(tmp_path / "one", num_workers=4, steps=40, quiet=True)
+    assert set(over_tree.job["segments"]) == {"root", "rack0", "rack1"} and not through_one.job["segments"]
+    digests = {r["param_digest"] for r in over_tree.workers + through_one.workers}
+    assert len(digests) == 1, [(r["rank"], r["param_digest"][:12]) for r in over_tree.workers + through_one.workers]
+    assert over_tree.accuracy == through_one.accuracy > 0.8
+    # Each switch summed two members a round (a rack's two workers, the root's two racks), each round once:
+    # the root's results are each rack's (a rack counts a round when the root's result comes down).
+    per_switch = over_tree.switch_counters
+    assert len({c["results"] for c in per_switch.values()}) == 1, per_switch
+    assert all(c["contributions"] == 2 * c["results"] > 0 for c in per_switch.values()), per_switch
 
 
 def test_a_job_is_on_all_of_its_switches_or_on_none(tmp_path):
