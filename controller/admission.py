@@ -130,7 +130,7 @@ class JobRequest:
         unsupported = [option for option, asked in (
             ("--mode ps", self.mode == "ps"), ("--sync async", self.update_mode != "sync"),
             ("--switch-aggregation", self.switch_aggregation), ("--senders", bool(self.senders)),
-            ("--threads", self.threads != 1), ("--distribution", self.distribution is not None),
+            ("--distribution", self.distribution is not None),
             ("--switch-ps", self.switch_ps is not None),
             ("--replicas", bool(self.replicas) or bool(self.replica_ps))) if asked]
         if self.ps is not None and len(self.workers) > wire.MAX_WORKERS:

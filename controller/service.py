@@ -517,7 +517,7 @@ class JobService:
         if self.config.topology is not None and job.uses_switch:  # its leaf's segment; no PS to fail over to
             return tree_worker_config(self.config.topology, self.fabric.plan(job), self.fabric.allocations(job),
                                       TreeWorker(worker.rank, worker.host, worker.udp_port), len(job.workers),
-                                      tenant=job.tenant, secret=job.secret)
+                                      tenant=job.tenant, secret=job.secret, threads=job.threads)
         ps = Endpoint(job.ps.ip, job.ps.udp_port) if job.ps else None
         aggregator = ps if job.mode == "fallback" else Endpoint(self.config.aggregator_ip,
                                                                   self.config.aggregator_port)

@@ -25,6 +25,7 @@ from netagg.bmv2.netns import LinkShape, can_create_namespaces, list_namespaces
 from netagg.bmv2.tree import EmulatedTree
 from netagg.controller.topology import Allocation, TreeWorker, parse_topology, plan_tree, worker_config
 from netagg.hoststack.testing import expected_allreduce
+from netagg.jobconfig import WorkerConfig
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -140,3 +141,35 @@ def test_a_job_is_on_all_of_its_switches_or_on_none(tmp_path):
         assert held(tree, "rack0") != fabric["rack0"]
         tree.remove_job(small, job)
         assert held(tree, "rack0") == fabric["rack0"]
+
+
+def test_a_threaded_job_over_two_racks_made_by_the_controller_gets_the_exact_sum(tmp_path):
+    """``--threads 2`` over a tree: each worker's two processes, each over its share of the slots, through two
+    racks and the root; the job, its slots on every switch and the workers' configs are the daemon's."""
+    ok, why = can_create_namespaces()
+    if not ok:
+        pytest.skip(f"emulated tree: {why}")
+    from netagg.bmv2.cluster import EmulatedTreeCluster
+
+    with EmulatedTreeCluster(tmp_path, racks=2, workers_per_rack=1, prefix=f"th{os.getpid() % 10000}") as cluster:
+        hosts = cluster.worker_hosts
+        made = json.loads(cluster.cli("--json", "job", "create", "--slots", "128", "--threads", "2", "--workers",
+                                      ",".join(f"{h}:{41000 + r}" for r, h in enumerate(hosts))))
+        job = made["job"]
+        assert job["threads"] == 2 and {c for _, c in job["segments"].values()} == {128}
+        procs = []
+        for rank, host in enumerate(hosts):
+            path = tmp_path / f"t{rank}.yaml"
+            cluster.cli("job", "config", str(job["job_id"]), "--rank", str(rank), "-o", str(path))
+            assert WorkerConfig.load(path).threads == 2
+            procs.append(subprocess.Popen(cluster.host_command(host, [
+                sys.executable, "-m", "benchmarks.allreduce_worker", "--netagg", str(path), "--size", str(SIZE),
+                "--iterations", "2"]), cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    expected, _ = expected_allreduce([tensor_for(r, SIZE) for r in range(2)])
+    digest = hashlib.sha256(np.ascontiguousarray(expected, np.float32).tobytes()).hexdigest()
+    assert [r["digest"] for r in results] == [digest] * 2
