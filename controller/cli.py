@@ -140,10 +140,15 @@ def _format_job(job: dict[str, Any]) -> str:
     if job.get("distribution_of") is not None:
         lines.append(f"  distribution job of job {job['distribution_of']} (its last {job.get('senders', 1)} "
                      "rank(s) the PS chain)")
+    if job.get("segments"):  # over a tree of switches: its slots on each
+        lines.append("  switches " + ", ".join(f"{switch} {base}..{base + count - 1}"
+                                               for switch, (base, count) in job["segments"].items()))
     if job.get("note"):
         lines.append(f"  admitted {job['note']}")
     if "counters" in job:
         lines.append("  counters " + " ".join(f"{k}={v}" for k, v in job["counters"].items()))
+    for switch, counters in job.get("switch_counters", {}).items():
+        lines.append(f"    on {switch}: " + " ".join(f"{k}={v}" for k, v in counters.items()))
     return "\n".join(lines)
 
 

@@ -149,6 +149,9 @@ def test_a_job_over_two_racks_is_on_every_switch_of_its_tree_and_a_rack_job_on_i
         assert code == 0, err
         shown = json.loads(out)
         assert set(shown["switch_counters"]) == set(SWITCHES) and shown["counters"]["contributions"] == 0
+        code, out, err = cli(capsys, ctl, "job", "show", str(tree_job["job_id"]))
+        assert code == 0, err
+        assert "switches " in out and "rack1 " in out and "on root: contributions=0" in out, out
 
         # The rack job takes more slots on rack1 than the others have left: a second tree job gets what all
         # three switches have, here rack1's last 0 -> none, so it falls back to its PS.
@@ -293,3 +296,21 @@ def test_kill_9_of_the_controller_among_tree_creates_leaves_every_switch_as_its_
             assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(ranges)), (switch, ranges)
     finally:
         ctl.stop()
+
+
+def test_a_topology_edited_under_a_job_stops_the_daemon_naming_the_job(capsys, tmp_path, targets):
+    config = tree_config(tmp_path, targets)
+    ctl = start_controller(config, tmp_path / "controller.log")
+    try:
+        code, made, err = create(capsys, ctl, ["r0h0:41000", "r1h0:41001"])
+        assert code == 0, err
+    finally:
+        ctl.stop()
+    topology = tmp_path / "topology.yaml"
+    data = yaml.safe_load(topology.read_text())
+    for host in data["hosts"]:  # r1h0 moves to rack0: the job's tree would be rack0 alone
+        if host["name"] == "r1h0":
+            host.update(switch="rack0", port=3)
+    topology.write_text(yaml.safe_dump(data))
+    with pytest.raises(RuntimeError, match=rf"job {made['job']['job_id']}'s switches .* topology changed"):
+        start_controller(config, tmp_path / "controller.log")
