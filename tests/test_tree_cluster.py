@@ -173,3 +173,39 @@ def test_a_threaded_job_over_two_racks_made_by_the_controller_gets_the_exact_sum
     expected, _ = expected_allreduce([tensor_for(r, SIZE) for r in range(2)])
     digest = hashlib.sha256(np.ascontiguousarray(expected, np.float32).tobytes()).hexdigest()
     assert [r["digest"] for r in results] == [digest] * 2
+
+
+def test_a_job_of_40_workers_through_three_switch_processes_made_by_the_controller(tmp_path):
+    """More than one bitmap word of workers end to end: 20 hosts in each of two racks, each switch its own
+    process, the job made by the daemon; every worker gets the exact sum, each leaf counts its 20 workers'
+    packets a round and the root its two racks'."""
+    ok, why = can_create_namespaces()
+    if not ok:
+        pytest.skip(f"emulated tree: {why}")
+    from netagg.bmv2.cluster import EmulatedTreeCluster
+
+    workers = 40
+    with EmulatedTreeCluster(tmp_path, racks=2, workers_per_rack=20, prefix=f"tb{os.getpid() % 10000}") as cluster:
+        hosts = cluster.worker_hosts
+        job = json.loads(cluster.cli("--json", "job", "create", "--slots", "64", "--workers",
+                                     ",".join(f"{h}:{41000 + r}" for r, h in enumerate(hosts))))["job"]
+        procs = []
+        for rank, host in enumerate(hosts):
+            path = tmp_path / f"b{rank}.yaml"
+            cluster.cli("job", "config", str(job["job_id"]), "--rank", str(rank), "-o", str(path))
+            procs.append(subprocess.Popen(cluster.host_command(host, [
+                sys.executable, "-m", "benchmarks.allreduce_worker", "--netagg", str(path), "--size", str(SIZE),
+                "--iterations", "2"]), cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        per_switch = json.loads(cluster.cli("--json", "job", "show", str(job["job_id"])))["switch_counters"]
+    expected, _ = expected_allreduce([tensor_for(r, SIZE) for r in range(workers)])
+    digest = hashlib.sha256(np.ascontiguousarray(expected, np.float32).tobytes()).hexdigest()
+    assert [r["digest"] for r in results] == [digest] * workers
+    rounds = per_switch["root"]["results"]
+    assert rounds > 0 and all(c["results"] == rounds for c in per_switch.values()), per_switch
+    assert per_switch["rack0"]["contributions"] == per_switch["rack1"]["contributions"] == 20 * rounds
+    assert per_switch["root"]["contributions"] == 2 * rounds
