@@ -61,7 +61,8 @@ def _uplink_bytes(tree: EmulatedTree) -> tuple[int, int]:
     return out[0], out[1]
 
 
-def _collect(procs: list[subprocess.Popen], timeout: float) -> list[dict]:
+def collect_results(procs: list[subprocess.Popen], timeout: float) -> list[dict]:
+    """Each allreduce worker's last line (its JSON result); RuntimeError with its stderr if one failed."""
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=timeout)
@@ -86,7 +87,7 @@ def run_netagg(tree: EmulatedTree, workdir: Path, size: int, iterations: int, sl
         procs.append(subprocess.Popen(tree.host_command(w.host, [*WORKER, "--netagg", str(path), "--size", str(size),
                                                                  "--iterations", str(iterations)]),
                                       cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return _collect(procs, 600)
+    return collect_results(procs, 600)
 
 
 def run_gloo(tree: EmulatedTree, size: int, iterations: int) -> list[dict]:
@@ -97,7 +98,7 @@ def run_gloo(tree: EmulatedTree, size: int, iterations: int) -> list[dict]:
         master, "--size", str(size), "--iterations", str(iterations)]),
                               cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(len(topo.hosts))]
-    return _collect(procs, 600)
+    return collect_results(procs, 600)
 
 
 def main(argv: list[str] | None = None) -> int:

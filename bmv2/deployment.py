@@ -162,14 +162,15 @@ class Deployment:
         return result.stdout
 
     def create_job(self, hosts: Sequence[str], slots: int, mode: str = "allreduce", name: str = "demo",
-                   port_offset: int = 0) -> dict:
-        """``netagg job create`` for one worker per entry of ``hosts`` (configured host names), with the
-        deployment's PS; writes every rank's YAML. Jobs sharing hosts need different ``port_offset``s."""
+                   port_offset: int = 0, options: Sequence[str] = (), ps: str | None = "ps0") -> dict:
+        """``netagg job create`` for one worker per entry of ``hosts`` (configured host names), with the PS
+        ``ps`` (the deployment's; None: none) and ``options`` (more ``job create`` flags); writes every rank's
+        YAML. Jobs sharing hosts need different ``port_offset``s."""
         num_workers = len(hosts)
         ports = self.worker_ports(hosts, port_offset)
         created = json.loads(self.cli("--json", "job", "create", "--name", name, "--slots", str(slots),
-                                      "--mode", mode, "--ps", "ps0",
-                                      "--workers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports))))
+                                      "--mode", mode, *(("--ps", ps) if ps else ()),
+                                      "--workers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports)), *options))
         job_id = created["job"]["job_id"]
         created["config_paths"] = []
         for rank in range(num_workers):

@@ -23,7 +23,7 @@ from netagg import dataplane as dp
 from netagg.bmv2.netns import SWITCH_MAC, LinkShape, ns_exec, remove_stale, run, shape_link
 from netagg.bmv2.targets import TargetProcess, start_target
 from netagg.controller.p4runtime_client import P4RuntimeClient
-from netagg.controller.switch_programmer import DesiredState, reconcile_state
+from netagg.controller.switch_programmer import DesiredState, read_job_counters, reconcile_state
 from netagg.controller.topology import (
     Allocation,
     Topology,
@@ -213,4 +213,4 @@ class EmulatedTree:
 
     def counters(self, switch: str, job_id: int) -> dict[str, int]:
         """The job counters of one segment (packets since the switch started)."""
-        return {short: self.clients[switch].read_counter(name, job_id)[0] for short, name in dp.JOB_COUNTERS.items()}
+        return read_job_counters(self.clients[switch], job_id)

@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from netagg import dataplane as dp
 from netagg.controller.config import ControllerConfig
 from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord
@@ -27,6 +26,7 @@ from netagg.controller.switch_programmer import (
     ReconcileReport,
     SwitchProgrammer,
     desired_state,
+    read_job_counters,
     reconcile_state,
 )
 from netagg.controller.topology import (
@@ -132,24 +132,30 @@ class Fabric:
         return tree_state(self.topology, self.plan(job), self.allocations(job), tree_workers(job))
 
     # -- what each switch holds ----------------------------------------------------
-    def desired(self, switch: str, jobs: Iterable[JobRecord]) -> DesiredState:
-        """Everything ``switch`` must hold for ``jobs`` (those being deleted left out)."""
+    def desired(self, switches: Iterable[str], jobs: Iterable[JobRecord]) -> dict[str, DesiredState]:
+        """Everything each of ``switches`` must hold for ``jobs`` (those being deleted left out); each job's
+        tree computed once."""
         live = [j for j in jobs if j.state != "deleting"]
         if self.topology is None:
-            return desired_state(self.config, live)
-        state = fabric_state(self.topology)[switch]
+            state = desired_state(self.config, live)
+            return {switch: state for switch in switches}
+        fabric = fabric_state(self.topology)
+        states = {switch: fabric[switch] for switch in switches}
         for job in live:
-            if switch in self.switches_of(job):
-                share = self.job_share(job)[switch]
-                state.entries.update(share.entries)
-                state.groups.update(share.groups)
-        return state
+            here = [s for s in self.switches_of(job) if s in states]
+            if not here:
+                continue
+            share = self.job_share(job)
+            for switch in here:
+                states[switch].entries.update(share[switch].entries)
+                states[switch].groups.update(share[switch].groups)
+        return states
 
     def reconcile(self, switch: str, jobs: Iterable[JobRecord]) -> ReconcileReport:
         """Make ``switch`` hold exactly what ``jobs`` need (both ways)."""
         if self._programmer is not None:
             return self._programmer.reconcile(jobs)
-        return reconcile_state(self.sessions[switch].client, self.desired(switch, jobs))
+        return reconcile_state(self.sessions[switch].client, self.desired([switch], jobs)[switch])
 
     def install(self, job: JobRecord, others: list[JobRecord]) -> None:
         """Put the job on its switches, all or nothing (``others``: the other jobs, what the switches keep)."""
@@ -157,8 +163,7 @@ class Fabric:
             self._programmer.install_job(job)
             return
         order = self.switches_of(job)
-        held = {s: self.desired(s, others) for s in order}
-        install_tree_job(self.clients(order), held, self.job_share(job), order)
+        install_tree_job(self.clients(order), self.desired(order, others), self.job_share(job), order)
 
     def remove(self, job: JobRecord, others: list[JobRecord]) -> None:
         """Take the job off its switches (leaves first); entries already gone are fine."""
@@ -166,13 +171,11 @@ class Fabric:
             self._programmer.remove_job(job)
             return
         order = self.switches_of(job)
-        held = {s: self.desired(s, [*others, job]) for s in order}
-        remove_tree_job(self.clients(order), held, self.job_share(job), order)
+        remove_tree_job(self.clients(order), self.desired(order, [*others, job]), self.job_share(job), order)
 
     def clients(self, switches: Iterable[str]) -> dict[str, P4RuntimeClient]:
         return {s: self.sessions[s].client for s in switches}
 
     def read_counters(self, switch: str, job_id: int) -> dict[str, int]:
         """The job's packet counters on ``switch`` (absolute; the service subtracts the baseline)."""
-        client = self.sessions[switch].client
-        return {short: client.read_counter(name, job_id)[0] for short, name in dp.JOB_COUNTERS.items()}
+        return read_job_counters(self.sessions[switch].client, job_id)

@@ -42,7 +42,6 @@ from netagg.controller.allocator import (
 from netagg.controller.config import ControllerConfig
 from netagg.controller.errors import P4RuntimeError, ServiceError
 from netagg.controller.fabric import Fabric, SwitchSession
-from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord, JobStore
 from netagg.controller.switch_programmer import ReconcileReport
 from netagg.controller.topology import TreeWorker, plan_tree
@@ -107,11 +106,6 @@ class JobService:
     @property
     def sessions(self) -> dict[str, SwitchSession]:
         return self.fabric.sessions
-
-    @property
-    def client(self) -> P4RuntimeClient:
-        """The first switch's client (the only one without a topology; the root's with one)."""
-        return next(iter(self.sessions.values())).client
 
     def session(self, switch: str | None) -> SwitchSession:
         return self.sessions[switch] if switch is not None else next(iter(self.sessions.values()))
@@ -334,7 +328,7 @@ class JobService:
             created = self._write_new_jobs(job, admitted, job_id, dist_id)
             for one in created:
                 try:
-                    self.fabric.install(one, [j for j in self.store.all() if j.job_id != one.job_id])
+                    self.fabric.install(one, self._others(one))
                 except (P4RuntimeError, OSError) as err:
                     for undo in created:  # both or neither
                         self._abort_create(undo)

@@ -189,6 +189,11 @@ def actual_entries(client: P4RuntimeClient, tables: set[str]) -> dict[tuple, Ent
     return found
 
 
+def read_job_counters(client: P4RuntimeClient, job_id: int) -> dict[str, int]:
+    """Packets counted per job counter on one switch (absolute; the daemon subtracts the job's baseline)."""
+    return {short: client.read_counter(name, job_id)[0] for short, name in dp.JOB_COUNTERS.items()}
+
+
 class SwitchProgrammer:
     """Installs and removes jobs' entries through one P4Runtime client."""
 
@@ -227,7 +232,3 @@ class SwitchProgrammer:
 
     def _actual_entries(self, tables: set[str]) -> dict[tuple, Entry]:
         return actual_entries(self.client, tables)
-
-    def read_job_counters(self, job_id: int) -> dict[str, int]:
-        """Packets counted per job counter (absolute; the daemon subtracts the job's baseline)."""
-        return {short: self.client.read_counter(name, job_id)[0] for short, name in dp.JOB_COUNTERS.items()}

@@ -15,7 +15,7 @@ from netagg import dataplane as dp
 from netagg.controller.config import parse_config
 from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord, PsEndpoint, WorkerEndpoint
-from netagg.controller.switch_programmer import SwitchProgrammer
+from netagg.controller.switch_programmer import SwitchProgrammer, read_job_counters
 from netagg.jobconfig import Endpoint, WorkerConfig
 from netagg.localports import free_ports
 from netagg.softswitch.target import LOOPBACK_PORT_NUMBER, Faults, SoftwareTarget
@@ -103,7 +103,7 @@ class LoopbackSwitch:
             self.programmer.remove_job(job)
 
     def counters(self, job_id: int) -> dict[str, int]:
-        return self.programmer.read_job_counters(job_id)
+        return read_job_counters(self.programmer.client, job_id)
 
     @property
     def fault_stats(self) -> dict[str, int]:

@@ -19,35 +19,46 @@ import numpy as np
 import pytest
 
 from benchmarks.allreduce_worker import tensor_for
+from benchmarks.tree_allreduce import collect_results
 from netagg import dataplane as dp
 from netagg import wire
+from netagg.bmv2.cluster import EmulatedTreeCluster
 from netagg.bmv2.netns import LinkShape, can_create_namespaces, list_namespaces
-from netagg.bmv2.tree import EmulatedTree
-from netagg.controller.topology import Allocation, TreeWorker, parse_topology, plan_tree, worker_config
+from netagg.bmv2.tree import EmulatedTree, racks_topology
+from netagg.controller.topology import Allocation, TreeWorker, plan_tree, worker_config
 from netagg.hoststack.testing import expected_allreduce
 from netagg.jobconfig import WorkerConfig
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
 
-TOPOLOGY = {
-    "switches": {
-        "root": {"grpc_address": "unix:/unused/root", "aggregator": {"ip": "10.70.0.254", "mac": "02:00:00:70:00:fe"}},
-        "rack0": {"grpc_address": "unix:/unused/rack0", "aggregator": {"ip": "10.71.0.254", "mac": "02:00:00:71:00:fe"},
-                  "parent": {"switch": "root", "up_port": 9, "port": 1}},
-        "rack1": {"grpc_address": "unix:/unused/rack1", "aggregator": {"ip": "10.72.0.254", "mac": "02:00:00:72:00:fe"},
-                  "parent": {"switch": "root", "up_port": 9, "port": 2}},
-    },
-    "hosts": [{"name": f"w{r}", "switch": f"rack{r // 2}", "port": 1 + r % 2, "ip": f"10.7{1 + r // 2}.0.{1 + r % 2}",
-               "mac": f"02:00:00:7{1 + r // 2}:00:{1 + r % 2:02x}"} for r in range(4)],
-}
 SIZE = 20_000
+#: Two racks of two hosts (w0, w1 on rack0; w2, w3 on rack1) under a root.
+TOPOLOGY = racks_topology(2, 2)
+
+
+def exact_digest(workers: int) -> str:
+    """The digest every worker's result must have: the job's contributions summed at one place."""
+    expected, _ = expected_allreduce([tensor_for(r, SIZE) for r in range(workers)])
+    return hashlib.sha256(np.ascontiguousarray(expected, np.float32).tobytes()).hexdigest()
+
+
+def allreduce_on(cluster: EmulatedTreeCluster, slots: int, *options: str) -> tuple[dict, list[dict]]:
+    """A job of every worker host of ``cluster``, made by its controller (``options``: more job create flags):
+    what ``create_job`` gives (the job, its workers' config files), and each worker's result of two allreduces
+    run with those configs."""
+    created = cluster.create_job(cluster.worker_hosts, slots, options=options, ps=None)
+    procs = [subprocess.Popen(cluster.host_command(host, [
+        sys.executable, "-m", "benchmarks.allreduce_worker", "--netagg", str(path), "--size", str(SIZE),
+        "--iterations", "2"]), cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for host, path in zip(cluster.worker_hosts, created["config_paths"])]
+    return created, collect_results(procs, 240)
 
 
 def test_a_job_over_two_racks_gets_the_exact_sum_through_a_tree_of_three_switches(tmp_path):
     ok, why = can_create_namespaces()
     if not ok:
         pytest.skip(f"emulated tree: {why}")
-    topo = parse_topology(TOPOLOGY, "<test>")
+    topo = TOPOLOGY
     workers = [TreeWorker(r, f"w{r}", 41000 + r) for r in range(4)]
     plan = plan_tree(topo, workers)
     assert plan.root == "root" and set(plan.segments) == {"root", "rack0", "rack1"}
@@ -66,17 +77,11 @@ def test_a_job_over_two_racks_gets_the_exact_sum_through_a_tree_of_three_switche
             procs.append(subprocess.Popen(tree.host_command(w.host, [
                 sys.executable, "-m", "benchmarks.allreduce_worker", "--netagg", str(path), "--size", str(SIZE),
                 "--iterations", "2"]), cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        results = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=180)
-            assert proc.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
+        results = collect_results(procs, 180)
         counters = {name: tree.counters(name, allocations[name].job_id) for name in plan.segments}
         namespaces = [ns for ns in list_namespaces() if ns.startswith(prefix + "-")]
         assert len(namespaces) == 7  # three switches, four hosts
-    expected, _ = expected_allreduce([tensor_for(r, SIZE) for r in range(4)])
-    digest = hashlib.sha256(np.ascontiguousarray(expected, np.float32).tobytes()).hexdigest()
-    assert [r["digest"] for r in results] == [digest] * 4  # bit-identical, on every worker
+    assert [r["digest"] for r in results] == [exact_digest(4)] * 4  # bit-identical, on every worker
     # Every round completed once at every level: the root's results are each leaf's (a leaf counts a round
     # when the root's result comes down), and a leaf's partial went up once per round, resends aside.
     results_at = {name: seen["results"] for name, seen in counters.items()}
@@ -117,7 +122,7 @@ def test_a_job_is_on_all_of_its_switches_or_on_none(tmp_path):
     from netagg.controller.errors import P4RuntimeError
     from netagg.controller.switch_programmer import MANAGED_TABLES, actual_entries
 
-    topo = parse_topology(TOPOLOGY, "<test>")
+    topo = TOPOLOGY
     workers = [TreeWorker(r, f"w{r}", 41000 + r) for r in range(4)]
     plan = plan_tree(topo, workers)
     allocations = {"root": Allocation(7, 0, 8, 1), "rack0": Allocation(3, 0, 8, 2), "rack1": Allocation(9, 0, 8, 3)}
@@ -149,30 +154,12 @@ def test_a_threaded_job_over_two_racks_made_by_the_controller_gets_the_exact_sum
     ok, why = can_create_namespaces()
     if not ok:
         pytest.skip(f"emulated tree: {why}")
-    from netagg.bmv2.cluster import EmulatedTreeCluster
-
     with EmulatedTreeCluster(tmp_path, racks=2, workers_per_rack=1, prefix=f"th{os.getpid() % 10000}") as cluster:
-        hosts = cluster.worker_hosts
-        made = json.loads(cluster.cli("--json", "job", "create", "--slots", "128", "--threads", "2", "--workers",
-                                      ",".join(f"{h}:{41000 + r}" for r, h in enumerate(hosts))))
-        job = made["job"]
+        created, results = allreduce_on(cluster, 128, "--threads", "2")
+        job = created["job"]
         assert job["threads"] == 2 and {c for _, c in job["segments"].values()} == {128}
-        procs = []
-        for rank, host in enumerate(hosts):
-            path = tmp_path / f"t{rank}.yaml"
-            cluster.cli("job", "config", str(job["job_id"]), "--rank", str(rank), "-o", str(path))
-            assert WorkerConfig.load(path).threads == 2
-            procs.append(subprocess.Popen(cluster.host_command(host, [
-                sys.executable, "-m", "benchmarks.allreduce_worker", "--netagg", str(path), "--size", str(SIZE),
-                "--iterations", "2"]), cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        results = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=180)
-            assert proc.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    expected, _ = expected_allreduce([tensor_for(r, SIZE) for r in range(2)])
-    digest = hashlib.sha256(np.ascontiguousarray(expected, np.float32).tobytes()).hexdigest()
-    assert [r["digest"] for r in results] == [digest] * 2
+        assert [WorkerConfig.load(path).threads for path in created["config_paths"]] == [2, 2]
+    assert [r["digest"] for r in results] == [exact_digest(2)] * 2
 
 
 def test_a_job_of_40_workers_through_three_switch_processes_made_by_the_controller(tmp_path):
@@ -182,29 +169,11 @@ def test_a_job_of_40_workers_through_three_switch_processes_made_by_the_controll
     ok, why = can_create_namespaces()
     if not ok:
         pytest.skip(f"emulated tree: {why}")
-    from netagg.bmv2.cluster import EmulatedTreeCluster
-
     workers = 40
     with EmulatedTreeCluster(tmp_path, racks=2, workers_per_rack=20, prefix=f"tb{os.getpid() % 10000}") as cluster:
-        hosts = cluster.worker_hosts
-        job = json.loads(cluster.cli("--json", "job", "create", "--slots", "64", "--workers",
-                                     ",".join(f"{h}:{41000 + r}" for r, h in enumerate(hosts))))["job"]
-        procs = []
-        for rank, host in enumerate(hosts):
-            path = tmp_path / f"b{rank}.yaml"
-            cluster.cli("job", "config", str(job["job_id"]), "--rank", str(rank), "-o", str(path))
-            procs.append(subprocess.Popen(cluster.host_command(host, [
-                sys.executable, "-m", "benchmarks.allreduce_worker", "--netagg", str(path), "--size", str(SIZE),
-                "--iterations", "2"]), cwd=dp.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        results = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=240)
-            assert proc.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        per_switch = json.loads(cluster.cli("--json", "job", "show", str(job["job_id"])))["switch_counters"]
-    expected, _ = expected_allreduce([tensor_for(r, SIZE) for r in range(workers)])
-    digest = hashlib.sha256(np.ascontiguousarray(expected, np.float32).tobytes()).hexdigest()
-    assert [r["digest"] for r in results] == [digest] * workers
+        created, results = allreduce_on(cluster, 64)
+        per_switch = json.loads(cluster.cli("--json", "job", "show", str(created["job"]["job_id"])))["switch_counters"]
+    assert [r["digest"] for r in results] == [exact_digest(workers)] * workers
     rounds = per_switch["root"]["results"]
     assert rounds > 0 and all(c["results"] == rounds for c in per_switch.values()), per_switch
     assert per_switch["rack0"]["contributions"] == per_switch["rack1"]["contributions"] == 20 * rounds
