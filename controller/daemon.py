@@ -47,7 +47,6 @@ class ControllerDaemon:
         self.service = JobService(config, self.store)
         #: One watch per switch (the one switch first, or the root first).
         self.watches = [SwitchWatch(self.service, name) for name in self.service.sessions]
-        self.watch = self.watches[0]
         self._started = time.monotonic()
         self.api: ApiServer | None = None
         self.metrics: MetricsServer | None = None
