@@ -101,7 +101,7 @@ def time_split(config: WorkerConfig, data: np.ndarray) -> dict[str, float]:
         profile = cProfile.Profile()
         start = time.perf_counter()
         profile.enable()
-        sums, global_exp = transport.exchange(blocks, exponents)
+        sums, global_exp, _ = transport.exchange(blocks, exponents)
         profile.disable()
         exchange = time.perf_counter() - start
         start = time.perf_counter()

@@ -12,7 +12,7 @@ those links, and the bytes on a rack's up-link per allreduce against their bound
 
 * netagg (tree or one switch): M / (e·min(B_host, B_up))   (one stream up and one down per rack)
 * ring across two racks:     2(N-1)/N · M / (e_tcp·min(B_host, B_up))
-* up-link bytes per allreduce, each direction: ceil(M / 256) frames of 318 bytes (e's frames)
+* up-link bytes per allreduce, each direction: ceil(M / 256) frames of 322 bytes (e's frames)
 
 with M the tensor bytes and N = 2W. Needs root (namespaces); prints why it cannot run otherwise.
 """

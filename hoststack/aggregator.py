@@ -109,9 +109,11 @@ class SoftAggregator:
         """Process one datagram from ``source``; the result to send, if any."""
         if len(data) != wire.NETAGG_BYTES:
             return self._drop(DropReason.MALFORMED)
-        version, flags, job, slot, pool, rank, exponent, _, round_, _, members = _unpack_header(data, 0)
+        version, flags, job, slot, pool, rank, exponent, width, round_, _, members, exchange = _unpack_header(data, 0)
         if version != wire.VERSION:
             return self._drop(DropReason.BAD_VERSION)
+        if width != 0:
+            return self._drop(DropReason.MALFORMED)
         if flags & wire.FLAG_RESULT:
             return self._drop(DropReason.RESULT_FROM_HOST)
         if job != self.job_id:
@@ -130,21 +132,24 @@ class SoftAggregator:
             return self._drop(DropReason.RANK_MISMATCH)
         if members and not members & (1 << rank):
             return self._drop(DropReason.NOT_A_MEMBER)
-        return self._aggregate(data, slot, pool, round_, rank, exponent, members)
+        return self._aggregate(data, slot, pool, round_, rank, exponent, members, flags, exchange)
 
     def _aggregate(self, data: bytes | bytearray | memoryview, slot: int, pool: int, round_: int, rank: int,
-                   exponent: int, members: int) -> Outcome | None:
+                   exponent: int, members: int, flags: int, exchange: int) -> Outcome | None:
         values = np.frombuffer(data, wire.WIRE_VALUE_DTYPE, wire.K, wire.HEADER_BYTES)
         verdict = self.registers.aggregate(slot, pool, round_, 1 << rank, self.num_workers, _GENERATION, members,
-                                           exponent, values)
+                                           exponent, values, flags=flags, exchange=exchange)
         if verdict.drop != DropReason.NONE:
             return self._drop(verdict.drop)
+        if verdict.exchange_mismatch:
+            self._drop(DropReason.EXCHANGE_MISMATCH)
         for name in verdict.counts:
             self.stats.count(name)
         if verdict.delivery == Delivery.NONE:
             return None
         packet = bytearray(data[:wire.HEADER_BYTES])
-        packet[_FLAGS_OFFSET] |= self.result_flags
+        packet[_FLAGS_OFFSET] = (packet[_FLAGS_OFFSET] & ~wire.ROUND_FLAGS & 0xFF) | verdict.round_flags \
+            | self.result_flags
         packet[_EXPONENT_OFFSET] = verdict.exponent & 0xFF
         packet += verdict.values.astype(wire.WIRE_VALUE_DTYPE).tobytes()
         return Outcome(bytes(packet), to_group=verdict.delivery == Delivery.GROUP)

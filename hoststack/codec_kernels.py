@@ -16,7 +16,7 @@ from numba import njit, prange
 
 from netagg import wire
 
-wire.check_compiled_layout(__name__, version=2, header_bytes=20, k=64)  # see check_compiled_layout
+wire.check_compiled_layout(__name__, version=3, header_bytes=24, k=64)  # see check_compiled_layout
 
 #: Values per block, a compile-time constant: fixed-length inner loops unroll and vectorize.
 _K = wire.K

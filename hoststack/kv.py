@@ -4,7 +4,10 @@
 ``wait(ts)`` and ``allreduce(array)``. Operations run one after another, in call order,
 on one background thread (every worker of a job must issue the same pushes in the same
 order: they are collective). Arguments are validated and copied when the call is made,
-so NaN/Inf raise ``ValueError`` at once and the caller may reuse its arrays.
+so the caller may reuse its arrays. NaN and inf are summed as the protocol says (a block
+that met one is NaN or inf on every rank, docs/protocol.md "Non-finite values"); a call
+whose arguments are refused aborts the collective on every rank (``OutOfStep`` there), and
+a failed collective leaves the worker unusable ("Collectives out of step").
 
 What ``pull`` returns depends on the mode:
 
@@ -117,10 +120,8 @@ class KVWorker:
     # -- PS-lite API -----------------------------------------------------------
     def push(self, keys: Sequence[int] | int, values: Sequence[Any] | Any) -> int:
         """Aggregate ``values`` for ``keys`` with the job; returns a timestamp for :meth:`wait`."""
-        keys, values = _listify(keys, values)
-        layout, blocks = blk.pack(keys, values)
-        exponents = qz.block_exponents(blocks)
-        return self._submit(self._push, layout, blocks, exponents, False)
+        layout, blocks, exponents, flags = self._pack(keys, values)
+        return self._submit(self._push, layout, blocks, exponents, flags, False)
 
     def pull(self, keys: Sequence[int] | int, out: Sequence[np.ndarray] | None = None) -> int:
         """Fetch the values of ``keys``; ``wait(ts)`` returns them (also written into ``out`` if given)."""
@@ -132,12 +133,10 @@ class KVWorker:
     def pushpull(self, keys: Sequence[int] | int, values: Sequence[Any] | Any,
                  out: Sequence[np.ndarray] | None = None) -> int:
         """push then pull the same keys; ``wait(ts)`` returns the pulled values."""
-        keys, values = _listify(keys, values)
-        if out is not None and len(out) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(out)} output arrays")
-        layout, blocks = blk.pack(keys, values)
-        exponents = qz.block_exponents(blocks)
-        return self._submit(self._pushpull, layout, blocks, exponents, out)
+        if out is not None and len(out) != len(_listify(keys, values)[0]):
+            self._refuse(ValueError(f"{len(_listify(keys, values)[0])} keys but {len(out)} output arrays"))
+        layout, blocks, exponents, flags = self._pack(keys, values)
+        return self._submit(self._pushpull, layout, blocks, exponents, flags, out)
 
     def wait(self, ts: int, timeout: float | None = None) -> Any:
         """Block until operation ``ts`` finished; returns its result (pull values or None), raises its error."""
@@ -147,11 +146,13 @@ class KVWorker:
             raise KeyError(f"unknown or already waited-for timestamp {ts}")
         return future.result(timeout)
 
-    def allreduce(self, array: Any) -> Any:
-        """The sum of ``array`` over all workers, with its shape and dtype (nothing is stored)."""
-        layout, blocks = blk.pack([0], [array])
-        exponents = qz.block_exponents(blocks)
-        future = self._executor.submit(self._aggregate, blocks, exponents)
+    def allreduce(self, array: Any, *, tag: int = 0) -> Any:
+        """The sum of ``array`` over all workers, with its shape and dtype (nothing is stored).
+
+        ``tag``: a number naming this collective beside its order and size (``wire.exchange_id``): ranks whose
+        calls differ in it raise ``OutOfStep`` rather than sum (docs/protocol.md, "Collectives out of step")."""
+        layout, blocks, exponents, flags = self._pack([0], [array])
+        future = self._executor.submit(self._aggregate, blocks, exponents, flags, tag)
         return blk.unpack(layout, future.result())[0]
 
     def allreduce_subset(self, array: Any, subset: SubsetRound) -> Any:
@@ -159,9 +160,8 @@ class KVWorker:
 
         After the first one, this worker's whole-job :meth:`allreduce`/push are refused (see
         :meth:`Transport.exchange_subset`)."""
-        layout, blocks = blk.pack([0], [array])
-        exponents = qz.block_exponents(blocks)
-        future = self._executor.submit(self._aggregate_subset, blocks, exponents, subset)
+        layout, blocks, exponents, flags = self._pack([0], [array])
+        future = self._executor.submit(self._aggregate_subset, blocks, exponents, flags, subset)
         return blk.unpack(layout, future.result())[0]
 
     def init(self, keys: Sequence[int] | int, values: Sequence[Any] | Any) -> int:
@@ -214,6 +214,25 @@ class KVWorker:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- caller thread ---------------------------------------------------------
+    def _pack(self, keys: Sequence[int] | int, values: Sequence[Any] | Any
+              ) -> tuple[blk.Layout, np.ndarray, np.ndarray, np.ndarray | None]:
+        """A collective's blocks, exponents and non-finite flags; an input refused here aborts the collective on
+        every rank (:meth:`_refuse`)."""
+        try:
+            keys, values = _listify(keys, values)
+            layout, blocks = blk.pack(keys, values)
+            exponents, flags = qz.inspect(blocks)
+        except Exception as err:
+            self._refuse(err)
+        return layout, blocks, exponents, flags
+
+    def _refuse(self, err: Exception) -> None:
+        """Raise ``err`` for a collective this worker cannot take part in, after queueing the abort that makes
+        the job's other ranks raise too (``Transport.abort``, in call order with the earlier operations)."""
+        self._executor.submit(self.transport.abort, f"{type(err).__name__}: {err}")
+        raise err
+
     # -- engine thread -------------------------------------------------------
     def _submit(self, fn: Any, *args: Any) -> int:
         ts = next(self._ts)
@@ -222,33 +241,38 @@ class KVWorker:
             self._futures[ts] = future
         return ts
 
-    def _aggregate(self, blocks: np.ndarray, exponents: np.ndarray) -> np.ndarray:
-        sums, global_exp = self.transport.exchange(blocks, exponents)
-        return qz.dequantize(sums, global_exp, self.num_workers)
+    def _aggregate(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None,
+                   tag: int = 0) -> np.ndarray:
+        sums, global_exp, result_flags = self.transport.exchange(blocks, exponents, flags=flags, tag=tag)
+        return qz.dequantize(sums, global_exp, self.num_workers, flags=result_flags)
 
-    def _aggregate_subset(self, blocks: np.ndarray, exponents: np.ndarray, subset: SubsetRound) -> np.ndarray:
-        sums, global_exp = self.transport.exchange_subset(blocks, subset, exponents)
-        return qz.dequantize(sums, global_exp, self.num_workers)
+    def _aggregate_subset(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None,
+                          subset: SubsetRound) -> np.ndarray:
+        sums, global_exp, result_flags = self.transport.exchange_subset(blocks, subset, exponents, flags=flags)
+        return qz.dequantize(sums, global_exp, self.num_workers, flags=result_flags)
 
-    def _push(self, layout: blk.Layout, blocks: np.ndarray, exponents: np.ndarray, keep: bool) -> list | None:
+    def _push(self, layout: blk.Layout, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None,
+              keep: bool) -> list | None:
         seq_start = self.transport.next_seq
-        sums, global_exp = self.transport.exchange(blocks, exponents)
-        aggregate = qz.dequantize(sums, global_exp, self.num_workers).reshape(-1)
+        sums, global_exp, result_flags = self.transport.exchange(blocks, exponents, flags=flags)
+        aggregate = qz.dequantize(sums, global_exp, self.num_workers, flags=result_flags).reshape(-1)
         for segment in layout.segments:
             start = segment.first_block * wire.K
             self._store[segment.key] = (aggregate[start:start + segment.size], segment.shape)
         if self._ps_store:
-            self._commit(layout, seq_start, sums, global_exp)
+            self._commit(layout, seq_start, sums, global_exp, result_flags)
         return blk.unpack(layout, aggregate) if keep else None
 
-    def _commit(self, layout: blk.Layout, seq_start: int, sums: np.ndarray, global_exp: np.ndarray) -> None:
-        """Tell the PS the push's layout and exponents; send it any block it missed."""
+    def _commit(self, layout: blk.Layout, seq_start: int, sums: np.ndarray, global_exp: np.ndarray,
+                result_flags: np.ndarray) -> None:
+        """Tell the PS the push's layout, exponents and round flags; send it any block it missed."""
         assert self._ps is not None
         round_id = self._pushes
         self._pushes += 1
         base = {"job_id": self.config.job_id, "round": round_id}
         response, _ = self._ps.request({**base, "op": "commit", "seq_start": seq_start, "keys": layout.keys,
-                                        "sizes": layout.sizes}, global_exp.astype(np.int8).tobytes())
+                                        "sizes": layout.sizes},
+                                       global_exp.astype(np.int8).tobytes() + result_flags.astype(np.uint8).tobytes())
         missing = response["missing"]
         while missing:
             batch = missing[:_REPAIR_BATCH]
@@ -281,17 +305,17 @@ class KVWorker:
             np.copyto(target, value.reshape(np.shape(target)), casting="same_kind")
         return list(out)
 
-    def _pushpull(self, layout: blk.Layout, blocks: np.ndarray, exponents: np.ndarray,
+    def _pushpull(self, layout: blk.Layout, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None,
                   out: Sequence[np.ndarray] | None) -> list:
         if not self._ps_store:
-            values = self._push(layout, blocks, exponents, keep=True)
+            values = self._push(layout, blocks, exponents, flags, keep=True)
             assert values is not None
             if out is None:
                 return values
             for target, value in zip(out, values, strict=True):
                 np.copyto(target, np.asarray(value).reshape(np.shape(target)), casting="same_kind")
             return list(out)
-        self._push(layout, blocks, exponents, keep=False)
+        self._push(layout, blocks, exponents, flags, keep=False)
         return self._pull(layout.keys, out)
 
     def _init(self, keys: list[int], arrays: list[np.ndarray], shapes: list[tuple[int, ...]]) -> None:

@@ -84,33 +84,70 @@ def factor_tables(num_workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 
 
 def block_exponents(blocks: np.ndarray) -> np.ndarray:
-    """Each block's exponent ``floor(log2(max |x|))`` as int8; raises ValueError on NaN/Inf.
+    """Each block's exponent ``floor(log2(max |x|))`` over its finite values, as int8.
 
     ``blocks`` is a float32 array of shape ``(nblocks, K)``. Denormal-only blocks get
-    ``EXP_MIN`` (-127, still ``|x| < 2**(E+1)``); all-zero blocks get ``EXP_NONE``.
+    ``EXP_MIN`` (-127, still ``|x| < 2**(E+1)``); blocks without a finite non-zero value get
+    ``EXP_NONE``. NaN and inf are left out (see :func:`inspect` for their flags).
     """
+    return inspect(blocks)[0]
+
+
+def inspect(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Each block's exponent over its finite values (:func:`block_exponents`) and, if any value is NaN or
+    inf, each block's non-finite flags (``wire.FLAG_NAN | FLAG_POS_INF | FLAG_NEG_INF``, uint8; None when
+    every value is finite). Such blocks are sent with those values as 0 and the flags set
+    (docs/protocol.md, "Non-finite values"): see :func:`finite_blocks`."""
     if blocks.dtype != np.float32 or blocks.ndim != 2 or blocks.shape[1] != K:
         raise TypeError(f"expected float32 blocks of shape (n, {K}), got {blocks.dtype} {blocks.shape}")
     if blocks.shape[0] == 0:
-        return np.empty(0, np.int8)
+        return np.empty(0, np.int8), None
     if _fused(blocks):
         exponents = np.empty(blocks.shape[0], np.int8)
         if kernels.block_exponents(blocks.view(np.uint32), exponents):
-            return exponents
-        # A NaN/Inf: the numpy path below builds the detailed error.
+            return exponents, None
     magnitude = np.bitwise_and(blocks.view(np.uint32), _ABS_MASK)
+    nonfinite = magnitude >= _INF_BITS
+    flags = None
+    if nonfinite.any():
+        nan = magnitude > _INF_BITS
+        inf = nonfinite & ~nan
+        negative = (blocks.view(np.uint32) >> 31).astype(bool)
+        flags = (np.where(nan.any(axis=1), wire.FLAG_NAN, 0)
+                 | np.where((inf & ~negative).any(axis=1), wire.FLAG_POS_INF, 0)
+                 | np.where((inf & negative).any(axis=1), wire.FLAG_NEG_INF, 0)).astype(np.uint8)
+        magnitude = np.where(nonfinite, np.uint32(0), magnitude)
     block_max = magnitude.max(axis=1)
-    if int(block_max.max()) >= _INF_BITS:
-        bad = np.flatnonzero(magnitude.reshape(-1) >= _INF_BITS)
-        first = int(bad[0])
-        value = blocks.reshape(-1)[first]
-        raise ValueError(
-            f"gradient contains {'NaN' if np.isnan(value) else 'Inf'} "
-            f"({bad.size} non-finite value(s), first at flat index {first}); nothing was sent"
-        )
     exponents = (block_max >> 23).astype(np.int16) - 127
     exponents[block_max == 0] = EXP_NONE
-    return exponents.astype(np.int8)
+    return exponents.astype(np.int8), flags
+
+
+def finite_blocks(blocks: np.ndarray, flags: np.ndarray | None) -> np.ndarray:
+    """``blocks`` with every NaN and inf replaced by 0 (a copy where ``flags`` marks a block, else itself)."""
+    if flags is None or not flags.any():
+        return blocks
+    out = blocks.copy()
+    rows = np.flatnonzero(flags)
+    out[rows] = np.where(np.isfinite(out[rows]), out[rows], np.float32(0))
+    return out
+
+
+def apply_flags(values: np.ndarray, flags: np.ndarray | None) -> np.ndarray:
+    """Overwrite each block of ``values`` ((n, K) floats) whose result ``flags`` are non-finite: NaN (NAN, or
+    POS_INF and NEG_INF together), +inf (POS_INF alone) or -inf (NEG_INF alone): what IEEE-754 sums give where
+    those values meet (docs/protocol.md, "Non-finite values"). Returns ``values``."""
+    if flags is None:
+        return values
+    nonfinite = flags & wire.NONFINITE_FLAGS
+    if not nonfinite.any():
+        return values
+    both = wire.FLAG_POS_INF | wire.FLAG_NEG_INF
+    nan = ((nonfinite & wire.FLAG_NAN) != 0) | ((nonfinite & both) == both)
+    values[nan] = np.nan
+    values[~nan & ((nonfinite & wire.FLAG_POS_INF) != 0)] = np.inf
+    values[~nan & ((nonfinite & wire.FLAG_NEG_INF) != 0)] = -np.inf
+    return values
 
 
 def quantize(blocks: np.ndarray, exponents: np.ndarray, num_workers: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -144,9 +181,13 @@ def quantize_scaled(blocks: np.ndarray, exponents: np.ndarray, enc_a: np.ndarray
 
 
 def dequantize(
-    sums: np.ndarray, exponents: np.ndarray, num_workers: int, out: np.ndarray | None = None
+    sums: np.ndarray, exponents: np.ndarray, num_workers: int, out: np.ndarray | None = None,
+    flags: np.ndarray | None = None,
 ) -> np.ndarray:
     """The values ``sum * 2**(G + 1 - P)`` of summed int32 blocks (any byte order).
+
+    ``flags``: the results' round flags per block: blocks with non-finite flags become NaN or inf
+    (:func:`apply_flags`).
 
     Computed in ``out``'s dtype: float32 by default (correctly rounded: one rounding of the
     int32 sum to 24 bits, then an exact power-of-two scaling), float64 if ``out`` is float64.
@@ -158,14 +199,14 @@ def dequantize(
     fusable = sums.dtype == WIRE_DTYPE and out.dtype == np.float32 and exponents.dtype == np.int8
     if fusable and _fused(sums, out, exponents):
         kernels.dequantize(sums.view(np.uint32), exponents, dec_a, dec_b, out)
-        return out
+        return apply_flags(out, flags)
     index = exponents.astype(np.intp) + 128
     with np.errstate(over="ignore"):  # inf: the exact sum is beyond float32 (documented)
         np.multiply(sums, dec_a[index][:, None], out=out, dtype=out.dtype, casting="unsafe")
     extreme = np.flatnonzero(dec_b[index] != 1)
     if extreme.size:  # tiny exponents: 2**(G+1-P) is below float32's range, scale twice
         out[extreme] *= dec_b[index[extreme]][:, None]
-    return out
+    return apply_flags(out, flags)
 
 
 def error_bound(exponents: np.ndarray, num_workers: int) -> np.ndarray:

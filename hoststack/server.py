@@ -114,6 +114,8 @@ class _Push:
     have: np.ndarray
     missing: int
     exponents: np.ndarray | None = None
+    #: The results' round flags per block (non-finite blocks: docs/protocol.md), from the first commit.
+    flags: np.ndarray | None = None
     applied: bool = False
 
     @property
@@ -324,7 +326,7 @@ class KVServer:
     def _apply_ready(self) -> None:
         """Apply complete rounds in order (holding the lock)."""
         while (round_ := self._rounds.get(self._next_apply)) is not None and round_.complete:
-            values = qz.dequantize(round_.sums, round_.exponents, self.num_workers).reshape(-1)
+            values = qz.dequantize(round_.sums, round_.exponents, self.num_workers, flags=round_.flags).reshape(-1)
             first = 0
             for key, size in zip(round_.keys, round_.sizes, strict=True):
                 self.handle(self.store, key, values[first * wire.K:first * wire.K + size].copy(), self.num_workers)
@@ -403,11 +405,12 @@ class KVServer:
         header, blob = frame.header, frame.blob
         round_id, seq_start = int(header["round"]), int(header["seq_start"]) & SEQ_MASK
         keys, sizes = [int(k) for k in header["keys"]], [int(s) for s in header["sizes"]]
-        exponents = np.frombuffer(blob, np.int8).copy()
         nb = sum(blocks_for(size) for size in sizes)
-        if len(keys) != len(sizes) or exponents.size != nb:
+        if len(keys) != len(sizes) or len(blob) != 2 * nb:
             raise ValueError(f"commit of round {round_id}: {len(keys)} keys, {len(sizes)} sizes, "
-                             f"{exponents.size} exponents for {nb} blocks")
+                             f"{len(blob)} bytes of exponents and flags for {nb} blocks")
+        exponents = np.frombuffer(blob, np.int8, nb).copy()
+        flags = np.frombuffer(blob, np.uint8, nb, nb).copy()
         with self._cond:
             if round_id < self._next_apply:
                 return {"ok": True, "missing": []}, b""
@@ -418,7 +421,7 @@ class KVServer:
                 raise ValueError(f"round {round_id}: this worker's push differs from another worker's "
                                  f"(keys/sizes/seq); all workers must push the same keys in the same order")
             if round_.exponents is None:
-                round_.exponents = exponents
+                round_.exponents, round_.flags = exponents, flags
             self._apply_ready()
             deadline = time.monotonic() + self.commit_grace
             while round_.missing and (left := deadline - time.monotonic()) > 0:

@@ -292,8 +292,9 @@ class SparseTable:
         blocks.reshape(-1)[:dense.size] = dense
         tag = float(self.hot.version % 4096 + 1)
         blocks[-1, :2] = (tag, tag * tag)
-        sums, global_exp = self.worker.transport.exchange(blocks, qz.block_exponents(blocks))
-        values = qz.dequantize(sums, global_exp, n)
+        exponents, flags = qz.inspect(blocks)
+        sums, global_exp, result_flags = self.worker.transport.exchange(blocks, exponents, flags=flags)
+        values = qz.dequantize(sums, global_exp, n, flags=result_flags)
         total, squares = float(values[-1, 0]), float(values[-1, 1])
         if total != n * tag or n * squares != total * total:
             raise HotSetMismatch(f"sparse table {self.spec.table}, iteration {iteration}: the workers used "

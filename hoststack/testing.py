@@ -45,11 +45,15 @@ def expected_allreduce(inputs: Sequence[Any]) -> tuple[Any, np.ndarray]:
     n = len(inputs)
     packed = [blk.pack([0], [value]) for value in inputs]
     layout = packed[0][0]
-    global_exp = np.max([qz.block_exponents(b) for _, b in packed], axis=0).astype(np.int8)
+    inspected = [qz.inspect(b) for _, b in packed]
+    global_exp = np.max([exponents for exponents, _ in inspected], axis=0).astype(np.int8)
+    flags = np.zeros(layout.num_blocks, np.uint8)  # a block's non-finite flags, ORed as the switch does
     total = np.zeros((layout.num_blocks, qz.K), np.int32)
-    for _, blocks in packed:
-        total += qz.quantize(blocks, global_exp, n)  # int32 wraps like the switch (never needed)
-    result = blk.unpack(layout, qz.dequantize(total, global_exp, n))[0]
+    for (_, blocks), (_, block_flags) in zip(packed, inspected, strict=True):
+        if block_flags is not None:
+            flags |= block_flags
+        total += qz.quantize(qz.finite_blocks(blocks, block_flags), global_exp, n)  # int32 wraps like the switch
+    result = blk.unpack(layout, qz.dequantize(total, global_exp, n, flags=flags))[0]
     bound = np.repeat(qz.error_bound(global_exp, n), qz.K)[:layout.segments[0].size]
     return result, bound.reshape(layout.segments[0].shape)
 

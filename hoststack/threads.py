@@ -96,30 +96,41 @@ def _share_main(conn: Any, config: WorkerConfig, share: tuple[int, int], address
 def _exchange_in(transport: Transport, shm: Any, count: int) -> tuple[str, str | None, dict]:
     """One exchange of ``count`` blocks from and into ``shm`` (the views end with the call, so ``shm`` can be
     closed); returns the answer for the parent."""
-    blocks, exponents, sums, global_exp = _views(shm, count)
+    blocks, exponents, sums, global_exp, flags, result_flags = _views(shm, count)
     try:
-        out_sums, out_exp = transport.exchange(blocks, exponents.copy())
+        out_sums, out_exp, out_flags = transport.exchange(blocks, exponents.copy(), flags=flags.copy(),
+                                                          tag=transport_tag(shm, count))
     except Exception as err:  # the parent raises it for this exchange
         return "error", f"{type(err).__name__}: {err}", vars(transport.stats).copy()
     sums[:] = out_sums
     global_exp[:] = out_exp
+    result_flags[:] = out_flags
     return "done", None, vars(transport.stats).copy()
 
 
 def _shm_bytes(count: int) -> int:
-    """Shared bytes of an exchange of ``count`` blocks: inputs (float32 + exponent), outputs (int32 + exponent)."""
-    return count * (2 * wire.PAYLOAD_BYTES + 2)
+    """Shared bytes of an exchange of ``count`` blocks: inputs (float32 + exponent + flags), outputs (int32 +
+    exponent + round flags), and the collective's tag (8 bytes)."""
+    return count * (2 * wire.PAYLOAD_BYTES + 4) + 8
 
 
-def _views(shm: Any, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The blocks, exponents, sums and global exponents of an exchange of ``count`` blocks in ``shm``."""
+def transport_tag(shm: Any, count: int) -> int:
+    """The collective's tag (``Transport.exchange``'s), after the views of an exchange of ``count`` blocks."""
+    return int(np.ndarray(1, np.int64, buffer=shm.buf, offset=count * (2 * wire.PAYLOAD_BYTES + 4))[0])
+
+
+def _views(shm: Any, count: int) -> tuple[np.ndarray, ...]:
+    """The blocks, exponents, sums, global exponents, flags and result flags of an exchange of ``count`` blocks in
+    ``shm``."""
     buf = shm.buf
     k = wire.K
     blocks = np.ndarray((count, k), np.float32, buffer=buf, offset=0)
     sums = np.ndarray((count, k), qz.WIRE_DTYPE, buffer=buf, offset=count * wire.PAYLOAD_BYTES)
     exponents = np.ndarray(count, np.int8, buffer=buf, offset=2 * count * wire.PAYLOAD_BYTES)
     global_exp = np.ndarray(count, np.int8, buffer=buf, offset=2 * count * wire.PAYLOAD_BYTES + count)
-    return blocks, exponents, sums, global_exp
+    flags = np.ndarray(count, np.uint8, buffer=buf, offset=2 * count * wire.PAYLOAD_BYTES + 2 * count)
+    result_flags = np.ndarray(count, np.uint8, buffer=buf, offset=2 * count * wire.PAYLOAD_BYTES + 3 * count)
+    return blocks, exponents, sums, global_exp, flags, result_flags
 
 
 class _Share:
@@ -152,7 +163,7 @@ class _Share:
             self.stats = stats[0]
         return kind, detail
 
-    def start(self, blocks: np.ndarray, exponents: np.ndarray) -> None:
+    def start(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None, tag: int) -> None:
         from multiprocessing import shared_memory
 
         count = blocks.shape[0]
@@ -161,20 +172,22 @@ class _Share:
                 self._shm.close()
                 self._shm.unlink()
             self._shm = shared_memory.SharedMemory(create=True, size=max(_shm_bytes(count), 4096))
-        view_blocks, view_exp, _, _ = _views(self._shm, count)
+        view_blocks, view_exp, _, _, view_flags, _ = _views(self._shm, count)
         view_blocks[:] = blocks
         view_exp[:] = exponents
+        view_flags[:] = 0 if flags is None else flags
+        np.ndarray(1, np.int64, buffer=self._shm.buf, offset=count * (2 * wire.PAYLOAD_BYTES + 4))[0] = tag
         self._count = count
         self.conn.send(("exchange", self._shm.name, count))
         self._pending = True
 
-    def finish(self) -> tuple[np.ndarray, np.ndarray]:
+    def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         self._pending = False
         kind, detail = self._receive()
         if kind != "done":
             raise TransportError(f"thread {self.index}: {detail}")
-        _, _, sums, global_exp = _views(self._shm, self._count)
-        return sums.copy(), global_exp.copy()
+        _, _, sums, global_exp, _, result_flags = _views(self._shm, self._count)
+        return sums.copy(), global_exp.copy(), result_flags.copy()
 
     def close(self) -> None:
         try:
@@ -257,18 +270,20 @@ class ThreadedTransport:
             setattr(total, f.name, merged)
         return total
 
-    def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None, *, flags: np.ndarray | None = None,
+                 tag: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`Transport.exchange` over the shares: part i of ``blocks`` through share i's slots."""
         if exponents is None:
-            exponents = qz.block_exponents(blocks)
+            exponents, flags = qz.inspect(blocks)
         parts = split_blocks(blocks.shape[0], self.shares)
         for other, (a, b) in zip(self._others, parts[1:], strict=True):
-            other.start(blocks[a:b], exponents[a:b])
+            other.start(blocks[a:b], exponents[a:b], None if flags is None else flags[a:b], tag)
         a, b = parts[0]
-        results: list[tuple[np.ndarray, np.ndarray]] = []
+        results: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         errors: list[BaseException] = []
         try:
-            results.append(self.transport.exchange(blocks[a:b], exponents[a:b]))
+            results.append(self.transport.exchange(blocks[a:b], exponents[a:b],
+                                                   flags=None if flags is None else flags[a:b], tag=tag))
         except BaseException as err:  # collect the others' answers before raising
             errors.append(err)
         for other in self._others:
@@ -278,9 +293,13 @@ class ThreadedTransport:
                 errors.append(err)
         if errors:
             raise errors[0]
-        return np.concatenate([r[0] for r in results]), np.concatenate([r[1] for r in results])
+        return tuple(np.concatenate([r[i] for r in results]) for i in range(3))
 
-    def exchange_subset(self, *_args: Any, **_kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
+    def abort(self, reason: str) -> None:
+        """:meth:`Transport.abort` (share 0 holds the job's slot 0, where every collective starts)."""
+        self.transport.abort(reason)
+
+    def exchange_subset(self, *_args: Any, **_kwargs: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise ValueError("subset rounds run on one thread per worker (threads=1)")
 
     def close(self) -> None:

@@ -97,7 +97,7 @@ from netagg import mmsg, udpgso, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.failover import FailoverClient
-from netagg.hoststack.packets import PACKET_DTYPE, SEQ_MASK, slot_count_of, udp_socket
+from netagg.hoststack.packets import PACKET_DTYPE, PROBE_SEQ_BIT, SEQ_MASK, slot_count_of, udp_socket
 from netagg.jobconfig import WorkerConfig, resolve
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,12 @@ class TransportError(RuntimeError):
 
 class TransportTimeout(TransportError, TimeoutError):
     """No result arrived for ``progress_timeout`` seconds (a peer or the aggregator is gone)."""
+
+
+class OutOfStep(TransportError):
+    """The job's ranks are not in the same collective: a round of this one met another collective's (or an
+    aborting rank's) contribution (docs/protocol.md, "Collectives out of step"). No sum is returned, and the
+    transport is failed: every rank of the job raises, and its workers must be started again."""
 
 
 @dataclass
@@ -322,8 +328,9 @@ class Transport:
         self._on_ps = False
         #: Whole-job exchanges so far (the same count on every worker: the failover votes' index) ...
         self._index = 0
-        #: ... and the last one's inputs and the state it began from (run again at the PS after a failover).
-        self._prev: tuple[np.ndarray, np.ndarray, _Mark] | None = None
+        #: ... and the last one's inputs, flags, collective id and the state it began from (run again at the PS
+        #: after a failover).
+        self._prev: tuple[np.ndarray, np.ndarray, np.ndarray | None, int, _Mark] | None = None
         self.poller = select.poll()
         self.poller.register(self._fd, select.POLLIN)
         self.rto = RtoEstimator(rto_initial, rto_min, rto_max, max_backoff=max_backoff)
@@ -417,21 +424,27 @@ class Transport:
                                   for host, port in sorted(self.sources)], np.int64)
 
     # -- public ------------------------------------------------------------
-    def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Aggregate ``blocks`` ((n, K) float32) with the job: returns (sums (n, K) '>i4', exponents int8).
+    def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None, *, flags: np.ndarray | None = None,
+                 tag: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Aggregate ``blocks`` ((n, K) float32) with the job: returns (sums (n, K) '>i4', exponents int8, round
+        flags uint8), per block; :func:`quantization.dequantize` with ``flags=`` decodes them.
 
-        ``exponents`` are this worker's :func:`quantization.block_exponents` of ``blocks``
-        (computed here when not given; NaN/Inf raise ValueError before anything is sent).
+        ``exponents`` and ``flags`` are this worker's :func:`quantization.inspect` of ``blocks`` (computed here
+        when ``exponents`` is not given). Blocks holding NaN or inf are sent as the protocol says (their
+        flags set, those values 0): the result's flags tell which blocks are NaN or inf on every rank.
+        ``tag``: names the collective beside its order and size (``wire.exchange_id``). Raises
+        :class:`OutOfStep` when the job's ranks are in different collectives, :class:`TransportTimeout`
+        when no result comes; either fails the transport for good.
         With failover, ``blocks`` is kept until the next exchange (another worker may need it sent
         again at the PS): do not change it before then.
         """
         if self._subset_rounds:
             raise TransportError("this transport runs subset rounds: its round numbers no longer agree with the "
                                  "job's other workers for a whole-job exchange")
-        return self._exchange(blocks, exponents)
+        return self._exchange(blocks, exponents, flags, tag, None)
 
-    def exchange_subset(self, blocks: np.ndarray, subset: SubsetRound,
-                        exponents: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def exchange_subset(self, blocks: np.ndarray, subset: SubsetRound, exponents: np.ndarray | None = None, *,
+                        flags: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`exchange` with ``subset.members`` only: a subset round in every slot it uses.
 
         Every member calls it with the same blocks shape and ``subset``; the sums are theirs.
@@ -452,51 +465,85 @@ class Transport:
         # with (a shadow copy of it must be the same packet).
         self.members = members
         try:
-            return self._exchange(blocks, exponents)
+            return self._exchange(blocks, exponents, flags, members, subset.round_base)
         finally:
             self.members = 0
 
-    def _exchange(self, blocks: np.ndarray, exponents: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def abort(self, reason: str) -> None:
+        """This worker cannot take part in its next collective (its input was refused before anything was sent):
+        fail the transport and send an abort contribution into slot 0's next round, where every collective
+        starts, so that the job's other ranks raise :class:`OutOfStep` instead of waiting (docs/protocol.md,
+        "Collectives out of step"). Later calls raise at once."""
+        if self._failed is not None:
+            return
+        self._failed = f"aborted: {reason}"
+        if self._subset_rounds or self.slot_base != 0:
+            return  # a subset's rounds are the scheduler's; another share's slot 0 is share 0's to abort
+        packet = np.zeros(1, PACKET_DTYPE)
+        hdr = packet["hdr"]
+        hdr["version"], hdr["flags"], hdr["job_id"], hdr["slot"] = wire.VERSION, wire.FLAG_OUT_OF_STEP, \
+            self.config.job_id, 0
+        hdr["pool"], hdr["rank"], hdr["exponent"] = self.next_pool[0], self.config.rank, qz.EXP_NONE
+        hdr["round"] = (int(self.rounds[0]) + 1) & 0xFFFF
+        hdr["seq"] = PROBE_SEQ_BIT | self.probe_seq
+        hdr["exchange"] = wire.exchange_id(self._index, 0xFFFFFFFF)
+        data = packet.tobytes()
+        for _ in range(3):
+            try:
+                self._send(data)
+            except OSError:
+                self.stats.socket_errors += 1
+        log.error("job %d rank %d: aborted collective %d (%s); the job's other ranks will raise OutOfStep",
+                  self.config.job_id, self.config.rank, self._index, reason)
+
+    def _exchange(self, blocks: np.ndarray, exponents: np.ndarray | None, flags: np.ndarray | None, tag: int,
+                  round_base: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self._failed is not None:
             raise TransportError(f"transport unusable after an earlier failure: {self._failed}")
-        if exponents is None:
-            exponents = qz.block_exponents(blocks)
-        whole_job = not self._subset_rounds
+        whole_job = round_base is None
+        sent = self.stats.packets_sent
         try:
+            if exponents is None:
+                exponents, flags = qz.inspect(blocks)
+            nb = blocks.shape[0] if blocks.ndim == 2 else 0
+            ident = wire.exchange_id(self._index if whole_job else round_base, nb, tag)
             if whole_job and self._on_ps:
                 assert self.failover is not None
                 if not self.failover.on_ps(self._index, self._rounds_away):
                     self._back_to_switch()
             mark = self._mark()
-            sums, global_exp = self._run(blocks, exponents, mark)
+            sums, global_exp, result_flags = self._run(blocks, exponents, flags, ident, mark)
         except TransportTimeout as err:
             self._failed = str(err)
             raise
         except BaseException as err:
+            if self.stats.packets_sent == sent and not isinstance(err, TransportError):
+                self.abort(f"{type(err).__name__}: {err}")  # refused before sending: tell the others
             self._failed = f"{type(err).__name__}: {err}"
             raise
         finally:
             self.stats.exchanges += 1
-        if whole_job:
-            if self.failover is not None:  # kept (not copied) for a failover that restarts at this exchange
-                self._prev = (blocks, exponents, mark)
-            self._index += 1
-        return sums, global_exp
+            if whole_job:
+                self._index += 1  # a failed call counts too: the others' next collective must not match this one
+        if whole_job and self.failover is not None:  # kept (not copied) for a failover that restarts here
+            self._prev = (blocks, exponents, flags, ident, mark)
+        return sums, global_exp, result_flags
 
-    def _run(self, blocks: np.ndarray, exponents: np.ndarray, mark: _Mark) -> tuple[np.ndarray, np.ndarray]:
+    def _run(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None, ident: int,
+             mark: _Mark) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Run one exchange; after a failover decision, again at the PS from where the decision says."""
         while True:
-            exchange = Exchange(self, blocks, exponents)
+            exchange = Exchange(self, blocks, exponents, flags, ident)
             try:
                 self._run_exchange(exchange)
-                return exchange.sums, exchange.global_exp
+                return exchange.sums, exchange.global_exp, exchange.result_flags
             except _FailedOver as decision:
                 self._to_ps()
                 if decision.start == self._index - 1 and self._prev is not None:
                     # Another worker had not finished the previous exchange: send it again (same sums).
-                    prev_blocks, prev_exponents, prev_mark = self._prev
+                    prev_blocks, prev_exponents, prev_flags, prev_ident, prev_mark = self._prev
                     self._restore(prev_mark)
-                    self._run_exchange(Exchange(self, prev_blocks, prev_exponents))
+                    self._run_exchange(Exchange(self, prev_blocks, prev_exponents, prev_flags, prev_ident))
                     self.stats.replayed_exchanges += 1
                 elif decision.start != self._index:
                     raise TransportError(f"failover decision starts at exchange {decision.start}; this worker is at "
@@ -668,12 +715,24 @@ class Transport:
 class Exchange:
     """One exchange (one :meth:`Transport.exchange` call): per-slot outstanding packet, timers, received sums."""
 
-    def __init__(self, transport: Transport, blocks: np.ndarray, exponents: np.ndarray) -> None:
+    def __init__(self, transport: Transport, blocks: np.ndarray, exponents: np.ndarray,
+                 flags: np.ndarray | None = None, ident: int = 0) -> None:
         if blocks.ndim != 2 or blocks.shape[1] != K or blocks.dtype != np.float32:
             raise TypeError(f"expected float32 blocks of shape (n, {K}), got {blocks.dtype} {blocks.shape}")
         self.transport = transport
-        self.blocks = np.ascontiguousarray(blocks)
         self.num_blocks = nb = blocks.shape[0]
+        #: Non-finite flags of each block (None: all finite); such blocks go with those values 0.
+        if flags is not None and (flags.shape != (nb,) or not flags.any()):
+            if flags.shape != (nb,):
+                raise ValueError(f"{flags.shape[0]} flags for {nb} blocks")
+            flags = None
+        self.block_flags = None if flags is None else flags.astype(np.uint8) & wire.NONFINITE_FLAGS
+        self.blocks = np.ascontiguousarray(qz.finite_blocks(blocks, self.block_flags))
+        #: The collective's id (``wire.exchange_id``), in every packet; the round flags of each result block; and
+        #: what ``accept_results`` reports of a result out of step: [seen, its exchange id, its slot].
+        self.ident = ident
+        self.result_flags = np.zeros(nb, np.uint8)
+        self.alarm = np.zeros(3, np.int64)
         self.window = transport.slot_count
         self.used_slots = used = min(self.window, nb)
         self.local_exp = np.asarray(exponents, dtype=np.int8)
@@ -719,8 +778,8 @@ class Exchange:
         rows = t.rx_capacity
         outputs = np.zeros(rows, np.int64), np.zeros(rows, np.int64), np.zeros(rows)
         r.accept(t.rx_buf, t.rx_lengths, t.rx_names, 0, t.allowed, t.config.job_id, t.slot_base, 0, r.window, 0,
-                 r.expect,
-                 r.retries, r.sent_at, t.next_pool, 0.0, r.sums_flat, r.global_exp, *outputs)
+                 r.expect, r.retries, r.sent_at, t.next_pool, 0.0, r.sums_flat, r.global_exp, 0, r.result_flags,
+                 r.alarm, *outputs)
         RtoEstimator().sample_all(outputs[2][:0])
 
     # -- sending -------------------------------------------------------------
@@ -777,12 +836,16 @@ class Exchange:
         # the slot's shadow (the same for both fill implementations: the copy is made here, before either).
         t.shadow[slots] = t.raw[slots]
         t.uses[slots] += 1
+        hdr = t.packets["hdr"]
         if t.members:
-            t.packets["hdr"]["members"][slots] = t.members
+            hdr["members"][slots] = t.members
+        hdr["exchange"][slots] = self.ident
         if self.fill(slots, block_ids, self.blocks, self.local_exp, self.global_exp, self.ahead, self.seq0,
                       self.probe0, self.window, enc_a, enc_b, t.raw, t.words, t.next_pool, t.rounds,
                       self.expect, self.sent_at, now, keys) < 0:
             raise TransportError("aggregator returned an exponent below this worker's: protocol violation")
+        if self.block_flags is not None:  # fill wrote flags 0: a block's non-finite flags go with it
+            hdr["flags"][slots] = np.where(block_ids >= 0, self.block_flags[np.maximum(block_ids, 0)], 0)
         errors = t.transmit(slots)
         t.stats.packets_sent += slots.shape[0] - errors
         t.stats.socket_errors += errors
@@ -885,6 +948,7 @@ class Exchange:
         buf, names, lengths, allowed = t.rx_buf, t.rx_names, t.rx_lengths, t.allowed
         expect, retries, sent_at, next_pool = self.expect, self.retries, self.sent_at, t.next_pool
         window, seq0, sums, global_exp = self.window, self.seq0, self.sums_flat, self.global_exp
+        ident, result_flags, alarm = self.ident, self.result_flags, self.alarm
         rows = t.rx_capacity
         acc_slots = np.empty(rows, np.int64)
         following = np.empty(rows, np.int64)
@@ -911,11 +975,14 @@ class Exchange:
                     break
                 n_acc, n_rtt, foreign, malformed, stale, done = accept(
                     buf, lengths, names, count, allowed, job_id, slot_base, seq0, window, nb, expect, retries, sent_at,
-                    next_pool, time.monotonic(), sums, global_exp, acc_slots, following, rtts)
+                    next_pool, time.monotonic(), sums, global_exp, ident, result_flags, alarm, acc_slots, following,
+                    rtts)
                 if foreign or malformed or stale:
                     stats.foreign += foreign
                     stats.malformed += malformed
                     stats.stale_results += stale
+                    if alarm[0]:
+                        self._out_of_step()
                 if n_acc:
                     accepted += n_acc
                     self.remaining -= done
@@ -950,6 +1017,16 @@ class Exchange:
         t.seq = (seq0 + nb) & SEQ_MASK
         t.probe_seq = (self.probe0 + self.used_slots) & SEQ_MASK
         stats.blocks += nb
+
+    def _out_of_step(self) -> None:
+        t = self.transport
+        met = int(self.alarm[1])
+        other = "an aborting rank" if met == self.ident else f"collective id {met:#010x}"
+        raise OutOfStep(
+            f"job {t.config.job_id} rank {t.config.rank}: the job's ranks are out of step in collective "
+            f"#{t._index} ({self.num_blocks} blocks, id {self.ident:#010x}): slot {int(self.alarm[2]) + t.slot_base}'s "
+            f"round met {other} (a rank skipped or failed a call, or called with another size); no sum is "
+            "returned, and this worker is unusable: restart the job's workers")
 
     def _timeout(self, waited: float) -> None:
         waiting = int((self.expect != -1).sum())

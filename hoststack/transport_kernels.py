@@ -17,7 +17,7 @@ from netagg import wire
 from netagg.hoststack.codec_kernels import quantize_row
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK
 
-wire.check_compiled_layout(__name__, version=2, header_bytes=20, k=64)  # see check_compiled_layout
+wire.check_compiled_layout(__name__, version=3, header_bytes=24, k=64)  # see check_compiled_layout
 
 _K = wire.K
 _HEADER = wire.HEADER_BYTES
@@ -25,6 +25,10 @@ _PAYLOAD = wire.PAYLOAD_BYTES
 _NETAGG = wire.NETAGG_BYTES
 _VERSION = wire.VERSION
 _RESULT = wire.FLAG_RESULT
+_OUT_OF_STEP = wire.FLAG_OUT_OF_STEP
+_NONFINITE = wire.NONFINITE_FLAGS
+_EXCHANGE_AT = wire.HEADER_BYTES - 4
+assert [f.name for f in wire.HEADER_FIELDS][-1] == "exchange"
 _PROBE = np.int64(PROBE_SEQ_BIT)
 _MASK = np.int64(SEQ_MASK)
 
@@ -39,7 +43,8 @@ def _be(row: np.ndarray, start: int, width: int) -> np.int64:
 
 @njit(cache=True, nogil=True)
 def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0, window, num_blocks, expect, retries,
-                   sent_at, next_pool, now, sums, global_exp, acc_slots, following, rtts):  # pragma: no cover
+                   sent_at, next_pool, now, sums, global_exp, exchange, result_flags, alarm, acc_slots, following,
+                   rtts):  # pragma: no cover
     """See ``transport_reference.accept_results`` (the reference): same arguments, same effects and result."""
     used = expect.shape[0]
     foreign = malformed = stale = done = n_acc = n_rtt = 0
@@ -60,7 +65,19 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
         slot = _be(row, 4, 2) - slot_base
         seq = _be(row, 12, 4)
         key = (_be(row, 10, 2) << np.int64(33)) | (np.int64(row[6]) << np.int64(32)) | seq
-        if slot < 0 or slot >= used or expect[slot] != key:
+        if slot < 0 or slot >= used:
+            stale += 1
+            continue
+        outstanding = expect[slot]
+        if outstanding != -1 and (outstanding >> np.int64(32)) == (key >> np.int64(32)) and (
+                (row[1] & _OUT_OF_STEP) != 0 or _be(row, _EXCHANGE_AT, 4) != exchange):
+            if alarm[0] == 0:
+                alarm[0] = 1
+                alarm[1] = _be(row, _EXCHANGE_AT, 4)
+                alarm[2] = slot
+            stale += 1
+            continue
+        if outstanding != key:
             stale += 1
             continue
         expect[slot] = -1
@@ -79,6 +96,7 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
             values = row[_HEADER:_HEADER + _PAYLOAD]
             for j in range(_PAYLOAD):
                 out[j] = values[j]
+            result_flags[block] = row[1] & _NONFINITE
             done += 1
             nxt = block + window
         if nxt < num_blocks:

@@ -23,7 +23,8 @@ _PAYLOAD_BYTES = wire.PAYLOAD_BYTES
 def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, count: int, allowed: np.ndarray,
                           job_id: int, slot_base: int, seq0: int, window: int, num_blocks: int, expect: np.ndarray,
                           retries: np.ndarray, sent_at: np.ndarray, next_pool: np.ndarray, now: float,
-                          sums: np.ndarray, global_exp: np.ndarray, acc_slots: np.ndarray, following: np.ndarray,
+                          sums: np.ndarray, global_exp: np.ndarray, exchange: int, result_flags: np.ndarray,
+                          alarm: np.ndarray, acc_slots: np.ndarray, following: np.ndarray,
                           rtts: np.ndarray) -> tuple[int, int, int, int, int, int]:
     """Check and apply ``count`` received datagrams (``buf[i, :lengths[i]]`` from sockaddr ``names[i]``).
 
@@ -35,7 +36,11 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
     ``expect[slot]``, flips ``next_pool[slot]``, yields a round trip ``now - sent_at[slot]``
     unless the slot was retransmitted (Karn; ``retries[slot]`` is reset), copies a data
     block's values into ``sums`` (flat bytes) and writes the exponent into ``global_exp`` of
-    the slot's next block, if any (for a probe: block ``slot``). Writes the accepted slots and
+    the slot's next block, if any (for a probe: block ``slot``), and its non-finite flags into
+    ``result_flags[block]``. A result for the (round, pool) a slot has outstanding whose flags say
+    OUT_OF_STEP or whose ``exchange`` is not this worker's is stale too, whatever its seq, and the first
+    one of them writes ``alarm`` = [1, its exchange, its slot] (docs/protocol.md, "Collectives out of
+    step"). Writes the accepted slots and
     their next blocks into ``acc_slots``/``following`` and the round trips into ``rtts``; returns
     (accepted, round trips, foreign, malformed, stale, data blocks done). The compiled
     ``transport_kernels.accept_results`` does the same in one pass.
@@ -52,9 +57,22 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
     seq = hdr["seq"].astype(np.int64)
     key = (hdr["round"].astype(np.int64) << 33) | (hdr["pool"].astype(np.int64) << 32) | seq
     candidate = valid & (slot >= 0) & (slot < expect.shape[0])
-    candidate[candidate] = expect[slot[candidate]] == key[candidate]
+    outstanding = np.full(count, -1, np.int64)
+    outstanding[candidate] = expect[slot[candidate]]
+    theirs = hdr["exchange"].astype(np.int64)
+    out_of_step = candidate & (outstanding != -1) & ((outstanding >> 32) == (key >> 32)) \
+        & (((hdr["flags"] & wire.FLAG_OUT_OF_STEP) != 0) | (theirs != exchange))
+    candidate &= ~out_of_step
+    candidate[candidate] = outstanding[candidate] == key[candidate]
     matching = np.flatnonzero(candidate)
     accepted = np.sort(matching[np.unique(slot[matching], return_index=True)[1]])  # first copy per slot
+    if out_of_step.any() and alarm[0] == 0:
+        # As the one-pass kernel sees them: a row after the accepted result of its slot finds nothing outstanding.
+        accepted_at = dict(zip(slot[accepted].tolist(), accepted.tolist(), strict=True))
+        for row in np.flatnonzero(out_of_step).tolist():
+            if accepted_at.get(int(slot[row]), count) > row:
+                alarm[:] = (1, theirs[row], slot[row])
+                break
     slots = slot[accepted]
     expect[slots] = -1
     next_pool[slots] ^= 1
@@ -67,6 +85,7 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
     block = (seq - seq0) & SEQ_MASK
     data = ~probe
     sums.reshape(-1, _PAYLOAD_BYTES)[block[data]] = rows[accepted[data], _HEADER_BYTES:_NETAGG_BYTES]
+    result_flags[block[data]] = hdr["flags"][accepted[data]] & wire.NONFINITE_FLAGS
     nxt = np.where(probe, slots, block + window)
     ready = nxt < num_blocks
     global_exp[nxt[ready]] = hdr["exponent"][accepted][ready]

@@ -92,6 +92,9 @@ class DropReason(IntEnum):
     SPOOFED_SOURCE = 13
     NOT_A_MEMBER = 14
     MEMBERS_MISMATCH = 15
+    #: A new contribution naming another collective (``exchange``) than its round's: not added; the round is
+    #: marked OUT_OF_STEP (docs/protocol.md, "Collectives out of step").
+    EXCHANGE_MISMATCH = 16
 
 
 class Level(IntEnum):

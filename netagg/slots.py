@@ -5,7 +5,8 @@ switch exactly (the P4 program stays the reference; the PTF suite checks the mod
 Per slot: an owner tag (``SlotOwner``) and the current round of each pool
 (``RoundCheck``); per (slot, pool): the round's expected members (``MemberCheck``), the
 bitmap of contributors (``BitmapCheck``), the missing-contribution count (``WorkerCount``),
-the exponent maximum (``ExponentMax``) and the K int32 sums (``ValueSum``). See
+the round's collective (``ExchangeCheck``) and flags (``RoundFlags``), the exponent maximum
+(``ExponentMax``) and the K int32 sums (``ValueSum``). See
 docs/protocol.md. ``SlotRegisters.aggregate`` is what ``NetaggIngress.apply`` does with a
 packet from ``SlotOwner`` on: the registers' decision, the job counters to bump, the values
 and exponent the packet leaves with, and where it goes (``Verdict``).
@@ -41,6 +42,8 @@ class SlotDecision:
     complete: bool  #: the round is complete (now, or already)
     late: bool  #: a new contribution to a round that had already completed
     members_mismatch: bool = False  #: the packet's members differ from the round's (dropped, nothing changed)
+    #: A new contribution naming another collective than the round's (not added; the round goes OUT_OF_STEP).
+    exchange_mismatch: bool = False
 
     @property
     def delivers(self) -> bool:
@@ -71,6 +74,11 @@ class Verdict:
     exponent: int  #: the exponent the packet leaves with
     values: np.ndarray  #: the values the packet leaves with (the stored sums, or its own if untouched)
     resend: bool = False  #: a retransmission's answer (an UP packet then carries FLAG_RETRANSMIT)
+    #: The round's flags (``wire.ROUND_FLAGS``) the packet leaves with, in place of its own.
+    round_flags: int = 0
+    #: A new contribution of another collective: counted as an EXCHANGE_MISMATCH drop and a job reject (not a
+    #: contribution), though it counts towards completion and may leave as the (OUT_OF_STEP) result.
+    exchange_mismatch: bool = False
 
 
 _CONTRIBUTION = ("contributions",)
@@ -88,6 +96,9 @@ class SlotRegisters:
         self.owner = [0] * num_slots
         self.rounds = [[0] * num_slots for _ in range(wire.NUM_POOLS)]
         self.members = [0] * (num_slots * wire.NUM_POOLS)
+        #: ``ExchangeCheck`` and ``RoundFlags``: each round's collective and its flags (docs/protocol.md).
+        self.exchanges = [0] * (num_slots * wire.NUM_POOLS)
+        self.flags = [0] * (num_slots * wire.NUM_POOLS)
         self.bitmaps = [0] * (num_slots * wire.NUM_POOLS)
         self.counts = [0] * (num_slots * wire.NUM_POOLS)
         self.exponents = [0] * (num_slots * wire.NUM_POOLS)
@@ -103,6 +114,7 @@ class SlotRegisters:
         """Every register as an array (for comparing engines; see softswitch.fastpath.FastRegisters)."""
         return {"owner": np.array(self.owner, np.int64), "rounds": np.array(self.rounds, np.int64),
                 "members": np.array(self.members, np.int64),
+                "exchanges": np.array(self.exchanges, np.int64), "flags": np.array(self.flags, np.int64),
                 "bitmaps": np.array(self.bitmaps, np.int64), "counts": np.array(self.counts, np.int64),
                 "exponents": np.array(self.exponents, np.int64), "levels": np.array(self.levels, np.int64),
                 "values": self.values.copy()}
@@ -135,14 +147,16 @@ class SlotRegisters:
         return RoundState.OLD
 
     def decide(self, slot: int, pool: int, round_: int, worker_mask: int, num_workers: int,
-               generation: int, members: int = 0) -> SlotDecision:
+               generation: int, members: int = 0, exchange: int = 0) -> SlotDecision:
         """SlotOwner, RoundCheck, MemberCheck, BitmapCheck and WorkerCount for one packet, and the value op.
 
         ``members`` (the packet's field) is 0 for a round of every worker (``num_workers``
         contributions complete it); otherwise the round's expected contributors, fixed by its
         first packet (a packet with other members is refused and changes nothing), and their
         number completes it. The caller has checked that the sender is one of them
-        (``WorkerLookup``).
+        (``WorkerLookup``). ``exchange``: the packet's collective; a new round stores it, and a new
+        contribution of the same round with another one is not added (``exchange_mismatch``; op NONE, or
+        READ when it completes the round) but counts towards completion.
         """
         stale = self.owner[slot] != generation
         if stale:
@@ -155,6 +169,11 @@ class SlotRegisters:
             self.members[index] = members
         elif self.members[index] != members:
             return _MISMATCH
+        if state == RoundState.NEW:
+            self.exchanges[index] = exchange
+            mismatch = False
+        else:
+            mismatch = self.exchanges[index] != exchange
         before = 0 if state == RoundState.NEW else self.bitmaps[index]
         self.bitmaps[index] = before | worker_mask
         first = state == RoundState.NEW
@@ -170,25 +189,30 @@ class SlotRegisters:
             else:
                 count = self.counts[index] = count - 1
         complete = count == 0 and not late
-        if fresh and not late:
+        mismatch = mismatch and fresh and not late
+        if mismatch:
+            op = ValueOp.READ if complete else ValueOp.NONE
+        elif fresh and not late:
             op = ValueOp.WRITE if first else ValueOp.MERGE
         elif not fresh and complete:
             op = ValueOp.READ
         else:
             op = ValueOp.NONE
-        return SlotDecision(op, state, first, fresh, complete, late)
+        return SlotDecision(op, state, first, fresh, complete, late, exchange_mismatch=mismatch)
 
     def aggregate(self, slot: int, pool: int, round_: int, worker_mask: int, num_workers: int, generation: int,
-                  members: int, exponent: int, values: np.ndarray, has_up: bool = False) -> Verdict:
+                  members: int, exponent: int, values: np.ndarray, has_up: bool = False, flags: int = 0,
+                  exchange: int = 0) -> Verdict:
         """One packet from ``SlotOwner`` to the delivery decision (``NetaggIngress.apply``).
 
         ``decide``, then ``LevelState`` and the counting (a new contribution; the completing one is a
         result too, unless it goes up; a retransmission after completion is answered, from the stored
         result or, while the parent's result is outstanding, by the partial sent up again; anything
         else is a duplicate), then ``ExponentMax`` and ``ValueSum`` when the decision's op says so.
-        ``has_up``: the job has an up link on this switch (``up_links``, docs/hierarchy.md).
+        ``has_up``: the job has an up link on this switch (``up_links``, docs/hierarchy.md). ``flags`` and
+        ``exchange``: the packet's; ``RoundFlags`` keeps the OR of the round's ``wire.ROUND_FLAGS``.
         """
-        decision = self.decide(slot, pool, round_, worker_mask, num_workers, generation, members)
+        decision = self.decide(slot, pool, round_, worker_mask, num_workers, generation, members, exchange)
         if decision.members_mismatch:
             return Verdict(DropReason.MEMBERS_MISMATCH, (), Delivery.NONE, exponent, values)
         if decision.round_state == RoundState.OLD:
@@ -199,6 +223,8 @@ class SlotRegisters:
         delivery = Delivery.NONE
         if decision.fresh and not decision.late:
             counts = _COMPLETION if decision.complete and not has_up else _CONTRIBUTION
+            if decision.exchange_mismatch:
+                counts = _RESULT if decision.complete and not has_up else ()
             if decision.complete:
                 delivery = Delivery.UP if has_up else Delivery.GROUP
         elif op == ValueOp.READ:
@@ -206,13 +232,16 @@ class SlotRegisters:
             delivery = Delivery.UP if has_up and level != Level.FINAL else Delivery.SENDER
         else:
             counts = _DUPLICATE
+        round_flags = self.round_flags(index, op, flags, decision.exchange_mismatch)
         if op != ValueOp.NONE:
             exponent = self.exponent(index, op, exponent)
             values = self.sums(index, op, values)
-        return Verdict(DropReason.NONE, counts, delivery, exponent, values, resend=op == ValueOp.READ)
+        return Verdict(DropReason.NONE, counts, delivery, exponent, values,
+                       resend=op == ValueOp.READ and not decision.exchange_mismatch, round_flags=round_flags,
+                       exchange_mismatch=decision.exchange_mismatch)
 
     def accept_down(self, slot: int, pool: int, round_: int, generation: int, exponent: int,
-                    values: np.ndarray) -> Verdict:
+                    values: np.ndarray, flags: int = 0) -> Verdict:
         """A parent's result for this switch's (slot, pool) (``down_links`` matched; docs/hierarchy.md).
 
         Nothing is taken over or started: a slot of another generation, or a round other than the
@@ -227,9 +256,10 @@ class SlotRegisters:
         if self.levels[index] != Level.UP:
             return Verdict(DropReason.NONE, _DUPLICATE, Delivery.NONE, exponent, values)
         self.levels[index] = Level.FINAL
+        round_flags = self.round_flags(index, ValueOp.WRITE, flags, False)
         exponent = self.exponent(index, ValueOp.WRITE, exponent)
         values = self.sums(index, ValueOp.WRITE, values)
-        return Verdict(DropReason.NONE, _RESULT, Delivery.GROUP, exponent, values)
+        return Verdict(DropReason.NONE, _RESULT, Delivery.GROUP, exponent, values, round_flags=round_flags)
 
     def level_state(self, index: int, first: bool, goes_up: bool) -> Level:
         """LevelState for a contribution: a new round opens; a round completing (or complete) on a switch
@@ -237,6 +267,17 @@ class SlotRegisters:
         level = Level.OPEN if first else Level(self.levels[index])
         self.levels[index] = Level.UP if goes_up and level != Level.FINAL else level
         return level
+
+    def round_flags(self, index: int, op: ValueOp, flags: int, mismatch: bool) -> int:
+        """RoundFlags: write / OR the packet's round flags, or OUT_OF_STEP for a contribution of another
+        collective (its own flags are not taken); returns the round's flags, which the packet leaves with."""
+        if mismatch:
+            self.flags[index] |= wire.FLAG_OUT_OF_STEP
+        elif op == ValueOp.WRITE:
+            self.flags[index] = flags & wire.ROUND_FLAGS
+        elif op == ValueOp.MERGE:
+            self.flags[index] |= flags & wire.ROUND_FLAGS
+        return self.flags[index]
 
     def exponent(self, index: int, op: ValueOp, exponent: int) -> int:
         """ExponentMax: write / signed max / read; returns what the packet leaves with."""

@@ -20,7 +20,9 @@ import numpy as np
 
 #: Protocol version carried in every header; other versions are dropped.
 #: 2: the header gained ``members`` (subset rounds), 16 -> 20 bytes.
-VERSION = 2
+#: 3: ``exchange`` (which collective a contribution belongs to), ``width`` (values per packet: reserved for
+#: wide packets), the non-finite and out-of-step flags; 20 -> 24 bytes.
+VERSION = 3
 #: UDP destination port that marks a packet as netagg (below Linux's ephemeral range).
 NETAGG_UDP_PORT = 28900
 #: A tree of switches (docs/hierarchy.md): a switch's partials leave for its parent from this port, and the
@@ -40,7 +42,22 @@ NUM_POOLS = 2
 FLAG_RESULT = 0x01  #: set by the switch (or PS) on an aggregated result
 FLAG_RETRANSMIT = 0x02  #: set by a host on a resent contribution (informational)
 FLAG_PS_FORWARDED = 0x04  #: set by a PS on results it computed in software (fallback)
-KNOWN_FLAGS = FLAG_RESULT | FLAG_RETRANSMIT | FLAG_PS_FORWARDED
+#: The block holds a NaN (host), or some contribution to the round did (result).
+FLAG_NAN = 0x08
+#: The block holds +inf / -inf (host), or some contribution to the round did (result).
+FLAG_POS_INF = 0x10
+FLAG_NEG_INF = 0x20
+#: Result: the round's contributions named different collectives (``exchange``), or a host aborted it
+#: (an *abort contribution*, sent with this flag). No sum of such a round is ever used.
+FLAG_OUT_OF_STEP = 0x40
+#: The non-finite flags of a block (a host's contribution describes its own values).
+NONFINITE_FLAGS = FLAG_NAN | FLAG_POS_INF | FLAG_NEG_INF
+#: The flags a switch ORs over a round's contributions and returns in its result (``round_flags``).
+ROUND_FLAGS = NONFINITE_FLAGS | FLAG_OUT_OF_STEP
+KNOWN_FLAGS = FLAG_RESULT | FLAG_RETRANSMIT | FLAG_PS_FORWARDED | ROUND_FLAGS
+#: ``width`` codes: values per packet. Version 3 defines 64 (code 0); code 1 (256 values) is reserved for
+#: wide packets and, like any other code, dropped as MALFORMED until a target implements it.
+WIDTHS = {0: 64}
 
 ETH_HEADER_BYTES = 14
 IPV4_HEADER_BYTES = 20
@@ -67,10 +84,11 @@ HEADER_FIELDS: tuple[Field, ...] = (
     Field("pool", 8, False, "pool version of the slot, 0 or 1"),
     Field("rank", 8, False, "sender's rank within the job (0..MAX_WORKERS-1)"),
     Field("exponent", 8, True, "host: local max exponent; result: max over workers"),
-    Field("reserved0", 8, False, "zero on send; echoed unchanged"),
+    Field("width", 8, False, "values per packet: WIDTHS[width] (0: 64)"),
     Field("round", 16, False, "the slot's round number: +1 at every new use of the slot (mod 2**16)"),
     Field("seq", 32, False, "block id chosen by the host, echoed unchanged"),
     Field("members", 32, False, "the round's expected contributors, bit r = rank r; 0 = every worker of the job"),
+    Field("exchange", 32, False, "which collective the packet belongs to (exchange_id); a round's must agree"),
 )
 
 _STRUCT_CODES = {(8, False): "B", (8, True): "b", (16, False): "H", (32, False): "I"}
@@ -78,7 +96,7 @@ HEADER_STRUCT = struct.Struct("!" + "".join(_STRUCT_CODES[(f.bits, f.signed)] fo
 HEADER_BYTES = HEADER_STRUCT.size
 #: Position of each field in ``HEADER_STRUCT.unpack``'s tuple (the header grows at its end).
 FIELD_INDEX = {f.name: i for i, f in enumerate(HEADER_FIELDS)}
-assert HEADER_BYTES == sum(f.bits for f in HEADER_FIELDS) // 8 == 20
+assert HEADER_BYTES == sum(f.bits for f in HEADER_FIELDS) // 8 == 24
 VALUE_BYTES = 4
 PAYLOAD_BYTES = K * VALUE_BYTES
 #: Bytes after the UDP header: netagg header plus values.
@@ -113,9 +131,10 @@ class Header:
     exponent: int = 0
     flags: int = 0
     version: int = VERSION
-    reserved0: int = 0
+    width: int = 0
     round: int = 0
     members: int = 0
+    exchange: int = 0
 
     @property
     def is_result(self) -> bool:
@@ -142,6 +161,8 @@ def unpack(payload: bytes | memoryview) -> tuple[Header, np.ndarray]:
         raise MalformedPacket(f"netagg version {header.version}, expected {VERSION}")
     if header.pool >= NUM_POOLS:
         raise MalformedPacket(f"pool {header.pool} out of range")
+    if WIDTHS.get(header.width) != K:
+        raise MalformedPacket(f"width code {header.width}: this build carries {K} values per packet")
     values = np.frombuffer(payload, dtype=WIRE_VALUE_DTYPE, count=K, offset=HEADER_BYTES)
     return header, values.astype(np.int32)
 
@@ -157,6 +178,32 @@ def check_compiled_layout(module: str, *, version: int, header_bytes: int, k: in
         raise RuntimeError(f"{module} was written for wire version {version} ({header_bytes}-byte header, "
                            f"K={k}); wire.py is version {VERSION} ({HEADER_BYTES}-byte header, K={K}): "
                            "update the module (and so numba's cache of it)")
+
+
+_MIX = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that spreads every input bit."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def exchange_id(index: int, num_blocks: int, tag: int = 0) -> int:
+    """The ``exchange`` field of a collective: a 32-bit digest of its order, size and caller's tag.
+
+    ``index``: the collective's number among the worker's collectives (every rank counts alike, a call that
+    failed before sending included); ``num_blocks``: its size in packets' worth of values; ``tag``: anything
+    the caller names the collective by (0: none). Ranks out of step — one skipped or failed a call, or called
+    with another size — give different ids with probability 1 - 2**-32, and the switch refuses to sum
+    contributions of different ids in one round (docs/protocol.md, "Collectives out of step").
+    """
+    h = _mix64((index & _MASK64) ^ _MIX)
+    h = _mix64(h ^ (num_blocks & _MASK64))
+    h = _mix64(h ^ (tag & _MASK64))
+    return h & 0xFFFFFFFF
 
 
 def members_of(ranks) -> int:

@@ -40,7 +40,7 @@ LOOPBACK_HEADROOM = wire.ETH_HEADER_BYTES + wire.IPV4_HEADER_BYTES + wire.UDP_HE
 BATCHES_PER_TURN = 8
 #: Datagrams the loopback port takes per receive with UDP_GRO (a few coalesced buffers).
 LOOPBACK_GRO_ROWS = 256
-#: Row of a loopback datagram: a netagg frame is 318 bytes; a longer datagram is cut to the row (and so
+#: Row of a loopback datagram: a netagg frame is 322 bytes; a longer datagram is cut to the row (and so
 #: still dropped as malformed, as the reference loop does with the whole datagram). Small rows stay in cache.
 LOOPBACK_STRIDE = 2048
 #: Linux's PACKET_IGNORE_OUTGOING (4.20+): a raw socket does not see the frames it sent itself.

@@ -69,11 +69,14 @@ class FastRegisters:
         self.exponents = np.zeros(pools, np.int8)
         self.values = np.zeros((pools, wire.K), np.int32)
         self.levels = np.zeros(pools, np.uint8)
+        self.exchanges = np.zeros(pools, np.uint32)
+        self.flags = np.zeros(pools, np.uint8)
 
     def arrays(self) -> tuple:
-        """The registers as the kernels take them (``regs`` in fastpath_kernels), in P4 order (LevelState's last)."""
+        """The registers as the kernels take them (``regs`` in fastpath_kernels): P4 order up to LevelState, then
+        ExchangeCheck's and RoundFlags' (added with wire version 3)."""
         return (self.owner, self.rounds, self.members, self.bitmaps, self.counts, self.exponents, self.values,
-                self.levels)
+                self.levels, self.exchanges, self.flags)
 
     def reset(self) -> None:
         for array in self.arrays():
@@ -83,6 +86,7 @@ class FastRegisters:
         """Every register as an array (for comparing engines)."""
         return {"owner": self.owner.astype(np.int64), "rounds": self.rounds.astype(np.int64),
                 "members": self.members.astype(np.int64),
+                "exchanges": self.exchanges.astype(np.int64), "flags": self.flags.astype(np.int64),
                 "bitmaps": self.bitmaps.astype(np.int64), "counts": self.counts.astype(np.int64),
                 "exponents": self.exponents.astype(np.int64), "levels": self.levels.astype(np.int64),
                 "values": self.values.copy()}

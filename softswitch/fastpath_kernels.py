@@ -31,7 +31,7 @@ from netagg.dataplane import DropReason, Level, ValueOp
 from netagg.slots import RoundState
 from netagg.udpgso_kernels import gso_header
 
-wire.check_compiled_layout(__name__, version=2, header_bytes=20, k=64)  # see check_compiled_layout
+wire.check_compiled_layout(__name__, version=3, header_bytes=24, k=64)  # see check_compiled_layout
 
 K = wire.K
 NETAGG_PORT = wire.NETAGG_UDP_PORT
@@ -40,6 +40,9 @@ IPV4_TOTAL_LENGTH = wire.IPV4_TOTAL_LENGTH
 UDP_LENGTH = wire.UDP_LENGTH
 FRAME_BYTES = wire.FRAME_BYTES
 FLAG_RESULT = wire.FLAG_RESULT
+FLAG_OUT_OF_STEP = wire.FLAG_OUT_OF_STEP
+ROUND_FLAGS = wire.ROUND_FLAGS
+NOT_ROUND_FLAGS = 0xFF & ~wire.ROUND_FLAGS
 VERSION = wire.VERSION
 DROP_PORT = dp.DROP_PORT
 POOLS = wire.NUM_POOLS
@@ -69,6 +72,7 @@ D_NO_REPLICA = int(DropReason.NO_REPLICA)
 D_SPOOFED = int(DropReason.SPOOFED_SOURCE)
 D_NOT_MEMBER = int(DropReason.NOT_A_MEMBER)
 D_MEMBERS = int(DropReason.MEMBERS_MISMATCH)
+D_EXCHANGE = int(DropReason.EXCHANGE_MISMATCH)
 LEVEL_OPEN, LEVEL_UP, LEVEL_FINAL = int(Level.OPEN), int(Level.UP), int(Level.FINAL)
 FLAG_RETRANSMIT = wire.FLAG_RETRANSMIT
 OP_NONE, OP_WRITE, OP_MERGE, OP_READ = int(ValueOp.NONE), int(ValueOp.WRITE), int(ValueOp.MERGE), int(ValueOp.READ)
@@ -309,6 +313,28 @@ def member_check(regs_members, index, round_state, members):
 
 
 @njit(cache=True, inline="always")
+def exchange_check(regs_exchanges, index, round_state, exchange):
+    """ExchangeCheck: a new round takes the packet's collective; returns whether the packet names another."""
+    if round_state == ROUND_NEW:
+        regs_exchanges[index] = exchange
+        return False
+    return np.int64(regs_exchanges[index]) != exchange
+
+
+@njit(cache=True, inline="always")
+def round_flags(b, regs_flags, index, op, mismatch):
+    """RoundFlags: write / OR the packet's round flags (a contribution of another collective: OUT_OF_STEP
+    instead); the packet leaves with the round's flags in place of its own."""
+    if mismatch:
+        regs_flags[index] |= FLAG_OUT_OF_STEP
+    elif op == OP_WRITE:
+        regs_flags[index] = b[NA + 1] & ROUND_FLAGS
+    elif op == OP_MERGE:
+        regs_flags[index] |= b[NA + 1] & ROUND_FLAGS
+    b[NA + 1] = (b[NA + 1] & NOT_ROUND_FLAGS) | regs_flags[index]
+
+
+@njit(cache=True, inline="always")
 def bitmap_check(regs_bitmaps, index, round_state, worker_mask):
     """BitmapCheck: add the sender's bit. Returns (first: the round's first packet, fresh: the sender's first)."""
     first = round_state == ROUND_NEW
@@ -431,7 +457,7 @@ def up_delivery(b, frame, up, fresh):
     _put16(b, NA + 2, up[1])
     b[NA + 7] = up[2] & 0xFF
     _put32(b, NA + 16, 0)
-    b[NA + 1] = 0 if fresh else FLAG_RETRANSMIT
+    b[NA + 1] = (0 if fresh else FLAG_RETRANSMIT) | (b[NA + 1] & ROUND_FLAGS)  # RoundFlags set them
     return up[0]
 
 
@@ -443,6 +469,7 @@ def _down(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, coun
 
     Returns (egress_spec, to_group, mgid)."""
     regs_owner, regs_rounds, regs_exps, regs_values, regs_levels = regs[0], regs[1], regs[5], regs[6], regs[7]
+    regs_flags = regs[9]
     job = _u16(b, NA + 2)
     drop, _, slot_index, mgid, generation, _ = worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals, True)
     if drop != D_NONE:
@@ -461,6 +488,7 @@ def _down(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, coun
         return DROP_PORT, False, mgid
     regs_levels[index] = LEVEL_FINAL
     _bump(counters[6], counters[7], job, length)
+    round_flags(b, regs_flags, index, OP_WRITE, False)
     exponent_max(b, regs_exps, index, OP_WRITE)
     value_sum(b, regs_values, index, OP_WRITE)
     return result_delivery(b, frame, ingress, True), True, mgid
@@ -473,7 +501,8 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
     then ResultDelivery or (a job with an up link) UpDelivery.
 
     Returns (egress_spec, to_group, mgid); egress_spec DROP_PORT: dropped (mark_to_drop)."""
-    regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, regs_exps, regs_values, regs_levels = regs
+    regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, regs_exps, regs_values, regs_levels = regs[:8]
+    regs_exchanges, regs_flags = regs[8], regs[9]
     job = _u16(b, NA + 2)
     drop, num_workers, slot_index, mgid, generation, worker_mask = worker_lookup(
         b, ingress, job_valid, job_params, w_keys, w_vals, False)
@@ -489,6 +518,9 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
         round_state = round_check(regs_rounds, slot_index, pool, _u16(b, NA + 10), stale)
         if round_state != ROUND_OLD:
             drop = member_check(regs_members, index, round_state, members)
+    mismatch = False
+    if drop == D_NONE and round_state != ROUND_OLD:
+        mismatch = exchange_check(regs_exchanges, index, round_state, _u32(b, NA + 20))
     if drop != D_NONE:
         if drop != D_UNKNOWN_JOB:
             _bump(counters[12], counters[13], job, length)
@@ -504,7 +536,18 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
     op = OP_NONE
     to_group = False
     to_up = False
-    if fresh and not late:
+    mismatch = mismatch and fresh and not late
+    if mismatch:  # another collective's: not added, counted as refused, but it completes the round if last
+        _bump(counters[12], counters[13], job, length)
+        _bump(counters[0], counters[1], D_EXCHANGE, length)
+        if complete:
+            op = OP_READ
+            if has_up:
+                to_up = True
+            else:
+                to_group = True
+                _bump(counters[6], counters[7], job, length)
+    elif fresh and not late:
         _bump(counters[4], counters[5], job, length)
         op = OP_WRITE if first else OP_MERGE
         if complete:
@@ -519,6 +562,7 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
         to_up = has_up and level != LEVEL_FINAL
     else:
         _bump(counters[8], counters[9], job, length)
+    round_flags(b, regs_flags, index, op, mismatch)
     if op != OP_NONE:
         exponent_max(b, regs_exps, index, op)
         value_sum(b, regs_values, index, op)
@@ -554,7 +598,8 @@ def netagg_ingress(b, frame, length, ingress, tables, counters, regs):
         drop, egress_spec = ipv4_forward(b, frame, route_vm, route_out)
     elif b[NA] != VERSION:
         drop = D_BAD_VERSION
-    elif _u16(b, IP + 2) != IPV4_TOTAL_LENGTH or _u16(b, UDP + 4) != UDP_LENGTH or (_u16(b, IP + 6) & 0x3FFF):
+    elif (_u16(b, IP + 2) != IPV4_TOTAL_LENGTH or _u16(b, UDP + 4) != UDP_LENGTH or (_u16(b, IP + 6) & 0x3FFF)
+          or b[NA + 9] != 0):
         drop = D_MALFORMED
     elif b[NA + 1] & FLAG_RESULT and not down:
         drop = D_RESULT_FROM_HOST

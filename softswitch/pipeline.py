@@ -100,9 +100,9 @@ def deparse(pkt: ParsedPacket) -> bytes:
 
 # Field positions in ParsedPacket.netagg (wire.HEADER_FIELDS order).
 _N = {f.name: i for i, f in enumerate(wire.HEADER_FIELDS)}
-_VERSION, _FLAGS, _JOB, _SLOT, _POOL, _RANK, _EXP, _ROUND, _MEMBERS = (
-    _N["version"], _N["flags"], _N["job_id"], _N["slot"], _N["pool"], _N["rank"], _N["exponent"], _N["round"],
-    _N["members"],
+_VERSION, _FLAGS, _JOB, _SLOT, _POOL, _RANK, _EXP, _WIDTH, _ROUND, _MEMBERS, _EXCHANGE = (
+    _N["version"], _N["flags"], _N["job_id"], _N["slot"], _N["pool"], _N["rank"], _N["exponent"], _N["width"],
+    _N["round"], _N["members"], _N["exchange"],
 )
 
 
@@ -191,6 +191,7 @@ class NetaggPipeline:
             pkt.ipv4[2] != wire.IPV4_TOTAL_LENGTH
             or pkt.udp[2] != wire.UDP_LENGTH
             or pkt.ipv4[4] & (_MF_BIT | _FRAG_OFFSET_MASK)
+            or pkt.netagg[_WIDTH] != 0
         ):
             meta.drop_reason = DropReason.MALFORMED
         elif pkt.netagg[_FLAGS] & wire.FLAG_RESULT and not meta.down:
@@ -277,32 +278,36 @@ class NetaggPipeline:
                 return None
             if meta.down:
                 verdict = regs.accept_down(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.generation, hdr[_EXP],
-                                           pkt.values)
+                                           pkt.values, hdr[_FLAGS])
                 up = None
             else:
                 action, up = self._up_links.lookup((job,))
                 up = up if action == dp.ACTION_SET_UP_LINK else None
                 verdict = regs.aggregate(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.worker_mask,
                                          meta.num_workers, meta.generation, hdr[_MEMBERS], hdr[_EXP], pkt.values,
-                                         has_up=up is not None)
+                                         has_up=up is not None, flags=hdr[_FLAGS], exchange=hdr[_EXCHANGE])
             meta.drop_reason = verdict.drop
         if meta.drop_reason != DropReason.NONE:
             if meta.drop_reason != DropReason.UNKNOWN_JOB:
                 self.state.count(dp.COUNTER_JOB_REJECTS, job, length)
             self.state.count(dp.COUNTER_DROP_REASONS, meta.drop_reason, length)
             return None
+        if verdict.exchange_mismatch:  # not added, but it still counts towards completion (RoundFlags)
+            self.state.count(dp.COUNTER_JOB_REJECTS, job, length)
+            self.state.count(dp.COUNTER_DROP_REASONS, DropReason.EXCHANGE_MISMATCH, length)
         for name in verdict.counts:
             self.state.count(dp.JOB_COUNTERS[name], job, length)
         hdr[_EXP], pkt.values = verdict.exponent, verdict.values
         if verdict.delivery == Delivery.NONE:
             return None
         if verdict.delivery == Delivery.UP:
-            return self._up_delivery(pkt, up, verdict.resend)
+            return self._up_delivery(pkt, up, verdict.resend, verdict.round_flags)
+        hdr[_FLAGS] = (hdr[_FLAGS] & ~wire.ROUND_FLAGS) | verdict.round_flags
         meta.to_group = verdict.delivery == Delivery.GROUP
         return self._result_delivery(pkt, meta, ingress_port)
 
     @staticmethod
-    def _up_delivery(pkt: ParsedPacket, up: tuple[int, ...], resend: bool) -> int:
+    def _up_delivery(pkt: ParsedPacket, up: tuple[int, ...], resend: bool, round_flags: int) -> int:
         """UpDelivery: the partial as a contribution to the parent switch, out of the up port."""
         port, parent_job, parent_rank, parent_mac, parent_addr = up
         eth, ip, udp, hdr = pkt.eth, pkt.ipv4, pkt.udp, pkt.netagg
@@ -315,7 +320,7 @@ class NetaggPipeline:
         udp[1] = wire.NETAGG_UDP_PORT
         udp[3] = 0
         hdr[_JOB], hdr[_RANK], hdr[_MEMBERS] = parent_job, parent_rank, 0
-        hdr[_FLAGS] = wire.FLAG_RETRANSMIT if resend else 0
+        hdr[_FLAGS] = (wire.FLAG_RETRANSMIT if resend else 0) | round_flags
         return port
 
     def _result_delivery(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int) -> int:

@@ -33,14 +33,18 @@ def test_kernels_match_numpy_bit_for_bit(monkeypatch, n, workers):
     assert qz.dequantize(sums, fused_exp, workers).tobytes() == fused_d.tobytes()
 
 
-def test_non_finite_raises_the_same_error():
-    blocks = np.zeros((3, wire.K), np.float32)
-    blocks[2, 7] = np.nan
-    with pytest.raises(ValueError, match="NaN"):
-        qz.block_exponents(blocks)
-    blocks[2, 7] = np.inf
-    with pytest.raises(ValueError, match="Inf"):
-        qz.block_exponents(blocks)
+@pytest.mark.parametrize("n", [5, 5000])
+def test_non_finite_blocks_give_the_same_exponents_and_flags(monkeypatch, n):
+    rng = np.random.default_rng(n)
+    blocks = _blocks(rng, n)
+    blocks[3, 7] = np.nan
+    blocks[n - 1, 0] = -np.inf
+    fused = qz.inspect(blocks)
+    monkeypatch.setattr(qz, "kernels", None)
+    reference = qz.inspect(blocks)
+    np.testing.assert_array_equal(fused[0], reference[0])
+    np.testing.assert_array_equal(fused[1], reference[1])
+    assert fused[1][3] == wire.FLAG_NAN and fused[1][n - 1] == wire.FLAG_NEG_INF
 
 
 def test_parallel_builds_do_not_share_the_serial_cache_entry():

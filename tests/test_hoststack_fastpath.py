@@ -35,6 +35,8 @@ kernels = tr.kernels  # the compiled steps the transport runs (None without numb
 needs_numba = pytest.mark.skipif(kernels is None, reason="numba is not installed")
 
 JOB = 7
+#: The exchange id of the scenarios' collective (results of another one, or OUT_OF_STEP, raise the alarm).
+EXCHANGE = 0x1234ABCD
 PEERS = [("10.0.0.1", 28900), ("10.0.0.2", 9000)]
 STRANGERS = [("10.0.0.1", 28901), ("10.0.0.9", 28900), ("0.0.0.0", 0)]
 
@@ -81,6 +83,7 @@ class Scenario:
         hdr["version"], hdr["flags"], hdr["job_id"] = wire.VERSION, wire.FLAG_RESULT, JOB
         hdr["slot"], hdr["pool"], hdr["round"] = slot + self.slot_base, self.pools[slot], self.rounds[slot]
         hdr["seq"], hdr["exponent"], hdr["rank"] = self.seqs[slot], rng.integers(-128, 128), rng.integers(0, 32)
+        hdr["exchange"] = EXCHANGE
         packet["values"] = rng.integers(-2**31, 2**31, wire.K)
         return packet.view(np.uint8)
 
@@ -111,6 +114,15 @@ class Scenario:
             hdr["slot"] = self.slot_base + self.used + int(rng.integers(0, 3))
         elif fault == 10 and self.slot_base:  # another thread's slot, below this one's
             hdr["slot"] = self.slot_base - 1 - int(rng.integers(0, min(3, self.slot_base)))
+        elif fault == 11:  # a round out of step: the alarm, whatever the seq
+            hdr["flags"] |= wire.FLAG_OUT_OF_STEP
+            if rng.random() < 0.5:
+                hdr["seq"] = int(rng.integers(0, 2**32))
+        elif fault == 12:  # a result naming another collective
+            hdr["exchange"] = EXCHANGE ^ int(rng.integers(1, 2**32))
+        elif fault == 13:  # a block that met NaN or inf: accepted, its flags recorded
+            hdr["flags"] |= int(rng.choice([wire.FLAG_NAN, wire.FLAG_POS_INF, wire.FLAG_NEG_INF,
+                                            wire.FLAG_POS_INF | wire.FLAG_NEG_INF]))
         elif fault == 9 and self.count:  # a second copy of an earlier datagram of the batch
             i = int(rng.integers(0, self.count))
             self._put(self.buf[i, :wire.NETAGG_BYTES].copy(), self.names[i].copy(), int(self.lengths[i]))
@@ -131,15 +143,15 @@ class Scenario:
 
     def run(self, accept) -> tuple:
         state = [a.copy() for a in (self.expect, self.retries, self.sent_at, self.next_pool, self.sums,
-                                    self.global_exp)]
-        expect, retries, sent_at, next_pool, sums, global_exp = state
+                                    self.global_exp, np.zeros(self.num_blocks, np.uint8), np.zeros(3, np.int64))]
+        expect, retries, sent_at, next_pool, sums, global_exp, result_flags, alarm = state
         acc_slots = np.full(mmsg.BATCH, -7, np.int64)
         following = np.full(mmsg.BATCH, -7, np.int64)
         rtts = np.full(mmsg.BATCH, -7.0)
         out = accept(self.buf, self.lengths, self.names, self.count, self.allowed, JOB, self.slot_base, self.seq0,
                      self.window,
-                     self.num_blocks, expect, retries, sent_at, next_pool, 2.5, sums, global_exp, acc_slots,
-                     following, rtts)
+                     self.num_blocks, expect, retries, sent_at, next_pool, 2.5, sums, global_exp, EXCHANGE,
+                     result_flags, alarm, acc_slots, following, rtts)
         n_acc, n_rtt = out[0], out[1]
         return tuple(int(v) for v in out), state, acc_slots[:n_acc], following[:n_acc], rtts[:n_rtt]
 
@@ -160,7 +172,7 @@ def test_numpy_reference_applies_the_per_datagram_rules():
         (n_acc, n_rtt, foreign, malformed, stale, done), state, acc, following, rtts = s.run(reference.accept_results)
         assert n_acc + foreign + malformed + stale == s.count
         assert len(set(acc.tolist())) == n_acc  # at most one result per slot and batch
-        expect, retries, _, next_pool, _, _ = state
+        expect, retries, _, next_pool, _, _, result_flags, alarm = state
         assert (expect[acc] == -1).all() and (retries[acc] == 0).all()
         np.testing.assert_array_equal(next_pool[acc], s.next_pool[acc] ^ 1)
         assert n_rtt == int((s.retries[acc] == 0).sum())
@@ -168,6 +180,30 @@ def test_numpy_reference_applies_the_per_datagram_rules():
         probes = (s.seqs[acc] & PROBE_SEQ_BIT) != 0
         assert done == int((~probes).sum())
         np.testing.assert_array_equal(following[probes], acc[probes])
+        if alarm[0]:  # an OUT_OF_STEP or foreign-collective result for an outstanding (round, pool)
+            assert s.expect[alarm[2]] != -1
+
+
+def test_results_out_of_step_raise_the_alarm_and_are_never_accepted():
+    implementations = [reference.accept_results] + ([kernels.accept_results] if kernels else [])
+    for case in ("flag", "exchange"):
+        s = Scenario(np.random.default_rng(3), count=0)
+        slot = int(np.flatnonzero(s.expect != -1)[0])
+        data = s._datagram(np.random.default_rng(4), slot)
+        hdr = data.view(PACKET_DTYPE)["hdr"]
+        if case == "flag":
+            hdr["flags"] |= wire.FLAG_OUT_OF_STEP
+            hdr["seq"] ^= 0x55  # the completing packet may be another rank's block: seq does not matter
+        else:
+            hdr["exchange"] = EXCHANGE + 1
+        name = np.zeros(mmsg.NAME_BYTES, np.uint8)
+        name[:16] = mmsg.sockaddr_in(*PEERS[0])
+        s._put(data, name, wire.NETAGG_BYTES)
+        for accept in implementations:
+            counts, state, acc, _, _ = s.run(accept)
+            assert counts[0] == 0 and counts[4] == 1 and acc.size == 0
+            assert state[0][slot] == s.expect[slot]  # still outstanding
+            assert state[7].tolist() == [1, int(hdr["exchange"][0]), slot]
 
 
 def test_two_copies_of_a_result_in_one_batch_count_once_and_once_as_stale():
@@ -329,7 +365,7 @@ def test_every_path_counts_strangers_and_junk_on_an_unconnected_socket(path):
             for junk in (b"", b"x" * 10, b"\x01" * wire.NETAGG_BYTES, result):
                 stranger.sendto(junk, transport.address)
             blocks = np.arange(2 * wire.K, dtype=np.float32).reshape(2, wire.K)
-            sums, exponents = transport.exchange(blocks)
+            sums, exponents, _ = transport.exchange(blocks)
             assert transport.stats.foreign == 4 and transport.stats.malformed == 0
             np.testing.assert_array_equal(qz.dequantize(sums, exponents, 1), blocks)
 

@@ -73,12 +73,48 @@ def test_block_exponent_is_floor_log2_of_the_largest_magnitude():
     assert qz.block_exponents(blocks).dtype == np.int8
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_nan_and_inf_are_rejected_with_the_position(bad):
+@pytest.mark.parametrize(("bad", "flag"), [(np.nan, wire.FLAG_NAN), (np.inf, wire.FLAG_POS_INF),
+                                           (-np.inf, wire.FLAG_NEG_INF)])
+def test_non_finite_values_are_flagged_per_block_not_refused(bad, flag):
     blocks = np.ones((3, K), np.float32)
     blocks[2, 5] = bad
-    with pytest.raises(ValueError, match=r"(NaN|Inf).*flat index 133"):
-        qz.block_exponents(blocks)
+    blocks[2, 6] = 3.0  # the finite maximum of the block: its exponent ignores the non-finite value
+    exponents, flags = qz.inspect(blocks)
+    assert exponents.tolist() == [0, 0, 1]
+    assert flags.tolist() == [0, 0, flag]
+    assert qz.block_exponents(blocks).tolist() == [0, 0, 1]
+    finite = qz.finite_blocks(blocks, flags)
+    assert finite[2, 5] == 0 and finite[2, 6] == 3.0 and np.isfinite(finite).all()
+    assert np.isnan(blocks[2, 5]) or np.isinf(blocks[2, 5])  # the caller's array is not changed
+
+
+def test_finite_input_has_no_flags_and_is_not_copied():
+    blocks = np.ones((4, K), np.float32)
+    exponents, flags = qz.inspect(blocks)
+    assert flags is None
+    assert qz.finite_blocks(blocks, flags) is blocks
+
+
+def test_a_block_of_only_non_finite_values_has_no_exponent():
+    blocks = np.full((1, K), -np.inf, np.float32)
+    blocks[0, 0] = np.nan
+    exponents, flags = qz.inspect(blocks)
+    assert exponents.tolist() == [qz.EXP_NONE]
+    assert flags.tolist() == [wire.FLAG_NAN | wire.FLAG_NEG_INF]
+
+
+def test_decoding_follows_ieee_sums_per_block():
+    """The table of docs/protocol.md, "Non-finite values": NaN wins, +inf and -inf together make NaN."""
+    sums = np.zeros((6, K), qz.WIRE_DTYPE)
+    sums[:, 0] = 1 << 20
+    exponents = np.zeros(6, np.int8)
+    flags = np.array([0, wire.FLAG_NAN, wire.FLAG_POS_INF, wire.FLAG_NEG_INF, wire.FLAG_POS_INF | wire.FLAG_NEG_INF,
+                      wire.FLAG_NAN | wire.FLAG_POS_INF | wire.FLAG_OUT_OF_STEP], np.uint8)
+    plain = qz.dequantize(sums, exponents, 3)
+    out = qz.dequantize(sums, exponents, 3, flags=flags)
+    np.testing.assert_array_equal(out[0], plain[0])
+    assert np.isnan(out[1]).all() and np.isnan(out[4]).all() and np.isnan(out[5]).all()
+    assert (out[2] == np.inf).all() and (out[3] == -np.inf).all()
 
 
 def test_block_exponents_rejects_wrong_shapes():

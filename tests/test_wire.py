@@ -11,15 +11,15 @@ from netagg.scapy_layers import Netagg, NetaggValues, netagg_payload
 
 def _header(**overrides):
     fields = dict(job_id=7, slot=513, pool=1, rank=31, seq=0xDEADBEEF, exponent=-3, flags=wire.FLAG_RETRANSMIT,
-                  members=0x80000005)
+                  members=0x80000005, exchange=0xC0FFEE01)
     fields.update(overrides)
     return wire.Header(**fields)
 
 
 def test_layout_sizes():
-    assert wire.HEADER_BYTES == 20
-    assert wire.NETAGG_BYTES == 20 + 4 * wire.K
-    assert wire.FRAME_BYTES == 14 + 20 + 8 + wire.NETAGG_BYTES
+    assert wire.HEADER_BYTES == 24
+    assert wire.NETAGG_BYTES == 24 + 4 * wire.K
+    assert wire.FRAME_BYTES == 14 + 20 + 8 + wire.NETAGG_BYTES == 322
     assert wire.UDP_LENGTH == 8 + wire.NETAGG_BYTES
 
 
@@ -33,13 +33,14 @@ def test_pack_unpack_roundtrip_with_extremes():
 
 
 def test_network_byte_order():
-    data = wire.pack(_header(job_id=0x0102, slot=0x0304, seq=0x05060708, members=0x090A0B0C),
+    data = wire.pack(_header(job_id=0x0102, slot=0x0304, seq=0x05060708, members=0x090A0B0C, exchange=0x0D0E0F10),
                      np.arange(wire.K, dtype=np.int32))
     assert data[2:4] == b"\x01\x02"
     assert data[4:6] == b"\x03\x04"
     assert data[12:16] == b"\x05\x06\x07\x08"
     assert data[16:20] == b"\x09\x0a\x0b\x0c"
-    assert data[20:24] == b"\x00\x00\x00\x00" and data[24:28] == b"\x00\x00\x00\x01"
+    assert data[20:24] == b"\x0d\x0e\x0f\x10"
+    assert data[24:28] == b"\x00\x00\x00\x00" and data[28:32] == b"\x00\x00\x00\x01"
     assert data[8] == (-3) & 0xFF  # exponent, two's complement
 
 
@@ -55,6 +56,15 @@ def test_wrong_version_and_pool_are_malformed():
         wire.unpack(wire.pack(_header(version=wire.VERSION - 1), values))
     with pytest.raises(wire.MalformedPacket, match="pool"):
         wire.unpack(wire.pack(_header(pool=2), values))
+    with pytest.raises(wire.MalformedPacket, match="width"):
+        wire.unpack(wire.pack(_header(width=1), values))
+
+
+def test_exchange_ids_tell_order_size_and_tag_apart():
+    ids = {wire.exchange_id(index, blocks, tag) for index in range(64) for blocks in range(1, 33) for tag in (0, 7)}
+    assert len(ids) == 64 * 32 * 2  # no collision among neighbours
+    assert wire.exchange_id(5, 10) == wire.exchange_id(5, 10, 0)  # deterministic: every rank computes the same
+    assert all(0 <= i < 2**32 for i in ids)
 
 
 def test_pack_rejects_wrong_value_count():
@@ -85,7 +95,7 @@ def test_ipv4_checksum_matches_scapy():
 
 
 def test_payload_efficiency():
-    assert wire.payload_efficiency(0) == pytest.approx(256 / 318)
+    assert wire.payload_efficiency(0) == pytest.approx(256 / 322)
     assert 0.7 < wire.payload_efficiency() < wire.payload_efficiency(0)
 
 

@@ -3,7 +3,7 @@
  *   udp-reflect --bind IP:PORT [--netagg] [--gro]  echo every datagram to its source
  *   udp-client  --target IP:PORT [--size 276] [--window 64] [--seconds 2] [--gso]
  *   raw-reflect --ifname IF [--netagg]             AF_PACKET: swap the MACs, send the frame back
- *   raw-client  --ifname IF [--size 318] [--window 64] [--seconds 2]
+ *   raw-client  --ifname IF [--size 322] [--window 64] [--seconds 2]
  *   netagg-drive --workers W --slots S [--job 1] [--seconds T | --rounds R] [--rto-ms 20]
  *       --udp --target IP:PORT --bind-ports p1,p2,... [--gso]
  *     | --raw --ifnames if1,... --src-ips ip1,... --src-macs mac1,... --dst-ip IP --dst-mac MAC
@@ -741,7 +741,7 @@ int main(int argc, char **argv) {
     }
     if (strcmp(cmd, "udp-client") == 0 || strcmp(cmd, "raw-client") == 0) {
         int raw = cmd[0] == 'r', gso = has_flag(argc, argv, "--gso"), fd;
-        int size = atoi(opt(argc, argv, "--size", raw ? "318" : "276")), window = atoi(opt(argc, argv, "--window", "64"));
+        int size = atoi(opt(argc, argv, "--size", raw ? "322" : "280")), window = atoi(opt(argc, argv, "--window", "64"));
         double seconds = atof(opt(argc, argv, "--seconds", "2"));
         errno = 0;
         if (size < (raw ? L2L4 : 1) || size > BUF || window < 1) die("bad --size or --window");
