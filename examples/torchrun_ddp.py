@@ -8,6 +8,11 @@ backend, and ``init_process_group("netagg")`` makes DDP's gradient allreduce go 
 switch (``--backend gloo`` runs the same training on Gloo, for comparison). Each rank prints
 one JSON line (loss, parameter checksum, the netagg job it used); ``--save DIR`` also writes
 every rank's final parameters to ``DIR/rank<R>.pt`` and its JSON line to ``DIR/rank<R>.json``.
+
+``--amp`` trains with mixed precision: autocast (bfloat16) and ``torch.amp.GradScaler`` with a scale
+that grows every step until the gradients overflow. A rank whose gradients overflow puts inf/NaN into
+DDP's allreduce, every rank sees it in the sum (docs/protocol.md, "Non-finite values"), and every rank's
+scaler skips that step and halves the scale: the JSON line lists the skipped steps.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--save", type=Path, help="directory for each rank's final parameters")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model trains")
+    parser.add_argument("--amp", action="store_true", help="autocast (bfloat16) and a GradScaler that overflows")
     args = parser.parse_args(argv)
 
     dist.init_process_group(args.backend)
@@ -66,15 +72,23 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     generator = torch.Generator().manual_seed(1)
     loss = torch.tensor(float("nan"))
-    for _ in range(args.steps):
+    # A scale near float32's top that doubles every step: gradients overflow every few steps.
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 118, growth_interval=1, enabled=args.amp)
+    skipped = []
+    for step in range(args.steps):
         batch = torch.randperm(len(inputs), generator=generator)[:BATCH * world]
         mine = batch[rank * BATCH:(rank + 1) * BATCH].to(device)
         optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(inputs[mine]), labels[mine])
-        loss.backward()
-        optimizer.step()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = nn.functional.cross_entropy(model(inputs[mine]), labels[mine])
+        scaler.scale(loss).backward()
+        scale = scaler.get_scale() if args.amp else 1.0
+        scaler.step(optimizer)
+        scaler.update()
+        if args.amp and scaler.get_scale() < scale:  # the scaler found inf/NaN in the (allreduced) gradients
+            skipped.append(step)
     params = {name: p.detach().cpu().clone() for name, p in model.module.named_parameters()}
-    result = {"rank": rank, "world": world, "backend": dist.get_backend(), "loss": loss.item(),
+    result = {"rank": rank, "world": world, "backend": dist.get_backend(), "loss": loss.item(), "skipped": skipped,
               "collectives": other_collectives(rank, world, device),
               "param_checksum": float(sum(p.double().abs().sum() for p in params.values())),
               "netagg": netagg.torch_backend.job_info() if args.backend == "netagg" else None}

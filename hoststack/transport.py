@@ -1021,7 +1021,8 @@ class Exchange:
     def _out_of_step(self) -> None:
         t = self.transport
         met = int(self.alarm[1])
-        other = "an aborting rank" if met == self.ident else f"collective id {met:#010x}"
+        other = "another rank's abort, or a contribution of another collective" if met == self.ident \
+            else f"collective id {met:#010x}"
         raise OutOfStep(
             f"job {t.config.job_id} rank {t.config.rank}: the job's ranks are out of step in collective "
             f"#{t._index} ({self.num_blocks} blocks, id {self.ident:#010x}): slot {int(self.alarm[2]) + t.slot_base}'s "

@@ -154,9 +154,10 @@ def frame(src_ip: str, dst_ip: str, sport: int, dport: int, payload: bytes, *, s
 
 
 def contribution(job: int, rank: int, ip: str, udp: int, slot: int, pool: int, round_: int, seq: int,
-                 values: np.ndarray, exponent: int = 0, flags: int = 0, members: int = 0) -> bytes:
+                 values: np.ndarray, exponent: int = 0, flags: int = 0, members: int = 0, exchange: int = 0,
+                 width: int = 0) -> bytes:
     header = wire.Header(job_id=job, slot=slot, pool=pool, rank=rank, seq=seq, exponent=exponent, flags=flags,
-                         round=round_ & 0xFFFF, members=members)
+                         round=round_ & 0xFFFF, members=members, exchange=exchange, width=width)
     return frame(ip, AGGREGATOR, udp, wire.NETAGG_UDP_PORT, wire.pack(header, values))
 
 
@@ -188,6 +189,21 @@ def _setup(twins: Twins) -> None:
 
 TENANT_A = [(r, f"10.0.0.{r + 1}", 40000 + r, 1 + r) for r in range(3)]
 TENANT_B = [(r, f"10.0.1.{r + 1}", 41000 + r, 4 + r) for r in range(2)]
+
+
+def _round_flags(rng: np.random.Generator) -> int:
+    """A contribution's round flags: mostly none, sometimes a non-finite block, rarely an abort."""
+    draw = rng.random()
+    if draw < 0.85:
+        return 0
+    if draw < 0.97:
+        return int(rng.choice([wire.FLAG_NAN, wire.FLAG_POS_INF, wire.FLAG_NEG_INF]))
+    return wire.FLAG_OUT_OF_STEP
+
+
+def _exchange(rng: np.random.Generator, round_: int) -> int:
+    """The collective a contribution names: its round's, or (sometimes) another (ranks out of step)."""
+    return round_ // 3 if rng.random() > 0.08 else int(rng.integers(0, 2**32))
 
 
 def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int, hostile: float,
@@ -256,8 +272,8 @@ def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int
             exponent = int(rng.integers(-128, 128))
             if members and rng.random() < 0.2:  # a PS in the group (MLfabric's ps_members): zeros, no magnitude
                 values, exponent = np.zeros(wire.K, np.int32), -128
-            pkt = (contribution(job, rank, ip, udp, slot, pool, round_, round_ * 100 + slot, values, exponent, 0,
-                                members), port)
+            pkt = (contribution(job, rank, ip, udp, slot, pool, round_, round_ * 100 + slot, values, exponent,
+                                _round_flags(rng), members, _exchange(rng, round_), int(rng.random() < 0.01)), port)
             if rng.random() > 0.1:  # 10 % lost
                 batch.append(pkt)
             if rng.random() < 0.2:  # duplicate
@@ -394,7 +410,7 @@ def _add_tree_links(twins: Twins, kind: int = p4rt.Update.INSERT) -> None:
 def _down(slot: int, pool: int, round_: int, values: np.ndarray, exponent: int = 0, src: str = PARENT_IP,
           job: int = PARENT_JOB, sport: int = wire.NETAGG_UDP_PORT) -> bytes:
     header = wire.Header(job_id=job, slot=slot, pool=pool, rank=0, seq=round_, exponent=exponent,
-                         flags=wire.FLAG_RESULT, round=round_ & 0xFFFF)
+                         flags=wire.FLAG_RESULT | (round_ * 8 & wire.ROUND_FLAGS), round=round_ & 0xFFFF)
     return frame(src, AGGREGATOR, sport, wire.NETAGG_TREE_UDP_PORT, wire.pack(header, values))
 
 
@@ -412,8 +428,8 @@ def _tree_traffic(rng: np.random.Generator, slots: int, n: int, rounds: dict[int
         batch = []
         for rank, ip, udp, port in TENANT_A:
             values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
-            pkt = (contribution(1, rank, ip, udp, slot, pool, round_, round_, values, int(rng.integers(-20, 20))),
-                   port)
+            pkt = (contribution(1, rank, ip, udp, slot, pool, round_, round_, values, int(rng.integers(-20, 20)),
+                                _round_flags(rng), 0, _exchange(rng, round_)), port)
             if rng.random() > 0.1:
                 batch.append(pkt)
             if rng.random() < 0.3:  # a resend, perhaps after completion: up again, or the final result

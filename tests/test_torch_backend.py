@@ -35,7 +35,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _torchrun(deployment, nproc: int, save: Path, backend: str = "netagg", device: str = "cpu",
-              **env: str) -> tuple[list[dict], str]:
+              extra: tuple[str, ...] = (), **env: str) -> tuple[list[dict], str]:
     """Run the example under torchrun; returns every rank's JSON line (rank order) and stderr."""
     from netagg.bmv2.deployment import TENANT_TOKEN
 
@@ -44,7 +44,7 @@ def _torchrun(deployment, nproc: int, save: Path, backend: str = "netagg", devic
     # In a session of its own, so that a timeout kills the ranks too (orphaned ranks would hold ports and CPU).
     process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                 str(nproc), str(EXAMPLE), "--backend", backend, "--steps", str(STEPS), "--save",
-                                str(save), "--device", device],
+                                str(save), "--device", device, *extra],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
                                cwd=dp.REPO_ROOT, start_new_session=True)
     try:
@@ -94,6 +94,26 @@ def test_ddp_on_netagg_backend_matches_gloo(deployment, tmp_path: Path, nproc: i
     for r in ranks:
         assert r["collectives"] == {"fp16_avg": total / nproc, "bf16_sum": total, "max": nproc - 1,
                                     "int_sum": total, "broadcast": 10.0, "all_gather": list(range(nproc))}
+
+
+def test_amp_overflows_skip_the_same_steps_on_every_rank_as_with_gloo(deployment, tmp_path: Path) -> None:
+    """Mixed precision: gradients that overflow on a rank reach every rank as inf/NaN, so every rank's GradScaler
+    skips the same steps as with Gloo, and the parameters end up where Gloo's do."""
+    import torch
+
+    nproc = 3
+    ranks, _ = _torchrun(deployment, nproc, tmp_path / "netagg", extra=("--amp",))
+    gloo_ranks, _ = _torchrun(deployment, nproc, tmp_path / "gloo", backend="gloo", extra=("--amp",))
+    skipped = ranks[0]["skipped"]
+    assert 0 < len(skipped) < STEPS  # some steps overflowed, not all
+    assert all(r["skipped"] == skipped for r in ranks)
+    assert gloo_ranks[0]["skipped"] == skipped
+    netagg, gloo = _params(tmp_path / "netagg", nproc), _params(tmp_path / "gloo", nproc)
+    for other in netagg[1:]:
+        assert all(torch.equal(netagg[0][name], other[name]) for name in netagg[0])
+    for name, value in netagg[0].items():
+        assert torch.isfinite(value).all()
+        torch.testing.assert_close(value, gloo[0][name], rtol=1e-4, atol=1e-5)
 
 
 def test_partial_admission_warns_once_and_trains(deployment, tmp_path: Path) -> None:

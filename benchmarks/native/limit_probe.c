@@ -1,7 +1,7 @@
 /* limit_probe: ceilings of the kernel's socket path, and a native netagg load generator.
  *
  *   udp-reflect --bind IP:PORT [--netagg] [--gro]  echo every datagram to its source
- *   udp-client  --target IP:PORT [--size 276] [--window 64] [--seconds 2] [--gso]
+ *   udp-client  --target IP:PORT [--size 280] [--window 64] [--seconds 2] [--gso]
  *   raw-reflect --ifname IF [--netagg]             AF_PACKET: swap the MACs, send the frame back
  *   raw-client  --ifname IF [--size 322] [--window 64] [--seconds 2]
  *   netagg-drive --workers W --slots S [--job 1] [--seconds T | --rounds R] [--rto-ms 20]
