@@ -38,7 +38,7 @@ STRANGER = ("10.0.9.9", 999)
 _IPV4_DONT_FRAGMENT = 0x4000
 #: Drops counted in the job's rejects too: those of WorkerLookup and the registers (not of the checks before).
 _JOB_REJECTS = (DropReason.UNKNOWN_WORKER, DropReason.SLOT_OUT_OF_RANGE, DropReason.BAD_POOL, DropReason.RANK_MISMATCH,
-                DropReason.NOT_A_MEMBER, DropReason.MEMBERS_MISMATCH)
+                DropReason.NOT_A_MEMBER, DropReason.MEMBERS_MISMATCH, DropReason.EXCHANGE_MISMATCH)
 
 
 def _address(rank: int) -> tuple[str, int]:
@@ -114,7 +114,7 @@ class Pair:
         pools = slice(SLOT_BASE * wire.NUM_POOLS, (SLOT_BASE + SLOT_COUNT) * wire.NUM_POOLS)
         np.testing.assert_array_equal(switch["owner"][slots], soft["owner"])
         np.testing.assert_array_equal(switch["rounds"][:, slots], soft["rounds"])
-        for name in ("members", "bitmaps", "counts", "exponents", "values"):
+        for name in ("members", "exchanges", "flags", "bitmaps", "counts", "exponents", "values"):
             np.testing.assert_array_equal(switch[name][pools], soft[name], err_msg=name)
 
 
@@ -157,15 +157,19 @@ def _round(rng: np.random.Generator, ranks: list[int], slot: int, round_: int, d
         exponent = int(rng.integers(-128, 128))
         if members and rng.random() < 0.2:  # a PS in the group (MLfabric's ps_members): zeros, no magnitude
             values, exponent = np.zeros(wire.K, np.int32), -128
-        header = wire.Header(JOB, slot, pool, rank, round_ * 100 + slot, exponent=exponent,
-                             round=round_, members=members)
+        flags = int(rng.choice([0, 0, 0, 0, 0, 0, wire.FLAG_NAN, wire.FLAG_POS_INF, wire.FLAG_NEG_INF,
+                                wire.FLAG_OUT_OF_STEP]))
+        exchange = round_ // 2 if rng.random() > 0.1 else int(rng.integers(0, 2**32))  # sometimes out of step
+        header = wire.Header(JOB, slot, pool, rank, round_ * 100 + slot, exponent=exponent, flags=flags,
+                             round=round_, members=members, exchange=exchange)
         if rng.random() > 0.1:  # 10 % lost
             batch.append((rank, header, values))
         if rng.random() < 0.2:  # duplicate
             batch.append((rank, header, values))
         if rng.random() < 0.15:  # a retransmission that arrives rounds later
             delayed.append((rank, wire.Header(JOB, slot, pool, rank, header.seq, header.exponent,
-                                              wire.FLAG_RETRANSMIT, round=round_, members=members), values))
+                                              wire.FLAG_RETRANSMIT | flags, round=round_, members=members,
+                                              exchange=exchange), values))
     rng.shuffle(batch)
     if batch and rng.random() < 0.3:  # a resend after completion (or before, if a packet was lost)
         rank, header, values = batch[0]
