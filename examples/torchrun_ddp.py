@@ -69,11 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     labels = (inputs @ torch.randn(32, 4)).argmax(1)
     inputs, labels = inputs.to(device), labels.to(device)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).to(device))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # --amp: the loss is taken 2**16 times larger (and the learning rate 2**16 times smaller: the same steps) so
+    # that the gradients overflow float32 once the scale passes about 2**110; rank 0's 8 times more, so that its
+    # gradients overflow alone: the other ranks learn of it from the allreduce only.
+    boost = 2.0 ** 16 if args.amp else 1.0
+    weight = 8.0 if args.amp and rank == 0 else 1.0
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 / boost, momentum=0.9)
     generator = torch.Generator().manual_seed(1)
     loss = torch.tensor(float("nan"))
-    # A scale near float32's top that doubles every step: gradients overflow every few steps.
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 118, growth_interval=1, enabled=args.amp)
+    # A scale that doubles every step: from about step 10 on, a rank's gradients overflow every few steps.
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 100, growth_interval=1, enabled=args.amp)
     skipped = []
     for step in range(args.steps):
         batch = torch.randperm(len(inputs), generator=generator)[:BATCH * world]
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
             loss = nn.functional.cross_entropy(model(inputs[mine]), labels[mine])
-        scaler.scale(loss).backward()
+        scaler.scale(loss * (boost * weight)).backward()
         scale = scaler.get_scale() if args.amp else 1.0
         scaler.step(optimizer)
         scaler.update()

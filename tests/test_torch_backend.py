@@ -96,9 +96,11 @@ def test_ddp_on_netagg_backend_matches_gloo(deployment, tmp_path: Path, nproc: i
                                     "int_sum": total, "broadcast": 10.0, "all_gather": list(range(nproc))}
 
 
+@pytest.mark.timeout(600)  # two torchruns of 3 ranks
 def test_amp_overflows_skip_the_same_steps_on_every_rank_as_with_gloo(deployment, tmp_path: Path) -> None:
-    """Mixed precision: gradients that overflow on a rank reach every rank as inf/NaN, so every rank's GradScaler
-    skips the same steps as with Gloo, and the parameters end up where Gloo's do."""
+    """Mixed precision: rank 0's gradients overflow alone (examples/torchrun_ddp.py --amp); the allreduce carries
+    inf/NaN to every rank, so every rank's GradScaler skips the same steps as with Gloo, and the parameters end up
+    where Gloo's do (without the flags the other ranks would step on finite sums and drift apart)."""
     import torch
 
     nproc = 3
