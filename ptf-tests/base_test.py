@@ -213,11 +213,16 @@ def contribution(job: Job, worker: Worker, values: list[int], slot: int = 0, poo
             / netagg_payload(values, **header))
 
 
-def result_for(sent: Packet, to: Worker, values: list[int], exponent: int) -> Packet:
-    """The result the switch makes of ``sent`` (the completing or resent packet) for ``to``."""
+def result_for(sent: Packet, to: Worker, values: list[int], exponent: int, round_flags: int = 0) -> Packet:
+    """The result the switch makes of ``sent`` (the completing or resent packet) for ``to``.
+
+    ``round_flags``: the round's flags (``wire.ROUND_FLAGS`` bits ORed over its contributions), which replace
+    the sent packet's own round flags; its other flags stay, with RESULT added.
+    """
     hdr = sent[Netagg]
     header = {f.name: getattr(hdr, f.name) for f in wire.HEADER_FIELDS}
-    header.update(flags=hdr.flags | wire.FLAG_RESULT, exponent=exponent)
+    flags = (hdr.flags & ~wire.ROUND_FLAGS) | round_flags | wire.FLAG_RESULT
+    header.update(flags=flags, exponent=exponent)
     return (Ether(src=SWITCH_MAC, dst=to.mac)
             / IP(src=AGGREGATOR_IP, dst=to.ip, id=sent[IP].id, flags=sent[IP].flags, ttl=64)
             / UDP(sport=wire.NETAGG_UDP_PORT, dport=to.udp_port, chksum=0)

@@ -67,6 +67,18 @@ class Fragmented(_Malformed):
         self.assert_job_still_works(job, workers)
 
 
+class WrongWidth(_Malformed):
+    """A width code other than 0 (64 values; code 1, 256 values, is reserved for wide packets) is malformed."""
+
+    def runTest(self) -> None:
+        workers = make_workers(2)
+        job = self.add_job(workers)
+        for width in (1, 2, 255):
+            pkt = contribution(job, workers[0], [9] * wire.K, width=width)
+            self.assert_dropped(workers[0].port, bytes(pkt), DropReason.MALFORMED)
+        self.assert_job_still_works(job, workers)
+
+
 class WrongVersion(_Malformed):
     def runTest(self) -> None:
         workers = make_workers(2)

@@ -64,8 +64,9 @@ class _Tree(NetaggTest):
                     dp.ACTION_SET_DOWN_LINK, {"job": job.job_id})
 
     def up_for(self, sent, values: list[int], exponent: int, resend: bool = False, parent_job: int | None = None,
-               parent_rank: int | None = None, parent_ip: str = PARENT_IP):
-        """The contribution this switch sends its parent for ``sent`` (the completing or resent packet)."""
+               parent_rank: int | None = None, parent_ip: str = PARENT_IP, round_flags: int = 0):
+        """The contribution this switch sends its parent for ``sent`` (the completing or resent packet): of the
+        flags only the round's (``round_flags``) and RETRANSMIT on a resend; ``exchange`` echoed."""
         hdr = sent[Netagg]
         return (Ether(src=SWITCH_MAC, dst=PARENT_MAC)
                 / IP(src=AGGREGATOR_IP, dst=parent_ip, id=sent[IP].id, flags=sent[IP].flags, ttl=64)
@@ -73,17 +74,19 @@ class _Tree(NetaggTest):
                 / netagg_payload(values, job_id=self.parent_job if parent_job is None else parent_job,
                                  slot=hdr.slot, pool=hdr.pool,
                                  rank=self.parent_rank if parent_rank is None else parent_rank,
-                                 exponent=exponent, seq=hdr.seq, round=hdr.round, members=0,
-                                 flags=wire.FLAG_RETRANSMIT if resend else 0))
+                                 exponent=exponent, seq=hdr.seq, round=hdr.round, members=0, exchange=hdr.exchange,
+                                 flags=round_flags | (wire.FLAG_RETRANSMIT if resend else 0)))
 
     def down(self, values: list[int], exponent: int, slot: int = 0, pool: int = 0, round: int = 1, seq: int = 0,
-             src: str = PARENT_IP, job_id: int | None = None, sport: int = wire.NETAGG_UDP_PORT):
+             src: str = PARENT_IP, job_id: int | None = None, sport: int = wire.NETAGG_UDP_PORT, round_flags: int = 0,
+             exchange: int = 0):
         """The parent's result for this switch, as the parent sends it (to the up link's address and port)."""
         return (Ether(src=PARENT_MAC, dst=SWITCH_MAC)
                 / IP(src=src, dst=AGGREGATOR_IP, id=0x4321, flags=0, ttl=64)
                 / UDP(sport=sport, dport=UP_UDP, chksum=0)
                 / netagg_payload(values, job_id=self.parent_job if job_id is None else job_id, slot=slot, pool=pool,
-                                 rank=0, exponent=exponent, seq=seq, round=round, flags=wire.FLAG_RESULT))
+                                 rank=0, exponent=exponent, seq=seq, round=round, exchange=exchange,
+                                 flags=wire.FLAG_RESULT | round_flags))
 
     def down_result(self, down_pkt, job: Job, to: Worker, values: list[int], exponent: int):
         """What a worker of ``job`` receives when this switch passes the parent's result down."""
@@ -226,6 +229,62 @@ class ForgedParentResultsAreDropped(_Leaf):
         down = self.down([6] * wire.K, 0)
         self.send(PARENT_PORT, down)
         self.expect_on_ports([(w.port, self.down_result(down, self.job, w, [6] * wire.K, 0)) for w in self.workers])
+
+
+class RoundFlagsGoUpAndComeDown(_Leaf):
+    """The leaf's partial carries its round's flags up (NaN and -inf of two workers), its resend too; the parent's
+    result carries the whole tree's flags, which replace the leaf's and reach every local worker, and a local
+    resend after that gets them with the stored final result."""
+
+    def runTest(self) -> None:
+        exchange = wire.exchange_id(3, 1)
+        flags = [wire.FLAG_NAN, 0, wire.FLAG_NEG_INF]
+        packets = [contribution(self.job, w, [w.rank] * wire.K, exponent=-w.rank, seq=9, flags=f, exchange=exchange)
+                   for w, f in zip(self.workers, flags)]
+        for w, p in zip(self.workers, packets):
+            self.send(w.port, p)
+        leaf_flags = wire.FLAG_NAN | wire.FLAG_NEG_INF
+        self.expect(PARENT_PORT, self.up_for(packets[-1], [3] * wire.K, 0, round_flags=leaf_flags))
+        self.expect_nothing()
+        resend = contribution(self.job, self.workers[1], [0] * wire.K, seq=9, flags=wire.FLAG_RETRANSMIT,
+                              exchange=exchange)
+        self.send(self.workers[1].port, resend)
+        self.expect(PARENT_PORT, self.up_for(resend, [3] * wire.K, 0, resend=True, round_flags=leaf_flags))
+        self.expect_nothing()
+        tree_flags = wire.FLAG_POS_INF | wire.FLAG_OUT_OF_STEP  # what the parent's round ORed (another leaf's)
+        down = self.down([30] * wire.K, 4, seq=9, round_flags=tree_flags, exchange=exchange)
+        self.send(PARENT_PORT, down)
+        self.expect_on_ports([(w.port, self.down_result(down, self.job, w, [30] * wire.K, 4)) for w in self.workers])
+        self.expect_nothing()
+        final = contribution(self.job, self.workers[0], [0] * wire.K, seq=9, flags=wire.FLAG_RETRANSMIT | wire.FLAG_NAN,
+                             exchange=exchange)
+        self.send(self.workers[0].port, final)
+        self.expect(self.workers[0].port, result_for(final, self.workers[0], [30] * wire.K, 4, tree_flags))
+        self.expect_nothing()
+
+
+class LeafSendsAnOutOfStepPartialUp(_Leaf):
+    """The leaf's round is completed by a contribution of another collective: the stored partial (without it)
+    goes up marked OUT_OF_STEP, so the root's result marks every worker of the tree."""
+
+    def runTest(self) -> None:
+        exchange, other = wire.exchange_id(5, 2), wire.exchange_id(6, 2)
+        drops, before = self.drops(), self.job_counters(self.job)
+        for w in self.workers[:2]:
+            taken = self.job_counters(self.job)["contributions"] + 1
+            self.send(w.port, contribution(self.job, w, [w.rank + 1] * wire.K, exponent=w.rank, seq=2,
+                                           exchange=exchange))
+            self.wait_for_counter(self.job, "contributions", taken)
+        last = contribution(self.job, self.workers[2], [100] * wire.K, exponent=20, seq=2, flags=wire.FLAG_NAN,
+                            exchange=other)
+        self.send(self.workers[2].port, last)
+        self.expect(PARENT_PORT, self.up_for(last, [3] * wire.K, 1, round_flags=wire.FLAG_OUT_OF_STEP))
+        self.expect_nothing()
+        after = self.job_counters(self.job)
+        self.assertEqual(self.drops()[DropReason.EXCHANGE_MISMATCH] - drops[DropReason.EXCHANGE_MISMATCH], 1)
+        self.assertEqual(after["rejects"] - before["rejects"], 1)
+        self.assertEqual(after["contributions"] - before["contributions"], 2)
+        self.assertEqual(after["results"], before["results"])
 
 
 class ParentSumsItsChildrenLikeWorkers(NetaggTest):

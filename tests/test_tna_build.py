@@ -15,8 +15,8 @@ from netagg.bmv2.tna_build import (
 from netagg.p4info import load_p4info
 
 #: 32 value pairs; slot owner, two pools' rounds, bitmap (paired with the round's members: subset
-#: rounds add no ALU), count and exponent.
-EXPECTED_STATEFUL_ALUS = 32 + 6
+#: rounds add no ALU), count and exponent; the round's exchange and flags (protocol version 3).
+EXPECTED_STATEFUL_ALUS = 32 + 8
 
 
 def test_compiler_warnings_are_split_from_target_notes():

@@ -50,11 +50,37 @@ def test_protocol_constants_agree():
     assert defines["ETHERTYPE_IPV4"] == wire.ETHERTYPE_IPV4
 
 
+def test_lengths_follow_the_header():
+    defines = _defines()
+    header_bits = sum(bits for _, bits, _ in _p4_header_fields("netagg_h"))
+    assert header_bits // 8 == wire.HEADER_BYTES == 24
+    assert defines["NETAGG_UDP_LENGTH"] == wire.UDP_HEADER_BYTES + wire.HEADER_BYTES + wire.K * wire.VALUE_BYTES == 288
+    assert defines["NETAGG_IPV4_TOTAL_LENGTH"] == wire.IPV4_HEADER_BYTES + defines["NETAGG_UDP_LENGTH"] == 308
+
+
+def test_width_code_is_the_only_one_carried():
+    defines = _defines()
+    assert wire.WIDTHS[defines["NETAGG_WIDTH"]] == defines["NETAGG_K"] == wire.K
+    assert [code for code, k in wire.WIDTHS.items() if k == wire.K] == [defines["NETAGG_WIDTH"]]
+
+
+def test_round_flags_agree():
+    defines = _defines()
+    for name in ("NAN", "POS_INF", "NEG_INF", "OUT_OF_STEP"):
+        assert defines[f"FLAG_{name}"] == getattr(wire, f"FLAG_{name}"), name
+    assert defines["ROUND_FLAGS"] == wire.ROUND_FLAGS == 0x78
+    assert defines["ROUND_FLAGS"] == (defines["FLAG_NAN"] | defines["FLAG_POS_INF"] | defines["FLAG_NEG_INF"]
+                                      | defines["FLAG_OUT_OF_STEP"])
+    host_flags = defines["FLAG_RESULT"] | defines["FLAG_RETRANSMIT"] | wire.FLAG_PS_FORWARDED
+    assert defines["ROUND_FLAGS"] & host_flags == 0
+
+
 def test_drop_reasons_and_ops_agree():
     defines = _defines()
     for reason in DropReason:
         assert defines[f"DROP_{reason.name}"] == reason.value, reason
     assert max(DropReason) < defines["DROP_REASONS"]
+    assert DropReason.EXCHANGE_MISMATCH == 16 and defines["DROP_REASONS"] == 32
     for op in ValueOp:
         assert defines[f"OP_{op.name}"] == op.value, op
     for level in Level:
@@ -71,6 +97,7 @@ def test_p4info_sizes_match_defines():
     for name in dp.JOB_COUNTERS.values():
         assert counters[name] == defines["MAX_JOBS"]
     assert counters[dp.COUNTER_DROP_REASONS] == defines["DROP_REASONS"]
+    assert counters[dp.COUNTER_EGRESS_DROP_REASONS] == defines["DROP_REASONS"]
     tables = {t.preamble.name: t.size for t in info.tables}
     assert tables[dp.TABLE_JOBS] == defines["JOB_TABLE_SIZE"]
     assert tables[dp.TABLE_WORKERS] == defines["WORKER_TABLE_SIZE"]
@@ -79,6 +106,43 @@ def test_p4info_sizes_match_defines():
     assert tables[dp.TABLE_SOURCES] == defines["SOURCE_TABLE_SIZE"]
     assert tables[dp.TABLE_UP_LINKS] == tables[dp.TABLE_DOWN_LINKS] == defines["TREE_LINK_TABLE_SIZE"]
     assert registers[dp.REGISTER_LEVEL_STATE] == defines["NUM_POOL_SLOTS"]
+
+
+#: The per-(slot, pool) registers of the round flags (docs/protocol.md, "Round flags"): name -> bit width.
+ROUND_FLAG_REGISTERS = {
+    "NetaggIngress.exchange_check.round_exchange": 32,
+    "NetaggIngress.round_flags.round_flags": 8,
+}
+
+
+def test_p4info_has_the_round_flag_registers():
+    defines = _defines()
+    info = load_p4info(dp.P4INFO_PATH)
+    registers = {r.preamble.name: r for r in info.registers}
+    for name, bits in ROUND_FLAG_REGISTERS.items():
+        register = registers[name]
+        assert register.size == defines["NUM_POOL_SLOTS"], name
+        assert register.type_spec.bitstring.bit.bitwidth == bits, name
+        assert register.preamble.alias == name.rsplit(".", 1)[1]
+    exchange = next(f for f in wire.HEADER_FIELDS if f.name == "exchange")
+    assert ROUND_FLAG_REGISTERS["NetaggIngress.exchange_check.round_exchange"] == exchange.bits
+    assert 1 << ROUND_FLAG_REGISTERS["NetaggIngress.round_flags.round_flags"] > wire.ROUND_FLAGS
+
+
+def test_p4info_ids_match_the_program_and_are_unique():
+    """The committed P4Info's ids are those of the @id annotations (hand-edited entries included)."""
+    info = load_p4info(dp.P4INFO_PATH)
+    objects = [o for group in (info.tables, info.actions, info.counters, info.registers) for o in group]
+    ids = [o.preamble.id for o in objects]
+    assert len(ids) == len(set(ids))
+    sources = "\n".join(p.read_text() for p in sorted((dp.P4SRC_DIR / "v1model").rglob("*.p4")))
+    declared = {int(v, 16) for v in re.findall(r"@id\((0x[0-9a-fA-F]{8})\)", sources)}
+    for o in objects:
+        if ".value_" in o.preamble.name:
+            continue  # FOR_EACH_VALUE pastes the index into the id
+        assert o.preamble.id in declared, o.preamble.name
+    for register in info.registers:
+        assert register.preamble.id >> 24 == 0x16, register.preamble.name
 
 
 def test_every_contract_name_is_in_p4info():

@@ -3,7 +3,7 @@
 #ifndef _NETAGG_DEFINES_P4_
 #define _NETAGG_DEFINES_P4_
 
-#define NETAGG_VERSION 2
+#define NETAGG_VERSION 3
 #define NETAGG_UDP_PORT 28900
 /* A tree of switches: up packets leave from it, the parent's results come back to it (docs/hierarchy.md). */
 #define NETAGG_TREE_UDP_PORT 28901
@@ -23,11 +23,13 @@
 #define IPV4_TABLE_SIZE 1024
 #define SOURCE_TABLE_SIZE 1024
 #define TREE_LINK_TABLE_SIZE 1024
-#define DROP_REASONS 16
+#define DROP_REASONS 32
 
-/* Expected lengths of a netagg packet (no IPv4 options). */
-#define NETAGG_UDP_LENGTH 284
-#define NETAGG_IPV4_TOTAL_LENGTH 304
+/* Expected lengths of a netagg packet (no IPv4 options): UDP 8 + netagg 24 + NETAGG_K * 4. */
+#define NETAGG_UDP_LENGTH 288
+#define NETAGG_IPV4_TOTAL_LENGTH 308
+/* The only width code this program carries (netagg_h.width; wire.WIDTHS): NETAGG_K values. */
+#define NETAGG_WIDTH 0
 
 #define ETHERTYPE_IPV4 0x0800
 #define IPPROTO_UDP 17
@@ -36,6 +38,15 @@
 /* Flag bits of netagg_h.flags. */
 #define FLAG_RESULT 0x01
 #define FLAG_RETRANSMIT 0x02
+/* The round flags (docs/protocol.md, "Round flags"): a host sets the non-finite ones its block
+ * held (and OUT_OF_STEP on an abort contribution); the switch ORs them over a round's
+ * contributions (register round_flags), adds OUT_OF_STEP for a contribution of another
+ * collective (exchange), and returns them with the round's state. */
+#define FLAG_NAN 0x08
+#define FLAG_POS_INF 0x10
+#define FLAG_NEG_INF 0x20
+#define FLAG_OUT_OF_STEP 0x40
+#define ROUND_FLAGS 0x78
 
 /* Indices of the drop_reasons counter (see docs/protocol.md). */
 #define DROP_NONE 0
@@ -57,6 +68,10 @@
  * round started with. */
 #define DROP_NOT_A_MEMBER 14
 #define DROP_MEMBERS_MISMATCH 15
+/* A new contribution whose exchange differs from its round's: not added, the round marked
+ * OUT_OF_STEP; counted here although the packet still counts towards completion (and, if it
+ * completes the round, leaves as its result). */
+#define DROP_EXCHANGE_MISMATCH 16
 
 /* How a packet's round number compares with its (slot, pool)'s current round. */
 #define ROUND_SAME 0

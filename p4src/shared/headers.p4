@@ -33,7 +33,7 @@ header udp_h {
     bit<16> checksum;
 }
 
-/* 20 bytes, see docs/protocol.md. */
+/* 24 bytes, see docs/protocol.md. */
 header netagg_h {
     bit<8> version;
     bit<8> flags;
@@ -42,10 +42,11 @@ header netagg_h {
     bit<8> pool;
     bit<8> rank;
     int<8> exponent;
-    bit<8> reserved0;
+    bit<8> width;      /* values per packet: 0 = NETAGG_K (64); any other code is MALFORMED */
     bit<16> round;
     bit<32> seq;
     bit<32> members;   /* a subset round's expected contributors; 0 = the whole job */
+    bit<32> exchange;  /* the collective the packet belongs to; the round's first packet fixes it */
 }
 
 #define VALUE_FIELD(i) bit<32> v##i;

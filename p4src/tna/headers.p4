@@ -90,6 +90,11 @@ struct ingress_metadata_t {
     bit<8> member_byte_2;
     bit<8> member_byte_3;
     bit<32> expected;          /* contributions the round expects: num_workers, or the members' number */
+    /* The round flags (ExchangeCheck, RoundFlags). */
+    bit<1> exchange_mismatch;  /* the packet names another collective than its round */
+    bit<8> flags_keep;         /* flags & ~ROUND_FLAGS, taken in stage 0 */
+    bit<8> flags_in;           /* what the packet ORs into round_flags */
+    bit<8> flags_out;          /* what round_flags' old value is ORed with to make the packet's flags */
 }
 
 struct egress_metadata_t {

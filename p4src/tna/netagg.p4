@@ -6,7 +6,8 @@
  * updates the slot state; an accepted contribution or resend recirculates once, and pass 2
  * writes, adds or reads the 32 value pairs; a result recirculates once more for the pairs'
  * high words (a Tofino 1 ALU returns 32 bits per access). See docs/tofino.md for the
- * compiler's resource report. */
+ * compiler's resource report. Pass 1 also keeps each round's collective (ExchangeCheck) and the
+ * OR of its round flags (RoundFlags), as the v1model program does. */
 #include <core.p4>
 #include <tna.p4>
 
@@ -21,14 +22,16 @@
 #include "tna/control/round_check.p4"
 #include "tna/control/member_count.p4"
 #include "tna/control/bitmap_check.p4"
+#include "tna/control/exchange_check.p4"
 #include "tna/control/worker_count.p4"
 #include "tna/control/exponent_max.p4"
+#include "tna/control/round_flags.p4"
 #include "tna/control/value_sum.p4"
 #include "tna/control/result_delivery.p4"
 #include "tna/control/ipv4_forward.p4"
 
 typedef bit<10> job_index_t;
-typedef bit<4> drop_index_t;
+typedef bit<5> drop_index_t;
 
 control NetaggIngress(inout tna_headers_t hdr,
                       inout ingress_metadata_t meta,
@@ -50,8 +53,10 @@ control NetaggIngress(inout tna_headers_t hdr,
     RoundCheck() round_check;
     MemberCount() member_count;
     BitmapCheck() bitmap_check;
+    ExchangeCheck() exchange_check;
     WorkerCount() worker_count;
     ExponentMax() exponent_max;
+    RoundFlags() round_flags;
     ValueSum() value_sum;
     ResultDelivery() result_delivery;
     RecircPrepare() recirc_prepare;
@@ -103,10 +108,14 @@ control NetaggIngress(inout tna_headers_t hdr,
             member_count.apply(hdr, meta);
             meta.round_behind = hdr.netagg.round - 2;
             meta.exponent_key = ((bit<8>)hdr.netagg.exponent) + 8w0x80;
+            meta.flags_keep = hdr.netagg.flags & ~((bit<8>)ROUND_FLAGS);
             if (hdr.ipv4.total_len != NETAGG_IPV4_TOTAL_LENGTH || hdr.udp.length != NETAGG_UDP_LENGTH) {
                 meta.bad_shape = 1;
             }
             if (hdr.ipv4.flags[0:0] == 1 || hdr.ipv4.frag_offset != 0) {
+                meta.bad_shape = 1;
+            }
+            if (hdr.netagg.width != NETAGG_WIDTH) {
                 meta.bad_shape = 1;
             }
             if (hdr.ipv4.isValid() && hdr.ipv4.ihl == 5) {
@@ -168,6 +177,7 @@ control NetaggIngress(inout tna_headers_t hdr,
                     ig_dprsr_md.drop_ctl = 1;
                 } else {
                     bitmap_check.apply(hdr, meta);
+                    exchange_check.apply(hdr, meta);
                     sender_bit.apply();
                     if (meta.sender_seen == 0) {
                         meta.fresh = 1;
@@ -180,11 +190,27 @@ control NetaggIngress(inout tna_headers_t hdr,
                     } else {
                         worker_count.apply(meta);
                         if (meta.fresh == 1 && meta.late == 0) {
-                            job_contributions.count(job);
-                            if (meta.first == 1) {
-                                meta.value_op = OP_WRITE;
+                            if (meta.exchange_mismatch == 1) {
+                                /* Another collective's contribution: not added, the round marked
+                                 * OUT_OF_STEP; it still counts towards completion, and if it
+                                 * completes the round it leaves with the stored state. Counted as a
+                                 * drop reason without being dropped. */
+                                meta.drop_reason = DROP_EXCHANGE_MISMATCH;
+                                meta.reject = 1;
+                                meta.flags_in = FLAG_OUT_OF_STEP;
+                                meta.flags_out = meta.flags_keep | FLAG_OUT_OF_STEP;
+                                if (meta.complete == 1) {
+                                    meta.value_op = OP_READ;
+                                }
                             } else {
-                                meta.value_op = OP_MERGE;
+                                job_contributions.count(job);
+                                meta.flags_in = hdr.netagg.flags & ROUND_FLAGS;
+                                meta.flags_out = hdr.netagg.flags;
+                                if (meta.first == 1) {
+                                    meta.value_op = OP_WRITE;
+                                } else {
+                                    meta.value_op = OP_MERGE;
+                                }
                             }
                             if (meta.complete == 1) {
                                 meta.to_group = 1;
@@ -192,10 +218,13 @@ control NetaggIngress(inout tna_headers_t hdr,
                             }
                         } else if (meta.fresh == 0 && meta.complete == 1) {
                             meta.value_op = OP_READ;
+                            meta.flags_out = meta.flags_keep;
                             job_retransmit_results.count(job);
                         } else {
                             job_duplicates.count(job);
                         }
+                        /* Whether or not anything leaves: a mismatched contribution marks the round. */
+                        round_flags.apply(hdr, meta);
                         if (meta.value_op == OP_NONE) {
                             /* A duplicate of an incomplete round, or late: nothing leaves. */
                             ig_dprsr_md.drop_ctl = 1;

@@ -55,6 +55,10 @@ parser NetaggIngressParser(packet_in packet,
         meta.member_byte_2 = 0;
         meta.member_byte_3 = 0;
         meta.expected = 0;
+        meta.exchange_mismatch = 0;
+        meta.flags_keep = 0;
+        meta.flags_in = 0;
+        meta.flags_out = 0;
         packet.extract(ig_intr_md);
         packet.advance(PORT_METADATA_SIZE);
         transition select(ig_intr_md.ingress_port[6:0]) {

@@ -29,6 +29,7 @@ struct metadata_t {
     bit<8> count_before;       /* contributions still missing before this one */
     bit<1> complete;           /* the round is (now) complete */
     bit<1> late;               /* contribution to a round that already completed */
+    bit<1> exchange_mismatch;  /* the packet names another collective than its round (ExchangeCheck) */
     bit<8> value_op;
     bit<1> to_group;           /* deliver the result to the job's multicast group */
     /* A tree of switches (tree_links.p4). */

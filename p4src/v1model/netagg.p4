@@ -6,6 +6,9 @@
  * multicast group (all workers, or the job's parameter server). In a tree of
  * switches, a switch with an up link for the job sends the completed partial to its
  * parent instead and delivers the parent's result when it comes down (tree_links.p4).
+ * Each round also keeps the collective its first packet named (exchange_check.p4) and the OR of
+ * its contributions' round flags (round_flags.p4): a contribution of another collective is not
+ * added but completes the round as usual, which then reaches every member marked OUT_OF_STEP.
  * Everything else is IPv4-forwarded. See docs/protocol.md, docs/hierarchy.md and
  * docs/tofino.md. */
 #include <core.p4>
@@ -20,9 +23,11 @@
 #include "v1model/control/slot_owner.p4"
 #include "v1model/control/round_check.p4"
 #include "v1model/control/member_check.p4"
+#include "v1model/control/exchange_check.p4"
 #include "v1model/control/bitmap_check.p4"
 #include "v1model/control/worker_count.p4"
 #include "v1model/control/exponent_max.p4"
+#include "v1model/control/round_flags.p4"
 #include "v1model/control/value_sum.p4"
 #include "v1model/control/result_delivery.p4"
 #include "v1model/control/tree_links.p4"
@@ -49,11 +54,13 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
     SlotOwner() slot_owner;
     RoundCheck() round_check;
     MemberCheck() member_check;
+    ExchangeCheck() exchange_check;
     BitmapCheck() bitmap_check;
     WorkerCount() worker_count;
     UpLink() up_link;
     LevelState() level_state;
     ExponentMax() exponent_max;
+    RoundFlags() round_flags;
     ValueSum() value_sum;
     ResultDelivery() result_delivery;
     UpDelivery() up_delivery;
@@ -70,6 +77,7 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
         meta.fresh = 0;
         meta.complete = 0;
         meta.late = 0;
+        meta.exchange_mismatch = 0;
         if (standard_metadata.parser_error != error.NoError) {
             meta.drop_reason = DROP_MALFORMED;
         } else if (!hdr.ipv4.isValid()) {
@@ -91,6 +99,7 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
             meta.drop_reason = DROP_BAD_VERSION;
         } else if (hdr.ipv4.total_len != NETAGG_IPV4_TOTAL_LENGTH
                    || hdr.udp.length != NETAGG_UDP_LENGTH
+                   || hdr.netagg.width != NETAGG_WIDTH
                    || hdr.ipv4.flags[0:0] == 1 || hdr.ipv4.frag_offset != 0) {
             meta.drop_reason = DROP_MALFORMED;
         } else if ((hdr.netagg.flags & FLAG_RESULT) != 0 && meta.down == 0) {
@@ -106,6 +115,9 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                 round_check.apply(hdr, meta);
                 if (meta.round_state != ROUND_OLD && meta.down == 0) {
                     member_check.apply(hdr, meta);
+                    if (meta.drop_reason == DROP_NONE) {
+                        exchange_check.apply(hdr, meta);
+                    }
                 }
             }
             if (meta.drop_reason == DROP_NONE && meta.round_state == ROUND_OLD) {
@@ -130,11 +142,22 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                         job_duplicates.count((bit<32>)hdr.netagg.job_id);
                     }
                 } else if (meta.fresh == 1 && meta.late == 0) {
-                    job_contributions.count((bit<32>)hdr.netagg.job_id);
-                    if (meta.first == 1) {
-                        meta.value_op = OP_WRITE;
+                    if (meta.exchange_mismatch == 1) {
+                        /* Another collective's contribution: not added (RoundFlags marks the round
+                         * OUT_OF_STEP), but its bit is set and it counts towards completion; if it
+                         * completes the round it leaves with the stored sums and exponent. */
+                        drop_reasons.count((bit<32>)DROP_EXCHANGE_MISMATCH);
+                        job_rejects.count((bit<32>)hdr.netagg.job_id);
+                        if (meta.complete == 1) {
+                            meta.value_op = OP_READ;
+                        }
                     } else {
-                        meta.value_op = OP_MERGE;
+                        job_contributions.count((bit<32>)hdr.netagg.job_id);
+                        if (meta.first == 1) {
+                            meta.value_op = OP_WRITE;
+                        } else {
+                            meta.value_op = OP_MERGE;
+                        }
                     }
                     if (meta.complete == 1) {
                         if (meta.has_up == 1) {
@@ -159,6 +182,8 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                     exponent_max.apply(hdr, meta);
                     value_sum.apply(hdr, meta);
                 }
+                /* Also without a value operation: a mismatched contribution marks the round. */
+                round_flags.apply(hdr, meta);
                 if (meta.to_up == 1) {
                     up_delivery.apply(hdr, meta, standard_metadata);
                 } else if (meta.to_group == 1 || (meta.complete == 1 && meta.late == 0)) {

@@ -114,7 +114,8 @@ control LevelState(inout metadata_t meta) {
 /* A completed partial (or its resend) becomes a contribution to the parent: from the address
  * and MAC the workers sent to and the tree port, to the parent's netagg port,
  * with the parent's job id and this switch's rank there, out of the up port. Slot, pool,
- * round and seq stay; the exponent and values are the slot's (ExponentMax, ValueSum). */
+ * round, seq and exchange stay; the exponent, values and round flags are the slot's (ExponentMax,
+ * ValueSum, RoundFlags); members 0, and of the other flags only RETRANSMIT on a resend. */
 control UpDelivery(inout headers_t hdr, in metadata_t meta,
                    inout standard_metadata_t standard_metadata) {
     apply {
@@ -129,10 +130,11 @@ control UpDelivery(inout headers_t hdr, in metadata_t meta,
         hdr.netagg.job_id = meta.up_job;
         hdr.netagg.rank = meta.up_rank;
         hdr.netagg.members = 0;
+        /* The round's flags (RoundFlags put them in the packet), and RETRANSMIT on a resend. */
         if (meta.fresh == 1) {
-            hdr.netagg.flags = 0;
+            hdr.netagg.flags = hdr.netagg.flags & ROUND_FLAGS;
         } else {
-            hdr.netagg.flags = FLAG_RETRANSMIT;
+            hdr.netagg.flags = (hdr.netagg.flags & ROUND_FLAGS) | FLAG_RETRANSMIT;
         }
         standard_metadata.egress_spec = meta.up_port;
     }

@@ -1,0 +1,37 @@
+/* netagg: the round flags of a slot's round (ROUND_FLAGS: NaN, +inf, -inf, out of step), the OR
+ * over its contributions, returned with its state (docs/protocol.md, "Round flags").
+ * With the value operation (meta.value_op), like ExponentMax:
+ *   write: the round's first contribution, or a parent's accepted result coming down, stores its
+ *          flags & ROUND_FLAGS;
+ *   merge: a new contribution ORs its flags & ROUND_FLAGS in;
+ *   read / none: the register only reads.
+ * A new contribution of another collective (meta.exchange_mismatch, fresh and not late; its value
+ * operation is none, or read if it completes the round) ORs FLAG_OUT_OF_STEP in instead of its own
+ * flags. Every packet leaves with flags = (flags & ~ROUND_FLAGS) | the register's new value, so
+ * that a result to the group or to a sender, a partial up to the parent and its resend carry the
+ * round's flags (UpDelivery keeps them). */
+#ifndef _NETAGG_ROUND_FLAGS_P4_
+#define _NETAGG_ROUND_FLAGS_P4_
+
+control RoundFlags(inout headers_t hdr, in metadata_t meta) {
+    @id(0x1600000a)
+    register<bit<8>>(NUM_POOL_SLOTS) round_flags;
+
+    apply {
+        bit<8> stored;
+        round_flags.read(stored, meta.pool_index);
+        if (meta.exchange_mismatch == 1 && meta.fresh == 1 && meta.late == 0) {
+            stored = stored | FLAG_OUT_OF_STEP;
+            round_flags.write(meta.pool_index, stored);
+        } else if (meta.value_op == OP_WRITE) {
+            stored = hdr.netagg.flags & ROUND_FLAGS;
+            round_flags.write(meta.pool_index, stored);
+        } else if (meta.value_op == OP_MERGE) {
+            stored = stored | (hdr.netagg.flags & ROUND_FLAGS);
+            round_flags.write(meta.pool_index, stored);
+        }
+        hdr.netagg.flags = (hdr.netagg.flags & ~((bit<8>)ROUND_FLAGS)) | stored;
+    }
+}
+
+#endif
