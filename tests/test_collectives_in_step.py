@@ -44,7 +44,7 @@ def _each_rank(configs: list[WorkerConfig], fn: Callable[[KVWorker, int], Any]) 
         try:
             with KVWorker(configs[rank], progress_timeout=PROGRESS_TIMEOUT) as worker:
                 outcomes[rank] = (fn(worker, rank), None, time.monotonic() - started)
-        except BaseException as err:  # noqa: BLE001 - each rank's outcome is the test's subject
+        except BaseException as err:  # each rank's outcome is the test's subject
             outcomes[rank] = (None, err, time.monotonic() - started)
 
     threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(len(configs))]

@@ -172,7 +172,7 @@ def test_numpy_reference_applies_the_per_datagram_rules():
         (n_acc, n_rtt, foreign, malformed, stale, done), state, acc, following, rtts = s.run(reference.accept_results)
         assert n_acc + foreign + malformed + stale == s.count
         assert len(set(acc.tolist())) == n_acc  # at most one result per slot and batch
-        expect, retries, _, next_pool, _, _, result_flags, alarm = state
+        expect, retries, _, next_pool, _, _, _, alarm = state
         assert (expect[acc] == -1).all() and (retries[acc] == 0).all()
         np.testing.assert_array_equal(next_pool[acc], s.next_pool[acc] ^ 1)
         assert n_rtt == int((s.retries[acc] == 0).sum())

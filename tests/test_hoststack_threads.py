@@ -55,7 +55,7 @@ def test_a_range_program_steers_each_result_to_the_thread_that_owns_its_slot():
         port = socks[0].getsockname()[1]
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx:
             for slot in (0, 1, 127, 128, 191, 192, 300, 65535):
-                header = wire.HEADER_STRUCT.pack(wire.VERSION, wire.FLAG_RESULT, 9, slot, 0, 0, 0, 0, 1, 0, 0)
+                header = wire.HEADER_STRUCT.pack(wire.VERSION, wire.FLAG_RESULT, 9, slot, 0, 0, 0, 0, 1, 0, 0, 0)
                 tx.sendto(header + bytes(wire.PAYLOAD_BYTES), ("127.0.0.1", port))
                 select.select(socks, [], [], 2)
                 time.sleep(0.01)

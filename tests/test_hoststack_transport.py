@@ -96,15 +96,14 @@ def test_after_a_timeout_the_transport_refuses_to_continue():
 
 
 def test_nan_and_inf_are_sent_and_come_back_as_nan_and_inf():
-    with fallback_job(1) as (server, configs):
-        with KVWorker(configs[0]) as worker:
-            bad = np.ones(100, np.float32)
-            bad[42] = np.nan
-            worker.push(3, bad)
-            pulled = worker.wait(worker.pull(3))
-            assert np.isnan(pulled[:wire.K]).all() and (pulled[wire.K:] == 1).all()
-            assert (worker.allreduce(np.array([np.inf], np.float32)) == np.inf).all()
-            np.testing.assert_array_equal(worker.allreduce(np.ones(3, np.float32)), 1)
+    with fallback_job(1) as (_, configs), KVWorker(configs[0]) as worker:
+        bad = np.ones(100, np.float32)
+        bad[42] = np.nan
+        worker.push(3, bad)
+        pulled = worker.wait(worker.pull(3))[0]
+        assert np.isnan(pulled[:wire.K]).all() and (pulled[wire.K:] == 1).all()
+        assert (worker.allreduce(np.array([np.inf], np.float32)) == np.inf).all()
+        np.testing.assert_array_equal(worker.allreduce(np.ones(3, np.float32)), 1)
 
 
 def test_strangers_datagrams_are_counted_and_ignored():

@@ -104,7 +104,7 @@ def test_segmented_sends_that_break_the_steering_rule_are_still_aggregated_exact
             for rank, sock in enumerate(socks):
                 rows = np.zeros((len(slots), wire.NETAGG_BYTES), np.uint8)
                 for i, slot in enumerate(slots):
-                    header = wire.HEADER_STRUCT.pack(wire.VERSION, 0, job, slot, 0, rank, 0, 0, 1, slot, 0)
+                    header = wire.HEADER_STRUCT.pack(wire.VERSION, 0, job, slot, 0, rank, 0, 0, 1, slot, 0, 0)
                     values = np.full(wire.K, 1000 * (rank + 1) + slot, ">i4").tobytes()
                     rows[i] = np.frombuffer(header + values, np.uint8)
                 addresses = np.uint64(rows.ctypes.data) + np.arange(len(slots), dtype=np.uint64) \
@@ -179,7 +179,7 @@ def test_a_shard_that_dies_takes_the_whole_switch_down_loudly(caplog):
         deadline = time.monotonic() + 10
         while not told and time.monotonic() < deadline:
             for slot in range(0, 256, 64):
-                header = wire.HEADER_STRUCT.pack(wire.VERSION, 0, configs[0].job_id, slot, 0, 0, 0, 0, 1, 0, 0)
+                header = wire.HEADER_STRUCT.pack(wire.VERSION, 0, configs[0].job_id, slot, 0, 0, 0, 0, 1, 0, 0, 0)
                 sock.sendto(header + bytes(wire.PAYLOAD_BYTES), sock.getsockname())
             time.sleep(0.05)
         assert told and "shard 1 stopped (SystemExit: injected)" in told[0]

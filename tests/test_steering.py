@@ -20,7 +20,7 @@ CASES = [(job, slot) for job in (1, 2, 7, 65535) for slot in (0, 1, 63, 64, 65, 
 
 
 def _header(job: int, slot: int, flags: int = 0) -> bytes:
-    return wire.HEADER_STRUCT.pack(wire.VERSION, flags, job, slot, 0, 0, 0, 0, 0, 0, 0)
+    return wire.HEADER_STRUCT.pack(wire.VERSION, flags, job, slot, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def _which(socks: list[socket.socket], timeout: float = 2.0) -> list[int]:

@@ -60,7 +60,7 @@
 #define UDP_GRO 104
 #endif
 
-enum { BATCH = 64, BUF = 2048, K = 64, NETAGG_VERSION = 2, NETAGG_HDR = 20, NETAGG_BYTES = NETAGG_HDR + 4 * K,
+enum { BATCH = 64, BUF = 2048, K = 64, NETAGG_VERSION = 3, NETAGG_HDR = 24, NETAGG_BYTES = NETAGG_HDR + 4 * K,
        L2L4 = 14 + 20 + 8, NETAGG_PORT = 28900, MAX_WORKERS = 32, FLAG_RESULT = 0x01,
        GSO_MAX_SEGS = 64, UDP_MAX_PAYLOAD = 65535 - 20 - 8, GRO_BATCH = 8, GRO_BUF = 65536, FILL = 0x5a };
 
@@ -558,6 +558,7 @@ static void next_contribution(struct drive *d, int rank, int slot, double t) {
     put16(h + 10, c->round & 0xFFFF);
     put32(h + 12, (c->round - 1) * (uint32_t)d->slots + (uint32_t)slot);
     put32(h + 16, 0); /* members: every worker of the job */
+    put32(h + 20, 0); /* exchange: one collective throughout */
     d->sent++;
     enqueue(d, w, slot, t);
 }
