@@ -21,14 +21,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from netagg import wire
+from netagg import layout, wire
 from netagg.dataplane import DropReason
 from netagg.slots import Delivery, SlotRegisters
 
 Address = tuple[str, int]
 _unpack_header = wire.HEADER_STRUCT.unpack_from
-_FLAGS_OFFSET = 1
-_EXPONENT_OFFSET = 8
 #: One aggregator serves one job, so the slots' owner tag is constant.
 _GENERATION = 1
 
@@ -148,8 +146,8 @@ class SoftAggregator:
         if verdict.delivery == Delivery.NONE:
             return None
         packet = bytearray(data[:wire.HEADER_BYTES])
-        packet[_FLAGS_OFFSET] = (packet[_FLAGS_OFFSET] & ~wire.ROUND_FLAGS & 0xFF) | verdict.round_flags \
+        packet[layout.FLAGS_AT] = (packet[layout.FLAGS_AT] & ~wire.ROUND_FLAGS & 0xFF) | verdict.round_flags \
             | self.result_flags
-        packet[_EXPONENT_OFFSET] = verdict.exponent & 0xFF
+        packet[layout.EXPONENT_AT] = verdict.exponent & 0xFF
         packet += verdict.values.astype(wire.WIRE_VALUE_DTYPE).tobytes()
         return Outcome(bytes(packet), to_group=verdict.delivery == Delivery.GROUP)

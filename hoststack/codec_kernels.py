@@ -16,7 +16,8 @@ from numba import njit, prange
 
 from netagg import wire
 
-wire.check_compiled_layout(__name__, version=3, header_bytes=24, k=64)  # see check_compiled_layout
+wire.check_compiled_layout(__name__, "v3 K=64 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,exponent:8s,width:8,"
+                                     "round:16,seq:32,members:32,exchange:32")  # see check_compiled_layout
 
 #: Values per block, a compile-time constant: fixed-length inner loops unroll and vectorize.
 _K = wire.K

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from netagg import wire
+from netagg import layout, wire
 from netagg.framed_server import Frame, FramedServer, Handler, Reply, dispatch, listen
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.aggregator import Outcome, SoftAggregator
@@ -304,7 +304,7 @@ class KVServer:
             return
         self.stats.switch_results += 1
         packet = bytearray(data)
-        packet[1] |= wire.FLAG_PS_FORWARDED
+        packet[layout.FLAGS_AT] |= wire.FLAG_PS_FORWARDED
         for address in list(self.workers.values()):
             self._send(packet, address)
             self.stats.forwarded += 1

@@ -93,7 +93,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from netagg import mmsg, udpgso, wire
+from netagg import layout, mmsg, udpgso, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.failover import FailoverClient
@@ -894,7 +894,7 @@ class Exchange:
             count = int(retries[slot]) + 1
             retries[slot] = count
             by_retries.setdefault(count, []).append(i)
-        t.raw[slots, 1] |= wire.FLAG_RETRANSMIT  # cleared when the row is next filled
+        t.raw[slots, layout.FLAGS_AT] |= wire.FLAG_RETRANSMIT  # cleared when the row is next filled
         errors = t.transmit(slots)
         t.stats.packets_sent += slots.shape[0] - errors
         t.stats.socket_errors += errors
@@ -929,7 +929,7 @@ class Exchange:
             return
         rows = t.resend[:n]
         rows[:] = np.where(outstanding[:, None], t.shadow[slots], t.raw[slots])
-        rows[:, 1] |= wire.FLAG_RETRANSMIT
+        rows[:, layout.FLAGS_AT] |= wire.FLAG_RETRANSMIT
         errors = t.transmit(np.arange(n, dtype=np.int64), resend_buffer=True,
                             blocks=t.blocks_of(slots))
         t.stats.packets_sent += n - errors

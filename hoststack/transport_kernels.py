@@ -13,11 +13,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netagg import wire
+from netagg import layout, wire
 from netagg.hoststack.codec_kernels import quantize_row
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK
 
-wire.check_compiled_layout(__name__, version=3, header_bytes=24, k=64)  # see check_compiled_layout
+wire.check_compiled_layout(__name__, "v3 K=64 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,exponent:8s,width:8,"
+                                     "round:16,seq:32,members:32,exchange:32")  # see check_compiled_layout
 
 _K = wire.K
 _HEADER = wire.HEADER_BYTES
@@ -27,8 +28,10 @@ _VERSION = wire.VERSION
 _RESULT = wire.FLAG_RESULT
 _OUT_OF_STEP = wire.FLAG_OUT_OF_STEP
 _NONFINITE = wire.NONFINITE_FLAGS
-_EXCHANGE_AT = wire.HEADER_BYTES - 4
-assert [f.name for f in wire.HEADER_FIELDS][-1] == "exchange"
+# The header's fields (netagg.layout, from wire.HEADER_FIELDS).
+_VERSION_AT, _FLAGS_AT, _JOB_AT, _SLOT_AT, _POOL_AT = (layout.VERSION_AT, layout.FLAGS_AT, layout.JOB_AT,
+                                                       layout.SLOT_AT, layout.POOL_AT)
+_EXPONENT_AT, _ROUND_AT, _SEQ_AT, _EXCHANGE_AT = layout.EXPONENT_AT, layout.ROUND_AT, layout.SEQ_AT, layout.EXCHANGE_AT
 _PROBE = np.int64(PROBE_SEQ_BIT)
 _MASK = np.int64(SEQ_MASK)
 
@@ -59,18 +62,19 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
             foreign += 1
             continue
         row = buf[i]
-        if lengths[i] != _NETAGG or row[0] != _VERSION or (row[1] & _RESULT) == 0 or _be(row, 2, 2) != job_id:
+        if lengths[i] != _NETAGG or row[_VERSION_AT] != _VERSION or (row[_FLAGS_AT] & _RESULT) == 0 \
+                or _be(row, _JOB_AT, 2) != job_id:
             malformed += 1
             continue
-        slot = _be(row, 4, 2) - slot_base
-        seq = _be(row, 12, 4)
-        key = (_be(row, 10, 2) << np.int64(33)) | (np.int64(row[6]) << np.int64(32)) | seq
+        slot = _be(row, _SLOT_AT, 2) - slot_base
+        seq = _be(row, _SEQ_AT, 4)
+        key = (_be(row, _ROUND_AT, 2) << np.int64(33)) | (np.int64(row[_POOL_AT]) << np.int64(32)) | seq
         if slot < 0 or slot >= used:
             stale += 1
             continue
         outstanding = expect[slot]
         if outstanding != -1 and (outstanding >> np.int64(32)) == (key >> np.int64(32)) and (
-                (row[1] & _OUT_OF_STEP) != 0 or _be(row, _EXCHANGE_AT, 4) != exchange):
+                (row[_FLAGS_AT] & _OUT_OF_STEP) != 0 or _be(row, _EXCHANGE_AT, 4) != exchange):
             if alarm[0] == 0:
                 alarm[0] = 1
                 alarm[1] = _be(row, _EXCHANGE_AT, 4)
@@ -96,11 +100,11 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
             values = row[_HEADER:_HEADER + _PAYLOAD]
             for j in range(_PAYLOAD):
                 out[j] = values[j]
-            result_flags[block] = row[1] & _NONFINITE
+            result_flags[block] = row[_FLAGS_AT] & _NONFINITE
             done += 1
             nxt = block + window
         if nxt < num_blocks:
-            exponent = np.int32(row[8])
+            exponent = np.int32(row[_EXPONENT_AT])
             global_exp[nxt] = exponent - 256 if exponent >= 128 else exponent
         acc_slots[n_acc] = slot
         following[n_acc] = nxt
@@ -134,13 +138,13 @@ def fill_packets(slots, block_ids, blocks, local_exp, global_exp, ahead, seq0, p
         pool = next_pool[s]
         round_ = np.uint16(rounds[s] + np.uint16(1))
         rounds[s] = round_
-        row[1] = 0  # clears FLAG_RETRANSMIT left by an earlier resend from this row
-        row[6] = pool
-        row[8] = np.uint8(np.int32(exponent) & 0xFF)
-        row[10] = np.uint8(round_ >> np.uint16(8))
-        row[11] = np.uint8(round_ & np.uint16(0xFF))
+        row[_FLAGS_AT] = 0  # clears FLAG_RETRANSMIT left by an earlier resend from this row
+        row[_POOL_AT] = pool
+        row[_EXPONENT_AT] = np.uint8(np.int32(exponent) & 0xFF)
+        row[_ROUND_AT] = np.uint8(round_ >> np.uint16(8))
+        row[_ROUND_AT + 1] = np.uint8(round_ & np.uint16(0xFF))
         for j in range(4):
-            row[12 + j] = np.uint8((seq >> np.int64(24 - 8 * j)) & np.int64(0xFF))
+            row[_SEQ_AT + j] = np.uint8((seq >> np.int64(24 - 8 * j)) & np.int64(0xFF))
         key = (np.int64(round_) << np.int64(33)) | (np.int64(pool) << np.int64(32)) | seq
         keys[i] = key
         expect[s] = key

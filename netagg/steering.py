@@ -23,7 +23,7 @@ import itertools
 import socket
 import struct
 
-from netagg import wire
+from netagg import layout, wire
 
 SO_ATTACH_REUSEPORT_CBPF = 51
 SOL_PACKET = 263
@@ -35,8 +35,8 @@ PACKET_FANOUT_FLAG_IGNORE_OUTGOING = 0x4000
 #: The first member's flag: the kernel picks a free group id.
 PACKET_FANOUT_FLAG_UNIQUEID = 0x2000
 #: Where job_id and slot sit in the netagg header (bytes from its start).
-JOB_OFFSET = 2
-SLOT_OFFSET = 4
+JOB_OFFSET = layout.JOB_AT
+SLOT_OFFSET = layout.SLOT_AT
 #: Most shards a group steers to (the BPF program computes any N; more than this is a configuration error).
 MAX_SHARDS = 64
 

@@ -96,6 +96,9 @@ HEADER_STRUCT = struct.Struct("!" + "".join(_STRUCT_CODES[(f.bits, f.signed)] fo
 HEADER_BYTES = HEADER_STRUCT.size
 #: Position of each field in ``HEADER_STRUCT.unpack``'s tuple (the header grows at its end).
 FIELD_INDEX = {f.name: i for i, f in enumerate(HEADER_FIELDS)}
+#: Byte offset of each field in the header: what every kernel, the PS's aggregator and the steering programs
+#: read and write (``netagg.layout`` names them for compiled code).
+FIELD_OFFSETS = {f.name: sum(g.bits for g in HEADER_FIELDS[:i]) // 8 for i, f in enumerate(HEADER_FIELDS)}
 assert HEADER_BYTES == sum(f.bits for f in HEADER_FIELDS) // 8 == 24
 VALUE_BYTES = 4
 PAYLOAD_BYTES = K * VALUE_BYTES
@@ -167,16 +170,22 @@ def unpack(payload: bytes | memoryview) -> tuple[Header, np.ndarray]:
     return header, values.astype(np.int32)
 
 
-def check_compiled_layout(module: str, *, version: int, header_bytes: int, k: int) -> None:
+def layout() -> str:
+    """The wire layout as one line: version, values per packet and every header field (name:bits, ``s`` when
+    signed), in wire order. Compiled kernels state the line they were written for (:func:`check_compiled_layout`)."""
+    fields = ",".join(f"{f.name}:{f.bits}{'s' if f.signed else ''}" for f in HEADER_FIELDS)
+    return f"v{VERSION} K={K} {fields}"
+
+
+def check_compiled_layout(module: str, written_for: str) -> None:
     """Fail loudly when a numba kernel module was written for another wire layout.
 
-    numba caches compiled kernels with these constants baked in and invalidates the cache
-    only when the kernel's own file changes; each kernel module therefore states the layout
-    it was written for, so that a change here forces an edit (and a recompile) there.
+    numba caches compiled kernels with the layout's offsets and constants baked in and invalidates the cache
+    only when the kernel's own file changes; each kernel module therefore states the :func:`layout` it was
+    written for (every field, not only the sizes), so that a change here forces an edit (and a recompile) there.
     """
-    if (version, header_bytes, k) != (VERSION, HEADER_BYTES, K):
-        raise RuntimeError(f"{module} was written for wire version {version} ({header_bytes}-byte header, "
-                           f"K={k}); wire.py is version {VERSION} ({HEADER_BYTES}-byte header, K={K}): "
+    if written_for != layout():
+        raise RuntimeError(f"{module} was written for the wire layout {written_for!r}; wire.py is {layout()!r}: "
                            "update the module (and so numba's cache of it)")
 
 

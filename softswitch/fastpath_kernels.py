@@ -26,12 +26,13 @@ import numpy as np
 from numba import njit
 
 from netagg import dataplane as dp
-from netagg import wire
+from netagg import layout, wire
 from netagg.dataplane import DropReason, Level, ValueOp
 from netagg.slots import RoundState
 from netagg.udpgso_kernels import gso_header
 
-wire.check_compiled_layout(__name__, version=3, header_bytes=24, k=64)  # see check_compiled_layout
+wire.check_compiled_layout(__name__, "v3 K=64 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,exponent:8s,width:8,"
+                                     "round:16,seq:32,members:32,exchange:32")  # see check_compiled_layout
 
 K = wire.K
 NETAGG_PORT = wire.NETAGG_UDP_PORT
@@ -49,12 +50,27 @@ POOLS = wire.NUM_POOLS
 RESULT_TTL = 64
 HASH_MULT = np.uint64(0x9E3779B97F4A7C15)
 
-# Offsets in a frame (Ethernet / IPv4 without options / UDP / netagg).
+# Offsets in a frame (Ethernet / IPv4 without options / UDP / netagg), and of the netagg header's fields in it
+# (netagg.layout, from wire.HEADER_FIELDS).
 IP, UDP, NA = 14, 34, 42
-VALUES = NA + wire.HEADER_BYTES
+NA_VERSION, FLAGS, JOB, SLOT, POOL, RANK = (NA + layout.VERSION_AT, NA + layout.FLAGS_AT, NA + layout.JOB_AT,
+                                            NA + layout.SLOT_AT, NA + layout.POOL_AT, NA + layout.RANK_AT)
+EXPONENT, WIDTH, ROUND, SEQ, MEMBERS, EXCHANGE = (NA + layout.EXPONENT_AT, NA + layout.WIDTH_AT,
+                                                  NA + layout.ROUND_AT, NA + layout.SEQ_AT, NA + layout.MEMBERS_AT,
+                                                  NA + layout.EXCHANGE_AT)
+VALUES = NA + layout.VALUES_AT
 
 # Counter indices in the ``counters`` tuple (see fastpath.COUNTERS).
 C_DROPS, C_EGRESS_DROPS, C_CONTRIB, C_RESULTS, C_DUPS, C_RETX, C_REJECTS = 0, 1, 2, 3, 4, 5, 6
+# ... and of each counter's (packets, bytes) arrays in the flat ``counters`` tuple. Module-level ints are constants
+# to numba, so ``counters[P_REJECTS]`` is a static index (see _bump).
+P_DROPS, B_DROPS = 2 * C_DROPS, 2 * C_DROPS + 1
+P_EGRESS_DROPS, B_EGRESS_DROPS = 2 * C_EGRESS_DROPS, 2 * C_EGRESS_DROPS + 1
+P_CONTRIB, B_CONTRIB = 2 * C_CONTRIB, 2 * C_CONTRIB + 1
+P_RESULTS, B_RESULTS = 2 * C_RESULTS, 2 * C_RESULTS + 1
+P_DUPS, B_DUPS = 2 * C_DUPS, 2 * C_DUPS + 1
+P_RETX, B_RETX = 2 * C_RETX, 2 * C_RETX + 1
+P_REJECTS, B_REJECTS = 2 * C_REJECTS, 2 * C_REJECTS + 1
 
 D_NONE = int(DropReason.NONE)
 D_NOT_IPV4 = int(DropReason.NOT_IPV4)
@@ -121,7 +137,7 @@ def _copy(dst, d0, src, s0, n):
 def _bump(packets, byte_counts, index, nbytes):
     """Count one packet of ``nbytes`` at ``index`` of a counter's (packets, bytes) arrays.
 
-    Callers pick the arrays out of the ``counters`` tuple with literal indices (2 * C_x, 2 * C_x + 1):
+    Callers pick the arrays out of the ``counters`` tuple with constant indices (P_x, B_x = 2 * C_x, 2 * C_x + 1):
     a computed index into a tuple of arrays makes numba copy the whole tuple onto the stack at every
     use, which cost more than the rest of a dropped packet's path."""
     if 0 <= index < packets.shape[0]:
@@ -235,7 +251,7 @@ def worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals, down):
 
     Returns (drop reason, num_workers, slot_index, mgid, generation, worker_mask)."""
     zero = np.int64(0)
-    job = _u16(b, NA + 2)
+    job = _u16(b, JOB)
     if not job_valid[job]:
         return D_UNKNOWN_JOB, zero, zero, zero, zero, zero
     num_workers = job_params[job, 0]
@@ -253,16 +269,16 @@ def worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals, down):
                 found = h
                 break
             h = (h + 1) & mask
-    slot_rel = _u16(b, NA + 4)
-    members = _u32(b, NA + 16)
+    slot_rel = _u16(b, SLOT)
+    members = _u32(b, MEMBERS)
     drop = D_NONE
     if not down and found < 0:
         drop = D_UNKNOWN_WORKER
     elif slot_rel >= slot_count:
         drop = D_SLOT_RANGE
-    elif b[NA + 6] >= 2:
+    elif b[POOL] >= 2:
         drop = D_BAD_POOL
-    elif not down and np.int64(b[NA + 7]) != w_vals[found, 0]:
+    elif not down and np.int64(b[RANK]) != w_vals[found, 0]:
         drop = D_RANK
     elif not down and members != 0 and (members & w_vals[found, 1]) == 0:
         drop = D_NOT_MEMBER
@@ -328,10 +344,10 @@ def round_flags(b, regs_flags, index, op, mismatch):
     if mismatch:
         regs_flags[index] |= FLAG_OUT_OF_STEP
     elif op == OP_WRITE:
-        regs_flags[index] = b[NA + 1] & ROUND_FLAGS
+        regs_flags[index] = b[FLAGS] & ROUND_FLAGS
     elif op == OP_MERGE:
-        regs_flags[index] |= b[NA + 1] & ROUND_FLAGS
-    b[NA + 1] = (b[NA + 1] & NOT_ROUND_FLAGS) | regs_flags[index]
+        regs_flags[index] |= b[FLAGS] & ROUND_FLAGS
+    b[FLAGS] = (b[FLAGS] & NOT_ROUND_FLAGS) | regs_flags[index]
 
 
 @njit(cache=True, inline="always")
@@ -370,10 +386,10 @@ def worker_count(regs_counts, index, first, fresh, members, num_workers):
 @njit(cache=True, inline="always")
 def exponent_max(b, regs_exps, index, op):
     """ExponentMax: write / signed max / read; the packet leaves with the stored maximum."""
-    exponent = np.int8(b[NA + 8])
+    exponent = np.int8(b[EXPONENT])
     if op == OP_WRITE or (op == OP_MERGE and exponent > regs_exps[index]):
         regs_exps[index] = exponent
-    b[NA + 8] = np.uint8(regs_exps[index])
+    b[EXPONENT] = np.uint8(regs_exps[index])
 
 
 @njit(cache=True, inline="always")
@@ -399,7 +415,7 @@ def result_delivery(b, frame, ingress, to_group):
     _put16(b, UDP, NETAGG_PORT)
     b[IP + 8] = RESULT_TTL
     _put16(b, UDP + 6, 0)
-    b[NA + 1] |= FLAG_RESULT
+    b[FLAGS] |= FLAG_RESULT
     if to_group:
         return np.int64(0)
     _copy(b, 0, frame, 6, 6)
@@ -418,7 +434,7 @@ def down_link(b, ingress, dn_keys, dn_vals):
     """DownLink: the local job a parent's result (a RESULT from the parent's address on the up port) is for.
 
     Returns (down, local job)."""
-    key = _down_key(ingress, _u32(b, IP + 12), _u16(b, NA + 2))
+    key = _down_key(ingress, _u32(b, IP + 12), _u16(b, JOB))
     mask = dn_keys.shape[0] - 1
     h = _slot_of(key, mask)
     while dn_keys[h, 1] != -1:
@@ -454,10 +470,10 @@ def up_delivery(b, frame, up, fresh):
     _put16(b, UDP, TREE_PORT)
     _put16(b, UDP + 2, NETAGG_PORT)
     _put16(b, UDP + 6, 0)
-    _put16(b, NA + 2, up[1])
-    b[NA + 7] = up[2] & 0xFF
-    _put32(b, NA + 16, 0)
-    b[NA + 1] = (0 if fresh else FLAG_RETRANSMIT) | (b[NA + 1] & ROUND_FLAGS)  # RoundFlags set them
+    _put16(b, JOB, up[1])
+    b[RANK] = up[2] & 0xFF
+    _put32(b, MEMBERS, 0)
+    b[FLAGS] = (0 if fresh else FLAG_RETRANSMIT) | (b[FLAGS] & ROUND_FLAGS)  # RoundFlags set them
     return up[0]
 
 
@@ -470,24 +486,24 @@ def _down(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, coun
     Returns (egress_spec, to_group, mgid)."""
     regs_owner, regs_rounds, regs_exps, regs_values, regs_levels = regs[0], regs[1], regs[5], regs[6], regs[7]
     regs_flags = regs[9]
-    job = _u16(b, NA + 2)
+    job = _u16(b, JOB)
     drop, _, slot_index, mgid, generation, _ = worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals, True)
     if drop != D_NONE:
         if drop != D_UNKNOWN_JOB:
-            _bump(counters[12], counters[13], job, length)
-        _bump(counters[0], counters[1], drop, length)
+            _bump(counters[P_REJECTS], counters[B_REJECTS], job, length)
+        _bump(counters[P_DROPS], counters[B_DROPS], drop, length)
         return DROP_PORT, False, mgid
     if slot_index >= regs_owner.shape[0]:  # the controller never installs such a range
         return DROP_PORT, False, mgid
-    pool = np.int64(b[NA + 6])
+    pool = np.int64(b[POOL])
     index = slot_index * POOLS + pool
     if (np.int64(regs_owner[slot_index]) != generation
-            or np.int64(regs_rounds[pool, slot_index]) != _u16(b, NA + 10)
+            or np.int64(regs_rounds[pool, slot_index]) != _u16(b, ROUND)
             or regs_levels[index] != LEVEL_UP):
-        _bump(counters[8], counters[9], job, length)
+        _bump(counters[P_DUPS], counters[B_DUPS], job, length)
         return DROP_PORT, False, mgid
     regs_levels[index] = LEVEL_FINAL
-    _bump(counters[6], counters[7], job, length)
+    _bump(counters[P_RESULTS], counters[B_RESULTS], job, length)
     round_flags(b, regs_flags, index, OP_WRITE, False)
     exponent_max(b, regs_exps, index, OP_WRITE)
     value_sum(b, regs_values, index, OP_WRITE)
@@ -503,31 +519,31 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
     Returns (egress_spec, to_group, mgid); egress_spec DROP_PORT: dropped (mark_to_drop)."""
     regs_owner, regs_rounds, regs_members, regs_bitmaps, regs_counts, regs_exps, regs_values, regs_levels = regs[:8]
     regs_exchanges, regs_flags = regs[8], regs[9]
-    job = _u16(b, NA + 2)
+    job = _u16(b, JOB)
     drop, num_workers, slot_index, mgid, generation, worker_mask = worker_lookup(
         b, ingress, job_valid, job_params, w_keys, w_vals, False)
     round_state = ROUND_SAME
     index = np.int64(0)
-    members = _u32(b, NA + 16)
+    members = _u32(b, MEMBERS)
     if drop == D_NONE:
         if slot_index >= regs_owner.shape[0]:  # the controller never installs such a range
             return DROP_PORT, False, mgid
-        pool = np.int64(b[NA + 6])
+        pool = np.int64(b[POOL])
         index = slot_index * POOLS + pool
         stale = slot_owner(regs_owner, slot_index, generation)
-        round_state = round_check(regs_rounds, slot_index, pool, _u16(b, NA + 10), stale)
+        round_state = round_check(regs_rounds, slot_index, pool, _u16(b, ROUND), stale)
         if round_state != ROUND_OLD:
             drop = member_check(regs_members, index, round_state, members)
     mismatch = False
     if drop == D_NONE and round_state != ROUND_OLD:
-        mismatch = exchange_check(regs_exchanges, index, round_state, _u32(b, NA + 20))
+        mismatch = exchange_check(regs_exchanges, index, round_state, _u32(b, EXCHANGE))
     if drop != D_NONE:
         if drop != D_UNKNOWN_JOB:
-            _bump(counters[12], counters[13], job, length)
-        _bump(counters[0], counters[1], drop, length)
+            _bump(counters[P_REJECTS], counters[B_REJECTS], job, length)
+        _bump(counters[P_DROPS], counters[B_DROPS], drop, length)
         return DROP_PORT, False, mgid
     if round_state == ROUND_OLD:  # a copy of a superseded round
-        _bump(counters[8], counters[9], job, length)
+        _bump(counters[P_DUPS], counters[B_DUPS], job, length)
         return DROP_PORT, False, mgid
     first, fresh = bitmap_check(regs_bitmaps, index, round_state, worker_mask)
     complete, late = worker_count(regs_counts, index, first, fresh, members, num_workers)
@@ -538,30 +554,30 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
     to_up = False
     mismatch = mismatch and fresh and not late
     if mismatch:  # another collective's: not added, counted as refused, but it completes the round if last
-        _bump(counters[12], counters[13], job, length)
-        _bump(counters[0], counters[1], D_EXCHANGE, length)
+        _bump(counters[P_REJECTS], counters[B_REJECTS], job, length)
+        _bump(counters[P_DROPS], counters[B_DROPS], D_EXCHANGE, length)
         if complete:
             op = OP_READ
             if has_up:
                 to_up = True
             else:
                 to_group = True
-                _bump(counters[6], counters[7], job, length)
+                _bump(counters[P_RESULTS], counters[B_RESULTS], job, length)
     elif fresh and not late:
-        _bump(counters[4], counters[5], job, length)
+        _bump(counters[P_CONTRIB], counters[B_CONTRIB], job, length)
         op = OP_WRITE if first else OP_MERGE
         if complete:
             if has_up:
                 to_up = True
             else:
                 to_group = True
-                _bump(counters[6], counters[7], job, length)
+                _bump(counters[P_RESULTS], counters[B_RESULTS], job, length)
     elif not fresh and complete:
         op = OP_READ
-        _bump(counters[10], counters[11], job, length)
+        _bump(counters[P_RETX], counters[B_RETX], job, length)
         to_up = has_up and level != LEVEL_FINAL
     else:
-        _bump(counters[8], counters[9], job, length)
+        _bump(counters[P_DUPS], counters[B_DUPS], job, length)
     round_flags(b, regs_flags, index, op, mismatch)
     if op != OP_NONE:
         exponent_max(b, regs_exps, index, op)
@@ -587,7 +603,7 @@ def netagg_ingress(b, frame, length, ingress, tables, counters, regs):
     elif not ipv4:
         drop = D_NOT_IPV4
     else:
-        if netagg and b[NA + 1] & FLAG_RESULT:  # a parent's result on the up port is not a forgery
+        if netagg and b[FLAGS] & FLAG_RESULT:  # a parent's result on the up port is not a forgery
             down, down_job = down_link(b, ingress, dn_keys, dn_vals)
         if not down:
             drop = source_guard(b, udp, ingress, src_keys, src_vals)
@@ -596,21 +612,21 @@ def netagg_ingress(b, frame, length, ingress, tables, counters, regs):
         pass  # counted below
     elif not netagg:
         drop, egress_spec = ipv4_forward(b, frame, route_vm, route_out)
-    elif b[NA] != VERSION:
+    elif b[NA_VERSION] != VERSION:
         drop = D_BAD_VERSION
     elif (_u16(b, IP + 2) != IPV4_TOTAL_LENGTH or _u16(b, UDP + 4) != UDP_LENGTH or (_u16(b, IP + 6) & 0x3FFF)
-          or b[NA + 9] != 0):
+          or b[WIDTH] != 0):
         drop = D_MALFORMED
-    elif b[NA + 1] & FLAG_RESULT and not down:
+    elif b[FLAGS] & FLAG_RESULT and not down:
         drop = D_RESULT_FROM_HOST
     elif down:
-        _put16(b, NA + 2, down_job)  # from here on a packet of the local job
+        _put16(b, JOB, down_job)  # from here on a packet of the local job
         return _down(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, counters, regs)
     else:
         return _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, up_valid, up_params,
                           counters, regs)
     if drop != D_NONE:
-        _bump(counters[0], counters[1], drop, length)
+        _bump(counters[P_DROPS], counters[B_DROPS], drop, length)
         return DROP_PORT, False, np.int64(0)
     return egress_spec, False, np.int64(0)
 
@@ -676,7 +692,8 @@ def run_batch(in_buf, in_len, in_port, count, work, out_buf, out_len, out_port, 
             if mgid >= grp_off.shape[0] - 1:
                 continue
             for g in range(grp_off[mgid], grp_off[mgid + 1]):
-                if netagg_egress(work, mgid, grp_items[g, 1], rep_keys, rep_vals, counters[2], counters[3]):
+                if netagg_egress(work, mgid, grp_items[g, 1], rep_keys, rep_vals, counters[P_EGRESS_DROPS],
+                                 counters[B_EGRESS_DROPS]):
                     netagg_compute_checksum(work)
                     n = _emit(work, length, grp_items[g, 0], out_buf, out_len, out_port, n)
         elif egress_spec != DROP_PORT:
@@ -882,7 +899,7 @@ def frame_owners(buf, lengths, ports, count, shards, me, owners, dn_keys, dn_val
         if udp + 14 > length or (dport != NETAGG_PORT and dport != TREE_PORT):
             continue
         job = np.int64(_u16(b, udp + 10))
-        if udp == UDP and length >= FRAME_BYTES and b[NA + 1] & FLAG_RESULT:
+        if udp == UDP and length >= FRAME_BYTES and b[FLAGS] & FLAG_RESULT:
             down, local = down_link(b, ports[i], dn_keys, dn_vals)
             if down:
                 job = local

@@ -1,11 +1,13 @@
 """The wire codec and its scapy mirror."""
 
+import importlib
+
 import numpy as np
 import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from netagg import wire
+from netagg import layout, wire
 from netagg.scapy_layers import Netagg, NetaggValues, netagg_payload
 
 
@@ -109,6 +111,21 @@ def test_members_of_a_subset_round():
 
 
 def test_a_kernel_module_written_for_another_layout_fails_loudly():
-    wire.check_compiled_layout("ok", version=wire.VERSION, header_bytes=wire.HEADER_BYTES, k=wire.K)
+    wire.check_compiled_layout("ok", wire.layout())
     with pytest.raises(RuntimeError, match="update the module"):
-        wire.check_compiled_layout("stale", version=1, header_bytes=16, k=wire.K)
+        wire.check_compiled_layout("stale", wire.layout().replace("exchange:32", "reserved:32"))  # a field renamed
+
+
+def test_every_field_offset_follows_from_the_field_table_and_the_kernels_use_it():
+    offset = 0
+    for field in wire.HEADER_FIELDS:
+        assert wire.FIELD_OFFSETS[field.name] == offset == layout.BY_FIELD[field.name]
+        assert wire.HEADER_STRUCT.unpack_from(bytes(offset) + b"\x01" + bytes(wire.HEADER_BYTES), 0)[
+            wire.FIELD_INDEX[field.name]] != 0  # the struct reads the field at that offset
+        offset += field.bits // 8
+    assert set(layout.BY_FIELD) == {f.name for f in wire.HEADER_FIELDS}
+    # The compiled modules state the whole layout they were written for (imported here: they would raise).
+    for module in ("netagg.softswitch.fastpath_kernels", "netagg.hoststack.transport_kernels",
+                   "netagg.hoststack.codec_kernels"):
+        pytest.importorskip("numba")
+        importlib.import_module(module)
