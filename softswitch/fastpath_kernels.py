@@ -553,19 +553,14 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
     to_group = False
     to_up = False
     mismatch = mismatch and fresh and not late
-    if mismatch:  # another collective's: not added, counted as refused, but it completes the round if last
-        _bump(counters[P_REJECTS], counters[B_REJECTS], job, length)
-        _bump(counters[P_DROPS], counters[B_DROPS], D_EXCHANGE, length)
-        if complete:
-            op = OP_READ
-            if has_up:
-                to_up = True
-            else:
-                to_group = True
-                _bump(counters[P_RESULTS], counters[B_RESULTS], job, length)
-    elif fresh and not late:
-        _bump(counters[P_CONTRIB], counters[B_CONTRIB], job, length)
-        op = OP_WRITE if first else OP_MERGE
+    if fresh and not late:
+        if mismatch:  # another collective's: not added, counted as refused, but it completes the round if last
+            _bump(counters[P_REJECTS], counters[B_REJECTS], job, length)
+            _bump(counters[P_DROPS], counters[B_DROPS], D_EXCHANGE, length)
+            op = OP_READ if complete else OP_NONE
+        else:
+            _bump(counters[P_CONTRIB], counters[B_CONTRIB], job, length)
+            op = OP_WRITE if first else OP_MERGE
         if complete:
             if has_up:
                 to_up = True
