@@ -32,18 +32,27 @@ def tensor_for(rank: int, size: int) -> np.ndarray:
 
 
 def time_allreduce(config: WorkerConfig, data: np.ndarray, iterations: int, congestion_control: bool = True,
-                   ) -> tuple[list[float], np.ndarray, TransportStats]:
-    """One warm-up allreduce (its result is returned), then ``iterations`` timed ones; the transport's stats."""
+                   ) -> tuple[list[float], np.ndarray, TransportStats, float]:
+    """One warm-up allreduce (its result is returned), then ``iterations`` timed ones; the transport's stats, and
+    the share of a core this process used while the timed ones ran (every thread)."""
     from netagg.hoststack.kv import KVWorker
 
     with KVWorker(config, progress_timeout=60.0, congestion_control=congestion_control) as worker:
         result = worker.allreduce(data)
         times = []
+        cpu = _cpu()
         for _ in range(iterations):
             start = time.perf_counter()
             worker.allreduce(data)
             times.append(time.perf_counter() - start)
-    return times, result, worker.transport.stats
+        share = (_cpu() - cpu) / sum(times) if times else 0.0
+    return times, result, worker.transport.stats, share
+
+
+def _cpu() -> float:
+    """CPU seconds of this process so far (every thread, user and system)."""
+    now = os.times()
+    return now.user + now.system
 
 
 def _netagg(config_path: str, size: int, iterations: int,
@@ -51,9 +60,11 @@ def _netagg(config_path: str, size: int, iterations: int,
     from netagg.jobconfig import WorkerConfig
 
     config = WorkerConfig.load(config_path)
-    times, result, stats = time_allreduce(config, tensor_for(config.global_rank, size), iterations, congestion_control)
+    times, result, stats, share = time_allreduce(config, tensor_for(config.global_rank, size), iterations,
+                                                 congestion_control)
     extra = {"packets_sent": stats.packets_sent, "retransmissions": stats.retransmissions,
-             "window_decreases": stats.window_decreases, "smallest_window": stats.smallest_window}
+             "window_decreases": stats.window_decreases, "smallest_window": stats.smallest_window,
+             "stalled_timeouts": stats.stalled_timeouts, "timed_cpu_share": share}
     return times, result, extra
 
 
@@ -71,15 +82,17 @@ def _gloo(rank: int, world: int, master: str, size: int, iterations: int) -> tup
         result = data.clone()
         dist.all_reduce(result)
         times = []
+        busy = 0.0
         for _ in range(iterations):
             work = data.clone()
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), _cpu()
             dist.all_reduce(work)
             times.append(time.perf_counter() - start)
+            busy += _cpu() - cpu
     finally:
         dist.destroy_process_group()
-    return times, result.numpy(), {}
+    return times, result.numpy(), {"timed_cpu_share": busy / sum(times) if times else 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:

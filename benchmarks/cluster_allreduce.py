@@ -52,11 +52,14 @@ class Measurement:
     identical_on_all_workers: bool
     digest: str
     head: list[float]
+    #: The busiest worker's share of a core from its start to the kind's end, and while its timed allreduces
+    #: ran (every thread of the process); the switch's over the kind's run.
     worker_cpu_share: float
     switch_cpu_share: float
     retransmissions: int
     #: Packets the workers sent (netagg kinds; 0 for gloo), for retransmissions as a share.
     packets_sent: int = 0
+    timed_worker_cpu_share: float = 0.0
 
 
 def torch_available() -> bool:
@@ -164,6 +167,7 @@ def finish_kind(cluster: EmulatedCluster, run: RunningKind) -> Measurement:
         switch_cpu_share=(_cpu_seconds(cluster.switch.process.pid) - run.switch_cpu_before) / wall,
         retransmissions=sum(r.get("retransmissions", 0) for r in results),
         packets_sent=sum(r.get("packets_sent", 0) for r in results),
+        timed_worker_cpu_share=max(r.get("timed_cpu_share", 0.0) for r in results),
     )
 
 
@@ -187,10 +191,11 @@ def cpu_hog(processes: int) -> Iterator[None]:
 
 def _table(rows: list[Measurement]) -> str:
     lines = [f"{'kind':<14} {'N':>2} {'MB':>7} {'seconds':>9} {'bound':>8} {'x bound':>8} {'identical':>9} "
-             f"{'worker cpu':>10} {'switch cpu':>10} {'retx':>6} {'retx %':>6}"]
+             f"{'worker cpu':>10} {'timed':>6} {'switch cpu':>10} {'retx':>6} {'retx %':>6}"]
     for m in rows:
         lines.append(f"{m.kind:<14} {m.workers:>2} {m.megabytes:>7.2f} {m.seconds:>9.3f} {m.bound_seconds:>8.3f} "
                      f"{m.ratio_to_bound:>8.2f} {m.identical_on_all_workers!s:>9} {m.worker_cpu_share:>10.0%} "
+                     f"{m.timed_worker_cpu_share:>6.0%} "
                      f"{m.switch_cpu_share:>10.0%} {m.retransmissions:>6} "
                      f"{(f'{m.retransmissions / m.packets_sent:.1%}' if m.packets_sent else '-'):>6}")
     return "\n".join(lines)

@@ -57,7 +57,7 @@ def _probe(windows: list[int], seconds: float, gso: bool = False) -> dict[int, f
 
 
 def _time_in_process(config: WorkerConfig, data: np.ndarray, iterations: int) -> tuple[list[float], str, dict]:
-    times, result, stats = time_allreduce(config, data, iterations)
+    times, result, stats, _ = time_allreduce(config, data, iterations)
     return times, _digest(result), {"retransmissions": stats.retransmissions, "smallest_window": stats.smallest_window}
 
 

@@ -94,21 +94,21 @@ def block_exponents(blocks: np.ndarray) -> np.ndarray:
 
 
 def inspect(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Each block's exponent over its finite values (:func:`block_exponents`) and, if any value is NaN or
-    inf, each block's non-finite flags (``wire.FLAG_NAN | FLAG_POS_INF | FLAG_NEG_INF``, uint8; None when
-    every value is finite). Such blocks are sent with those values as 0 and the flags set
-    (docs/protocol.md, "Non-finite values"): see :func:`finite_blocks`."""
+    """Each block's exponent over its finite values (:func:`block_exponents`) and each block's non-finite flags
+    (``wire.FLAG_NAN | FLAG_POS_INF | FLAG_NEG_INF`` of the values it holds, uint8; all 0 when every value is
+    finite). Such blocks are sent with those values as 0 and the flags set (docs/protocol.md, "Non-finite
+    values"): see :func:`finite_blocks`."""
     if blocks.dtype != np.float32 or blocks.ndim != 2 or blocks.shape[1] != K:
         raise TypeError(f"expected float32 blocks of shape (n, {K}), got {blocks.dtype} {blocks.shape}")
+    flags = np.zeros(blocks.shape[0], np.uint8)
     if blocks.shape[0] == 0:
-        return np.empty(0, np.int8), None
+        return np.empty(0, np.int8), flags
     if _fused(blocks):
         exponents = np.empty(blocks.shape[0], np.int8)
         if kernels.block_exponents(blocks.view(np.uint32), exponents):
-            return exponents, None
+            return exponents, flags
     magnitude = np.bitwise_and(blocks.view(np.uint32), _ABS_MASK)
     nonfinite = magnitude >= _INF_BITS
-    flags = None
     if nonfinite.any():
         nan = magnitude > _INF_BITS
         inf = nonfinite & ~nan
@@ -124,7 +124,7 @@ def inspect(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 def finite_blocks(blocks: np.ndarray, flags: np.ndarray | None) -> np.ndarray:
-    """``blocks`` with every NaN and inf replaced by 0 (a copy where ``flags`` marks a block, else itself)."""
+    """``blocks`` with every NaN and inf replaced by 0 (a copy if ``flags`` marks a block, else ``blocks``)."""
     if flags is None or not flags.any():
         return blocks
     out = blocks.copy()

@@ -163,7 +163,7 @@ class _Share:
             self.stats = stats[0]
         return kind, detail
 
-    def start(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None, tag: int) -> None:
+    def start(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray, tag: int) -> None:
         from multiprocessing import shared_memory
 
         count = blocks.shape[0]
@@ -175,7 +175,7 @@ class _Share:
         view_blocks, view_exp, _, _, view_flags, _ = _views(self._shm, count)
         view_blocks[:] = blocks
         view_exp[:] = exponents
-        view_flags[:] = 0 if flags is None else flags
+        view_flags[:] = flags
         np.ndarray(1, np.int64, buffer=self._shm.buf, offset=count * (2 * wire.PAYLOAD_BYTES + 4))[0] = tag
         self._count = count
         self.conn.send(("exchange", self._shm.name, count))
@@ -273,17 +273,17 @@ class ThreadedTransport:
     def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None, *, flags: np.ndarray | None = None,
                  tag: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`Transport.exchange` over the shares: part i of ``blocks`` through share i's slots."""
-        if exponents is None:
-            exponents, flags = qz.inspect(blocks)
+        if exponents is None or flags is None:
+            inspected, flags = qz.inspect(blocks)
+            exponents = inspected if exponents is None else exponents
         parts = split_blocks(blocks.shape[0], self.shares)
         for other, (a, b) in zip(self._others, parts[1:], strict=True):
-            other.start(blocks[a:b], exponents[a:b], None if flags is None else flags[a:b], tag)
+            other.start(blocks[a:b], exponents[a:b], flags[a:b], tag)
         a, b = parts[0]
         results: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         errors: list[BaseException] = []
         try:
-            results.append(self.transport.exchange(blocks[a:b], exponents[a:b],
-                                                   flags=None if flags is None else flags[a:b], tag=tag))
+            results.append(self.transport.exchange(blocks[a:b], exponents[a:b], flags=flags[a:b], tag=tag))
         except BaseException as err:  # collect the others' answers before raising
             errors.append(err)
         for other in self._others:

@@ -430,8 +430,9 @@ class Transport:
         flags uint8), per block; :func:`quantization.dequantize` with ``flags=`` decodes them.
 
         ``exponents`` and ``flags`` are this worker's :func:`quantization.inspect` of ``blocks`` (computed here
-        when ``exponents`` is not given). Blocks holding NaN or inf are sent as the protocol says (their
-        flags set, those values 0): the result's flags tell which blocks are NaN or inf on every rank.
+        when either is not given: exponents alone do not say whether the blocks are finite). Blocks holding NaN
+        or inf are sent as the protocol says (their flags set, those values 0): the result's flags tell which
+        blocks are NaN or inf on every rank.
         ``tag``: names the collective beside its order and size (``wire.exchange_id``). Raises
         :class:`OutOfStep` when the job's ranks are in different collectives, :class:`TransportTimeout`
         when no result comes; either fails the transport for good.
@@ -503,8 +504,9 @@ class Transport:
         whole_job = round_base is None
         sent = self.stats.packets_sent
         try:
-            if exponents is None:
-                exponents, flags = qz.inspect(blocks)
+            if exponents is None or flags is None:
+                inspected, flags = qz.inspect(blocks)
+                exponents = inspected if exponents is None else exponents
             nb = blocks.shape[0] if blocks.ndim == 2 else 0
             ident = wire.exchange_id(self._index if whole_job else round_base, nb, tag)
             if whole_job and self._on_ps:

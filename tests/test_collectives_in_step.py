@@ -175,3 +175,16 @@ def test_the_switch_counts_the_refused_contributions_per_job():
         mismatches = client.read_counter(dp.COUNTER_DROP_REASONS, DropReason.EXCHANGE_MISMATCH)[0]
     _assert_out_of_step_everywhere(outcomes, [0, 1])
     assert counters["rejects"] >= 1 and mismatches == counters["rejects"]
+
+
+def test_exponents_without_flags_are_not_taken_for_finite_blocks():
+    """A caller that passes exponents but no flags still gets NaN back, never a garbage sum of a quantized NaN."""
+    from netagg.hoststack import quantization as qz
+    from netagg.hoststack.transport import Transport
+
+    blocks = np.ones((2, wire.K), np.float32)
+    blocks[1, 3] = np.nan
+    with fallback_job(1) as (_, configs), Transport(configs[0]) as transport:
+        sums, exponents, flags = transport.exchange(blocks, qz.block_exponents(blocks))
+    out = qz.dequantize(sums, exponents, 1, flags=flags)
+    assert (out[0] == 1).all() and np.isnan(out[1]).all()
