@@ -1,6 +1,13 @@
-"""The TNA program compiles for Tofino 1 with the open-source Tofino compiler and fits it."""
+"""The TNA program compiles for Tofino 1 with the open-source Tofino compiler and fits it.
+
+Without bf-p4c the source-level checks below still run: the stateful ALUs the design expects
+(one per register), the four-RegisterAction limit of an ALU, and the tree paths
+(docs/tofino.md, "Tree paths") with the v1model program's control-plane names.
+"""
 
 import json
+import re
+from collections import Counter
 
 import pytest
 
@@ -15,8 +22,96 @@ from netagg.bmv2.tna_build import (
 from netagg.p4info import load_p4info
 
 #: 32 value pairs; slot owner, two pools' rounds, bitmap (paired with the round's members: subset
-#: rounds add no ALU), count and exponent; the round's exchange and flags (protocol version 3).
-EXPECTED_STATEFUL_ALUS = 32 + 8
+#: rounds add no ALU), count and exponent; the round's exchange and flags (protocol version 3);
+#: level_state (a tree of switches: OPEN / UP / FINAL per slot and pool).
+EXPECTED_STATEFUL_ALUS = 32 + 9
+#: A Tofino 1 stateful ALU holds at most four RegisterActions (stateful instructions).
+MAX_REGISTER_ACTIONS = 4
+
+TNA_DIR = dp.P4SRC_DIR / "tna"
+#: The tree paths' control-plane objects, named as in the v1model program (and its P4Info).
+TREE_TABLES = (dp.TABLE_UP_LINKS, dp.TABLE_DOWN_LINKS)
+TYPE_WIDTHS = {"port_t": 9, "mac_addr_t": 48, "ipv4_addr_t": 32}
+
+
+def _tna_sources() -> str:
+    return "\n".join(p.read_text() for p in sorted(TNA_DIR.rglob("*.p4")))
+
+
+def _macro_bodies(text: str) -> dict[str, str]:
+    """Every function-like #define: name -> body (continuation lines joined)."""
+    joined = text.replace("\\\n", " ")
+    return dict(re.findall(r"^#define (\w+)\([^)]*\)(.*)$", joined, re.M))
+
+
+def _expansions(text: str, macros: dict[str, str], name: str) -> int:
+    """How often macro `name` is expanded: direct uses, and uses through a FOR_EACH_* list macro."""
+    uses = text.replace("\\\n", " ")
+    uses = "\n".join(line for line in uses.splitlines() if not line.startswith("#define"))
+    count = len(re.findall(rf"\b{name}\(", uses))
+    for lister, body in macros.items():
+        if lister.startswith("FOR_EACH_"):
+            count += len(re.findall(rf"\b{lister}\({name}\)", uses)) * len(re.findall(r"\bM\(", body))
+    return count
+
+
+def _registers(text: str) -> Counter:
+    """Register name (a macro's with its ## left in) -> how many instances the program has."""
+    macros = _macro_bodies(text)
+    instances: Counter = Counter()
+    for name in re.findall(r"\bRegister<.*?>\(.*?\)\s+([\w#]+)\s*;", text):
+        if "##" in name:
+            macro = next(m for m, body in macros.items() if re.search(rf"\s{re.escape(name)}\s*;", body))
+            instances[name] += _expansions(text, macros, macro)
+        else:
+            instances[name] += 1
+    return instances
+
+
+def test_source_has_one_stateful_alu_per_register():
+    """Each Register is one stateful ALU; the design's count, each within an ALU's four actions."""
+    text = _tna_sources()
+    registers = _registers(text)
+    assert sum(registers.values()) == EXPECTED_STATEFUL_ALUS, registers
+    assert registers["value_##i"] == 32 and registers["round_pool##p"] == 2
+    actions = Counter(re.findall(r"\bRegisterAction<.*?>\(([\w#]+)\)\s+[\w#]+\s*=", text))
+    assert set(actions) == set(registers)
+    for name, count in actions.items():
+        assert 1 <= count <= MAX_REGISTER_ACTIONS, (name, count)
+
+
+def _width(type_name: str) -> int:
+    match = re.fullmatch(r"bit<(\d+)>", type_name)
+    return int(match.group(1)) if match else TYPE_WIDTHS[type_name]
+
+
+def test_source_has_the_tree_paths():
+    """up_links, down_links and level_state, as the v1model program names them; the tree port parsed."""
+    text = _tna_sources()
+    info = load_p4info(dp.P4INFO_PATH)
+    actions = {a.preamble.id: a for a in info.actions}
+    for table in (t for t in info.tables if t.preamble.name in TREE_TABLES):
+        control, short = table.preamble.name.split(".")[1:]
+        # The control instance keeps the v1model name, so that the bfrt name is the P4Info's.
+        assert re.search(rf"^    \w+\(\) {control};$", text, re.M), control
+        body = re.search(rf"\btable {short} \{{(.*?)\n    \}}", text, re.S)
+        assert body, f"no table {short} in the TNA program"
+        assert re.findall(r'@name\("(\w+)"\)', body.group(1)) == [m.name for m in table.match_fields], short
+        assert re.search(rf"\b{short}\.apply\(\)", text), short
+        for ref in table.action_refs:
+            action = actions[ref.id]
+            name = action.preamble.name.rsplit(".", 1)[1]
+            declared = re.search(rf"\baction {name}\((.*?)\)", text, re.S)
+            assert declared, f"no action {name} in the TNA program"
+            params = [p.strip().rsplit(" ", 1) for p in declared.group(1).split(",") if p.strip()]
+            assert [(n, _width(t)) for t, n in params] == [(p.name, p.bitwidth) for p in action.params], name
+    assert len([t for t in info.tables if t.preamble.name in TREE_TABLES]) == len(TREE_TABLES)
+    register = next(r for r in info.registers if r.preamble.name == dp.REGISTER_LEVEL_STATE)
+    assert re.search(r"\bLevelState\(\) level_state;", text)
+    declared = re.search(r"\bRegister<bit<(\d+)>, pool_reg_index_t>\(NUM_POOL_SLOTS, \w+\) level_state;", text)
+    assert declared and int(declared.group(1)) == register.type_spec.bitstring.bit.bitwidth
+    parser = (TNA_DIR / "parser.p4").read_text()
+    assert re.search(r"NETAGG_TREE_UDP_PORT:\s*parse_netagg;", parser)
 
 
 def test_compiler_warnings_are_split_from_target_notes():

@@ -9,6 +9,9 @@
 #define DELIVER_NONE 0
 #define DELIVER_GROUP 1
 #define DELIVER_SENDER 2
+/* A tree of switches: the partial to the parent, fresh or (RETRANSMIT) a resend's (UpFinish). */
+#define DELIVER_UP 3
+#define DELIVER_UP_RESEND 4
 
 /* The recirculation port in each pipe is (pipe << 7) | RECIRC_PORT_LOCAL (Tofino 1: 68). */
 #define RECIRC_PORT_LOCAL 68

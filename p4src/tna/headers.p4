@@ -17,9 +17,9 @@ header bridge_h {
  * pairs do in the next pass, and where the packet goes after it. */
 header recirc_h {
     bit<16> value_op;     /* OP_WRITE / OP_MERGE / OP_READ (pass 2), OP_READ_HI (pass 3) */
-    bit<16> deliver;      /* DELIVER_*: absorbed, to the job's group, or back to the sender */
+    bit<16> deliver;      /* DELIVER_*: absorbed, to the job's group, back to the sender, or up */
     bit<16> mgid;
-    bit<16> port;         /* the sender's port */
+    bit<16> port;         /* the sender's port, or (DELIVER_UP*) the up port */
     bit<16> slot_index;   /* absolute slot */
     bit<16> pool;
 }
@@ -95,6 +95,17 @@ struct ingress_metadata_t {
     bit<8> flags_keep;         /* flags & ~ROUND_FLAGS, taken in stage 0 */
     bit<8> flags_in;           /* what the packet ORs into round_flags */
     bit<8> flags_out;          /* what round_flags' old value is ORed with to make the packet's flags */
+    /* A tree of switches (tree_links.p4). */
+    bit<16> local_job;         /* the job the packet counts for: its job id, or down_links' local job */
+    bit<1> down;               /* a parent's result, for the local job local_job */
+    bit<1> has_up;             /* the job's up link, from up_links */
+    port_t up_port;
+    bit<16> up_job;
+    bit<8> up_rank;
+    mac_addr_t up_mac;
+    ipv4_addr_t up_addr;
+    bit<8> level;              /* LEVEL_* the packet found, where LevelState returns it (see there) */
+    bit<1> to_up;              /* send the partial (or its resend) to the parent */
 }
 
 struct egress_metadata_t {

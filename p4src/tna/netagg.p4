@@ -7,7 +7,12 @@
  * writes, adds or reads the 32 value pairs; a result recirculates once more for the pairs'
  * high words (a Tofino 1 ALU returns 32 bits per access). See docs/tofino.md for the
  * compiler's resource report. Pass 1 also keeps each round's collective (ExchangeCheck) and the
- * OR of its round flags (RoundFlags), as the v1model program does. */
+ * OR of its round flags (RoundFlags), as the v1model program does. In a tree of switches
+ * (tree_links.p4), a segment with an up link sends its completed partial to the parent instead
+ * of its group, and a parent's result coming down (a RESULT from the parent on the up port)
+ * is stored and sent to the local group: its job is known from down_links in pass 1's first
+ * stage, it passes the same checks and registers read-only up to LevelState, and an accepted
+ * one goes through pass 2 like a first contribution (its values written) to the group. */
 #include <core.p4>
 #include <tna.p4>
 
@@ -28,6 +33,7 @@
 #include "tna/control/round_flags.p4"
 #include "tna/control/value_sum.p4"
 #include "tna/control/result_delivery.p4"
+#include "tna/control/tree_links.p4"
 #include "tna/control/ipv4_forward.p4"
 
 typedef bit<10> job_index_t;
@@ -47,6 +53,7 @@ control NetaggIngress(inout tna_headers_t hdr,
     Counter<bit<32>, job_index_t>(MAX_JOBS, CounterType_t.PACKETS) job_retransmit_results;
     Counter<bit<32>, job_index_t>(MAX_JOBS, CounterType_t.PACKETS) job_rejects;
 
+    DownLink() down_link;
     SourceGuard() source_guard;
     WorkerLookup() worker_lookup;
     SlotOwner() slot_owner;
@@ -55,6 +62,8 @@ control NetaggIngress(inout tna_headers_t hdr,
     BitmapCheck() bitmap_check;
     ExchangeCheck() exchange_check;
     WorkerCount() worker_count;
+    UpLink() up_link;
+    LevelState() level_state;
     ExponentMax() exponent_max;
     RoundFlags() round_flags;
     ValueSum() value_sum;
@@ -62,6 +71,8 @@ control NetaggIngress(inout tna_headers_t hdr,
     RecircPrepare() recirc_prepare;
     Recirculate() recirculate;
     ResultRelease() result_release;
+    UpDelivery() up_delivery;
+    UpFinish() up_finish;
     Ipv4Forward() ipv4_forward;
 
     /* The sender's bit as it was before this packet (0: fresh). A table, so that the compiler
@@ -81,7 +92,6 @@ control NetaggIngress(inout tna_headers_t hdr,
         hdr.bridge.setValid();
         hdr.bridge.to_group = 0;
         hdr.bridge.mgid = 0;
-        job_index_t job = (job_index_t)hdr.netagg.job_id;
 
         if (hdr.recirc.isValid()) {
             /* Pass 2 (W/M/R) or 3 (READ_HI): the value pairs (below), then onwards. */
@@ -96,14 +106,26 @@ control NetaggIngress(inout tna_headers_t hdr,
                 hdr.recirc.value_op = OP_READ_HI;
                 ig_tm_md.ucast_egress_port = RECIRC_PORT_OF(ig_intr_md.ingress_port);
             } else {
-                result_delivery.apply(hdr);
+                if (hdr.recirc.deliver == DELIVER_UP || hdr.recirc.deliver == DELIVER_UP_RESEND) {
+                    up_finish.apply(hdr);
+                } else {
+                    result_delivery.apply(hdr);
+                }
                 result_release.apply(hdr, ig_tm_md);
+                /* The last pass set the TTL (and addresses): the checksum is recomputed here,
+                 * since a unicast packet's egress does not parse IPv4. */
+                meta.update_checksum = 1;
             }
         } else {
-            /* Pass 1. Lookups and flags first, all independent of each other; then one
-             * decision chain sets drop_reason once on every path. */
+            /* Pass 1. Lookups and flags first, all independent of each other but the jobs
+             * table, which is keyed by DownLink's local job; then one decision chain sets
+             * drop_reason once on every path. */
+            down_link.apply(hdr, ig_intr_md.ingress_port, meta);
+            /* The per-job counters' index: the packet's job, or a parent's result's local job. */
+            job_index_t job = (job_index_t)meta.local_job;
             source_guard.apply(hdr, ig_intr_md.ingress_port, meta);
             worker_lookup.apply(hdr, ig_intr_md.ingress_port, meta);
+            up_link.apply(hdr, meta);
             recirc_prepare.apply(hdr, meta, ig_intr_md.ingress_port);
             member_count.apply(hdr, meta);
             meta.round_behind = hdr.netagg.round - 2;
@@ -128,10 +150,11 @@ control NetaggIngress(inout tna_headers_t hdr,
             } else if (!hdr.ipv4.isValid()) {
                 meta.drop_reason = DROP_NOT_IPV4;
                 ig_dprsr_md.drop_ctl = 1;
-            } else if (hdr.udp.isValid() && hdr.udp.src_port == NETAGG_UDP_PORT) {
+            } else if (meta.down == 0 && hdr.udp.isValid() && hdr.udp.src_port == NETAGG_UDP_PORT) {
+                /* (A parent's result comes from the netagg port: SourceGuard does not apply to it.) */
                 meta.drop_reason = DROP_SPOOFED_SOURCE;
                 ig_dprsr_md.drop_ctl = 1;
-            } else if (meta.spoof_address == 1 || meta.spoof_port == 1) {
+            } else if (meta.down == 0 && (meta.spoof_address == 1 || meta.spoof_port == 1)) {
                 meta.drop_reason = DROP_SPOOFED_SOURCE;
                 ig_dprsr_md.drop_ctl = 1;
             } else if (!hdr.netagg.isValid()) {
@@ -142,13 +165,13 @@ control NetaggIngress(inout tna_headers_t hdr,
             } else if (meta.bad_shape == 1) {
                 meta.drop_reason = DROP_MALFORMED;
                 ig_dprsr_md.drop_ctl = 1;
-            } else if ((hdr.netagg.flags & FLAG_RESULT) != 0) {
+            } else if ((hdr.netagg.flags & FLAG_RESULT) != 0 && meta.down == 0) {
                 meta.drop_reason = DROP_RESULT_FROM_HOST;
                 ig_dprsr_md.drop_ctl = 1;
             } else if (meta.job_hit == 0) {
                 meta.drop_reason = DROP_UNKNOWN_JOB;
                 ig_dprsr_md.drop_ctl = 1;
-            } else if (meta.worker_hit == 0) {
+            } else if (meta.worker_hit == 0 && meta.down == 0) {
                 meta.drop_reason = DROP_UNKNOWN_WORKER;
                 ig_dprsr_md.drop_ctl = 1;
                 meta.reject = 1;
@@ -160,36 +183,57 @@ control NetaggIngress(inout tna_headers_t hdr,
                 meta.drop_reason = DROP_BAD_POOL;
                 ig_dprsr_md.drop_ctl = 1;
                 meta.reject = 1;
-            } else if (meta.rank_mismatch == 1) {
+            } else if (meta.rank_mismatch == 1 && meta.down == 0) {
                 meta.drop_reason = DROP_RANK_MISMATCH;
                 ig_dprsr_md.drop_ctl = 1;
                 meta.reject = 1;
-            } else if (meta.not_member == 1) {
+            } else if (meta.not_member == 1 && meta.down == 0) {
                 meta.drop_reason = DROP_NOT_A_MEMBER;
                 ig_dprsr_md.drop_ctl = 1;
                 meta.reject = 1;
             } else {
                 slot_owner.apply(meta);
                 round_check.apply(hdr, meta);
-                if (meta.stale == 0 && meta.round_ahead[15:15] == 1) {
-                    /* A copy of a round that has been superseded: harmless, dropped. */
+                if ((meta.down == 0 && meta.stale == 0 && meta.round_ahead[15:15] == 1)
+                        || (meta.down == 1 && (meta.stale == 1 || meta.round_ahead != 0))) {
+                    /* A copy of a round that has been superseded, or a parent's result that is
+                     * not for the current round of a slot this job owns: harmless, dropped. */
                     job_duplicates.count(job);
                     ig_dprsr_md.drop_ctl = 1;
                 } else {
-                    bitmap_check.apply(hdr, meta);
-                    exchange_check.apply(hdr, meta);
-                    sender_bit.apply();
-                    if (meta.sender_seen == 0) {
-                        meta.fresh = 1;
+                    if (meta.down == 0) {
+                        bitmap_check.apply(hdr, meta);
+                        exchange_check.apply(hdr, meta);
+                        sender_bit.apply();
+                        if (meta.sender_seen == 0) {
+                            meta.fresh = 1;
+                        }
                     }
-                    if (meta.first == 0 && meta.bitmap_before == 0) {
+                    if (meta.down == 0 && meta.first == 0 && meta.bitmap_before == 0) {
                         /* Other members than the round started with: nothing changed. */
                         meta.drop_reason = DROP_MEMBERS_MISMATCH;
                         ig_dprsr_md.drop_ctl = 1;
                         meta.reject = 1;
                     } else {
-                        worker_count.apply(meta);
-                        if (meta.fresh == 1 && meta.late == 0) {
+                        if (meta.down == 0) {
+                            worker_count.apply(meta);
+                        }
+                        /* A parent's result: UP -> FINAL; a contribution: OPEN / UP (tree_links.p4). */
+                        level_state.apply(meta);
+                        if (meta.down == 1) {
+                            if (meta.level == LEVEL_UP) {
+                                /* The parent's result replaces the partial (values, exponent and
+                                 * round flags) and goes to the local group, as the local job's. */
+                                hdr.netagg.job_id = meta.local_job;
+                                meta.value_op = OP_WRITE;
+                                meta.flags_in = hdr.netagg.flags & ROUND_FLAGS;
+                                meta.to_group = 1;
+                                job_results.count(job);
+                            } else {
+                                /* Not sent up yet, or already FINAL (a second copy): nothing changes. */
+                                job_duplicates.count(job);
+                            }
+                        } else if (meta.fresh == 1 && meta.late == 0) {
                             if (meta.exchange_mismatch == 1) {
                                 /* Another collective's contribution: not added, the round marked
                                  * OUT_OF_STEP; it still counts towards completion, and if it
@@ -213,13 +257,24 @@ control NetaggIngress(inout tna_headers_t hdr,
                                 }
                             }
                             if (meta.complete == 1) {
-                                meta.to_group = 1;
-                                job_results.count(job);
+                                if (meta.has_up == 1) {
+                                    /* Not the root of the job's tree: the partial goes to the parent. */
+                                    meta.to_up = 1;
+                                } else {
+                                    meta.to_group = 1;
+                                    job_results.count(job);
+                                }
                             }
                         } else if (meta.fresh == 0 && meta.complete == 1) {
+                            /* A resend to a complete round: the stored result back to the sender,
+                             * or, while the parent's result is outstanding, the partial to the
+                             * parent again. */
                             meta.value_op = OP_READ;
                             meta.flags_out = meta.flags_keep;
                             job_retransmit_results.count(job);
+                            if (meta.has_up == 1 && meta.level != LEVEL_FINAL) {
+                                meta.to_up = 1;
+                            }
                         } else {
                             job_duplicates.count(job);
                         }
@@ -231,6 +286,9 @@ control NetaggIngress(inout tna_headers_t hdr,
                         } else {
                             exponent_max.apply(hdr, meta);
                             recirculate.apply(hdr, meta, ig_intr_md, ig_tm_md);
+                            if (meta.to_up == 1) {
+                                up_delivery.apply(hdr, meta);
+                            }
                         }
                     }
                 }

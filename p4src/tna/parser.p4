@@ -1,6 +1,7 @@
 /* netagg: TNA parsers and deparsers. The ingress parser reads the same headers as the
- * v1model parser (netagg iff IPv4 without options, UDP, to NETAGG_UDP_PORT), plus the
- * recirc header of a result's second pass, which only the recirculation port carries.
+ * v1model parser (netagg iff IPv4 without options, UDP, to NETAGG_UDP_PORT or
+ * NETAGG_TREE_UDP_PORT: a parent switch's results, tree_links.p4), plus the recirc header of
+ * a recirculated pass, which only the recirculation port carries.
  * The egress parser reads the bridge header and, for a group copy, the headers the
  * egress rewrites; the rest of the packet passes through as payload. */
 #ifndef _NETAGG_TNA_PARSER_P4_
@@ -59,6 +60,16 @@ parser NetaggIngressParser(packet_in packet,
         meta.flags_keep = 0;
         meta.flags_in = 0;
         meta.flags_out = 0;
+        meta.local_job = 0;
+        meta.down = 0;
+        meta.has_up = 0;
+        meta.up_port = 0;
+        meta.up_job = 0;
+        meta.up_rank = 0;
+        meta.up_mac = 0;
+        meta.up_addr = 0;
+        meta.level = 0;
+        meta.to_up = 0;
         packet.extract(ig_intr_md);
         packet.advance(PORT_METADATA_SIZE);
         transition select(ig_intr_md.ingress_port[6:0]) {
@@ -98,6 +109,7 @@ parser NetaggIngressParser(packet_in packet,
         packet.extract(hdr.udp);
         transition select(hdr.udp.dst_port) {
             NETAGG_UDP_PORT: parse_netagg;
+            NETAGG_TREE_UDP_PORT: parse_netagg;
             default: accept;
         }
     }

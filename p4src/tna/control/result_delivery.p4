@@ -3,7 +3,8 @@
  *   aggregator address (for the job's group, or back to a resending sender).
  * Ingress, pass 1 and 2 (Recirculate): the packet goes to its pipe's recirculation port with
  *   a recirc header saying what the value pairs do next and where it goes afterwards.
- * Ingress, last pass (ResultRelease): the sums are complete; send the packet where pass 1 said.
+ * Ingress, last pass (ResultRelease): the sums are complete; send the packet where pass 1 said
+ *   (for a partial going up the tree: out of the up port, see tree_links.p4).
  * Egress (ResultRewrite): each replica of a group copy gets its receiver's MAC, IPv4 address
  *   and UDP port from replicas[(mgid, rid)]; mgid comes bridged from ingress. */
 #ifndef _NETAGG_TNA_RESULT_DELIVERY_P4_
@@ -47,10 +48,19 @@ control Recirculate(inout tna_headers_t hdr, in ingress_metadata_t meta,
     apply {
         hdr.recirc.setValid();
         hdr.recirc.value_op = (bit<16>)meta.value_op;
-        if (meta.complete == 0) {
-            hdr.recirc.deliver = DELIVER_NONE;
-        } else if (meta.to_group == 1) {
+        /* to_group first: a parent's accepted result (tree_links.p4) goes to the group without
+         * completing anything here; a completed round's packet has to_group or to_up set, or is a
+         * resend's answer. */
+        if (meta.to_group == 1) {
             hdr.recirc.deliver = DELIVER_GROUP;
+        } else if (meta.to_up == 1) {
+            if (meta.fresh == 1) {
+                hdr.recirc.deliver = DELIVER_UP;
+            } else {
+                hdr.recirc.deliver = DELIVER_UP_RESEND;
+            }
+        } else if (meta.complete == 0) {
+            hdr.recirc.deliver = DELIVER_NONE;
         } else {
             hdr.recirc.deliver = DELIVER_SENDER;
         }

@@ -1,7 +1,12 @@
 /* netagg (TNA): which job and worker sent this packet, and may it touch the slot it names?
- * Same tables as v1model/control/worker_lookup.p4. Both lookups run unconditionally in the
- * first stage and only set their own outputs (hits, action data, the absolute slot and the
- * slot's room); the ingress's decision chain turns misses and mismatches into drop reasons.
+ * Same tables as v1model/control/worker_lookup.p4. Both lookups run unconditionally and only
+ * set their own outputs (hits, action data, the absolute slot and the slot's room); the
+ * ingress's decision chain turns misses and mismatches into drop reasons. workers runs in the
+ * first stage on the packet's job id; jobs is keyed by meta.local_job, which is the packet's
+ * job id or, for a parent's result coming down, down_links' local job (tree_links.p4; the
+ * v1model program rewrites hdr.netagg.job_id before its jobs lookup), so it runs one stage
+ * after down_links. A parent's result needs only the job: the decision chain ignores the
+ * worker miss and the sender checks for it (meta.down), as the v1model program skips them.
  * The range test is a subtraction whose sign a gateway reads (a gateway compares two fields
  * for equality, not order); with slot < NUM_SLOTS (which the controller's slot_base +
  * slot_count <= NUM_SLOTS implies) 16 bits hold it. A subset round's sender outside its members
@@ -27,7 +32,7 @@ control WorkerLookup(in tna_headers_t hdr, in port_t ingress_port, inout ingress
 
     table jobs {
         key = {
-            hdr.netagg.job_id: exact @name("job_id");
+            meta.local_job: exact @name("job_id");
         }
         actions = {
             set_job;
