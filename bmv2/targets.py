@@ -19,6 +19,7 @@ from pathlib import Path
 
 from netagg.bmv2.netns import ns_exec
 from netagg.localports import free_ports
+from netagg.softswitch.faults import Faults
 
 #: soft: the software target with its default engine (the compiled fast path where it can run);
 #: soft-ref: the software target on its readable reference model; soft-sharded: its fast path in
@@ -39,25 +40,6 @@ def bmv2_missing() -> str | None:
     if missing:
         return f"{' and '.join(missing)} not on PATH (install p4lang's p4c and behavioral-model packages)"
     return None
-
-
-@dataclass
-class FaultOptions:
-    """Fault injection of the software target (fractions of packets)."""
-
-    drop: float = 0.0
-    duplicate: float = 0.0
-    reorder: float = 0.0
-    seed: int = 1
-    burst: float = 0.0
-    burst_length: int = 64
-
-    def args(self) -> list[str]:
-        if not (self.drop or self.duplicate or self.reorder or self.burst):
-            return []
-        return ["--drop", str(self.drop), "--duplicate", str(self.duplicate),
-                "--reorder", str(self.reorder), "--seed", str(self.seed),
-                "--burst", str(self.burst), "--burst-length", str(self.burst_length)]
 
 
 @dataclass
@@ -94,7 +76,7 @@ def _bmv2_has_thrift() -> bool:
 
 
 def target_command(kind: str, interfaces: Mapping[int, str], grpc_address: str, device_id: int = 1,
-                   loopback: str | None = None, faults: FaultOptions | None = None,
+                   loopback: str | None = None, faults: Faults | None = None,
                    shards: int | None = None) -> list[str]:
     """The command line that starts ``kind`` on ``interfaces`` ({port: ifname}); ``shards``: the software
     target's pipeline shards (None: its default, or SHARDED_SHARDS for soft-sharded)."""
@@ -127,7 +109,7 @@ def target_command(kind: str, interfaces: Mapping[int, str], grpc_address: str, 
 
 def start_target(kind: str, interfaces: Mapping[int, str], log_path: Path, grpc_address: str | None = None,
                  namespace: str | None = None, device_id: int = 1, loopback: str | None = None,
-                 faults: FaultOptions | None = None, ready_timeout: float = 20.0,
+                 faults: Faults | None = None, ready_timeout: float = 20.0,
                  shards: int | None = None) -> TargetProcess:
     """Start the target (inside ``namespace`` if given) and wait until P4Runtime answers."""
     if kind == "bmv2" and (reason := bmv2_missing()):

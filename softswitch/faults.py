@@ -97,3 +97,30 @@ class FaultInjector(Generic[T]):
         """Release packets held back for reordering."""
         held, self._held = self._held, []
         return held
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Fractions of packets dropped, duplicated and reordered, in and out; seeded."""
+
+    drop: float = 0.0
+    duplicate: float = 0.0
+    reorder: float = 0.0
+    seed: int = 1
+    #: Fraction of packets that start a burst of ``burst_length`` lost packets (a lost GSO send).
+    burst: float = 0.0
+    burst_length: int = 64
+
+    def args(self) -> list[str]:
+        """The ``netagg-softswitch`` options that inject these faults (none when there are none)."""
+        if not (self.drop or self.duplicate or self.reorder or self.burst):
+            return []
+        return ["--drop", str(self.drop), "--duplicate", str(self.duplicate), "--reorder", str(self.reorder),
+                "--seed", str(self.seed), "--burst", str(self.burst), "--burst-length", str(self.burst_length)]
+
+    def injectors(self) -> tuple[FaultInjector, FaultInjector]:
+        rx = FaultInjector(self.drop, self.duplicate, self.reorder, seed=self.seed, burst=self.burst,
+                           burst_length=self.burst_length)
+        tx = FaultInjector(self.drop, self.duplicate, self.reorder, seed=self.seed + 1, burst=self.burst,
+                           burst_length=self.burst_length)
+        return rx, tx

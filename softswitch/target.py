@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from netagg import dataplane as dp
 from netagg.p4info import P4InfoIndex
 from netagg.softswitch import fastpath
-from netagg.softswitch.faults import FaultInjector
+from netagg.softswitch.faults import Faults
 from netagg.softswitch.forwarding_state import ForwardingState
 from netagg.softswitch.p4runtime_server import P4RuntimeDevice, ServerHandle, serve
 from netagg.softswitch.pipeline import NetaggPipeline
@@ -33,26 +32,6 @@ log = logging.getLogger(__name__)
 
 #: Switch port number of the loopback UDP port (the controller's hosts use it).
 LOOPBACK_PORT_NUMBER = 1
-
-
-@dataclass(frozen=True)
-class Faults:
-    """Fractions of packets dropped, duplicated and reordered, in and out; seeded."""
-
-    drop: float = 0.0
-    duplicate: float = 0.0
-    reorder: float = 0.0
-    seed: int = 1
-    #: Fraction of packets that start a burst of ``burst_length`` lost packets (a lost GSO send).
-    burst: float = 0.0
-    burst_length: int = 64
-
-    def injectors(self) -> tuple[FaultInjector, FaultInjector]:
-        rx = FaultInjector(self.drop, self.duplicate, self.reorder, seed=self.seed, burst=self.burst,
-                           burst_length=self.burst_length)
-        tx = FaultInjector(self.drop, self.duplicate, self.reorder, seed=self.seed + 1, burst=self.burst,
-                           burst_length=self.burst_length)
-        return rx, tx
 
 
 ENGINES = ("auto", "fast", "reference")
