@@ -133,9 +133,9 @@ class KVWorker:
     def pushpull(self, keys: Sequence[int] | int, values: Sequence[Any] | Any,
                  out: Sequence[np.ndarray] | None = None) -> int:
         """push then pull the same keys; ``wait(ts)`` returns the pulled values."""
-        if out is not None and len(out) != len(_listify(keys, values)[0]):
-            self._refuse(ValueError(f"{len(_listify(keys, values)[0])} keys but {len(out)} output arrays"))
         layout, blocks, exponents, flags = self._pack(keys, values)
+        if out is not None and len(out) != len(layout.keys):
+            self._refuse(ValueError(f"{len(layout.keys)} keys but {len(out)} output arrays"))
         return self._submit(self._pushpull, layout, blocks, exponents, flags, out)
 
     def wait(self, ts: int, timeout: float | None = None) -> Any:

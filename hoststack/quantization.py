@@ -123,6 +123,16 @@ def inspect(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     return exponents.astype(np.int8), flags
 
 
+def inspected(blocks: np.ndarray, exponents: np.ndarray | None, flags: np.ndarray | None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """``exponents`` and ``flags`` of ``blocks`` as a caller gave them, each computed by :func:`inspect` where not
+    given (exponents alone do not say whether the blocks are finite)."""
+    if exponents is not None and flags is not None:
+        return exponents, flags
+    own_exponents, own_flags = inspect(blocks)
+    return (own_exponents if exponents is None else exponents), own_flags if flags is None else flags
+
+
 def finite_blocks(blocks: np.ndarray, flags: np.ndarray | None) -> np.ndarray:
     """``blocks`` with every NaN and inf replaced by 0 (a copy if ``flags`` marks a block, else ``blocks``)."""
     if flags is None or not flags.any():

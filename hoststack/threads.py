@@ -273,9 +273,7 @@ class ThreadedTransport:
     def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None, *, flags: np.ndarray | None = None,
                  tag: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`Transport.exchange` over the shares: part i of ``blocks`` through share i's slots."""
-        if exponents is None or flags is None:
-            inspected, flags = qz.inspect(blocks)
-            exponents = inspected if exponents is None else exponents
+        exponents, flags = qz.inspected(blocks, exponents, flags)
         parts = split_blocks(blocks.shape[0], self.shares)
         for other, (a, b) in zip(self._others, parts[1:], strict=True):
             other.start(blocks[a:b], exponents[a:b], flags[a:b], tag)

@@ -504,9 +504,7 @@ class Transport:
         whole_job = round_base is None
         sent = self.stats.packets_sent
         try:
-            if exponents is None or flags is None:
-                inspected, flags = qz.inspect(blocks)
-                exponents = inspected if exponents is None else exponents
+            exponents, flags = qz.inspected(blocks, exponents, flags)
             nb = blocks.shape[0] if blocks.ndim == 2 else 0
             ident = wire.exchange_id(self._index if whole_job else round_base, nb, tag)
             if whole_job and self._on_ps:
@@ -723,12 +721,10 @@ class Exchange:
             raise TypeError(f"expected float32 blocks of shape (n, {K}), got {blocks.dtype} {blocks.shape}")
         self.transport = transport
         self.num_blocks = nb = blocks.shape[0]
+        if flags is not None and flags.shape != (nb,):
+            raise ValueError(f"{flags.shape[0]} flags for {nb} blocks")
         #: Non-finite flags of each block (None: all finite); such blocks go with those values 0.
-        if flags is not None and (flags.shape != (nb,) or not flags.any()):
-            if flags.shape != (nb,):
-                raise ValueError(f"{flags.shape[0]} flags for {nb} blocks")
-            flags = None
-        self.block_flags = None if flags is None else flags.astype(np.uint8) & wire.NONFINITE_FLAGS
+        self.block_flags = flags.astype(np.uint8) & wire.NONFINITE_FLAGS if flags is not None and flags.any() else None
         self.blocks = np.ascontiguousarray(qz.finite_blocks(blocks, self.block_flags))
         #: The collective's id (``wire.exchange_id``), in every packet; the round flags of each result block; and
         #: what ``accept_results`` reports of a result out of step: [seen, its exchange id, its slot].
