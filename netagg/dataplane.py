@@ -95,6 +95,8 @@ class DropReason(IntEnum):
     #: A new contribution naming another collective (``exchange``) than its round's: not added; the round is
     #: marked OUT_OF_STEP (docs/protocol.md, "Collectives out of step").
     EXCHANGE_MISMATCH = 16
+    #: A packet whose ``width`` (a defined code) is not its job's: a slot of another width spans other cells.
+    WRONG_WIDTH = 17
 
 
 class Level(IntEnum):

@@ -6,7 +6,8 @@ constants and codecs from here; ``p4src/shared/headers.p4`` and
 checks that they agree.
 
 A netagg packet is ``Ethernet / IPv4 (no options) / UDP (dst NETAGG_UDP_PORT) /
-netagg header (20 bytes) / K signed 32-bit values``, all in network byte order.
+netagg header (24 bytes) / k signed 32-bit values``, all in network byte order, where k is the
+packet's width: 64 (``K``) or 256 (``WIDE_K``), fixed per job (``width`` names it).
 See ``docs/protocol.md`` for the meaning of every field.
 """
 
@@ -28,8 +29,11 @@ NETAGG_UDP_PORT = 28900
 #: A tree of switches (docs/hierarchy.md): a switch's partials leave for its parent from this port, and the
 #: parent's results come back to it; the switch parses packets to either port as netagg packets.
 NETAGG_TREE_UDP_PORT = 28901
-#: Values per packet (SwitchML's 64): a build constant shared with the P4 program.
+#: Values per narrow packet (SwitchML's 64), and per *cell*: the unit of switch memory (one value register
+#: row per pool). A slot of a job of width k takes ``cells_of(k)`` consecutive cells.
 K = 64
+#: Values per wide packet (SwitchML's 256-element mode): 1 KB of payload, a quarter of the packets.
+WIDE_K = 256
 #: Largest number of workers in one job (one 32-bit bitmap word per slot and pool).
 MAX_WORKERS = 32
 #: Largest number of workers in a job over a tree of switches: 32 members per segment, three levels
@@ -55,9 +59,11 @@ NONFINITE_FLAGS = FLAG_NAN | FLAG_POS_INF | FLAG_NEG_INF
 #: The flags a switch ORs over a round's contributions and returns in its result (``round_flags``).
 ROUND_FLAGS = NONFINITE_FLAGS | FLAG_OUT_OF_STEP
 KNOWN_FLAGS = FLAG_RESULT | FLAG_RETRANSMIT | FLAG_PS_FORWARDED | ROUND_FLAGS
-#: ``width`` codes: values per packet. Version 3 defines 64 (code 0); code 1 (256 values) is reserved for
-#: wide packets and, like any other code, dropped as MALFORMED until a target implements it.
-WIDTHS = {0: 64}
+#: ``width`` codes: values per packet. Any other code is MALFORMED; a packet whose width is not its job's
+#: is refused (``WRONG_WIDTH``).
+WIDTHS = {0: K, 1: WIDE_K}
+#: The code of each width.
+WIDTH_CODES = {k: code for code, k in WIDTHS.items()}
 
 ETH_HEADER_BYTES = 14
 IPV4_HEADER_BYTES = 20
@@ -84,7 +90,7 @@ HEADER_FIELDS: tuple[Field, ...] = (
     Field("pool", 8, False, "pool version of the slot, 0 or 1"),
     Field("rank", 8, False, "sender's rank within the job (0..MAX_WORKERS-1)"),
     Field("exponent", 8, True, "host: local max exponent; result: max over workers"),
-    Field("width", 8, False, "values per packet: WIDTHS[width] (0: 64)"),
+    Field("width", 8, False, "values per packet: WIDTHS[width] (0: 64, 1: 256), the job's"),
     Field("round", 16, False, "the slot's round number: +1 at every new use of the slot (mod 2**16)"),
     Field("seq", 32, False, "block id chosen by the host, echoed unchanged"),
     Field("members", 32, False, "the round's expected contributors, bit r = rank r; 0 = every worker of the job"),
@@ -101,6 +107,7 @@ FIELD_INDEX = {f.name: i for i, f in enumerate(HEADER_FIELDS)}
 FIELD_OFFSETS = {f.name: sum(g.bits for g in HEADER_FIELDS[:i]) // 8 for i, f in enumerate(HEADER_FIELDS)}
 assert HEADER_BYTES == sum(f.bits for f in HEADER_FIELDS) // 8 == 24
 VALUE_BYTES = 4
+#: Sizes of a narrow packet (``K`` values); ``netagg_bytes(k)`` and the functions beside it give any width's.
 PAYLOAD_BYTES = K * VALUE_BYTES
 #: Bytes after the UDP header: netagg header plus values.
 NETAGG_BYTES = HEADER_BYTES + PAYLOAD_BYTES
@@ -113,6 +120,40 @@ SEGMENT_BLOCK_SHIFT = 6
 SEGMENT_BLOCK_SLOTS = 1 << SEGMENT_BLOCK_SHIFT
 IPV4_TOTAL_LENGTH = IPV4_HEADER_BYTES + UDP_LENGTH
 FRAME_BYTES = ETH_HEADER_BYTES + IPV4_TOTAL_LENGTH
+#: The largest frame of any width (receive buffers).
+MAX_FRAME_BYTES = ETH_HEADER_BYTES + IPV4_HEADER_BYTES + UDP_HEADER_BYTES + HEADER_BYTES + WIDE_K * VALUE_BYTES
+
+
+def width_code(k: int) -> int:
+    """The ``width`` code of ``k`` values per packet; ValueError for a width the protocol does not define."""
+    try:
+        return WIDTH_CODES[k]
+    except KeyError:
+        raise ValueError(f"values per packet must be one of {sorted(WIDTH_CODES)}, got {k!r}") from None
+
+
+def cells_of(k: int) -> int:
+    """Switch memory of one slot of width ``k``, in cells of ``K`` values."""
+    width_code(k)
+    return k // K
+
+
+def netagg_bytes(k: int) -> int:
+    """Bytes after the UDP header of a packet of width ``k``."""
+    return HEADER_BYTES + k * VALUE_BYTES
+
+
+def udp_length(k: int) -> int:
+    return UDP_HEADER_BYTES + netagg_bytes(k)
+
+
+def ipv4_total_length(k: int) -> int:
+    return IPV4_HEADER_BYTES + udp_length(k)
+
+
+def frame_bytes(k: int) -> int:
+    """A whole Ethernet frame (no FCS) of width ``k``."""
+    return ETH_HEADER_BYTES + ipv4_total_length(k)
 
 #: Values as they travel: big-endian signed 32-bit.
 WIRE_VALUE_DTYPE = np.dtype(">i4")
@@ -148,25 +189,29 @@ class Header:
 
 
 def pack(header: Header, values: np.ndarray) -> bytes:
-    """Encode one netagg message (the UDP payload): header plus exactly K int32 values."""
-    if values.shape != (K,):
-        raise ValueError(f"a netagg packet carries exactly {K} values, got shape {values.shape}")
+    """Encode one netagg message (the UDP payload): header plus exactly ``WIDTHS[header.width]`` int32 values."""
+    k = WIDTHS.get(header.width)
+    if k is None or values.shape != (k,):
+        raise ValueError(f"a netagg packet of width code {header.width} carries {k} values, got shape {values.shape}")
     return header.pack() + values.astype(WIRE_VALUE_DTYPE, copy=False).tobytes()
 
 
 def unpack(payload: bytes | memoryview) -> tuple[Header, np.ndarray]:
-    """Decode one netagg message; raises MalformedPacket on a wrong size or version."""
-    if len(payload) != NETAGG_BYTES:
-        raise MalformedPacket(f"netagg message must be {NETAGG_BYTES} bytes, got {len(payload)}")
+    """Decode one netagg message; raises MalformedPacket on a wrong size, version, pool or width code."""
+    if len(payload) < HEADER_BYTES:
+        raise MalformedPacket(f"netagg message shorter than its {HEADER_BYTES}-byte header: {len(payload)} bytes")
     fields = HEADER_STRUCT.unpack_from(payload, 0)
     header = Header(**{f.name: v for f, v in zip(HEADER_FIELDS, fields, strict=True)})
     if header.version != VERSION:
         raise MalformedPacket(f"netagg version {header.version}, expected {VERSION}")
+    k = WIDTHS.get(header.width)
+    if k is None:
+        raise MalformedPacket(f"width code {header.width} is not one of {sorted(WIDTHS)}")
+    if len(payload) != netagg_bytes(k):
+        raise MalformedPacket(f"netagg message of {k} values must be {netagg_bytes(k)} bytes, got {len(payload)}")
     if header.pool >= NUM_POOLS:
         raise MalformedPacket(f"pool {header.pool} out of range")
-    if WIDTHS.get(header.width) != K:
-        raise MalformedPacket(f"width code {header.width}: this build carries {K} values per packet")
-    values = np.frombuffer(payload, dtype=WIRE_VALUE_DTYPE, count=K, offset=HEADER_BYTES)
+    values = np.frombuffer(payload, dtype=WIRE_VALUE_DTYPE, count=k, offset=HEADER_BYTES)
     return header, values.astype(np.int32)
 
 
@@ -174,7 +219,8 @@ def layout() -> str:
     """The wire layout as one line: version, values per packet and every header field (name:bits, ``s`` when
     signed), in wire order. Compiled kernels state the line they were written for (:func:`check_compiled_layout`)."""
     fields = ",".join(f"{f.name}:{f.bits}{'s' if f.signed else ''}" for f in HEADER_FIELDS)
-    return f"v{VERSION} K={K} {fields}"
+    widths = ",".join(str(WIDTHS[c]) for c in sorted(WIDTHS))
+    return f"v{VERSION} K={K} widths={widths} {fields}"
 
 
 def check_compiled_layout(module: str, written_for: str) -> None:
@@ -235,10 +281,10 @@ def ipv4_checksum(header: bytes) -> int:
     return ~total & 0xFFFF
 
 
-def payload_efficiency(ethernet_overhead: int = 24) -> float:
-    """Share of gradient payload in each frame on the wire.
+def payload_efficiency(ethernet_overhead: int = 24, k: int = K) -> float:
+    """Share of gradient payload in each frame of width ``k`` on the wire.
 
     ``ethernet_overhead`` counts what the frame bytes leave out: preamble and
     start delimiter (8), frame check sequence (4) and inter-frame gap (12).
     """
-    return PAYLOAD_BYTES / (FRAME_BYTES + ethernet_overhead)
+    return k * VALUE_BYTES / (frame_bytes(k) + ethernet_overhead)

@@ -7,8 +7,12 @@
 #define NETAGG_UDP_PORT 28900
 /* A tree of switches: up packets leave from it, the parent's results come back to it (docs/hierarchy.md). */
 #define NETAGG_TREE_UDP_PORT 28901
-/* Values per packet. FOR_EACH_VALUE below must list exactly NETAGG_K indices. */
+/* Values per narrow packet and per cell (the unit of value registers). FOR_EACH_VALUE below must
+ * list exactly NETAGG_K indices. A wide packet carries NETAGG_WIDE_K values: NETAGG_WIDE_CELLS cells,
+ * consecutive in the job's range (docs/protocol.md, "Wide packets"). */
 #define NETAGG_K 64
+#define NETAGG_WIDE_K 256
+#define NETAGG_WIDE_CELLS 4
 #define MAX_WORKERS 32
 /* Aggregation slots per pool; every slot has NUM_POOLS shadow copies. */
 #define NUM_SLOTS 4096
@@ -25,11 +29,14 @@
 #define TREE_LINK_TABLE_SIZE 1024
 #define DROP_REASONS 32
 
-/* Expected lengths of a netagg packet (no IPv4 options): UDP 8 + netagg 24 + NETAGG_K * 4. */
+/* Expected lengths of a netagg packet (no IPv4 options): UDP 8 + netagg 24 + k * 4. */
 #define NETAGG_UDP_LENGTH 288
 #define NETAGG_IPV4_TOTAL_LENGTH 308
-/* The only width code this program carries (netagg_h.width; wire.WIDTHS): NETAGG_K values. */
+#define NETAGG_WIDE_UDP_LENGTH 1056
+#define NETAGG_WIDE_IPV4_TOTAL_LENGTH 1076
+/* netagg_h.width codes (wire.WIDTHS): NETAGG_K and NETAGG_WIDE_K values; any other is MALFORMED. */
 #define NETAGG_WIDTH 0
+#define NETAGG_WIDTH_WIDE 1
 
 #define ETHERTYPE_IPV4 0x0800
 #define IPPROTO_UDP 17
@@ -72,6 +79,8 @@
  * OUT_OF_STEP; counted here although the packet still counts towards completion (and, if it
  * completes the round, leaves as its result). */
 #define DROP_EXCHANGE_MISMATCH 16
+/* A packet whose width code is not its job's (jobs table): refused, a job reject. */
+#define DROP_WRONG_WIDTH 17
 
 /* How a packet's round number compares with its (slot, pool)'s current round. */
 #define ROUND_SAME 0
