@@ -50,12 +50,12 @@ class DemoResult:
         return len({w["param_checksum"] for w in self.workers}) == 1
 
 
-def _progress(line: str, steps: int, started: float) -> None:
+def _progress(line: str, steps: int, started: float, width: int) -> None:
     record = json.loads(line)
     if "step" not in record:
         return
     step = record["step"] + 1
-    megabytes = record["packets_sent"] * wire.PAYLOAD_BYTES / 1e6
+    megabytes = record["packets_sent"] * width * wire.VALUE_BYTES / 1e6
     print(f"  step {step:4d}/{steps}  loss {record['loss']:.4f}  aggregated {megabytes:7.2f} MB  "
           f"packets {record['packets_sent']:7d}  retransmissions {record['retransmissions']:4d}  "
           f"{time.monotonic() - started:5.1f} s", flush=True)
@@ -86,8 +86,9 @@ def run_demo(workdir: Path, num_workers: int = 4, steps: int = 150, slots: int =
         created = deployment.create_job(deployment.worker_hosts[:num_workers], slots, mode=mode, name="mlp-digits")
         result.job = created["job"]
         job_id = result.job["job_id"]
-        say(f"job {job_id}: {num_workers} workers, mode {result.job['mode']}, slots {result.job['slots']} "
-            f"(admission {created['admission']})")
+        width = int(result.job.get("width", wire.K))
+        say(f"job {job_id}: {num_workers} workers, mode {result.job['mode']}, slots {result.job['slots']} of "
+            f"{width} values (admission {created['admission']})")
         if result.job["mode"] in ("ps", "fallback"):
             deployment.start_ps(created["config_paths"][0], deployment.ps_host,
                                 handle="sgd" if result.job["mode"] == "ps" else "sum", lr=LEARNING_RATE)
@@ -102,7 +103,7 @@ def run_demo(workdir: Path, num_workers: int = 4, steps: int = 150, slots: int =
             if line.startswith('{"final"'):
                 result.workers.append(json.loads(line)["final"])
             elif not quiet:
-                _progress(line, steps, started)
+                _progress(line, steps, started, width)
         for rank, worker in enumerate(workers[1:], start=1):
             out, _ = worker.communicate(timeout=300)
             finals = [json.loads(line)["final"] for line in out.splitlines() if line.startswith('{"final"')]
@@ -159,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  test loss: netagg {rank0['test_loss']:.4f}, reference {result.reference['test_loss']:.4f}")
     print(f"  workers hold identical parameters: {result.workers_agree}")
     print(f"  per worker: {rank0['packets_sent']} packets, {rank0['retransmissions']} retransmissions, "
-          f"{rank0['packets_sent'] * wire.PAYLOAD_BYTES / 1e6:.2f} MB of gradients")
+          f"{rank0['packets_sent'] * int(result.job.get('width', wire.K)) * wire.VALUE_BYTES / 1e6:.2f} MB of "
+          "gradients")
     if result.switch_counters:  # a tree: each switch's own
         for switch, counters in result.switch_counters.items():
             print(f"  switch {switch} counters for the job: " + ", ".join(f"{k}={v}" for k, v in counters.items()))

@@ -47,6 +47,10 @@ class JobRequest:
     ``switch_ps`` (with ``switch_aggregation``): one endpoint per PS node (the primary, then the replicas), on
     that node's host, where it takes part in the job's switch groups: the job's last ranks, so that each
     group's sum reaches the PS from the switch and no worker pushes it (docs/mlfabric.md).
+
+    ``width``: values per packet, 64 or 256 (docs/protocol.md, "Wide packets"); None: the switch target's
+    default (``config.default_width``). ``slots`` counts the job's slots of that width: each takes
+    ``wire.cells_of(width)`` cells of switch memory. A distribution job has its job's width.
     """
 
     name: str
@@ -69,6 +73,7 @@ class JobRequest:
     distribution_ps: Sequence[str] | None = None
     distribution_slots: int | None = None
     switch_ps: Sequence[str] | None = None
+    width: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("workers", "replica_ps", "distribution", "distribution_ps", "switch_ps"):  # JSON lists: frozen
@@ -113,6 +118,7 @@ class JobRequest:
             raise _bad(f"mode {self.mode} needs --ps")
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
             raise _bad(f"slots must be >= 1, got {self.slots}")
+        width = self._width(config)
         if config.topology is not None:
             self._check_for_tree()
         distribution = self._distribution_members(config, workers, ps, replicas)
@@ -122,7 +128,16 @@ class JobRequest:
             raise _bad("lease must be > 0 seconds")
         return ValidJob(self, owner, workers, ps, replicas, distribution,
                         self.slots if self.distribution_slots is None else self.distribution_slots, lease,
-                        switch_members)
+                        switch_members, width)
+
+    def _width(self, config: ControllerConfig) -> int:
+        """The job's width: asked, or the switch target's default."""
+        if self.width is None:
+            return config.default_width
+        if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width not in wire.WIDTH_CODES:
+            raise _bad(f"width must be one of {', '.join(map(str, sorted(wire.WIDTH_CODES)))} (values per packet), "
+                       f"got {self.width!r}")
+        return self.width
 
     def _check_for_tree(self) -> None:
         """A controller of a tree of switches (docs/hierarchy.md) runs synchronous allreduce jobs, with a PS only
@@ -278,19 +293,33 @@ class ValidJob:
     lease: float
     #: The PS chain's ranks in the job's switch groups (``switch_ps``), after the workers'; [] without.
     switch_members: list[WorkerEndpoint] = dataclasses.field(default_factory=list)
+    #: Values per packet, the request's or the target's default (its distribution job's too).
+    width: int = wire.K
+
+    @property
+    def cells(self) -> int:
+        """Cells of switch memory per slot."""
+        return wire.cells_of(self.width)
 
 
 @dataclass(frozen=True)
 class Grant:
-    """The slots one job gets (None: none, fallback mode) and how it was admitted (full, partial, fallback)."""
+    """The cells one job gets (None: none, fallback mode), how it was admitted (full, partial, fallback), and
+    its slots' size in cells (``slot_count`` of them fit)."""
 
     slots: SlotRange | TreeSlots | None
     admission: str
     reason: str
+    cells: int = 1
 
     @property
     def note(self) -> str:
         return f"{self.admission}: {self.reason}"
+
+    @property
+    def slot_count(self) -> int:
+        """The job's own slots in its range (0 in fallback mode)."""
+        return self.slots.count // self.cells if self.slots else 0
 
 
 @dataclass(frozen=True)
@@ -315,52 +344,68 @@ class Admission:
 
 
 def admit(job: ValidJob, allocator: SlotAllocator | TreeAllocator, min_slots: int) -> Admission:
-    """Take the job's slots (and its distribution job's) from the allocator: best effort.
+    """Take the job's cells (and its distribution job's) from the allocator: best effort.
 
-    Fewer slots than asked (at least ``min_slots``) is a partial admission; none at all is fallback
-    mode through the PS, or, without a PS, a refusal (ServiceError capacity_exhausted). A distribution
-    job goes through the switch or not at all: without slots for it, neither job is created.
+    A job of ``slots`` slots of width k needs ``slots * cells_of(k)`` contiguous cells. Fewer slots than asked
+    (a whole number of them, at least ``min_slots``: a minimum in the job's slots) is a partial admission;
+    none at all is fallback mode through the PS, or, without a PS, a refusal (ServiceError
+    capacity_exhausted). A distribution job (of the same width) goes through the switch or not at all:
+    without cells for it, neither job is created.
     """
     request = job.request
     slots, mode, switch_aggregation = request.slots, request.mode, request.switch_aggregation
+    cells = job.cells
     taken: SlotRange | TreeSlots | None = None
     if mode == "fallback":
-        grant = Grant(None, "full", "fallback mode asked for")
+        grant = Grant(None, "full", "fallback mode asked for", cells)
     else:
-        taken = allocator.allocate(slots, min(min_slots, slots))
+        taken = allocator.allocate(slots * cells, min(min_slots, slots) * cells, unit=cells)
         if taken is None:
             if job.ps is None:
                 raise ServiceError("capacity_exhausted", (
-                    f"no range of {min(min_slots, slots)}+ free slots "
-                    f"(largest free: {allocator.largest_free()}) and no --ps to fall back to"))
+                    f"no range of {_need(min(min_slots, slots), job.width)} (largest free: "
+                    f"{_free(allocator, job.width)}) and no --ps to fall back to"))
             mode = "fallback"
-            reason = (f"no range of {min(min_slots, slots)}+ free slots "
-                      f"(largest free: {allocator.largest_free()}); workers aggregate through the PS")
+            reason = (f"no range of {_need(min(min_slots, slots), job.width)} (largest free: "
+                      f"{_free(allocator, job.width)}); workers aggregate through the PS")
             if switch_aggregation:
                 switch_aggregation = False
                 reason += "; no switch aggregation without slots"
-            grant = Grant(None, "fallback", reason)
+            grant = Grant(None, "fallback", reason, cells)
         else:
-            grant = _slots_grant(taken, slots)
+            grant = _slots_grant(taken, slots, cells)
     distribution = None
     if job.distribution is not None:
         want = job.distribution_slots
-        dist_taken = allocator.allocate(want, min(min_slots, want))
+        dist_taken = allocator.allocate(want * cells, min(min_slots, want) * cells, unit=cells)
         if dist_taken is None:
             if taken:
                 allocator.release(taken)
             raise ServiceError("capacity_exhausted", (
-                f"no range of {min(min_slots, want)}+ free slots for the distribution "
-                f"job (largest free: {allocator.largest_free()}); neither job was created"))
-        distribution = _slots_grant(dist_taken, want)
+                f"no range of {_need(min(min_slots, want), job.width)} for the distribution "
+                f"job (largest free: {_free(allocator, job.width)}); neither job was created"))
+        distribution = _slots_grant(dist_taken, want, cells)
     return Admission(mode, switch_aggregation, grant, distribution)
 
 
-def _slots_grant(taken: SlotRange | TreeSlots, wanted: int) -> Grant:
-    if taken.count < wanted:
-        return Grant(taken, "partial", f"{taken.count} of {wanted} slots (largest free range); fewer packets "
-                     "in flight")
-    return Grant(taken, "full", f"{wanted} slots as asked")
+def _need(slots: int, width: int) -> str:
+    """``slots`` free slots of ``width``, said in slots and (for a wide job) cells."""
+    cells = wire.cells_of(width)
+    return f"{slots}+ free slots" if cells == 1 else f"{slots}+ free slots of width {width} ({slots * cells}+ cells)"
+
+
+def _free(allocator: SlotAllocator | TreeAllocator, width: int) -> str:
+    largest = allocator.largest_free()
+    cells = wire.cells_of(width)
+    return str(largest) if cells == 1 else f"{largest} cells, {largest // cells} slots of width {width}"
+
+
+def _slots_grant(taken: SlotRange | TreeSlots, wanted: int, cells: int) -> Grant:
+    got = taken.count // cells
+    if got < wanted:
+        return Grant(taken, "partial", f"{got} of {wanted} slots (largest free range); fewer packets "
+                     "in flight", cells)
+    return Grant(taken, "full", f"{wanted} slots as asked", cells)
 
 
 # -- checking names against the config ---------------------------------------------

@@ -1,4 +1,10 @@
-"""First-fit allocation of contiguous slot ranges, with coalescing of freed ranges."""
+"""First-fit allocation of contiguous ranges of switch memory, with coalescing of freed ranges.
+
+Switch memory is counted in *cells* of ``wire.K`` values (docs/protocol.md, "Wide packets"): every range
+here (``SlotRange``, capacities, ``largest_free``) is in cells. A job of width k takes ``wire.cells_of(k)``
+cells per slot, so it asks for ``slots * cells`` cells with ``unit=cells``: a partial grant is then a whole
+number of its slots.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ class AllocationError(ValueError):
 
 @dataclass(frozen=True, order=True)
 class SlotRange:
-    """``count`` slots starting at ``base``."""
+    """``count`` cells starting at cell ``base`` (for a narrow job, its slots)."""
 
     base: int
     count: int
@@ -23,11 +29,12 @@ class SlotRange:
 
 
 class SlotAllocator:
-    """Free ranges of ``[0, capacity)`` kept sorted and coalesced.
+    """Free ranges of cells ``[0, capacity)`` kept sorted and coalesced.
 
-    ``allocate(want, minimum)`` is best effort, as in ATP: the first free range
-    that holds ``want`` slots, else the largest free range if it holds at least
-    ``minimum``, else None (the caller falls back to the parameter server).
+    ``allocate(want, minimum, unit)`` is best effort, as in ATP: the first free range
+    that holds ``want`` cells, else as much of the largest free range as is a whole
+    number of ``unit``s if that holds at least ``minimum``, else None (the caller
+    falls back to the parameter server).
     """
 
     def __init__(self, capacity: int) -> None:
@@ -41,25 +48,31 @@ class SlotAllocator:
         return tuple(self._free)
 
     @property
-    def free_slots(self) -> int:
+    def free_cells(self) -> int:
         return sum(r.count for r in self._free)
+
+    #: The name from before wide packets (a cell is a narrow slot).
+    free_slots = free_cells
 
     def largest_free(self) -> int:
         return max((r.count for r in self._free), default=0)
 
-    def allocate(self, want: int, minimum: int | None = None) -> SlotRange | None:
-        """Reserve up to ``want`` contiguous slots (at least ``minimum``, default ``want``)."""
-        if want < 1:
-            raise AllocationError(f"cannot allocate {want} slots")
-        minimum = want if minimum is None else minimum
-        if not 1 <= minimum <= want:
-            raise AllocationError(f"minimum {minimum} must be in 1..{want}")
+    def largest_free_units(self, unit: int = 1) -> int:
+        """The most whole ``unit``s (a job's slots of ``unit`` cells each) one free range holds."""
+        return self.largest_free() // unit
+
+    def allocate(self, want: int, minimum: int | None = None, unit: int = 1) -> SlotRange | None:
+        """Reserve up to ``want`` contiguous cells (at least ``minimum``, default ``want``), a whole number of
+        ``unit``s (``want`` and ``minimum`` must be multiples of it)."""
+        minimum = _check_request(want, minimum, unit)
         for i, free in enumerate(self._free):
             if free.count >= want:
                 return self._take(i, want)
         best = max(range(len(self._free)), key=lambda i: (self._free[i].count, -i), default=None)
-        if best is not None and self._free[best].count >= minimum:
-            return self._take(best, self._free[best].count)
+        if best is not None:
+            fits = self._free[best].count // unit * unit
+            if fits >= minimum:
+                return self._take(best, fits)
         return None
 
     def _take(self, index: int, count: int) -> SlotRange:
@@ -100,25 +113,38 @@ class SlotAllocator:
         self._free[start:stop] = [SlotRange(base, end - base)]
 
 
+def _check_request(want: int, minimum: int | None, unit: int) -> int:
+    """``minimum`` (default ``want``) once the request is checked: ``1 <= minimum <= want``, both whole ``unit``s."""
+    if unit < 1:
+        raise AllocationError(f"unit {unit} must be >= 1")
+    if want < 1:
+        raise AllocationError(f"cannot allocate {want} cells")
+    minimum = want if minimum is None else minimum
+    if not 1 <= minimum <= want:
+        raise AllocationError(f"minimum {minimum} must be in 1..{want}")
+    if want % unit or minimum % unit:
+        raise AllocationError(f"{want} cells (at least {minimum}) are not whole slots of {unit} cells")
+    return minimum
+
+
 class FabricAllocator:
-    """Slots on several switches at once: a job over a tree of switches takes the same number of slots on every
-    switch of its tree, or none anywhere (docs/hierarchy.md)."""
+    """Cells on several switches at once: a job over a tree of switches takes the same number of cells (of
+    slots, at its one width) on every switch of its tree, or none anywhere (docs/hierarchy.md). Each switch
+    counts its own cells."""
 
     def __init__(self, capacities: dict[str, int]) -> None:
         self.allocators = {switch: SlotAllocator(capacity) for switch, capacity in capacities.items()}
 
-    def allocate(self, switches: list[str], want: int, minimum: int | None = None) -> dict[str, SlotRange] | None:
-        """Reserve ``n`` contiguous slots on each of ``switches``, with ``n`` the most up to ``want`` that all of
-        them have (at least ``minimum``, default ``want``); None, and nothing reserved, where they have not."""
-        if want < 1:
-            raise AllocationError(f"cannot allocate {want} slots")
-        minimum = want if minimum is None else minimum
-        if not 1 <= minimum <= want:
-            raise AllocationError(f"minimum {minimum} must be in 1..{want}")
+    def allocate(self, switches: list[str], want: int, minimum: int | None = None,
+                 unit: int = 1) -> dict[str, SlotRange] | None:
+        """Reserve ``n`` contiguous cells on each of ``switches``, with ``n`` the most up to ``want`` that all of
+        them have, a whole number of ``unit``s (at least ``minimum``, default ``want``); None, and nothing
+        reserved, where they have not."""
+        minimum = _check_request(want, minimum, unit)
         unknown = [s for s in switches if s not in self.allocators]
         if unknown or not switches:
             raise AllocationError(f"unknown switch(es) {unknown}" if unknown else "no switches")
-        count = min(want, *(self.allocators[s].largest_free() for s in switches))
+        count = min(want, *(self.allocators[s].largest_free() for s in switches)) // unit * unit
         if count < minimum:
             return None
         taken: dict[str, SlotRange] = {}
@@ -145,7 +171,7 @@ class FabricAllocator:
 
 @dataclass(frozen=True)
 class TreeSlots:
-    """The same number of slots on each switch of a job's tree (root first); ``base`` is the root's."""
+    """The same number of cells on each switch of a job's tree (root first); ``base`` is the root's."""
 
     ranges: tuple[tuple[str, SlotRange], ...]
 
@@ -163,18 +189,22 @@ class TreeSlots:
 
 class TreeAllocator:
     """A :class:`FabricAllocator` seen by one job's tree (``switches``, root first): what admission takes its
-    slots from, with the same calls as a :class:`SlotAllocator`."""
+    cells from, with the same calls as a :class:`SlotAllocator`."""
 
     def __init__(self, fabric: FabricAllocator, switches: list[str]) -> None:
         self.fabric = fabric
         self.switches = list(switches)
 
     def largest_free(self) -> int:
-        """The most slots every switch of the tree has in one range."""
+        """The most cells every switch of the tree has in one range."""
         return min(self.fabric.allocators[s].largest_free() for s in self.switches)
 
-    def allocate(self, want: int, minimum: int | None = None) -> TreeSlots | None:
-        taken = self.fabric.allocate(self.switches, want, minimum)
+    def largest_free_units(self, unit: int = 1) -> int:
+        """The most whole ``unit``s every switch of the tree has in one range."""
+        return self.largest_free() // unit
+
+    def allocate(self, want: int, minimum: int | None = None, unit: int = 1) -> TreeSlots | None:
+        taken = self.fabric.allocate(self.switches, want, minimum, unit)
         return None if taken is None else TreeSlots(tuple((s, taken[s]) for s in self.switches))
 
     def release(self, taken: TreeSlots) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from netagg import dataplane as dp
+from netagg import wire
 from netagg.controller.admission import JobRequest
 from netagg.controller.api import ApiClient, ApiError
 from netagg.controller.config import load_config
@@ -28,6 +29,15 @@ EXIT_CODES = {
     "capacity_exhausted": 5, "switch_error": 6, "switch_unavailable": 6, "unreachable": 7,
 }
 DEFAULT_CONFIG = dp.REPO_ROOT / "configs" / "controller.yaml"
+
+
+def _width(text: str) -> int:
+    """``--width``: values per packet, 64 or 256 (a usage error otherwise)."""
+    widths = sorted(wire.WIDTH_CODES)
+    if not text.strip().isdigit() or int(text) not in widths:
+        raise argparse.ArgumentTypeError(f"values per packet must be one of {', '.join(map(str, widths))}, "
+                                         f"got {text!r}")
+    return int(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,7 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--name", default="job")
     create.add_argument("--workers", required=True,
                         help="comma-separated HOST:UDP_PORT per rank (HOST: configured name or IPv4)")
-    create.add_argument("--slots", type=int, required=True, help="aggregation slots wanted")
+    create.add_argument("--slots", type=int, required=True,
+                        help="aggregation slots wanted (of the job's width: a slot of width 256 takes 4 cells of the "
+                        "switch's memory)")
+    create.add_argument("--width", type=_width, metavar="64|256",
+                        help="values per packet, the job's one width (default: the switch target's, "
+                        "switch.target: 256 on the software targets and BMv2, 64 on Tofino; docs/controller.md)")
     create.add_argument("--mode", choices=("allreduce", "ps", "fallback"), default="allreduce")
     create.add_argument("--ps", help="parameter server: a configured name or HOST:UDP_PORT")
     create.add_argument("--lease", type=float, help="lease in seconds (renew with `job renew`)")
@@ -119,9 +134,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def _format_job(job: dict[str, Any]) -> str:
     workers = ", ".join(f"{w['rank']}={w['ip']}:{w['udp_port']}" for w in job["workers"])
+    width = job.get("width", wire.K)  # a controller from before wide packets: narrow
+    cells = width // wire.K
+    if cells == 1:  # a narrow job's slots are cells
+        held = f"  slots {job['slots']} ({job['slot_count']} of {job['slots_wanted']} wanted)"
+    else:
+        held = (f"  cells {job['slots']} ({job['slot_count']} of {job['slots_wanted']} slots wanted, "
+                f"{cells} cells each)")
     lines = [
         f"job {job['job_id']} ({job['name']}) tenant={job['tenant']} mode={job['mode']} state={job['state']}",
-        f"  slots {job['slots']} ({job['slot_count']} of {job['slots_wanted']} wanted), generation {job['generation']}",
+        f"{held}, width {width}, generation {job['generation']}",
         f"  workers {workers}",
     ]
     if job.get("ps"):
@@ -141,7 +163,7 @@ def _format_job(job: dict[str, Any]) -> str:
         lines.append(f"  distribution job of job {job['distribution_of']} (its last {job.get('senders', 1)} "
                      "rank(s) the PS chain)")
     if job.get("segments"):  # over a tree of switches: its slots on each
-        lines.append("  switches " + ", ".join(f"{switch} {base}..{base + count - 1}"
+        lines.append("  switches " + ", ".join(f"{switch} {base}..{base + count * cells - 1}"
                                                for switch, (base, count) in job["segments"].items()))
     if job.get("note"):
         lines.append(f"  admitted {job['note']}")
@@ -312,7 +334,7 @@ def _job_command(args: argparse.Namespace) -> int:
             distribution=None if args.distribution is None else _split(args.distribution),
             distribution_ps=None if args.distribution_ps is None else _split(args.distribution_ps),
             distribution_slots=args.distribution_slots,
-            switch_ps=None if args.switch_ps is None else _split(args.switch_ps))
+            switch_ps=None if args.switch_ps is None else _split(args.switch_ps), width=args.width)
         # Only what is not the default is sent, so an older controller still accepts a plain create.
         result = client.call("create", **request.to_args())
     elif args.action == "list":

@@ -21,6 +21,27 @@ if TYPE_CHECKING:
 
 _MAC = re.compile(r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$")
 
+#: The width (values per packet) of a job whose create names none, per switch target (``switch.target``):
+#: the software target (each engine) and BMv2 sum a wide packet's 256 values in one pass; Tofino's twin does
+#: not (docs/tofino.md), so its jobs are narrow unless asked otherwise. The one table of defaults.
+DEFAULT_WIDTHS: dict[str, int] = {
+    "soft": wire.WIDE_K,
+    "soft-ref": wire.WIDE_K,
+    "soft-sharded": wire.WIDE_K,
+    "bmv2": wire.WIDE_K,
+    "tofino": wire.K,
+}
+#: The switch targets a controller may drive.
+TARGETS = tuple(DEFAULT_WIDTHS)
+
+
+def default_width(target: str) -> int:
+    """The width of a job on ``target`` whose create names none (:data:`DEFAULT_WIDTHS`)."""
+    try:
+        return DEFAULT_WIDTHS[target]
+    except KeyError:
+        raise ValueError(f"unknown switch target {target!r} (one of {', '.join(TARGETS)})") from None
+
 
 @dataclass(frozen=True)
 class HostConfig:
@@ -72,6 +93,14 @@ class ControllerConfig:
     #: its hosts are the hosts; None: one switch (``switch:``). With a topology, ``grpc_address``,
     #: ``device_id`` and the aggregator fields are the root switch's.
     topology: Topology | None = None
+    #: The switch target (``switch.target``, :data:`TARGETS`): it decides the default job width. Left out:
+    #: ``bmv2`` with ``switch.bmv2_json``, else ``soft``. Under a topology, every switch's.
+    target: str = "soft"
+
+    @property
+    def default_width(self) -> int:
+        """The width of a job whose create names none: the target's (:func:`default_width`)."""
+        return default_width(self.target)
 
     def host_by_ip(self, ip: str) -> HostConfig | None:
         return next((h for h in self.hosts.values() if h.ip == ip), None)
@@ -80,7 +109,7 @@ class ControllerConfig:
 _SCHEMA: dict[str, set[str]] = {
     "": {"switch", "slots", "jobs", "controller", "tenants", "hosts", "parameter_servers", "topology"},
     "switch": {"grpc_address", "device_id", "election_id", "p4info", "bmv2_json", "aggregator",
-               "startup_wait_seconds"},
+               "startup_wait_seconds", "target"},
     "switch.aggregator": {"ip", "mac", "udp_port"},
     "slots": {"capacity", "min_per_job"},
     "jobs": {"lease_seconds"},
@@ -207,6 +236,9 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         raise r.fail("switch.p4info", f"no such file {p4info}")
     bmv2_json_value = r.value("switch.bmv2_json", str, None)
     bmv2_json = _relative(base, bmv2_json_value) if bmv2_json_value else None
+    target = r.value("switch.target", str, "bmv2" if bmv2_json is not None else "soft")
+    if target not in DEFAULT_WIDTHS:
+        raise r.fail("switch.target", f"{target!r} is not one of {', '.join(TARGETS)}")
     startup_wait = r.value("switch.startup_wait_seconds", float, None)
     if startup_wait is not None and startup_wait < 0:
         raise r.fail("switch.startup_wait_seconds", "must be >= 0 (or left out: wait forever)")
@@ -289,7 +321,7 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         aggregator_port=aggregator_port, slot_capacity=capacity, min_slots=min_slots,
         default_lease_seconds=lease, database=database, api_socket=api_socket, admin_token=admin_token,
         tenants=tenants, hosts=hosts, parameter_servers=servers, metrics_address=metrics_address,
-        startup_wait_seconds=startup_wait, topology=topology,
+        startup_wait_seconds=startup_wait, topology=topology, target=target,
     )
 
 

@@ -122,7 +122,7 @@ class Fabric:
                               "the topology changed under it; restore the file, or delete the job first")
 
     def allocations(self, job: JobRecord) -> dict[str, Allocation]:
-        return {switch: Allocation(job.job_id, base, count, job.generation)
+        return {switch: Allocation(job.job_id, base, count, job.generation, job.width)
                 for switch, (base, count) in job.segments.items()}
 
     def job_share(self, job: JobRecord) -> dict[str, DesiredState]:

@@ -99,16 +99,17 @@ class ControllerCollector(Collector):
             return None
 
     def _slots(self) -> Iterator[object]:
-        """The slot gauges: of the one switch, or (a ``switch`` label) of each switch of the topology."""
+        """The slot gauges, in cells (a narrow slot; a wide one takes 4): of the one switch, or (a ``switch``
+        label) of each switch of the topology."""
         allocator = self.service.allocator
         tree = isinstance(allocator, FabricAllocator)
         per_switch = allocator.allocators if tree else {"": allocator}
         families = [GaugeMetricFamily(name, text, labels=["switch"] if tree else [])
-                    for name, text in (("netagg_slots_capacity", "Slots the controller hands out"),
-                                       ("netagg_slots_in_use", "Slots held by jobs"),
-                                       ("netagg_slots_free", "Slots not held by any job"),
-                                       ("netagg_slots_largest_free_range", "Largest contiguous free range (the "
-                                        "biggest full grant possible now)"))]
+                    for name, text in (("netagg_slots_capacity", "Cells (of 64 values) the controller hands out"),
+                                       ("netagg_slots_in_use", "Cells held by jobs (a wide slot holds 4)"),
+                                       ("netagg_slots_free", "Cells not held by any job"),
+                                       ("netagg_slots_largest_free_range", "Largest contiguous free range of "
+                                        "cells (the biggest full grant possible now)"))]
         for switch, one in per_switch.items():
             free = one.free_ranges  # one tuple copy: consistent without the service lock
             free_slots = sum(r.count for r in free)
@@ -186,6 +187,8 @@ class ControllerCollector(Collector):
                                  labels=[*JOB_LABELS, "mode", "state"])
         slots = GaugeMetricFamily("netagg_job_slots", "Slots the job holds (0 for fallback jobs)", labels=JOB_LABELS)
         wanted = GaugeMetricFamily("netagg_job_slots_wanted", "Slots the job asked for", labels=JOB_LABELS)
+        width = GaugeMetricFamily("netagg_job_width", "Values per packet of the job (64 or 256; a slot of it takes "
+                                  "width / 64 cells)", labels=JOB_LABELS)
         workers = GaugeMetricFamily("netagg_job_workers", "Workers of the job", labels=JOB_LABELS)
         lease = GaugeMetricFamily("netagg_job_lease_expiry_timestamp_seconds",
                                   "Unix time at which the job's lease runs out", labels=JOB_LABELS)
@@ -194,9 +197,10 @@ class ControllerCollector(Collector):
             info.add_metric([*labels, job.mode, job.state], 1.0)
             slots.add_metric(labels, job.slot_count)
             wanted.add_metric(labels, job.slots_wanted)
+            width.add_metric(labels, job.width)
             workers.add_metric(labels, len(job.workers))
             lease.add_metric(labels, job.lease_expires)
-        yield from (info, slots, wanted, workers, lease)
+        yield from (info, slots, wanted, width, workers, lease)
 
         count = GaugeMetricFamily("netagg_jobs", "Jobs by mode and state", labels=["mode", "state"])
         by_kind: dict[tuple[str, str], int] = {}

@@ -148,11 +148,11 @@ class JobService:
                 if isinstance(self.allocator, FabricAllocator):
                     try:
                         self.fabric.check_job(job)
-                        self.allocator.reserve({s: SlotRange(*r) for s, r in job.segments.items()})
+                        self.allocator.reserve(_cell_ranges(job))
                     except (ConfigError, AllocationError) as err:
                         raise ServiceError("invalid_argument", f"{self.config.source}: {err}") from None
                 else:
-                    self.allocator.reserve(SlotRange(job.slot_base, job.slot_count))
+                    self.allocator.reserve(SlotRange(job.slot_base, job.cell_count))
             self._loaded = True
 
     def connect_switch(self, timeout: float | None = None, switch: str | None = None) -> str:
@@ -362,9 +362,10 @@ class JobService:
             with self.store.transaction() as conn:
                 # The PS nodes take part in the switch groups only where the job has its switch aggregation.
                 members = job.switch_members if admitted.switch_aggregation else []
+                # Cells: the range's first cell is the job's slot base; it holds slot_count slots of its width.
                 rows = [JobRecord(
                     job_id=job_id, tenant=job.owner, name=request.name, mode=admitted.mode, state="installing",
-                    slot_base=slots.base if slots else 0, slot_count=slots.count if slots else 0,
+                    slot_base=slots.base if slots else 0, slot_count=admitted.job.slot_count,
                     slots_wanted=request.slots, generation=self.store.next_generation(conn),
                     workers=[*job.workers, *members], ps_members=len(members),
                     ps=job.ps, lease_seconds=job.lease, lease_expires=now + job.lease, created=now,
@@ -372,8 +373,9 @@ class JobService:
                     schedule=request.schedule, replicas=job.replicas, secret=jobsecret.new_secret(),
                     switch_aggregation=admitted.switch_aggregation, senders=request.senders, distribution=dist_id,
                     threads=request.threads if admitted.mode == "allreduce" else 1,
-                    segments={switch: (r.base, r.count) for switch, r in slots.ranges}
+                    segments={switch: (r.base, r.count // job.cells) for switch, r in slots.ranges}
                     if isinstance(slots, TreeSlots) else {},
+                    width=job.width,
                 )]
                 self.store.insert(conn, rows[0])
                 if job.distribution is not None:
@@ -382,11 +384,11 @@ class JobService:
                     assert dist_slots is not None
                     rows.append(JobRecord(
                         job_id=dist_id, tenant=job.owner, name=f"{request.name}-distribution", mode="allreduce",
-                        state="installing", slot_base=dist_slots.base, slot_count=dist_slots.count,
+                        state="installing", slot_base=dist_slots.base, slot_count=admitted.distribution.slot_count,
                         slots_wanted=job.distribution_slots, generation=self.store.next_generation(conn),
                         workers=job.distribution, ps=None, lease_seconds=job.lease, lease_expires=now + job.lease,
                         created=now, note=admitted.distribution.note, secret=jobsecret.new_secret(),
-                        senders=1 + len(job.replicas), distribution_of=job_id,
+                        senders=1 + len(job.replicas), distribution_of=job_id, width=job.width,
                     ))
                     self.store.insert(conn, rows[1])
         except BaseException:
@@ -521,7 +523,7 @@ class JobService:
                             update_mode=job.update_mode, delay_bound=job.delay_bound, schedule=job.schedule,
                             replicas=tuple(Endpoint(r.ip, r.udp_port) for r in job.replicas), secret=job.secret,
                             switch_aggregation=job.switch_aggregation, senders=job.senders, threads=job.threads,
-                            ps_members=job.ps_members)
+                            ps_members=job.ps_members, width=job.width)
 
     def reap_expired(self, now: float | None = None) -> list[int]:
         """Delete every job whose lease ran out; returns their ids.
@@ -572,9 +574,9 @@ class JobService:
         if not job.uses_switch:
             return
         if isinstance(self.allocator, FabricAllocator):
-            self.allocator.release({s: SlotRange(*r) for s, r in job.segments.items()})
+            self.allocator.release(_cell_ranges(job))
         else:
-            self.allocator.release(SlotRange(job.slot_base, job.slot_count))
+            self.allocator.release(SlotRange(job.slot_base, job.cell_count))
 
     def _others(self, job: JobRecord) -> list[JobRecord]:
         return [j for j in self.store.all() if j.job_id != job.job_id]
@@ -629,5 +631,12 @@ class JobService:
     def _view(self, job: JobRecord) -> dict:
         view = job.to_dict()
         view.pop("counter_base")
-        view["slots"] = f"{job.slot_base}..{job.slot_base + job.slot_count - 1}" if job.slot_count else "-"
+        # The cells it holds (a narrow job's slots): slot_base .. slot_base + slot_count * cells - 1.
+        view["slots"] = f"{job.slot_base}..{job.slot_base + job.cell_count - 1}" if job.slot_count else "-"
+        view["cells"] = job.cell_count
         return view
+
+
+def _cell_ranges(job: JobRecord) -> dict[str, SlotRange]:
+    """A tree job's cells on each switch of its tree (its segments count its slots)."""
+    return {switch: SlotRange(base, count * job.cells) for switch, (base, count) in job.segments.items()}

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from netagg import wire
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id        INTEGER PRIMARY KEY,
@@ -55,6 +57,8 @@ MIGRATIONS = (
     ("threads", "INTEGER NOT NULL DEFAULT 1"),
     ("ps_members", "INTEGER NOT NULL DEFAULT 0"),
     ("segments", "TEXT NOT NULL DEFAULT '{}'"),
+    # Wide packets (docs/protocol.md): values per packet; the jobs of a database from before it were narrow.
+    ("width", f"INTEGER NOT NULL DEFAULT {wire.K}"),
 )
 
 
@@ -79,7 +83,12 @@ class PsEndpoint:
 
 @dataclass
 class JobRecord:
-    """A job as the database holds it."""
+    """A job as the database holds it.
+
+    Switch memory is counted in cells (docs/protocol.md, "Wide packets"): ``slot_base`` is the job's first
+    cell, ``slot_count`` the number of its own slots, each ``cells`` cells wide; it holds the cells
+    ``slot_base .. slot_base + cell_count - 1``.
+    """
 
     job_id: int
     tenant: str
@@ -120,13 +129,27 @@ class JobRecord:
     #: members of every switch group (WorkerConfig.ps_members). 0: the workers are every rank.
     ps_members: int = 0
     #: Under a topology (docs/hierarchy.md): the job's slots on each switch of its tree, root first
-    #: (switch -> (slot base, slot count)); written with the row, in its transaction. Its counter baselines
+    #: (switch -> (slot base, slot count): its first cell there and its own slots, like ``slot_base`` and
+    #: ``slot_count``); written with the row, in its transaction. Its counter baselines
     #: are then per switch too (switch -> counter -> value). Empty on a controller of one switch.
     segments: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Values per packet (``wire.WIDTHS``: 64 or 256), the same on every switch of its tree and in every
+    #: worker's config; a fallback job keeps it too (the PS aggregates either width).
+    width: int = wire.K
 
     @property
     def uses_switch(self) -> bool:
         return self.mode != "fallback"
+
+    @property
+    def cells(self) -> int:
+        """Cells per slot (``wire.cells_of(width)``)."""
+        return wire.cells_of(self.width)
+
+    @property
+    def cell_count(self) -> int:
+        """Cells the job holds on each of its switches (0 in fallback mode)."""
+        return self.slot_count * self.cells
 
     def to_dict(self) -> dict:
         """The job as plain data, without its secret (views, logs, the API)."""
@@ -151,6 +174,7 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
         distribution=row["distribution"], distribution_of=row["distribution_of"], threads=row["threads"],
         ps_members=row["ps_members"],
         segments={switch: (base, count) for switch, (base, count) in json.loads(row["segments"]).items()},
+        width=row["width"],
     )
 
 
@@ -199,15 +223,15 @@ class JobStore:
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
             " workers, ps, lease_seconds, lease_expires, created, counter_base, note,"
             " update_mode, delay_bound, schedule, replicas, secret, switch_aggregation, senders, distribution,"
-            " distribution_of, threads, ps_members, segments)"
-            f" VALUES ({', '.join('?' * 28)})",
+            " distribution_of, threads, ps_members, segments, width)"
+            f" VALUES ({', '.join('?' * 29)})",
             (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
              job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
              json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
              job.created, json.dumps(job.counter_base), job.note, job.update_mode, job.delay_bound, job.schedule,
              json.dumps([asdict(r) for r in job.replicas]), job.secret, int(job.switch_aggregation), job.senders,
              job.distribution, job.distribution_of, job.threads, job.ps_members,
-             json.dumps({switch: list(r) for switch, r in job.segments.items()})),
+             json.dumps({switch: list(r) for switch, r in job.segments.items()}), job.width),
         )
 
     def set_state(self, job_id: int, state: str, *more: int) -> None:

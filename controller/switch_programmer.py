@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from netagg import dataplane as dp
+from netagg import wire
 from netagg.controller.config import ControllerConfig
 from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord
@@ -65,9 +66,11 @@ def job_state(config: ControllerConfig, job: JobRecord) -> DesiredState:
     state = DesiredState()
     if not job.uses_switch:
         return state
+    # slot_base: the job's first cell; slot_count: its own slots; width: their width code (each slot spans
+    # wire.cells_of(width) cells; docs/protocol.md, "Wide packets").
     state.add(Entry.make(dp.TABLE_JOBS, {"job_id": job.job_id}, dp.ACTION_SET_JOB, {
         "num_workers": len(job.workers), "slot_base": job.slot_base, "slot_count": job.slot_count,
-        "mgid": job.job_id, "generation": job.generation,
+        "mgid": job.job_id, "generation": job.generation, "width": wire.width_code(job.width),
     }))
     # A one-way job (senders > 0): only its last ranks send, the others only receive.
     for w in job.workers[len(job.workers) - job.senders if job.senders else 0:]:

@@ -129,12 +129,15 @@ class TreePlan:
 
 @dataclass(frozen=True)
 class Allocation:
-    """One segment's share of its switch: job id, slots (the same count on every switch of a tree), owner tag."""
+    """One segment's share of its switch: job id, slots (the same count on every switch of a tree), owner tag,
+    and the job's width (the same at every level). ``slot_base`` is the segment's first cell on its switch,
+    ``slot_count`` its slots, each ``wire.cells_of(width)`` cells."""
 
     job_id: int
     slot_base: int
     slot_count: int
     generation: int
+    width: int = wire.K
 
 
 @dataclass(frozen=True)
@@ -359,6 +362,9 @@ def tree_state(topology: Topology, plan: TreePlan, allocations: Mapping[str, All
     counts = {a.slot_count for s, a in allocations.items() if s in plan.segments}
     if len(counts) != 1:
         raise ValueError(f"a tree's segments need the same slot count on every switch, got {sorted(counts)}")
+    widths = {a.width for s, a in allocations.items() if s in plan.segments}
+    if len(widths) != 1:
+        raise ValueError(f"a tree's segments need the same width on every switch, got {sorted(widths)}")
     by_rank = {w.rank: w for w in workers}
     states: dict[str, DesiredState] = {}
     for name, segment in plan.segments.items():
@@ -366,7 +372,7 @@ def tree_state(topology: Topology, plan: TreePlan, allocations: Mapping[str, All
         state = DesiredState()
         state.add(Entry.make(dp.TABLE_JOBS, {"job_id": alloc.job_id}, dp.ACTION_SET_JOB, {
             "num_workers": len(segment.members), "slot_base": alloc.slot_base, "slot_count": alloc.slot_count,
-            "mgid": alloc.job_id, "generation": alloc.generation}))
+            "mgid": alloc.job_id, "generation": alloc.generation, "width": wire.width_code(alloc.width)}))
         replicas = []
         for m in segment.members:
             if m.switch is not None:  # a child switch: at its aggregator address and the tree port
@@ -408,7 +414,7 @@ def worker_config(topology: Topology, plan: TreePlan, allocations: Mapping[str, 
     leaf, rank = plan.leaf_of(worker.rank)
     tree = {"job_workers": job_workers, "job_rank": worker.rank} if len(plan.segments) > 1 else {}
     return WorkerConfig(job_id=allocations[leaf].job_id, rank=rank, num_workers=len(plan.segments[leaf].members),
-                        slot_count=allocations[leaf].slot_count, mode="allreduce",
+                        slot_count=allocations[leaf].slot_count, mode="allreduce", width=allocations[leaf].width,
                         aggregator=Endpoint(topology.switches[leaf].aggregator_ip, wire.NETAGG_UDP_PORT),
                         bind=Endpoint(topology.hosts[worker.host].ip, worker.udp_port),
                         **{"failover_after": 0, **tree, **options})

@@ -64,9 +64,15 @@ class SoftAggregator:
         *,
         result_flags: int = wire.FLAG_RESULT | wire.FLAG_PS_FORWARDED,
         workers: Mapping[Address, int] | None = None,
+        width: int = wire.K,
     ) -> None:
         if not 1 <= num_workers <= wire.MAX_WORKERS or slot_count < 1:
             raise ValueError(f"bad job shape: {num_workers} workers, {slot_count} slots")
+        #: The job's packet width, its code, and the cells of one slot (as on the switch: docs/protocol.md).
+        self.width = width
+        self.width_code = wire.width_code(width)
+        self.cells = wire.cells_of(width)
+        self.message_bytes = wire.netagg_bytes(width)
         self.job_id = job_id
         self.num_workers = num_workers
         self.slot_count = slot_count
@@ -74,7 +80,7 @@ class SoftAggregator:
         self._learn = workers is None
         self.rank_of: dict[Address, int] = dict(workers or {})
         self.address_of: dict[int, Address] = {rank: addr for addr, rank in self.rank_of.items()}
-        self.registers = SlotRegisters(slot_count)
+        self.registers = SlotRegisters(slot_count * self.cells)
         self.stats = AggregatorStats()
 
     def register(self, rank: int, address: Address) -> None:
@@ -105,12 +111,12 @@ class SoftAggregator:
 
     def handle(self, data: bytes | bytearray | memoryview, source: Address) -> Outcome | None:
         """Process one datagram from ``source``; the result to send, if any."""
-        if len(data) != wire.NETAGG_BYTES:
+        if len(data) < wire.HEADER_BYTES:
             return self._drop(DropReason.MALFORMED)
         version, flags, job, slot, pool, rank, exponent, width, round_, _, members, exchange = _unpack_header(data, 0)
         if version != wire.VERSION:
             return self._drop(DropReason.BAD_VERSION)
-        if width != 0:
+        if width not in wire.WIDTHS or len(data) != wire.netagg_bytes(wire.WIDTHS[width]):
             return self._drop(DropReason.MALFORMED)
         if flags & wire.FLAG_RESULT:
             return self._drop(DropReason.RESULT_FROM_HOST)
@@ -119,6 +125,8 @@ class SoftAggregator:
         known_rank = self.rank_of.get(source)
         if known_rank is None and (not self._learn or rank >= self.num_workers or rank in self.address_of):
             return self._drop(DropReason.UNKNOWN_WORKER)
+        if width != self.width_code:
+            return self._drop(DropReason.WRONG_WIDTH)
         if slot >= self.slot_count:
             return self._drop(DropReason.SLOT_OUT_OF_RANGE)
         if pool >= wire.NUM_POOLS:
@@ -134,8 +142,8 @@ class SoftAggregator:
 
     def _aggregate(self, data: bytes | bytearray | memoryview, slot: int, pool: int, round_: int, rank: int,
                    exponent: int, members: int, flags: int, exchange: int) -> Outcome | None:
-        values = np.frombuffer(data, wire.WIRE_VALUE_DTYPE, wire.K, wire.HEADER_BYTES)
-        verdict = self.registers.aggregate(slot, pool, round_, 1 << rank, self.num_workers, _GENERATION, members,
+        values = np.frombuffer(data, wire.WIRE_VALUE_DTYPE, self.width, wire.HEADER_BYTES)
+        verdict = self.registers.aggregate(slot * self.cells, pool, round_, 1 << rank, self.num_workers, _GENERATION, members,
                                            exponent, values, flags=flags, exchange=exchange)
         if verdict.drop != DropReason.NONE:
             return self._drop(verdict.drop)

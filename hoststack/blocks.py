@@ -1,4 +1,5 @@
-"""Fragmentation: tensors (several keys per call) to float32 blocks of ``wire.K`` values and back.
+"""Fragmentation: tensors (several keys per call) to float32 blocks of k values (the job's width: ``wire.K`` or
+``wire.WIDE_K``) and back.
 
 Each key starts on a block boundary and its last block is padded with zeros, so a block
 never mixes two tensors (each keeps its own exponents) and block ``i`` of a call maps
@@ -44,6 +45,8 @@ class Layout:
 
     segments: tuple[Segment, ...]
     num_blocks: int
+    #: Values per block (the job's packet width).
+    width: int = K
 
     @property
     def keys(self) -> list[int]:
@@ -54,9 +57,9 @@ class Layout:
         return [s.size for s in self.segments]
 
 
-def blocks_for(size: int) -> int:
-    """Blocks needed for ``size`` values."""
-    return -(-size // K)
+def blocks_for(size: int, k: int = K) -> int:
+    """Blocks of ``k`` values needed for ``size`` values."""
+    return -(-size // k)
 
 
 def _is_torch(value: object) -> bool:
@@ -104,8 +107,9 @@ def _to_numpy(value: Any) -> tuple[np.ndarray, Any, tuple[Any, Any] | None]:
     return array, array.dtype, None
 
 
-def pack(keys: Sequence[int], values: Sequence[Any]) -> tuple[Layout, np.ndarray]:
-    """Flatten ``values`` into a new ``(num_blocks, K)`` float32 array, one segment per key."""
+def pack(keys: Sequence[int], values: Sequence[Any], k: int = K) -> tuple[Layout, np.ndarray]:
+    """Flatten ``values`` into a new ``(num_blocks, k)`` float32 array, one segment per key."""
+    wire.width_code(k)
     keys = [check_key(k) for k in keys]
     if len(keys) != len(values):
         raise ValueError(f"{len(keys)} keys but {len(values)} values")
@@ -114,29 +118,30 @@ def pack(keys: Sequence[int], values: Sequence[Any]) -> tuple[Layout, np.ndarray
     arrays, segments, first = [], [], 0
     for key, value in zip(keys, values, strict=True):
         array, dtype, torch_info = _to_numpy(value)
-        count = blocks_for(array.size)
+        count = blocks_for(array.size, k)
         segments.append(Segment(key, first, count, array.size, tuple(array.shape), dtype, torch_info))
         arrays.append(array)
         first += count
-    blocks = np.empty((first, K), np.float32)
+    blocks = np.empty((first, k), np.float32)
     flat = blocks.reshape(-1)
     for segment, array in zip(segments, arrays, strict=True):
-        start = segment.first_block * K
+        start = segment.first_block * k
         end = start + segment.size
         if array.dtype == np.uint16:  # bfloat16 bit patterns
             flat[start:end] = bfloat16_to_float32(array.reshape(-1))
         else:
             flat[start:end] = array.reshape(-1)
-        flat[end:(segment.first_block + segment.num_blocks) * K] = 0.0
-    return Layout(tuple(segments), first), blocks
+        flat[end:(segment.first_block + segment.num_blocks) * k] = 0.0
+    return Layout(tuple(segments), first, k), blocks
 
 
 def unpack(layout: Layout, flat_values: np.ndarray) -> list[Any]:
     """Split float32 values of ``layout``'s blocks back into arrays (or tensors) per key."""
     flat = flat_values.reshape(-1)
-    if flat.size != layout.num_blocks * K:
-        raise ValueError(f"expected {layout.num_blocks * K} values, got {flat.size}")
-    return [_restore(segment, flat[segment.first_block * K:segment.first_block * K + segment.size])
+    k = layout.width
+    if flat.size != layout.num_blocks * k:
+        raise ValueError(f"expected {layout.num_blocks * k} values, got {flat.size}")
+    return [_restore(segment, flat[segment.first_block * k:segment.first_block * k + segment.size])
             for segment in layout.segments]
 
 

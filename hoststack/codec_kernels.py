@@ -16,11 +16,9 @@ from numba import njit, prange
 
 from netagg import wire
 
-wire.check_compiled_layout(__name__, "v3 K=64 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,exponent:8s,width:8,"
+wire.check_compiled_layout(__name__, "v3 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,exponent:8s,width:8,"
                                      "round:16,seq:32,members:32,exchange:32")  # see check_compiled_layout
 
-#: Values per block, a compile-time constant: fixed-length inner loops unroll and vectorize.
-_K = wire.K
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 _INF_BITS = np.uint32(0x7F800000)
 #: Blocks from which a kernel runs on all cores (below, threads cost more than they give).
@@ -39,7 +37,7 @@ def _block_exponents(bits: np.ndarray, out: np.ndarray) -> int:
     for b in prange(bits.shape[0]):
         row = bits[b]  # a 1-D row and a branch-free max: LLVM vectorizes the inner loop
         top = np.uint32(0)
-        for i in range(_K):
+        for i in range(row.shape[0]):
             top = max(top, row[i] & _ABS_MASK)
         if top >= _INF_BITS:
             bad += 1
@@ -49,14 +47,14 @@ def _block_exponents(bits: np.ndarray, out: np.ndarray) -> int:
 
 @njit(cache=True, nogil=True, inline="always")
 def quantize_row(src: np.ndarray, a: np.float32, second: np.float32, dst: np.ndarray, first: int) -> None:
-    """One block: ``dst[first:first + K]`` (uint32 words) = byte-swapped ``rint(src * a (* second))``. The
+    """One block of k values: ``dst[first:first + k]`` (uint32 words) = byte-swapped ``rint(src * a (* second))``. The
     one quantizer of the compiled paths: the codec below and the transport's packet fill
     (``transport_kernels.fill_packets``) inline it; ``quantization.quantize_scaled`` is its numpy twin."""
     if second == np.float32(1.0):  # the branch outside the inner loops keeps them vectorized
-        for i in range(_K):
+        for i in range(src.shape[0]):
             dst[first + i] = _bswap32(np.uint32(np.int32(np.rint(src[i] * a))))
     else:  # an extreme exponent: the scale needs two float32 factors
-        for i in range(_K):
+        for i in range(src.shape[0]):
             dst[first + i] = _bswap32(np.uint32(np.int32(np.rint(src[i] * a * second))))
 
 
@@ -74,10 +72,10 @@ def _dequantize(sums: np.ndarray, exponents: np.ndarray, dec_a: np.ndarray, dec_
         a, second = dec_a[g], dec_b[g]
         src, dst = sums[b], out[b]
         if second == np.float32(1.0):
-            for i in range(_K):
+            for i in range(src.shape[0]):
                 dst[i] = np.float32(np.int32(_bswap32(src[i]))) * a
         else:
-            for i in range(_K):
+            for i in range(src.shape[0]):
                 dst[i] = np.float32(np.int32(_bswap32(src[i]))) * a * second
 
 
@@ -98,7 +96,7 @@ def _pick(kernels: tuple, blocks: int):
 
 
 def block_exponents(bits: np.ndarray, out: np.ndarray) -> bool:
-    """``bits``: the float32 blocks viewed as uint32 (n, K); writes int8 exponents ``floor(log2 max|x|)``
+    """``bits``: the float32 blocks viewed as uint32 (n, k); writes int8 exponents ``floor(log2 max|x|)``
     (-128 for all-zero blocks) into ``out``; returns False if a block holds a NaN/Inf."""
     return _pick(_EXPONENTS, bits.shape[0])(bits, out) == 0
 

@@ -12,6 +12,7 @@
 ``NETAGG_BIND``        ``host:port`` this worker sends from, as registered in the switch
                        (a server defaults to the PS endpoint)
 ``NETAGG_THREADS``     sender/receiver threads per worker (default 1; the same on every worker of the job)
+``NETAGG_WIDTH``       values per packet, the job's width: 64 (default) or 256, as ``netagg job config`` says
 ``NETAGG_MODE``        ``allreduce`` (default), ``ps`` or ``fallback``
 ``NETAGG_JOB_SECRET``  the job's secret from ``netagg job config`` (optional; the PS refuses
                        requests without it when it has one)
@@ -88,6 +89,8 @@ def config_from_env(environ: Mapping[str, str] | None = None, role: str | None =
     threads = env.get("NETAGG_THREADS", "").strip()
     if threads:
         values["threads"] = _int(env, "NETAGG_THREADS")
+    if env.get("NETAGG_WIDTH", "").strip():
+        values["width"] = _int(env, "NETAGG_WIDTH")
     failover = env.get("NETAGG_FAILOVER_AFTER", "").strip()
     if failover:
         try:
@@ -101,6 +104,6 @@ def config_from_env(environ: Mapping[str, str] | None = None, role: str | None =
         names = {"job_id": "NETAGG_JOB_ID", "num_workers": "DMLC_NUM_WORKER", "rank": "NETAGG_RANK",
                  "slot_count": "NETAGG_SLOTS", "mode": "NETAGG_MODE", "ps": "DMLC_PS_ROOT_URI",
                  "secret": "NETAGG_JOB_SECRET", "failover_after": "NETAGG_FAILOVER_AFTER",
-                 "threads": "NETAGG_THREADS"}
+                 "threads": "NETAGG_THREADS", "width": "NETAGG_WIDTH"}
         field_name = str(err).split(":", 1)[0]
         raise ConfigError(f"{names.get(field_name, field_name)}: {str(err).split(':', 1)[-1].strip()}") from None

@@ -167,9 +167,9 @@ class KVWorker:
     def init(self, keys: Sequence[int] | int, values: Sequence[Any] | Any) -> int:
         """Set initial values: at the PS in ps mode (e.g. SGD weights), locally otherwise."""
         keys, values = _listify(keys, values)
-        layout, blocks = blk.pack(keys, values)
-        flat = blocks.reshape(-1)
-        arrays = [flat[s.first_block * wire.K:s.first_block * wire.K + s.size].copy() for s in layout.segments]
+        layout, blocks = blk.pack(keys, values, self.config.width)
+        flat, k = blocks.reshape(-1), layout.width
+        arrays = [flat[s.first_block * k:s.first_block * k + s.size].copy() for s in layout.segments]
         return self._submit(self._init, layout.keys, arrays, [s.shape for s in layout.segments])
 
     def sparse_table(self, table: int, num_rows: int, width: int, **options: Any) -> SparseTable:
@@ -221,7 +221,7 @@ class KVWorker:
         every rank (:meth:`_refuse`)."""
         try:
             keys, values = _listify(keys, values)
-            layout, blocks = blk.pack(keys, values)
+            layout, blocks = blk.pack(keys, values, self.config.width)
             exponents, flags = qz.inspect(blocks)
         except Exception as err:
             self._refuse(err)
@@ -257,7 +257,7 @@ class KVWorker:
         sums, global_exp, result_flags = self.transport.exchange(blocks, exponents, flags=flags)
         aggregate = qz.dequantize(sums, global_exp, self.num_workers, flags=result_flags).reshape(-1)
         for segment in layout.segments:
-            start = segment.first_block * wire.K
+            start = segment.first_block * layout.width
             self._store[segment.key] = (aggregate[start:start + segment.size], segment.shape)
         if self._ps_store:
             self._commit(layout, seq_start, sums, global_exp, result_flags)

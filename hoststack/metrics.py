@@ -20,12 +20,10 @@ from netagg.metrics_http import MetricsServer
 
 ENV_PORT = "NETAGG_METRICS_PORT"
 ENV_HOST = "NETAGG_METRICS_HOST"
-#: Bytes of aggregated payload one block carries (K 32-bit values).
-BLOCK_BYTES = wire.K * 4
 
 _COUNTERS = (
     ("exchanges", "exchanges", "Aggregations (allreduce/push calls) completed"),
-    ("blocks", "blocks", "Blocks of K values aggregated"),
+    ("blocks", "blocks", "Blocks (packets' worth of the job's width) aggregated"),
     ("packets_sent", "packets_sent", "Packets sent to the aggregator, retransmissions included"),
     ("retransmissions", "retransmissions", "Packets sent again after their timer fired"),
     ("shadow_resends", "shadow_resends", "Previous-round packets resent so a round lost with a switch restart "
@@ -68,8 +66,8 @@ class TransportCollector(Collector):
             family.add_metric(self.labels, getattr(stats, field_name))
             yield family
         goodput = CounterMetricFamily("netagg_worker_goodput_bytes", "Aggregated payload bytes delivered "
-                                      "(blocks x K x 4)", labels=names)
-        goodput.add_metric(self.labels, stats.blocks * BLOCK_BYTES)
+                                      "(blocks x width x 4)", labels=names)
+        goodput.add_metric(self.labels, stats.blocks * self.transport.config.width * wire.VALUE_BYTES)
         yield goodput
         for metric, value, help_text in (
                 ("window", self.transport.window, "Congestion window now (packets outstanding at most)"),

@@ -18,9 +18,18 @@ from netagg.jobconfig import WorkerConfig
 _DTYPE_CODES = {(8, False): ">u1", (8, True): ">i1", (16, False): ">u2", (32, False): ">u4"}
 #: One netagg header as a numpy record (big-endian fields in wire order).
 HEADER_DTYPE = np.dtype([(f.name, _DTYPE_CODES[(f.bits, f.signed)]) for f in wire.HEADER_FIELDS])
-#: One whole netagg message: header plus K big-endian int32 values.
-PACKET_DTYPE = np.dtype([("hdr", HEADER_DTYPE), ("values", wire.WIRE_VALUE_DTYPE, (wire.K,))])
+
+
+def packet_dtype(k: int) -> np.dtype:
+    """One whole netagg message of width ``k``: header plus ``k`` big-endian int32 values."""
+    wire.width_code(k)
+    return np.dtype([("hdr", HEADER_DTYPE), ("values", wire.WIRE_VALUE_DTYPE, (k,))])
+
+
+#: A narrow message (``wire.K`` values).
+PACKET_DTYPE = packet_dtype(wire.K)
 assert HEADER_DTYPE.itemsize == wire.HEADER_BYTES and PACKET_DTYPE.itemsize == wire.NETAGG_BYTES
+assert packet_dtype(wire.WIDE_K).itemsize == wire.netagg_bytes(wire.WIDE_K)
 
 #: Slots used in fallback mode when the controller reserved none on the switch.
 DEFAULT_FALLBACK_SLOTS = 64

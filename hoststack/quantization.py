@@ -1,7 +1,7 @@
 """Block floating point: float32 gradients to int32 values the switch can sum without overflow.
 
-Every block of ``wire.K`` values shares one exponent ``G``, the maximum over all workers
-of each worker's *block exponent* ``E = floor(log2(max |x|))`` (the IEEE-754 exponent of
+Every block of k values (one packet of the job's width, ``wire.K`` or ``wire.WIDE_K``) shares one
+exponent ``G``, the maximum over all workers of each worker's *block exponent* ``E = floor(log2(max |x|))`` (the IEEE-754 exponent of
 the block's largest magnitude, so every value of the block satisfies ``|x| < 2**(E+1)``).
 With ``n`` workers each value is scaled by the power of two ``2**(P - G - 1)``, where
 ``2**P`` is the largest power of two with ``n * 2**P <= 2**31``, and rounded to the
@@ -10,7 +10,7 @@ See ``docs/quantization.md`` for the derivation and the error bound.
 
 The scale is a power of two, so ``x * scale`` and ``sum * 2**-scale`` are exact in
 float32: encoding rounds once (to an integer) and decoding rounds once (to float32).
-Everything is vectorized over ``(blocks, K)`` arrays; no Python loop per value.
+Everything is vectorized over ``(blocks, k)`` arrays; no Python loop per value.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def factor_tables(num_workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 def block_exponents(blocks: np.ndarray) -> np.ndarray:
     """Each block's exponent ``floor(log2(max |x|))`` over its finite values, as int8.
 
-    ``blocks`` is a float32 array of shape ``(nblocks, K)``. Denormal-only blocks get
+    ``blocks`` is a float32 array of shape ``(nblocks, k)``. Denormal-only blocks get
     ``EXP_MIN`` (-127, still ``|x| < 2**(E+1)``); blocks without a finite non-zero value get
     ``EXP_NONE``. NaN and inf are left out (see :func:`inspect` for their flags).
     """
@@ -98,8 +98,9 @@ def inspect(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     (``wire.FLAG_NAN | FLAG_POS_INF | FLAG_NEG_INF`` of the values it holds, uint8; all 0 when every value is
     finite). Such blocks are sent with those values as 0 and the flags set (docs/protocol.md, "Non-finite
     values"): see :func:`finite_blocks`."""
-    if blocks.dtype != np.float32 or blocks.ndim != 2 or blocks.shape[1] != K:
-        raise TypeError(f"expected float32 blocks of shape (n, {K}), got {blocks.dtype} {blocks.shape}")
+    if blocks.dtype != np.float32 or blocks.ndim != 2 or blocks.shape[1] not in wire.WIDTH_CODES:
+        raise TypeError(f"expected float32 blocks of shape (n, k), k in {sorted(wire.WIDTH_CODES)}, "
+                        f"got {blocks.dtype} {blocks.shape}")
     flags = np.zeros(blocks.shape[0], np.uint8)
     if blocks.shape[0] == 0:
         return np.empty(0, np.int8), flags
@@ -144,7 +145,7 @@ def finite_blocks(blocks: np.ndarray, flags: np.ndarray | None) -> np.ndarray:
 
 
 def apply_flags(values: np.ndarray, flags: np.ndarray | None) -> np.ndarray:
-    """Overwrite each block of ``values`` ((n, K) floats) whose result ``flags`` are non-finite: NaN (NAN, or
+    """Overwrite each block of ``values`` ((n, k) floats) whose result ``flags`` are non-finite: NaN (NAN, or
     POS_INF and NEG_INF together), +inf (POS_INF alone) or -inf (NEG_INF alone): what IEEE-754 sums give where
     those values meet (docs/protocol.md, "Non-finite values"). Returns ``values``."""
     if flags is None:

@@ -128,8 +128,8 @@ class _Push:
     def put(self, block: int, payload: bytes | bytearray | memoryview) -> bool:
         if self.have[block]:
             return False
-        self.sums.view(np.uint8).reshape(self.num_blocks, wire.PAYLOAD_BYTES)[block] = np.frombuffer(
-            payload, np.uint8, wire.PAYLOAD_BYTES)
+        row = self.sums.view(np.uint8).reshape(self.num_blocks, -1)[block]
+        row[:] = np.frombuffer(payload, np.uint8, row.size)
         self.have[block] = True
         self.missing -= 1
         return True
@@ -170,7 +170,7 @@ class KVServer:
         # rank is learnt as that rank's.
         self.aggregator = (
             SoftAggregator(config.job_id, config.num_workers, slot_count_of(config),
-                           workers={} if config.secret else None)
+                           workers={} if config.secret else None, width=config.width)
             if self.mode == "fallback" else None
         )
         self.switch = resolve(config.aggregator) if self.mode == "ps" else None
@@ -287,14 +287,15 @@ class KVServer:
     def _start_failover(self, epoch: int, addresses: dict[int, tuple[str, int]]) -> None:
         """A failover decision (FailoverCoordinator.on_decide): a fresh aggregator that knows the voters."""
         self.failover_aggregator = SoftAggregator(self.config.job_id, self.num_workers, slot_count_of(self.config),
-                                                  workers={address: rank for rank, address in addresses.items()})
+                                                  workers={address: rank for rank, address in addresses.items()},
+                                                  width=self.config.width)
         log.warning("PS job %d: failover epoch %d: aggregating the job's exchanges here", self.config.job_id, epoch)
 
     def _on_switch_result(self, data: memoryview, source: tuple[str, int]) -> None:
         if source != self.switch:
             self.stats.foreign += 1
             return
-        if len(data) != wire.NETAGG_BYTES:
+        if len(data) != wire.netagg_bytes(self.config.width):
             self.stats.malformed += 1
             return
         fields = wire.HEADER_STRUCT.unpack_from(data, 0)
@@ -327,10 +328,10 @@ class KVServer:
         """Apply complete rounds in order (holding the lock)."""
         while (round_ := self._rounds.get(self._next_apply)) is not None and round_.complete:
             values = qz.dequantize(round_.sums, round_.exponents, self.num_workers, flags=round_.flags).reshape(-1)
-            first = 0
+            first, k = 0, self.config.width
             for key, size in zip(round_.keys, round_.sizes, strict=True):
-                self.handle(self.store, key, values[first * wire.K:first * wire.K + size].copy(), self.num_workers)
-                first += blocks_for(size)
+                self.handle(self.store, key, values[first * k:first * k + size].copy(), self.num_workers)
+                first += blocks_for(size, k)
             round_.applied = True
             round_.sums = round_.sums[:0]
             del self._rounds[self._next_apply]
@@ -339,8 +340,9 @@ class KVServer:
             self._cond.notify_all()
 
     def _open_round(self, round_id: int, seq_start: int, keys: list[int], sizes: list[int]) -> _Push:
-        nb = sum(blocks_for(size) for size in sizes)
-        round_ = _Push(round_id, seq_start, keys, sizes, nb, np.zeros((nb, wire.K), qz.WIRE_DTYPE),
+        k = self.config.width
+        nb = sum(blocks_for(size, k) for size in sizes)
+        round_ = _Push(round_id, seq_start, keys, sizes, nb, np.zeros((nb, k), qz.WIRE_DTYPE),
                             np.zeros(nb, bool), nb)
         for block in range(nb):
             payload = self._pending.pop((seq_start + block) & SEQ_MASK, None)
@@ -431,7 +433,8 @@ class KVServer:
     def _op_repair(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         header, blob = frame.header, frame.blob
         round_id, seqs = int(header["round"]), [int(s) for s in header["seqs"]]
-        if len(blob) != len(seqs) * wire.PAYLOAD_BYTES:
+        payload = 4 * self.config.width
+        if len(blob) != len(seqs) * payload:
             raise ValueError(f"repair: {len(blob)} bytes for {len(seqs)} blocks")
         with self._cond:
             round_ = self._rounds.get(round_id)
@@ -441,7 +444,7 @@ class KVServer:
                 block = round_.offset(seq)
                 if block >= round_.num_blocks:
                     raise ValueError(f"repair: seq {seq} is not part of round {round_id}")
-                if round_.put(block, blob[i * wire.PAYLOAD_BYTES:(i + 1) * wire.PAYLOAD_BYTES]):
+                if round_.put(block, blob[i * payload:(i + 1) * payload]):
                     self.stats.repaired_blocks += 1
             missing = round_.missing_seqs()
             self._apply_ready()

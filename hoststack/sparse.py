@@ -13,7 +13,7 @@ Placements:
 * ``libra``: the rows of the current hot set travel as dense blocks through the switch
   (zeros where this worker did not touch a row); the others go to the job's PS as
   key/value data. The hot set has ``capacity`` rows: ``hot_rounds`` rounds of the job's
-  slots, ``slot_count * K * hot_rounds // width``. The workers sample their key
+  slots, ``slot_count * k * hot_rounds // width`` (k: the job's packet width). The workers sample their key
   frequencies (:class:`~netagg.hoststack.hotset.FrequencySampler`) and report them every
   ``report_every`` iterations; the PS chooses the hot set, which changes only between
   two iterations, on every worker at once (see :mod:`~netagg.hoststack.sparse_store`).
@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from netagg import wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.hotset import COUNT_DTYPE, KEY_DTYPE, FrequencySampler, HotSet
 from netagg.hoststack.psproto import PsRefused
@@ -78,7 +77,8 @@ class SparseTable:
             raise ValueError(f"hot_rounds must be >= 1, got {hot_rounds}")
         config = worker.config
         if capacity is None:
-            capacity = {"ps": 0, "switch": num_rows}.get(placement, config.slot_count * wire.K * hot_rounds // width)
+            capacity = {"ps": 0, "switch": num_rows}.get(placement,
+                                                         config.slot_count * config.width * hot_rounds // width)
         capacity = min(capacity, num_rows)
         if min_touches is None:  # break-even: a worker's dense row (4w bytes) vs a key/value row (4w + 8 bytes)
             min_touches = 4 * width / (4 * width + 8)
@@ -288,7 +288,8 @@ class SparseTable:
         integers, summed exactly. All versions are equal exactly when ``N * sum((v+1)**2) == sum(v+1)**2``.
         """
         n = self.worker.num_workers
-        blocks = np.zeros((-(-dense.size // wire.K) + 1, wire.K), np.float32)
+        k = self.worker.config.width
+        blocks = np.zeros((-(-dense.size // k) + 1, k), np.float32)
         blocks.reshape(-1)[:dense.size] = dense
         tag = float(self.hot.version % 4096 + 1)
         blocks[-1, :2] = (tag, tag * tag)

@@ -36,25 +36,26 @@ def block_scaled_inputs(n: int, size: int, seed: int, decades: int = 20) -> list
     return [(rng.standard_normal(size) * scales).astype(np.float32) for _ in range(n)]
 
 
-def expected_allreduce(inputs: Sequence[Any]) -> tuple[Any, np.ndarray]:
-    """What every worker must get for ``inputs`` (one array per rank), computed without a network.
+def expected_allreduce(inputs: Sequence[Any], k: int = wire.K) -> tuple[Any, np.ndarray]:
+    """What every worker must get for ``inputs`` (one array per rank) in a job of width ``k``, computed without a
+    network.
 
     Returns (the result with the inputs' shape and dtype, the per-value quantization bound
     ``n * 2**(G - P)`` as a float64 array of the same shape).
     """
     n = len(inputs)
-    packed = [blk.pack([0], [value]) for value in inputs]
+    packed = [blk.pack([0], [value], k) for value in inputs]
     layout = packed[0][0]
     inspected = [qz.inspect(b) for _, b in packed]
     global_exp = np.max([exponents for exponents, _ in inspected], axis=0).astype(np.int8)
     flags = np.zeros(layout.num_blocks, np.uint8)  # a block's non-finite flags, ORed as the switch does
-    total = np.zeros((layout.num_blocks, qz.K), np.int32)
+    total = np.zeros((layout.num_blocks, k), np.int32)
     for (_, blocks), (_, block_flags) in zip(packed, inspected, strict=True):
         if block_flags is not None:
             flags |= block_flags
         total += qz.quantize(qz.finite_blocks(blocks, block_flags), global_exp, n)  # int32 wraps like the switch
     result = blk.unpack(layout, qz.dequantize(total, global_exp, n, flags=flags))[0]
-    bound = np.repeat(qz.error_bound(global_exp, n), qz.K)[:layout.segments[0].size]
+    bound = np.repeat(qz.error_bound(global_exp, n), k)[:layout.segments[0].size]
     return result, bound.reshape(layout.segments[0].shape)
 
 

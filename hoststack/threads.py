@@ -96,10 +96,10 @@ def _share_main(conn: Any, config: WorkerConfig, share: tuple[int, int], address
 def _exchange_in(transport: Transport, shm: Any, count: int) -> tuple[str, str | None, dict]:
     """One exchange of ``count`` blocks from and into ``shm`` (the views end with the call, so ``shm`` can be
     closed); returns the answer for the parent."""
-    blocks, exponents, sums, global_exp, flags, result_flags = _views(shm, count)
+    blocks, exponents, sums, global_exp, flags, result_flags = _views(shm, count, transport.k)
     try:
         out_sums, out_exp, out_flags = transport.exchange(blocks, exponents.copy(), flags=flags.copy(),
-                                                          tag=transport_tag(shm, count))
+                                                          tag=transport_tag(shm, count, transport.k))
     except Exception as err:  # the parent raises it for this exchange
         return "error", f"{type(err).__name__}: {err}", vars(transport.stats).copy()
     sums[:] = out_sums
@@ -108,28 +108,33 @@ def _exchange_in(transport: Transport, shm: Any, count: int) -> tuple[str, str |
     return "done", None, vars(transport.stats).copy()
 
 
-def _shm_bytes(count: int) -> int:
-    """Shared bytes of an exchange of ``count`` blocks: inputs (float32 + exponent + flags), outputs (int32 +
-    exponent + round flags), and the collective's tag (8 bytes)."""
-    return count * (2 * wire.PAYLOAD_BYTES + 4) + 8
+def _tag_offset(count: int, k: int) -> int:
+    """Where the tag lies after the views of an exchange of ``count`` blocks of ``k`` values."""
+    return count * (8 * k + 4)
 
 
-def transport_tag(shm: Any, count: int) -> int:
+def _shm_bytes(count: int, k: int) -> int:
+    """Shared bytes of an exchange of ``count`` blocks of ``k`` values: inputs (float32 + exponent + flags),
+    outputs (int32 + exponent + round flags), and the collective's tag (8 bytes)."""
+    return _tag_offset(count, k) + 8
+
+
+def transport_tag(shm: Any, count: int, k: int) -> int:
     """The collective's tag (``Transport.exchange``'s), after the views of an exchange of ``count`` blocks."""
-    return int(np.ndarray(1, np.int64, buffer=shm.buf, offset=count * (2 * wire.PAYLOAD_BYTES + 4))[0])
+    return int(np.ndarray(1, np.int64, buffer=shm.buf, offset=_tag_offset(count, k))[0])
 
 
-def _views(shm: Any, count: int) -> tuple[np.ndarray, ...]:
-    """The blocks, exponents, sums, global exponents, flags and result flags of an exchange of ``count`` blocks in
-    ``shm``."""
+def _views(shm: Any, count: int, k: int) -> tuple[np.ndarray, ...]:
+    """The blocks, exponents, sums, global exponents, flags and result flags of an exchange of ``count`` blocks of
+    ``k`` values in ``shm``."""
     buf = shm.buf
-    k = wire.K
+    payload = 4 * k
     blocks = np.ndarray((count, k), np.float32, buffer=buf, offset=0)
-    sums = np.ndarray((count, k), qz.WIRE_DTYPE, buffer=buf, offset=count * wire.PAYLOAD_BYTES)
-    exponents = np.ndarray(count, np.int8, buffer=buf, offset=2 * count * wire.PAYLOAD_BYTES)
-    global_exp = np.ndarray(count, np.int8, buffer=buf, offset=2 * count * wire.PAYLOAD_BYTES + count)
-    flags = np.ndarray(count, np.uint8, buffer=buf, offset=2 * count * wire.PAYLOAD_BYTES + 2 * count)
-    result_flags = np.ndarray(count, np.uint8, buffer=buf, offset=2 * count * wire.PAYLOAD_BYTES + 3 * count)
+    sums = np.ndarray((count, k), qz.WIRE_DTYPE, buffer=buf, offset=count * payload)
+    exponents = np.ndarray(count, np.int8, buffer=buf, offset=2 * count * payload)
+    global_exp = np.ndarray(count, np.int8, buffer=buf, offset=2 * count * payload + count)
+    flags = np.ndarray(count, np.uint8, buffer=buf, offset=2 * count * payload + 2 * count)
+    result_flags = np.ndarray(count, np.uint8, buffer=buf, offset=2 * count * payload + 3 * count)
     return blocks, exponents, sums, global_exp, flags, result_flags
 
 
@@ -140,6 +145,7 @@ class _Share:
                  options: dict[str, Any], timeout: float) -> None:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
         self.index = index
+        self.k = config.width
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_share_main, args=(child, config, share, address, options),
                                    name=f"netagg-share{index}", daemon=True)
@@ -167,16 +173,16 @@ class _Share:
         from multiprocessing import shared_memory
 
         count = blocks.shape[0]
-        if self._shm is None or self._shm.size < _shm_bytes(count):
+        if self._shm is None or self._shm.size < _shm_bytes(count, self.k):
             if self._shm is not None:
                 self._shm.close()
                 self._shm.unlink()
-            self._shm = shared_memory.SharedMemory(create=True, size=max(_shm_bytes(count), 4096))
-        view_blocks, view_exp, _, _, view_flags, _ = _views(self._shm, count)
+            self._shm = shared_memory.SharedMemory(create=True, size=max(_shm_bytes(count, self.k), 4096))
+        view_blocks, view_exp, _, _, view_flags, _ = _views(self._shm, count, self.k)
         view_blocks[:] = blocks
         view_exp[:] = exponents
         view_flags[:] = flags
-        np.ndarray(1, np.int64, buffer=self._shm.buf, offset=count * (2 * wire.PAYLOAD_BYTES + 4))[0] = tag
+        np.ndarray(1, np.int64, buffer=self._shm.buf, offset=_tag_offset(count, self.k))[0] = tag
         self._count = count
         self.conn.send(("exchange", self._shm.name, count))
         self._pending = True
@@ -186,7 +192,7 @@ class _Share:
         kind, detail = self._receive()
         if kind != "done":
             raise TransportError(f"thread {self.index}: {detail}")
-        _, _, sums, global_exp, _, result_flags = _views(self._shm, self._count)
+        _, _, sums, global_exp, _, result_flags = _views(self._shm, self._count, self.k)
         return sums.copy(), global_exp.copy(), result_flags.copy()
 
     def close(self) -> None:
@@ -215,6 +221,7 @@ class ThreadedTransport:
         if config.threads < 2:
             raise ValueError("a threaded transport has at least 2 threads")
         self.config = config
+        self.k = config.width
         self.shares = thread_shares(slot_count_of(config), config.threads)
         if len(self.shares) < config.threads:
             log.info("job %d: %d slots make %d blocks of 64: %d threads, not %d", config.job_id,

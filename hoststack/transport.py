@@ -4,7 +4,7 @@
 rules written below, which take a fifth of the file; the batch steps live in ``transport_reference`` and
 ``transport_kernels``, the codec in ``quantization``.)
 
-One :meth:`Transport.exchange` call aggregates a ``(blocks, K)`` float32 array with the
+One :meth:`Transport.exchange` call aggregates a ``(blocks, k)`` float32 array (k: the job's width) with the
 other workers of the job (who make the same calls in the same order) and returns the
 int32 sums and the global exponent of every block; :mod:`~netagg.hoststack.quantization`
 decodes them.
@@ -97,7 +97,7 @@ from netagg import layout, mmsg, udpgso, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.failover import FailoverClient
-from netagg.hoststack.packets import PACKET_DTYPE, PROBE_SEQ_BIT, SEQ_MASK, slot_count_of, udp_socket
+from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, packet_dtype, slot_count_of, udp_socket
 from netagg.jobconfig import WorkerConfig, resolve
 
 log = logging.getLogger(__name__)
@@ -107,8 +107,6 @@ try:  # compiled batch kernels when numba is installed (extra "fast"); same effe
 except ImportError:
     kernels = None  # (tests set it to None to run the numpy reference)
 
-K = wire.K
-_NETAGG_BYTES = wire.NETAGG_BYTES
 #: Smallest retransmission timeout (s). ``make bench``, 8 workers at 40 Mbit/s on 2 busy cores: a 2 ms floor
 #: gave 1.32x the bound with 7,389 retransmissions (nearly all spurious), 10 ms 1.00x with 222.
 RTO_FLOOR = 0.010
@@ -122,7 +120,8 @@ _RECV_CALLS_MAX = 64
 #: Receive rows per call with GRO (a few coalesced buffers of up to 64 segments each).
 _RECV_ROWS = 256
 #: Receive buffer row: longer datagrams are cut to this (and so still counted as malformed).
-_RECV_STRIDE = 512
+_RECV_STRIDE = 1152
+assert _RECV_STRIDE > wire.netagg_bytes(wire.WIDE_K)
 #: Restart ride-through (module docstring): from this resend of a packet on, its slot's previous packet is
 #: resent with it ...
 SHADOW_RETRIES = 2
@@ -305,6 +304,9 @@ class Transport:
         peer (a socket of a steered group must not be: the kernel steers only unconnected ones)."""
         self.config = config
         self.num_workers = config.num_workers
+        #: Values per packet (the job's width) and the bytes of one message.
+        self.k = config.width
+        self.netagg_bytes = nbytes = wire.netagg_bytes(self.k)
         #: The job-relative slot of row 0 and the rows (slots) of this transport.
         self.slot_base, self.slot_count = slot_range if slot_range is not None else (0, slot_count_of(config))
         if self.slot_count < 1 or self.slot_base < 0 or self.slot_base + self.slot_count > 0x10000:
@@ -341,21 +343,22 @@ class Transport:
         self.stats.smallest_window = self.window
         self._last_decrease = -math.inf
         # One preallocated packet per slot; row s is always slot s.
-        self.packets = np.zeros(self.slot_count, PACKET_DTYPE)
+        self.packets = np.zeros(self.slot_count, packet_dtype(self.k))
         hdr = self.packets["hdr"]
         hdr["version"] = wire.VERSION
+        hdr["width"] = wire.width_code(self.k)
         hdr["job_id"] = config.job_id
         hdr["rank"] = config.rank
         hdr["slot"] = self.slot_base + np.arange(self.slot_count)
-        self.raw = self.packets.view(np.uint8).reshape(self.slot_count, _NETAGG_BYTES)
+        self.raw = self.packets.view(np.uint8).reshape(self.slot_count, nbytes)
         self.words = self.raw.view(np.uint32)
         self.rows = [memoryview(self.raw[s]) for s in range(self.slot_count)]
         # Per slot: the exact bytes of the packet sent in it before the current one (row s of ``_raw``), kept
         # across exchanges, and how many packets the slot has carried (a shadow exists from 2 on).
-        self.shadow = np.zeros((self.slot_count, _NETAGG_BYTES), np.uint8)
+        self.shadow = np.zeros((self.slot_count, nbytes), np.uint8)
         self.uses = np.zeros(self.slot_count, np.int64)
         # What the recovery resends are copied into and sent from (module docstring).
-        self.resend = np.zeros((self.slot_count, _NETAGG_BYTES), np.uint8)
+        self.resend = np.zeros((self.slot_count, nbytes), np.uint8)
         self.resend_rows = [memoryview(self.resend[s]) for s in range(self.slot_count)]
         #: The members a subset exchange writes into each row it fills (0: the whole job).
         self.members = 0
@@ -383,9 +386,9 @@ class Transport:
             if self._tx.refused is not None:
                 log.info("transport %s: one datagram per message (%s)", self.address, self._tx.refused)
             self.row_addr = np.uint64(self.raw.ctypes.data) + np.arange(self.slot_count, dtype=np.uint64) \
-                * np.uint64(_NETAGG_BYTES)
+                * np.uint64(nbytes)
             self.resend_addr = np.uint64(self.resend.ctypes.data) \
-                + np.arange(self.slot_count, dtype=np.uint64) * np.uint64(_NETAGG_BYTES)
+                + np.arange(self.slot_count, dtype=np.uint64) * np.uint64(nbytes)
         else:
             self.rx_buf = np.zeros((_RECV_BATCH, _RECV_STRIDE), np.uint8)
             self.rx_names = np.zeros((_RECV_BATCH, mmsg.NAME_BYTES), np.uint8)
@@ -426,7 +429,7 @@ class Transport:
     # -- public ------------------------------------------------------------
     def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None, *, flags: np.ndarray | None = None,
                  tag: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Aggregate ``blocks`` ((n, K) float32) with the job: returns (sums (n, K) '>i4', exponents int8, round
+        """Aggregate ``blocks`` ((n, k) float32, k = ``self.k``) with the job: returns (sums (n, k) '>i4', exponents int8, round
         flags uint8), per block; :func:`quantization.dequantize` with ``flags=`` decodes them.
 
         ``exponents`` and ``flags`` are this worker's :func:`quantization.inspect` of ``blocks`` (computed here
@@ -480,8 +483,9 @@ class Transport:
         self._failed = f"aborted: {reason}"
         if self._subset_rounds or self.slot_base != 0:
             return  # a subset's rounds are the scheduler's; another share's slot 0 is share 0's to abort
-        packet = np.zeros(1, PACKET_DTYPE)
+        packet = np.zeros(1, packet_dtype(self.k))
         hdr = packet["hdr"]
+        hdr["width"] = wire.width_code(self.k)
         hdr["version"], hdr["flags"], hdr["job_id"], hdr["slot"] = wire.VERSION, wire.FLAG_OUT_OF_STEP, \
             self.config.job_id, 0
         hdr["pool"], hdr["rank"], hdr["exponent"] = self.next_pool[0], self.config.rank, qz.EXP_NONE
@@ -657,7 +661,7 @@ class Transport:
             blocks = self.blocks_of(slots)
         for first in range(0, slots.shape[0], tx.capacity):
             chunk = slots[first:first + tx.capacity]
-            headers = tx.plan_uniform(addresses[chunk], _NETAGG_BYTES, *self._tx_name,
+            headers = tx.plan_uniform(addresses[chunk], self.netagg_bytes, *self._tx_name,
                                       keys=blocks[first:first + tx.capacity])
             errors += tx.send(self._fd, headers)[1]
         return errors
@@ -717,8 +721,10 @@ class Exchange:
 
     def __init__(self, transport: Transport, blocks: np.ndarray, exponents: np.ndarray,
                  flags: np.ndarray | None = None, ident: int = 0) -> None:
-        if blocks.ndim != 2 or blocks.shape[1] != K or blocks.dtype != np.float32:
-            raise TypeError(f"expected float32 blocks of shape (n, {K}), got {blocks.dtype} {blocks.shape}")
+        k = transport.k
+        if blocks.ndim != 2 or blocks.shape[1] != k or blocks.dtype != np.float32:
+            raise TypeError(f"expected float32 blocks of shape (n, {k}) (the job's width), got {blocks.dtype} "
+                            f"{blocks.shape}")
         self.transport = transport
         self.num_blocks = nb = blocks.shape[0]
         if flags is not None and flags.shape != (nb,):
@@ -740,8 +746,9 @@ class Exchange:
         self.ahead = np.full(nb + self.window, qz.EXP_NONE, np.int8)
         self.ahead[:nb] = self.local_exp
         self.global_exp = np.full(nb, qz.EXP_NONE, np.int8)
-        self.sums = np.empty((nb, K), qz.WIRE_DTYPE)
-        self.sums_flat = self.sums.view(np.uint8).reshape(-1)
+        self.sums = np.empty((nb, k), qz.WIRE_DTYPE)
+        #: The sums as one row of bytes per block (what ``accept_results`` copies payloads into).
+        self.sums_flat = self.sums.view(np.uint8).reshape(nb, 4 * k)
         self.seq0 = transport.seq
         self.probe0 = transport.probe_seq
         # Per used slot: expected (round << 33 | pool << 32 | seq) of the outstanding packet or -1,
@@ -769,7 +776,7 @@ class Exchange:
         empty batches, rather than inside the first exchange's progress timeout."""
         if kernels is None:
             return
-        r = cls(t, np.zeros((0, K), np.float32), np.zeros(0, np.int8))
+        r = cls(t, np.zeros((0, t.k), np.float32), np.zeros(0, np.int8))
         none = np.zeros(0, np.int64)
         r.fill(none, none, r.blocks, r.local_exp, r.global_exp, r.ahead, 0, 0, r.window, *t.encode, t.raw, t.words,
                t.next_pool, t.rounds, r.expect, r.sent_at, 0.0, none.copy())

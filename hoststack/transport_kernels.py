@@ -17,13 +17,10 @@ from netagg import layout, wire
 from netagg.hoststack.codec_kernels import quantize_row
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK
 
-wire.check_compiled_layout(__name__, "v3 K=64 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,exponent:8s,width:8,"
+wire.check_compiled_layout(__name__, "v3 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,exponent:8s,width:8,"
                                      "round:16,seq:32,members:32,exchange:32")  # see check_compiled_layout
 
-_K = wire.K
 _HEADER = wire.HEADER_BYTES
-_PAYLOAD = wire.PAYLOAD_BYTES
-_NETAGG = wire.NETAGG_BYTES
 _VERSION = wire.VERSION
 _RESULT = wire.FLAG_RESULT
 _OUT_OF_STEP = wire.FLAG_OUT_OF_STEP
@@ -50,6 +47,7 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
                    rtts):  # pragma: no cover
     """See ``transport_reference.accept_results`` (the reference): same arguments, same effects and result."""
     used = expect.shape[0]
+    payload = sums.shape[1]
     foreign = malformed = stale = done = n_acc = n_rtt = 0
     for i in range(count):
         name = names[i]
@@ -62,7 +60,7 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
             foreign += 1
             continue
         row = buf[i]
-        if lengths[i] != _NETAGG or row[_VERSION_AT] != _VERSION or (row[_FLAGS_AT] & _RESULT) == 0 \
+        if lengths[i] != _HEADER + payload or row[_VERSION_AT] != _VERSION or (row[_FLAGS_AT] & _RESULT) == 0 \
                 or _be(row, _JOB_AT, 2) != job_id:
             malformed += 1
             continue
@@ -95,10 +93,9 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
             nxt = slot
         else:
             block = (seq - seq0) & _MASK
-            start = block * _PAYLOAD
-            out = sums[start:start + _PAYLOAD]  # loops over views from 0 vectorize; offsets on both sides do not
-            values = row[_HEADER:_HEADER + _PAYLOAD]
-            for j in range(_PAYLOAD):
+            out = sums[block]  # loops over views from 0 vectorize; offsets on both sides do not
+            values = row[_HEADER:_HEADER + payload]
+            for j in range(payload):
                 out[j] = values[j]
             result_flags[block] = row[_FLAGS_AT] & _NONFINITE
             done += 1
@@ -128,7 +125,7 @@ def fill_packets(slots, block_ids, blocks, local_exp, global_exp, ahead, seq0, p
         if b < 0:
             seq = _PROBE | ((probe0 + s) & _MASK)
             exponent = ahead[s]
-            for j in range(_K):
+            for j in range(blocks.shape[1]):
                 values[_HEADER // 4 + j] = np.uint32(0)
         else:
             seq = (b + seq0) & _MASK

@@ -13,11 +13,9 @@ import numpy as np
 
 from netagg import wire
 from netagg.hoststack import quantization as qz
-from netagg.hoststack.packets import HEADER_DTYPE, PACKET_DTYPE, PROBE_SEQ_BIT, SEQ_MASK
+from netagg.hoststack.packets import HEADER_DTYPE, PROBE_SEQ_BIT, SEQ_MASK, packet_dtype
 
-_NETAGG_BYTES = wire.NETAGG_BYTES
 _HEADER_BYTES = wire.HEADER_BYTES
-_PAYLOAD_BYTES = wire.PAYLOAD_BYTES
 
 
 def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, count: int, allowed: np.ndarray,
@@ -28,14 +26,15 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
                           rtts: np.ndarray) -> tuple[int, int, int, int, int, int]:
     """Check and apply ``count`` received datagrams (``buf[i, :lengths[i]]`` from sockaddr ``names[i]``).
 
-    Per datagram, in order: a sender not in ``allowed`` (IPv4 << 16 | port) is foreign; a size
-    other than NETAGG_BYTES, another version, no RESULT flag or another job is malformed; a
+    ``sums``: one row of bytes per block (``(num_blocks, 4k)``, k the job's width). Per datagram, in order: a
+    sender not in ``allowed`` (IPv4 << 16 | port) is foreign; a size other than the width's
+    (``wire.netagg_bytes(k)``), another version, no RESULT flag or another job is malformed; a
     slot (less ``slot_base``: the first of this transport's slots) outside ``expect`` or a
     (round << 33 | pool << 32 | seq) other than ``expect[slot]`` is
     stale (so is a second copy of a result in the batch). An accepted result clears
     ``expect[slot]``, flips ``next_pool[slot]``, yields a round trip ``now - sent_at[slot]``
     unless the slot was retransmitted (Karn; ``retries[slot]`` is reset), copies a data
-    block's values into ``sums`` (flat bytes) and writes the exponent into ``global_exp`` of
+    block's values into its row of ``sums`` and writes the exponent into ``global_exp`` of
     the slot's next block, if any (for a probe: block ``slot``), and its non-finite flags into
     ``result_flags[block]``. A result for the (round, pool) a slot has outstanding whose flags say
     OUT_OF_STEP or whose ``exchange`` is not this worker's is stale too, whatever its seq, and the first
@@ -51,7 +50,8 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
     known = np.isin(source, allowed)
     rows = buf[:count]
     hdr = np.ascontiguousarray(rows[:, :_HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
-    valid = known & (lengths[:count] == _NETAGG_BYTES) & (hdr["version"] == wire.VERSION) \
+    payload = sums.shape[1]
+    valid = known & (lengths[:count] == _HEADER_BYTES + payload) & (hdr["version"] == wire.VERSION) \
         & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == job_id)
     slot = hdr["slot"].astype(np.int64) - slot_base
     seq = hdr["seq"].astype(np.int64)
@@ -84,7 +84,7 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
     probe = (seq & PROBE_SEQ_BIT) != 0
     block = (seq - seq0) & SEQ_MASK
     data = ~probe
-    sums.reshape(-1, _PAYLOAD_BYTES)[block[data]] = rows[accepted[data], _HEADER_BYTES:_NETAGG_BYTES]
+    sums[block[data]] = rows[accepted[data], _HEADER_BYTES:_HEADER_BYTES + payload]
     result_flags[block[data]] = hdr["flags"][accepted[data]] & wire.NONFINITE_FLAGS
     nxt = np.where(probe, slots, block + window)
     ready = nxt < num_blocks
@@ -101,7 +101,8 @@ def fill_packets(slots: np.ndarray, block_ids: np.ndarray, blocks: np.ndarray, l
                         enc_a: np.ndarray, enc_b: np.ndarray, raw: np.ndarray, words: np.ndarray,
                         next_pool: np.ndarray, rounds: np.ndarray, expect: np.ndarray, sent_at: np.ndarray,
                         now: float, keys: np.ndarray) -> int:
-    """Build the packets of ``slots`` in their rows of ``raw`` (PACKET_DTYPE bytes; ``words`` is its uint32 view).
+    """Build the packets of ``slots`` in their rows of ``raw`` (``packet_dtype(k)`` bytes, k = ``blocks.shape[1]``;
+    ``words`` is its uint32 view).
 
     ``block_ids[i]`` is the data block slot ``slots[i]`` carries, or -1 for the slot's probe
     (zeros, ``seq = PROBE_SEQ_BIT | probe0 + slot``); a data block is quantized with its global
@@ -117,7 +118,7 @@ def fill_packets(slots: np.ndarray, block_ids: np.ndarray, blocks: np.ndarray, l
     g = global_exp[data_blocks]
     if (g < local_exp[data_blocks]).any():
         return -1
-    packets = raw.view(PACKET_DTYPE)[:, 0]
+    packets = raw.view(packet_dtype(blocks.shape[1]))[:, 0]
     packets["values"][slots[probe]] = 0
     if data.size:
         packets["values"][slots[data]] = qz.quantize_scaled(blocks[data_blocks], g, enc_a, enc_b)

@@ -199,6 +199,7 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
             self.grants = GrantService(scheduler or Scheduler(self.delay_bound, default_bandwidth=default_bandwidth),
                                        lambda: self.version, batch_window=batch_window,
                                        switch_slots=config.slot_count if config.switch_aggregation else 0,
+                                       switch_width=config.width,
                                        switch_floor=lambda: self.switch_floor,
                                        # multicast versions: one switch group per batch serves every worker
                                        gang=distribution is not None if gang is None else gang,

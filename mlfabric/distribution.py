@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from netagg import mmsg, wire
-from netagg.hoststack.packets import HEADER_DTYPE, PACKET_DTYPE, udp_socket
+from netagg.hoststack.packets import HEADER_DTYPE, packet_dtype, udp_socket
 from netagg.jobconfig import WorkerConfig, resolve
 
 #: Versions kept for repairs at the PS, and assembled at once at a worker.
@@ -41,15 +41,16 @@ KEEP_VERSIONS = 4
 MIN_RATE_SECONDS = 0.01
 _VERSION_BITS = 16
 _BLOCK_MASK = (1 << 16) - 1
-_STRIDE = 512
+_STRIDE = 1152
 
 
 @dataclass(frozen=True)
 class DistributionLayout:
-    """Where each block of a ``size``-value model travels in a job of ``slots`` slots."""
+    """Where each block of a ``size``-value model travels in a job of ``slots`` slots of ``width`` values."""
 
     size: int
     slots: int
+    width: int = wire.K
 
     def __post_init__(self) -> None:
         if self.size < 1 or self.slots < 1:
@@ -61,7 +62,7 @@ class DistributionLayout:
 
     @property
     def blocks(self) -> int:
-        return -(-self.size // wire.K)
+        return -(-self.size // self.width)
 
     @property
     def uses(self) -> int:
@@ -76,10 +77,14 @@ class DistributionLayout:
         return ((version & 0xFFFF) << _VERSION_BITS) | np.arange(self.blocks)
 
     def padded(self, model: np.ndarray) -> np.ndarray:
-        """The model as (blocks, K) float32, zero-padded."""
-        out = np.zeros(self.blocks * wire.K, np.float32)
+        """The model as (blocks, width) float32, zero-padded."""
+        out = np.zeros(self.blocks * self.width, np.float32)
         out[:self.size] = model
-        return out.reshape(self.blocks, wire.K)
+        return out.reshape(self.blocks, self.width)
+
+    @property
+    def message_bytes(self) -> int:
+        return wire.netagg_bytes(self.width)
 
 
 @dataclass
@@ -123,14 +128,14 @@ class ModelSender:
             self._cond.notify_all()
 
     def blocks(self, version: int, ranges: list[tuple[int, int]]) -> np.ndarray | None:
-        """Blocks ``[start, end)`` of a version sent lately, as (n, K) float32; None if it is gone."""
+        """Blocks ``[start, end)`` of a version sent lately, as (n, width) float32; None if it is gone."""
         with self._cond:
             padded = self._sent.get(version)
             if padded is None:
                 return None
             self.stats.repairs_served += 1
         parts = [padded[max(0, a):min(b, padded.shape[0])] for a, b in ranges]
-        return np.concatenate(parts) if parts else np.zeros((0, wire.K), np.float32)
+        return np.concatenate(parts) if parts else np.zeros((0, self.config.width), np.float32)
 
     def close(self) -> None:
         with self._cond:
@@ -158,15 +163,16 @@ class ModelSender:
             self._send(version, model)
 
     def _send(self, version: int, model: np.ndarray) -> None:
-        layout = DistributionLayout(model.size, self.config.slot_count)
+        layout = DistributionLayout(model.size, self.config.slot_count, self.config.width)
         padded = layout.padded(model)
         with self._cond:
             self._sent[version] = padded
             while len(self._sent) > KEEP_VERSIONS:
                 self._sent.popitem(last=False)
-        packets = np.zeros(layout.blocks, PACKET_DTYPE)
+        packets = np.zeros(layout.blocks, packet_dtype(layout.width))
         hdr = packets["hdr"]
         hdr["version"] = wire.VERSION
+        hdr["width"] = wire.width_code(layout.width)
         hdr["job_id"] = self.config.job_id
         hdr["rank"] = self.config.rank
         hdr["members"] = self.members
@@ -175,7 +181,7 @@ class ModelSender:
         hdr["round"] = layout.rounds(version)
         hdr["seq"] = layout.seqs(version)
         packets["values"] = padded.view(np.int32)
-        raw = packets.view(np.uint8).reshape(layout.blocks, wire.NETAGG_BYTES)
+        raw = packets.view(np.uint8).reshape(layout.blocks, layout.message_bytes)
         start = time.monotonic()
         sent = 0
         for first in range(0, layout.blocks, self.batch):
@@ -185,14 +191,14 @@ class ModelSender:
                     sent += 1
                 except OSError:
                     self.stats.send_errors += 1
-            due = start + sent * (wire.FRAME_BYTES + 24) / self.rate
+            due = start + sent * (wire.frame_bytes(layout.width) + 24) / self.rate
             pause = due - time.monotonic()
             if pause > 0:
                 time.sleep(pause)
         with self._cond:
             self.stats.versions_sent += 1
             self.stats.packets_sent += sent
-            self.stats.bytes_sent += sent * wire.NETAGG_BYTES
+            self.stats.bytes_sent += sent * layout.message_bytes
 
 
 @dataclass
@@ -218,7 +224,7 @@ class ModelCache:
         #: cannot forge them: in a one-way job the switch takes no packet from a receiver.
         senders = max(config.senders, 1)
         self.sender_members = ((1 << senders) - 1) << (config.num_workers - senders)
-        self.layout = DistributionLayout(size, config.slot_count)
+        self.layout = DistributionLayout(size, config.slot_count, config.width)
         self.stats = CacheStats()
         self.sock = udp_socket(resolve(config.bind))
         self.source = resolve(config.aggregator)
@@ -253,7 +259,7 @@ class ModelCache:
             return None
         version, missing = candidate
         fetched = repair(version, missing)
-        if fetched is None or fetched.shape != (sum(b - a for a, b in missing), wire.K):
+        if fetched is None or fetched.shape != (sum(b - a for a, b in missing), self.layout.width):
             return None  # gone at the PS, or not this layout's blocks
         with self._cond:
             entry = self._parts.get(version)
@@ -339,7 +345,7 @@ class ModelCache:
     def _accept(self, rows: np.ndarray, lengths: np.ndarray, from_switch: np.ndarray) -> None:
         layout = self.layout
         hdr = np.ascontiguousarray(rows[:, :wire.HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
-        valid = from_switch & (lengths == wire.NETAGG_BYTES) & (hdr["version"] == wire.VERSION) \
+        valid = from_switch & (lengths == layout.message_bytes) & (hdr["version"] == wire.VERSION) \
             & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == self.config.job_id) \
             & ((hdr["members"] & ~np.uint32(self.sender_members)) == 0) & (hdr["members"] != 0) \
             & ((hdr["members"] & (hdr["members"] - np.uint32(1))) == 0)  # one sender of the chain
@@ -352,7 +358,7 @@ class ModelCache:
             self.stats.packets += int(valid.sum())
             if not valid.any():
                 return
-            values = rows[valid, wire.HEADER_BYTES:wire.NETAGG_BYTES].copy().view(">i4").astype(np.int32)
+            values = rows[valid, wire.HEADER_BYTES:layout.message_bytes].copy().view(">i4").astype(np.int32)
             lows, blocks = seqs[valid] >> _VERSION_BITS, blocks[valid]
             for low in np.unique(lows):
                 version = self._widen(int(low))
@@ -360,7 +366,7 @@ class ModelCache:
                     continue  # copies of a version already assembled (or older)
                 entry = self._parts.get(version)
                 if entry is None:
-                    entry = (np.zeros((layout.blocks, wire.K), np.float32), np.zeros(layout.blocks, bool))
+                    entry = (np.zeros((layout.blocks, layout.width), np.float32), np.zeros(layout.blocks, bool))
                     self._parts[version] = entry
                     self._first_seen[version] = time.monotonic()
                     while len(self._parts) > KEEP_VERSIONS:

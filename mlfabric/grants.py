@@ -54,9 +54,10 @@ STALE = "stale"
 MAX_SWITCH_ROUND_USES = 1 << 12
 
 
-def switch_round_uses(size: int, slot_count: int) -> int:
-    """Round numbers a subset exchange of a ``size``-byte float32 update uses per slot."""
-    return subset_round_uses(-(-size // (4 * wire.K)), slot_count)
+def switch_round_uses(size: int, slot_count: int, width: int = wire.K) -> int:
+    """Round numbers a subset exchange of a ``size``-byte float32 update uses per slot (``width`` values per
+    packet: the job's)."""
+    return subset_round_uses(-(-size // (4 * width)), slot_count)
 
 
 @dataclass
@@ -89,7 +90,7 @@ class GrantService:
     """Thread-safe batching and granting around a :class:`Scheduler`."""
 
     def __init__(self, scheduler: Scheduler, version: Callable[[], int], *, batch_window: float = 0.01,
-                 grace: float = 2.0, keep_slots: int = 10_000, switch_slots: int = 0,
+                 grace: float = 2.0, keep_slots: int = 10_000, switch_slots: int = 0, switch_width: int = wire.K,
                  switch_floor: Callable[[], int] = lambda: 0, gang: bool = False, ps_member: int | None = None,
                  on_switch_group: Callable[[dict, int], None] | None = None) -> None:
         """``ps_member``: the PS's own rank in the job's switch groups (``ps_members``): every switch group's
@@ -114,6 +115,7 @@ class GrantService:
         self._busy_until: dict[int, float] = {}
         self._link_free_at = 0.0
         self.switch_slots = switch_slots
+        self.switch_width = switch_width
         self.gang = gang and switch_slots > 0
         self._switch_floor = switch_floor
         #: Round base of the next subset round (None: not yet decided, see the module docstring).
@@ -266,7 +268,8 @@ class GrantService:
     def _switch_fits(self, batch: list[_Pending]) -> bool:
         """The job has switch slots and every update of ``batch`` fits a subset exchange."""
         return bool(self.switch_slots) and all(
-            switch_round_uses(p.request.size, self.switch_slots) <= MAX_SWITCH_ROUND_USES for p in batch)
+            switch_round_uses(p.request.size, self.switch_slots, self.switch_width) <= MAX_SWITCH_ROUND_USES
+            for p in batch)
 
     def _switch_possible(self, batch: list[_Pending]) -> bool:
         return not self._switch_grants and self._switch_fits(batch)
@@ -349,7 +352,7 @@ class GrantService:
                 if self.ps_member is not None:
                     grant["ps"] = self.ps_member
                 self._switch_grants[group.group] = grant
-                self._switch_next += switch_round_uses(group.size, self.switch_slots)
+                self._switch_next += switch_round_uses(group.size, self.switch_slots, self.switch_width)
                 if self.ps_member is not None and self._on_switch_group is not None:
                     self._on_switch_group({**grant, "parts": [list(p) for p in parts], "group": group.group},
                                           group.size)

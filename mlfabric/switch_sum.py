@@ -141,8 +141,9 @@ class SwitchMember:
             self.stats.last_error = failed
         else:
             self.stats.groups += 1
-        self.stats.bytes_out += max(0, sent - before[0]) * wire.NETAGG_BYTES
-        self.stats.bytes_in += max(0, received - before[1]) * wire.NETAGG_BYTES
+        message = wire.netagg_bytes(self._summer.config.width)
+        self.stats.bytes_out += max(0, sent - before[0]) * message
+        self.stats.bytes_in += max(0, received - before[1]) * message
 
     def close(self) -> None:
         self._queue.put(None)

@@ -106,6 +106,11 @@ class WorkerConfig:
     #: the same as ``num_workers`` and ``rank`` (a job on one switch). Every worker quantizes for the whole job.
     job_workers: int = 0
     job_rank: int = -1
+    #: Values per packet (``wire.WIDTHS``): 64 (narrow) or 256 (wide), the job's one width, chosen by the
+    #: controller when the job was made (docs/protocol.md, "Wide packets"). A job setting like ``slot_count``:
+    #: every worker sends packets of it (the switch refuses another width as WRONG_WIDTH); a fallback job's PS
+    #: aggregates either. ``NETAGG_WIDTH`` in the environment.
+    width: int = wire.K
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -120,6 +125,7 @@ class WorkerConfig:
             raise ConfigError(f"slot_count: {self.slot_count} must be >= 1 outside fallback mode")
         if self.mode in ("ps", "fallback") and self.ps is None:
             raise ConfigError(f"ps: mode {self.mode} needs the parameter server's endpoint")
+        check_width(self.width)
         self._check_mlfabric()
 
     def _check_mlfabric(self) -> None:
@@ -239,6 +245,25 @@ class WorkerConfig:
     @classmethod
     def load(cls, path: Path | str) -> WorkerConfig:
         return cls.from_dict(read_yaml(path), str(path))
+
+
+def check_width(width: object, key: str = "width") -> int:
+    """``width`` if it is a width the protocol defines (``wire.WIDTHS``: 64 or 256); ConfigError naming ``key``
+    otherwise."""
+    if isinstance(width, bool) or not isinstance(width, int) or width not in wire.WIDTH_CODES:
+        raise ConfigError(f"{key}: expected values per packet, one of "
+                          f"{', '.join(str(k) for k in sorted(wire.WIDTH_CODES))}, got {width!r}")
+    return width
+
+
+def parse_width(text: str, key: str = "NETAGG_WIDTH") -> int:
+    """A width from text (an environment variable): ``64`` or ``256``; ConfigError naming ``key`` otherwise."""
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ConfigError(f"{key}: expected values per packet, one of "
+                          f"{', '.join(str(k) for k in sorted(wire.WIDTH_CODES))}, got {text!r}") from None
+    return check_width(value, key)
 
 
 def resolve(endpoint: Endpoint) -> tuple[str, int]:

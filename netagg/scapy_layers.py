@@ -29,18 +29,25 @@ def _header_fields() -> list:
 
 
 class Netagg(Packet):
-    """The 16-byte netagg header."""
+    """The 24-byte netagg header."""
 
     name = "netagg"
     fields_desc = _header_fields()
 
 
+def _value_count(pkt: Packet) -> int:
+    """Values to dissect: as many as the netagg header's ``width`` code says (``K`` for an undefined code)."""
+    header = pkt.underlayer
+    return wire.WIDTHS.get(getattr(header, "width", 0), wire.K)
+
+
 class NetaggValues(Packet):
-    """The K signed 32-bit values."""
+    """The signed 32-bit values: ``K`` (narrow) or ``WIDE_K`` (wide), as the header's ``width`` says."""
 
     name = "netagg values"
     fields_desc = [
-        FieldListField("values", [0] * wire.K, SignedIntField("v", 0), count_from=lambda _pkt: wire.K),
+        FieldListField("values", [0] * wire.K, SignedIntField("v", 0), count_from=_value_count,
+                       max_count=wire.WIDE_K),
     ]
 
 
@@ -51,8 +58,13 @@ bind_layers(Netagg, NetaggValues)
 
 
 def netagg_payload(values: Sequence[int], **header: int) -> Packet:
-    """``Netagg(**header)/NetaggValues(values)`` with values wrapped to int32."""
-    if len(values) != wire.K:
-        raise ValueError(f"need exactly {wire.K} values, got {len(values)}")
+    """``Netagg(**header)/NetaggValues(values)`` with values wrapped to int32.
+
+    ``values``: ``K`` or ``WIDE_K`` of them; ``width`` defaults to their width's code (give it to build a
+    packet whose code disagrees with its values, as a malformed-input test does).
+    """
+    if len(values) not in wire.WIDTH_CODES:
+        raise ValueError(f"need exactly {' or '.join(map(str, sorted(wire.WIDTH_CODES)))} values, got {len(values)}")
+    header.setdefault("width", wire.WIDTH_CODES[len(values)])
     wrapped = [((int(v) + 2**31) % 2**32) - 2**31 for v in values]
     return Netagg(**header) / NetaggValues(values=wrapped)

@@ -6,7 +6,8 @@ Per slot: an owner tag (``SlotOwner``) and the current round of each pool
 (``RoundCheck``); per (slot, pool): the round's expected members (``MemberCheck``), the
 bitmap of contributors (``BitmapCheck``), the missing-contribution count (``WorkerCount``),
 the round's collective (``ExchangeCheck``) and flags (``RoundFlags``), the exponent maximum
-(``ExponentMax``) and the K int32 sums (``ValueSum``). See
+(``ExponentMax``) and the int32 sums (``ValueSum``): a slot here is a *cell* of ``wire.K`` values, and a
+wide packet's slot is its first cell, its value chunk c summed in cell ``slot + c``. See
 docs/protocol.md. ``SlotRegisters.aggregate`` is what ``NetaggIngress.apply`` does with a
 packet from ``SlotOwner`` on: the registers' decision, the job counters to bump, the values
 and exponent the packet leaves with, and where it goes (``Verdict``).
@@ -89,7 +90,7 @@ _RESULT = ("results",)
 
 
 class SlotRegisters:
-    """Registers of ``num_slots`` slots, each with ``wire.NUM_POOLS`` pools."""
+    """Registers of ``num_slots`` cells, each with ``wire.NUM_POOLS`` pools (a wide slot takes several)."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
@@ -286,10 +287,16 @@ class SlotRegisters:
         return self.exponents[index]
 
     def sums(self, index: int, op: ValueOp, values: np.ndarray) -> np.ndarray:
-        """ValueSum: overwrite, add modulo 2**32, or read; returns a copy of the stored sums."""
-        row = self.values[index]
+        """ValueSum: overwrite, add modulo 2**32, or read; returns a copy of the stored sums.
+
+        ``values`` holds ``wire.K`` values per cell: chunk c lives at pool index ``index + NUM_POOLS * c``
+        (cell ``slot + c``, same pool)."""
+        cells = values.size // wire.K
+        rows = self.values[index:index + wire.NUM_POOLS * cells:wire.NUM_POOLS]
+        if rows.shape[0] != cells:
+            raise IndexError(f"a {values.size}-value packet at pool index {index} runs past the registers")
         if op == ValueOp.WRITE:
-            row[:] = values
+            rows[:] = values.reshape(cells, wire.K)
         elif op == ValueOp.MERGE:
-            np.add(row, values, out=row)  # int32 arrays wrap modulo 2**32, as bit<32> does
-        return row.copy()
+            np.add(rows, values.reshape(cells, wire.K), out=rows)  # int32 arrays wrap modulo 2**32, as bit<32> does
+        return rows.reshape(-1).copy()

@@ -82,17 +82,27 @@ def make_workers(count: int, first_ip: int = 1, udp_base: int = 40000) -> list[W
 
 @dataclass
 class Job:
-    """What a test installed for one job."""
+    """What a test installed for one job (``k``: its values per packet, ``wire.K`` or ``wire.WIDE_K``)."""
 
     job_id: int
     workers: list[Worker]
     slot_base: int
     slot_count: int
     generation: int
+    k: int = wire.K
 
     @property
     def mgid(self) -> int:
         return self.job_id
+
+    @property
+    def width(self) -> int:
+        """The job's width code (``set_job``'s last parameter)."""
+        return wire.width_code(self.k)
+
+    def cell(self, slot: int) -> int:
+        """The first cell of the job-relative ``slot`` (a slot takes ``wire.cells_of(k)`` cells)."""
+        return self.slot_base + slot * wire.cells_of(self.k)
 
 
 class NetaggTest(BaseTest):
@@ -118,16 +128,19 @@ class NetaggTest(BaseTest):
         (self._undo if undo is None else undo).append(lambda: self.client.delete_entry(table, match))
 
     def add_job(self, workers: list[Worker], slot_base: int = 0, slot_count: int = 4,
-                num_workers: int | None = None) -> Job:
-        """Install the job, its workers, its multicast group and one replica per worker."""
-        job = Job(next(_job_ids), workers, slot_base, slot_count, next(_generations))
+                num_workers: int | None = None, k: int = wire.K) -> Job:
+        """Install the job, its workers, its multicast group and one replica per worker.
+
+        ``slot_base`` is a cell; ``k=wire.WIDE_K`` makes a wide job, whose slots take four cells each.
+        """
+        job = Job(next(_job_ids), workers, slot_base, slot_count, next(_generations), k)
         undo: list = []
         self._undo.append(lambda: self._run_undo(undo))
         self._job_undo[job.job_id] = undo
         self.insert(dp.TABLE_JOBS, {"job_id": job.job_id}, dp.ACTION_SET_JOB, {
             "num_workers": len(workers) if num_workers is None else num_workers,
             "slot_base": slot_base, "slot_count": slot_count,
-            "mgid": job.mgid, "generation": job.generation,
+            "mgid": job.mgid, "generation": job.generation, "width": job.width,
         }, undo)
         for w in workers:
             self.insert(dp.TABLE_WORKERS, {"job_id": job.job_id, "ipv4_src": _ip(w.ip), "udp_src": w.udp_port,

@@ -68,7 +68,8 @@ class Fragmented(_Malformed):
 
 
 class WrongWidth(_Malformed):
-    """A width code other than 0 (64 values; code 1, 256 values, is reserved for wide packets) is malformed."""
+    """An undefined width code (2, 255) is malformed, and so is the wide code (1) on a narrow packet's 64 values
+    (its lengths are a narrow packet's; ptf-tests/wide_packets.py has the other shapes)."""
 
     def runTest(self) -> None:
         workers = make_workers(2)

@@ -108,8 +108,8 @@ class CompiledTables:
     """The tables and multicast groups of a ``ForwardingState`` as the kernels' arrays."""
 
     def __init__(self, state: ForwardingState) -> None:
-        # num_workers, slot_base, slot_count, mgid, generation
-        self.job_valid, self.job_params = _by_job_id(state, dp.TABLE_JOBS, dp.ACTION_SET_JOB, 5)
+        # num_workers, slot_base, slot_count, mgid, generation, width
+        self.job_valid, self.job_params = _by_job_id(state, dp.TABLE_JOBS, dp.ACTION_SET_JOB, 6)
         workers = [e for e in state.table(dp.TABLE_WORKERS).entries() if e.result[0] == dp.ACTION_SET_WORKER]
         size = _hash_size(len(workers))
         self.w_keys = np.full((size, 2), -1, np.int64)

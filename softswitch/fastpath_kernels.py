@@ -31,15 +31,20 @@ from netagg.dataplane import DropReason, Level, ValueOp
 from netagg.slots import RoundState
 from netagg.udpgso_kernels import gso_header
 
-wire.check_compiled_layout(__name__, "v3 K=64 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,exponent:8s,width:8,"
+wire.check_compiled_layout(__name__, "v3 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,exponent:8s,width:8,"
                                      "round:16,seq:32,members:32,exchange:32")  # see check_compiled_layout
 
 K = wire.K
+WIDE = wire.WIDTH_CODES[wire.WIDE_K]
+WIDE_CELLS = wire.cells_of(wire.WIDE_K)
 NETAGG_PORT = wire.NETAGG_UDP_PORT
 TREE_PORT = wire.NETAGG_TREE_UDP_PORT
 IPV4_TOTAL_LENGTH = wire.IPV4_TOTAL_LENGTH
 UDP_LENGTH = wire.UDP_LENGTH
 FRAME_BYTES = wire.FRAME_BYTES
+WIDE_IPV4_TOTAL_LENGTH = wire.ipv4_total_length(wire.WIDE_K)
+WIDE_UDP_LENGTH = wire.udp_length(wire.WIDE_K)
+WIDE_FRAME_BYTES = wire.frame_bytes(wire.WIDE_K)
 FLAG_RESULT = wire.FLAG_RESULT
 FLAG_OUT_OF_STEP = wire.FLAG_OUT_OF_STEP
 ROUND_FLAGS = wire.ROUND_FLAGS
@@ -89,6 +94,7 @@ D_SPOOFED = int(DropReason.SPOOFED_SOURCE)
 D_NOT_MEMBER = int(DropReason.NOT_A_MEMBER)
 D_MEMBERS = int(DropReason.MEMBERS_MISMATCH)
 D_EXCHANGE = int(DropReason.EXCHANGE_MISMATCH)
+D_WRONG_WIDTH = int(DropReason.WRONG_WIDTH)
 LEVEL_OPEN, LEVEL_UP, LEVEL_FINAL = int(Level.OPEN), int(Level.UP), int(Level.FINAL)
 FLAG_RETRANSMIT = wire.FLAG_RETRANSMIT
 OP_NONE, OP_WRITE, OP_MERGE, OP_READ = int(ValueOp.NONE), int(ValueOp.WRITE), int(ValueOp.MERGE), int(ValueOp.READ)
@@ -179,7 +185,7 @@ def _emit(work, length, port, out_buf, out_len, out_port, n):
 
 @njit(cache=True, inline="always")
 def netagg_parser(b, length):
-    """NetaggParser: ethernet -> ipv4 (ihl 5, UDP) -> udp -> netagg + values.
+    """NetaggParser: ethernet -> ipv4 (ihl 5, UDP) -> udp -> netagg + values (+ values1..3 when wide).
 
     Returns (parser error, ipv4 valid, udp valid, netagg valid)."""
     error = False
@@ -198,7 +204,7 @@ def netagg_parser(b, length):
                     udp = True
                     dport = _u16(b, UDP + 2)
                     if dport in (NETAGG_PORT, TREE_PORT):
-                        if length < FRAME_BYTES:
+                        if length < FRAME_BYTES or (b[WIDTH] == WIDE and length < WIDE_FRAME_BYTES):
                             error = True
                         else:
                             netagg = True
@@ -249,7 +255,8 @@ def worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals, down):
     """WorkerLookup: jobs, workers (keyed by the ingress port too), then the slot/pool/rank/member checks.
     ``down``: a parent's result (tree_links.p4), which has no sender to look up or check.
 
-    Returns (drop reason, num_workers, slot_index, mgid, generation, worker_mask)."""
+    Returns (drop reason, num_workers, slot_index, mgid, generation, worker_mask); slot_index is the slot's
+    first cell (``slot_base + slot << 2 * width``)."""
     zero = np.int64(0)
     job = _u16(b, JOB)
     if not job_valid[job]:
@@ -259,6 +266,7 @@ def worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals, down):
     slot_count = job_params[job, 2]
     mgid = job_params[job, 3]
     generation = job_params[job, 4]
+    width = job_params[job, 5]
     found = -1
     if not down:
         key = (job << 48) | (_u16(b, UDP) << 32) | _u32(b, IP + 12)
@@ -274,6 +282,8 @@ def worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals, down):
     drop = D_NONE
     if not down and found < 0:
         drop = D_UNKNOWN_WORKER
+    elif np.int64(b[WIDTH]) != width:
+        drop = D_WRONG_WIDTH
     elif slot_rel >= slot_count:
         drop = D_SLOT_RANGE
     elif b[POOL] >= 2:
@@ -285,7 +295,7 @@ def worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals, down):
     if drop != D_NONE:
         return drop, zero, zero, zero, zero, zero
     mask_bit = zero if down else w_vals[found, 1]
-    return D_NONE, num_workers, (slot_base + slot_rel) & 0xFFFFFFFF, mgid, generation, mask_bit
+    return D_NONE, num_workers, (slot_base + (slot_rel << (2 * width))) & 0xFFFFFFFF, mgid, generation, mask_bit
 
 
 @njit(cache=True, inline="always")
@@ -393,16 +403,24 @@ def exponent_max(b, regs_exps, index, op):
 
 
 @njit(cache=True, inline="always")
+def _cells(b):
+    """Cells of the packet's slot (its width passed WorkerLookup, so it is the job's)."""
+    return WIDE_CELLS if b[WIDTH] == WIDE else 1
+
+
+@njit(cache=True, inline="always")
 def value_sum(b, regs_values, index, op):
-    """ValueSum: overwrite, add modulo 2**32, or read; the packet leaves with the stored sums."""
-    row = regs_values[index]
-    for i in range(K):
-        o = VALUES + 4 * i
-        if op == OP_WRITE:
-            row[i] = np.int32(np.uint32(_u32(b, o)))
-        elif op == OP_MERGE:
-            row[i] = np.int32(np.uint32((np.int64(row[i]) + _u32(b, o)) & 0xFFFFFFFF))
-        _put32(b, o, np.int64(np.uint32(row[i])))
+    """ValueSum: overwrite, add modulo 2**32, or read; the packet leaves with the stored sums. A wide packet's
+    chunk c is cell ``slot + c``'s row, pool index ``index + POOLS * c``."""
+    for c in range(_cells(b)):
+        row = regs_values[index + POOLS * c]
+        for i in range(K):
+            o = VALUES + 4 * (c * K + i)
+            if op == OP_WRITE:
+                row[i] = np.int32(np.uint32(_u32(b, o)))
+            elif op == OP_MERGE:
+                row[i] = np.int32(np.uint32((np.int64(row[i]) + _u32(b, o)) & 0xFFFFFFFF))
+            _put32(b, o, np.int64(np.uint32(row[i])))
 
 
 @njit(cache=True, inline="always")
@@ -493,7 +511,7 @@ def _down(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, coun
             _bump(counters[P_REJECTS], counters[B_REJECTS], job, length)
         _bump(counters[P_DROPS], counters[B_DROPS], drop, length)
         return DROP_PORT, False, mgid
-    if slot_index >= regs_owner.shape[0]:  # the controller never installs such a range
+    if slot_index + _cells(b) > regs_owner.shape[0]:  # the controller never installs such a range
         return DROP_PORT, False, mgid
     pool = np.int64(b[POOL])
     index = slot_index * POOLS + pool
@@ -526,7 +544,7 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
     index = np.int64(0)
     members = _u32(b, MEMBERS)
     if drop == D_NONE:
-        if slot_index >= regs_owner.shape[0]:  # the controller never installs such a range
+        if slot_index + _cells(b) > regs_owner.shape[0]:  # the controller never installs such a range
             return DROP_PORT, False, mgid
         pool = np.int64(b[POOL])
         index = slot_index * POOLS + pool
@@ -585,6 +603,18 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
 
 
 @njit(cache=True, inline="always")
+def _lengths_ok(b):
+    """The IPv4 and UDP lengths of the packet's width code (a defined one), and no fragment."""
+    if _u16(b, IP + 6) & 0x3FFF:
+        return False
+    if b[WIDTH] == 0:
+        return _u16(b, IP + 2) == IPV4_TOTAL_LENGTH and _u16(b, UDP + 4) == UDP_LENGTH
+    if b[WIDTH] == WIDE:
+        return _u16(b, IP + 2) == WIDE_IPV4_TOTAL_LENGTH and _u16(b, UDP + 4) == WIDE_UDP_LENGTH
+    return False
+
+
+@njit(cache=True, inline="always")
 def netagg_ingress(b, frame, length, ingress, tables, counters, regs):
     """NetaggIngress.apply. Returns (egress_spec, to_group, mgid); egress_spec DROP_PORT: dropped (mark_to_drop)."""
     job_valid, job_params, w_keys, w_vals, src_keys, src_vals, route_vm, route_out = tables[:8]
@@ -609,8 +639,7 @@ def netagg_ingress(b, frame, length, ingress, tables, counters, regs):
         drop, egress_spec = ipv4_forward(b, frame, route_vm, route_out)
     elif b[NA_VERSION] != VERSION:
         drop = D_BAD_VERSION
-    elif (_u16(b, IP + 2) != IPV4_TOTAL_LENGTH or _u16(b, UDP + 4) != UDP_LENGTH or (_u16(b, IP + 6) & 0x3FFF)
-          or b[WIDTH] != 0):
+    elif not _lengths_ok(b):
         drop = D_MALFORMED
     elif b[FLAGS] & FLAG_RESULT and not down:
         drop = D_RESULT_FROM_HOST

@@ -39,13 +39,14 @@ class ParsedPacket:
     ipv4: list | None = None  # [ver_ihl, tos, total_len, ident, flags_frag, ttl, proto, csum, src, dst]
     udp: list | None = None  # [src_port, dst_port, length, checksum]
     netagg: list | None = None  # wire.HEADER_FIELDS order
-    values: np.ndarray | None = None  # int32[K]
+    values: np.ndarray | None = None  # int32[k]: values_h, and values1..3 of a wide packet
     payload: bytes = b""
     parser_error: bool = False
 
 
 def parse(frame: bytes) -> ParsedPacket:
-    """NetaggParser: ethernet -> ipv4 (ihl 5, UDP) -> udp -> netagg + values."""
+    """NetaggParser: ethernet -> ipv4 (ihl 5, UDP) -> udp -> netagg + values (+ three more value headers when
+    the width code is the wide one's)."""
     pkt = ParsedPacket()
     if len(frame) < wire.ETH_HEADER_BYTES:
         pkt.parser_error = True
@@ -70,11 +71,12 @@ def parse(frame: bytes) -> ParsedPacket:
                     return pkt
                 pkt.netagg = list(wire.HEADER_STRUCT.unpack_from(frame, offset))
                 offset += wire.HEADER_BYTES
-                if len(frame) < offset + wire.PAYLOAD_BYTES:
+                k = wire.WIDE_K if pkt.netagg[_WIDTH] == _WIDE else wire.K
+                if len(frame) < offset + k * wire.VALUE_BYTES:
                     pkt.parser_error = True
                     return pkt
-                pkt.values = np.frombuffer(frame, _VALUES_DTYPE, wire.K, offset).astype(np.int32)
-                offset += wire.PAYLOAD_BYTES
+                pkt.values = np.frombuffer(frame, _VALUES_DTYPE, k, offset).astype(np.int32)
+                offset += k * wire.VALUE_BYTES
     pkt.payload = frame[offset:]
     return pkt
 
@@ -100,6 +102,9 @@ def deparse(pkt: ParsedPacket) -> bytes:
 
 # Field positions in ParsedPacket.netagg (wire.HEADER_FIELDS order).
 _N = {f.name: i for i, f in enumerate(wire.HEADER_FIELDS)}
+_WIDE = wire.WIDTH_CODES[wire.WIDE_K]
+#: (IPv4 total length, UDP length) of each width code: any other pair is MALFORMED.
+_LENGTHS = {code: (wire.ipv4_total_length(k), wire.udp_length(k)) for code, k in wire.WIDTHS.items()}
 _VERSION, _FLAGS, _JOB, _SLOT, _POOL, _RANK, _EXP, _WIDTH, _ROUND, _MEMBERS, _EXCHANGE = (
     _N["version"], _N["flags"], _N["job_id"], _N["slot"], _N["pool"], _N["rank"], _N["exponent"], _N["width"],
     _N["round"], _N["members"], _N["exchange"],
@@ -120,6 +125,7 @@ class _Meta:
     slot_count: int = 0
     mgid: int = 0
     generation: int = 0
+    width: int = 0  # the job's width code
     down: bool = False  # a parent's result for the local job down_job (DownLink)
     down_job: int = 0
     rank: int = 0
@@ -188,10 +194,8 @@ class NetaggPipeline:
         elif pkt.netagg[_VERSION] != wire.VERSION:
             meta.drop_reason = DropReason.BAD_VERSION
         elif (
-            pkt.ipv4[2] != wire.IPV4_TOTAL_LENGTH
-            or pkt.udp[2] != wire.UDP_LENGTH
+            _LENGTHS.get(pkt.netagg[_WIDTH]) != (pkt.ipv4[2], pkt.udp[2])
             or pkt.ipv4[4] & (_MF_BIT | _FRAG_OFFSET_MASK)
-            or pkt.netagg[_WIDTH] != 0
         ):
             meta.drop_reason = DropReason.MALFORMED
         elif pkt.netagg[_FLAGS] & wire.FLAG_RESULT and not meta.down:
@@ -243,7 +247,7 @@ class NetaggPipeline:
         if action != dp.ACTION_SET_JOB:
             meta.drop_reason = DropReason.UNKNOWN_JOB
             return
-        meta.num_workers, meta.slot_base, meta.slot_count, meta.mgid, meta.generation = params
+        meta.num_workers, meta.slot_base, meta.slot_count, meta.mgid, meta.generation, meta.width = params
         if not meta.down:  # a parent's result has no sender to look up or check
             src_addr = int.from_bytes(pkt.ipv4[8], "big")
             action, params = self._workers.lookup((hdr[_JOB], src_addr, pkt.udp[0], ingress_port))
@@ -251,7 +255,9 @@ class NetaggPipeline:
                 meta.drop_reason = DropReason.UNKNOWN_WORKER
                 return
             meta.rank, meta.worker_mask = params
-        if hdr[_SLOT] >= meta.slot_count:
+        if hdr[_WIDTH] != meta.width:
+            meta.drop_reason = DropReason.WRONG_WIDTH
+        elif hdr[_SLOT] >= meta.slot_count:
             meta.drop_reason = DropReason.SLOT_OUT_OF_RANGE
         elif hdr[_POOL] >= wire.NUM_POOLS:
             meta.drop_reason = DropReason.BAD_POOL
@@ -260,7 +266,7 @@ class NetaggPipeline:
         elif not meta.down and hdr[_MEMBERS] and not hdr[_MEMBERS] & meta.worker_mask:
             meta.drop_reason = DropReason.NOT_A_MEMBER
         else:
-            meta.slot_index = (meta.slot_base + hdr[_SLOT]) & 0xFFFFFFFF
+            meta.slot_index = (meta.slot_base + (hdr[_SLOT] << (2 * meta.width))) & 0xFFFFFFFF
             meta.pool_index = ((meta.slot_index << 1) + hdr[_POOL]) & 0xFFFFFFFF
 
     def _aggregate(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int, length: int) -> int | None:
@@ -273,7 +279,7 @@ class NetaggPipeline:
         self._worker_lookup(pkt, meta, ingress_port)
         if meta.drop_reason == DropReason.NONE:
             regs = self.registers
-            if meta.slot_index >= regs.num_slots:
+            if meta.slot_index + pkt.values.size // wire.K > regs.num_slots:
                 # The controller never installs such a range; BMv2 leaves it undefined.
                 return None
             if meta.down:

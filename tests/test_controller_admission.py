@@ -44,8 +44,8 @@ def test_validated_resolves_endpoints_and_owner(config):
 
 def test_admit_full_partial_fallback_refused(config):
     allocator = SlotAllocator(16)
-    plain = JobRequest(name="j", workers=["local:5000"], slots=8).validated(config, "alice")
-    with_ps = JobRequest(name="j", workers=["local:5000"], slots=8, ps="ps0").validated(config, "alice")
+    plain = JobRequest(name="j", workers=["local:5000"], slots=8, width=64).validated(config, "alice")
+    with_ps = JobRequest(name="j", workers=["local:5000"], slots=8, ps="ps0", width=64).validated(config, "alice")
     full = admit(plain, allocator, 4)
     assert (full.mode, full.job.admission, full.job.slots, full.job.reason) == (
         "allreduce", "full", SlotRange(0, 8), "8 slots as asked")

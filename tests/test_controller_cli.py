@@ -31,8 +31,10 @@ def run_cli(capsys, controller, token: str | None, *args: str) -> tuple[int, str
 
 
 def create(capsys, controller, token, workers, slots, *extra) -> dict:
+    """A job create; narrow unless ``extra`` names a width (the tests below count narrow slots, one cell each)."""
+    width = () if "--width" in extra else ("--width", "64")
     code, out, err = run_cli(capsys, controller, token, "job", "create", "--workers",
-                             ",".join(f"local:{p}" for p in workers), "--slots", str(slots), *extra)
+                             ",".join(f"local:{p}" for p in workers), "--slots", str(slots), *width, *extra)
     assert code == 0, err
     return json.loads(out)
 

@@ -9,6 +9,7 @@ from itertools import pairwise
 import pytest
 
 from netagg import dataplane as dp
+from netagg import wire
 from netagg.bmv2.targets import start_target
 from netagg.controller.api import ApiClient, ApiError
 from netagg.controller.p4runtime_client import P4RuntimeClient
@@ -38,13 +39,13 @@ def assert_switch_matches_database(grpc_address: str, jobs: list[dict]) -> None:
     assert set(view["jobs"]) == {j["job_id"] for j in switch_jobs}
     for job in switch_jobs:
         params = view["jobs"][job["job_id"]]
-        assert (params["slot_base"], params["slot_count"], params["generation"]) == (
-            job["slot_base"], job["slot_count"], job["generation"])
+        assert (params["slot_base"], params["slot_count"], params["generation"], params["width"]) == (
+            job["slot_base"], job["slot_count"], job["generation"], wire.width_code(job["width"]))
     assert view["workers"] == {(j["job_id"], w["udp_port"]): w["rank"] for j in switch_jobs for w in j["workers"]}
     assert view["groups"] == {j["job_id"] for j in switch_jobs}
     assert view["replicas"] == {(j["job_id"], w["rank"] + 1) for j in switch_jobs for w in j["workers"]}
-    # No slot is in two jobs.
-    ranges = sorted((j["slot_base"], j["slot_base"] + j["slot_count"]) for j in switch_jobs)
+    # No cell is in two jobs (a job holds slot_count slots of wire.cells_of(width) cells from slot_base).
+    ranges = sorted((j["slot_base"], j["slot_base"] + j["slot_count"] * wire.cells_of(j["width"])) for j in switch_jobs)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(ranges))
     assert all(j["state"] == "active" for j in jobs)
 
@@ -107,7 +108,7 @@ def test_restart_reinstalls_lost_switch_state_and_removes_strays(tmp_path, any_s
                          p4info_path=dp.P4INFO_PATH) as intruder:
         intruder.connect()
         intruder.insert_entry(dp.TABLE_JOBS, {"job_id": 900}, dp.ACTION_SET_JOB, {
-            "num_workers": 1, "slot_base": 0, "slot_count": 64, "mgid": 900, "generation": 77})
+            "num_workers": 1, "slot_base": 0, "slot_count": 64, "mgid": 900, "generation": 77, "width": 0})
         intruder.insert_entry(dp.TABLE_WORKERS, {"job_id": 900, "ipv4_src": ip_to_int("127.0.0.1"),
                                                  "udp_src": 5555, "ingress_port": 1}, dp.ACTION_SET_WORKER,
                               {"rank": 0, "worker_mask": 1})

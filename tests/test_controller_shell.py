@@ -58,7 +58,8 @@ def test_the_shell_client_is_a_read_only_backup(tmp_path):
                              p4info_path=dp.P4INFO_PATH, timeout=3.0) as controller:
             controller.set_pipeline()
             controller.insert_entry(dp.TABLE_JOBS, {"job_id": 7}, dp.ACTION_SET_JOB,
-                                    {"num_workers": 2, "slot_base": 0, "slot_count": 4, "mgid": 7, "generation": 1})
+                                    {"num_workers": 2, "slot_base": 0, "slot_count": 4, "mgid": 7, "generation": 1,
+                                     "width": 0})
             shell = switch_shell.read_only_client(settings)
             try:
                 assert controller.is_primary  # the shell did not take over

@@ -252,7 +252,7 @@ def test_controller_and_switch_killed_together(capsys, tmp_path, first):
         # Jobs, leases and slots as before; a new job gets slots no other job holds.
         assert jobs_of(capsys, ctl) == listed
         added = create_job(capsys, ctl, 2)
-        ranges = sorted((j["slot_base"], j["slot_base"] + j["slot_count"]) for j in [*listed, added])
+        ranges = sorted((j["slot_base"], j["slot_base"] + j["cells"]) for j in [*listed, added])
         assert all(end <= start for (_, end), (start, _) in pairwise(ranges))
         state = switch_state(address)
         assert state is not None and set(state["groups"]) == {*before["groups"], added["job_id"]}

@@ -96,8 +96,10 @@ def tree_config(tmp_path: Path, targets: dict[str, TargetProcess], capacity: int
 
 
 def create(capsys, ctl: ControllerProcess, workers: list[str], *extra: str, slots: int = 8) -> tuple[int, dict, str]:
+    """A job create; narrow unless ``extra`` names a width (the slot counts below are narrow slots: cells)."""
+    width = () if "--width" in extra else ("--width", "64")
     code, out, err = cli(capsys, ctl, "--json", "job", "create", "--slots", str(slots), "--workers",
-                         ",".join(workers), *extra)
+                         ",".join(workers), *width, *extra)
     return code, (json.loads(out) if code == 0 else {}), err
 
 
@@ -107,7 +109,7 @@ def expected_on(targets: dict[str, TargetProcess], jobs: list[dict]) -> dict[str
     states = fabric_state(topology)
     for job in [j for j in jobs if j["segments"]]:  # not the fallback jobs: on no switch
         workers = [TreeWorker(w["rank"], w["host"], w["udp_port"]) for w in job["workers"]]
-        allocations = {s: Allocation(job["job_id"], base, count, job["generation"])
+        allocations = {s: Allocation(job["job_id"], base, count, job["generation"], job["width"])
                        for s, (base, count) in job["segments"].items()}
         for switch, share in tree_state(topology, plan_tree(topology, workers), allocations, workers).items():
             states[switch].entries.update(share.entries)

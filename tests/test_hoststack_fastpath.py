@@ -14,11 +14,11 @@ import socket
 import numpy as np
 import pytest
 
-from netagg import mmsg, wire
+from netagg import layout, mmsg, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport as tr
 from netagg.hoststack import transport_reference as reference
-from netagg.hoststack.packets import PACKET_DTYPE, PROBE_SEQ_BIT, SEQ_MASK
+from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, packet_dtype
 from netagg.hoststack.testing import (
     LossyRelay,
     expected_allreduce,
@@ -49,8 +49,10 @@ class Scenario:
     """A round's receive state (slots with outstanding packets) and a batch of datagrams for it."""
 
     def __init__(self, rng: np.random.Generator, used: int = 16, num_blocks: int = 100, count: int = 64,
-                 slot_base: int = 0) -> None:
+                 slot_base: int = 0, k: int = wire.K) -> None:
         self.used, self.num_blocks, self.window = used, num_blocks, used
+        #: The job's width, its packets' dtype and bytes.
+        self.k, self.dtype, self.nbytes = k, packet_dtype(k), wire.netagg_bytes(k)
         #: The transport's first slot (a host thread's share of the job's slots, hoststack/threads.py).
         self.slot_base = slot_base
         self.seq0 = int(rng.integers(0, 2**31))
@@ -67,10 +69,10 @@ class Scenario:
         self.retries = np.where(rng.random(used) < 0.3, rng.integers(1, 4, used), 0).astype(np.int32)
         self.sent_at = rng.random(used)
         self.next_pool = rng.integers(0, 2, used + 3).astype(np.uint8)
-        self.sums = np.zeros(num_blocks * wire.PAYLOAD_BYTES, np.uint8)
+        self.sums = np.zeros((num_blocks, 4 * k), np.uint8)
         self.global_exp = np.full(num_blocks, qz.EXP_NONE, np.int8)
         self.allowed = np.array(sorted(_source(*p) for p in PEERS), np.int64)
-        self.buf = rng.integers(0, 256, (mmsg.BATCH, 512)).astype(np.uint8)  # garbage where nothing is written
+        self.buf = rng.integers(0, 256, (mmsg.BATCH, 1152)).astype(np.uint8)  # garbage where nothing is written
         self.names = np.zeros((mmsg.BATCH, mmsg.NAME_BYTES), np.uint8)
         self.lengths = np.zeros(mmsg.BATCH, np.uint32)
         self.count = 0
@@ -78,26 +80,28 @@ class Scenario:
             self._add(rng)
 
     def _datagram(self, rng: np.random.Generator, slot: int) -> np.ndarray:
-        packet = np.zeros(1, PACKET_DTYPE)
+        packet = np.zeros(1, self.dtype)
         hdr = packet["hdr"]
         hdr["version"], hdr["flags"], hdr["job_id"] = wire.VERSION, wire.FLAG_RESULT, JOB
+        hdr["width"] = wire.width_code(self.k)
         hdr["slot"], hdr["pool"], hdr["round"] = slot + self.slot_base, self.pools[slot], self.rounds[slot]
         hdr["seq"], hdr["exponent"], hdr["rank"] = self.seqs[slot], rng.integers(-128, 128), rng.integers(0, 32)
         hdr["exchange"] = EXCHANGE
-        packet["values"] = rng.integers(-2**31, 2**31, wire.K)
+        packet["values"] = rng.integers(-2**31, 2**31, self.k)
         return packet.view(np.uint8)
 
     def _add(self, rng: np.random.Generator) -> None:
         slot = int(rng.integers(0, self.used))
         data = self._datagram(rng, slot)
-        hdr = data.view(PACKET_DTYPE)["hdr"]
+        hdr = data.view(self.dtype)["hdr"]
         source = PEERS[int(rng.integers(0, len(PEERS)))]
-        length = wire.NETAGG_BYTES
+        length = self.nbytes
         fault = rng.integers(0, 14)
         if fault == 0:
             source = STRANGERS[int(rng.integers(0, len(STRANGERS)))]
         elif fault == 1:
-            length = int(rng.choice([0, 1, 15, 16, wire.NETAGG_BYTES - 1, wire.NETAGG_BYTES + 1, 512]))
+            other = wire.netagg_bytes(wire.K + wire.WIDE_K - self.k)  # a datagram of the other width
+            length = int(rng.choice([0, 1, 15, 16, self.nbytes - 1, self.nbytes + 1, 512, other]))
         elif fault == 2:
             hdr["version"] = wire.VERSION + 1
         elif fault == 3:
@@ -125,7 +129,7 @@ class Scenario:
                                             wire.FLAG_POS_INF | wire.FLAG_NEG_INF]))
         elif fault == 9 and self.count:  # a second copy of an earlier datagram of the batch
             i = int(rng.integers(0, self.count))
-            self._put(self.buf[i, :wire.NETAGG_BYTES].copy(), self.names[i].copy(), int(self.lengths[i]))
+            self._put(self.buf[i, :self.nbytes].copy(), self.names[i].copy(), int(self.lengths[i]))
             return
         flags = int(hdr["flags"][0]) | int(rng.choice([0, wire.FLAG_PS_FORWARDED]))
         hdr["flags"] = flags
@@ -166,9 +170,10 @@ def _same(a: tuple, b: tuple) -> None:
             np.testing.assert_array_equal(x, y)
 
 
-def test_numpy_reference_applies_the_per_datagram_rules():
+@pytest.mark.parametrize("k", [wire.K, wire.WIDE_K], ids=["narrow", "wide"])
+def test_numpy_reference_applies_the_per_datagram_rules(k):
     for seed in range(50):
-        s = Scenario(np.random.default_rng(seed), slot_base=64 * (seed % 3))
+        s = Scenario(np.random.default_rng(seed), slot_base=64 * (seed % 3), k=k)
         (n_acc, n_rtt, foreign, malformed, stale, done), state, acc, following, rtts = s.run(reference.accept_results)
         assert n_acc + foreign + malformed + stale == s.count
         assert len(set(acc.tolist())) == n_acc  # at most one result per slot and batch
@@ -190,7 +195,7 @@ def test_results_out_of_step_raise_the_alarm_and_are_never_accepted():
         s = Scenario(np.random.default_rng(3), count=0)
         slot = int(np.flatnonzero(s.expect != -1)[0])
         data = s._datagram(np.random.default_rng(4), slot)
-        hdr = data.view(PACKET_DTYPE)["hdr"]
+        hdr = data.view(s.dtype)["hdr"]
         if case == "flag":
             hdr["flags"] |= wire.FLAG_OUT_OF_STEP
             hdr["seq"] ^= 0x55  # the completing packet may be another rank's block: seq does not matter
@@ -198,7 +203,7 @@ def test_results_out_of_step_raise_the_alarm_and_are_never_accepted():
             hdr["exchange"] = EXCHANGE + 1
         name = np.zeros(mmsg.NAME_BYTES, np.uint8)
         name[:16] = mmsg.sockaddr_in(*PEERS[0])
-        s._put(data, name, wire.NETAGG_BYTES)
+        s._put(data, name, s.nbytes)
         for accept in implementations:
             counts, state, acc, _, _ = s.run(accept)
             assert counts[0] == 0 and counts[4] == 1 and acc.size == 0
@@ -213,7 +218,7 @@ def test_two_copies_of_a_result_in_one_batch_count_once_and_once_as_stale():
     name = np.zeros(mmsg.NAME_BYTES, np.uint8)
     name[:16] = mmsg.sockaddr_in(*PEERS[0])
     for _ in range(2):
-        s._put(data, name, wire.NETAGG_BYTES)
+        s._put(data, name, s.nbytes)
     implementations = [reference.accept_results] + ([kernels.accept_results] if kernels else [])
     for accept in implementations:
         counts, _, acc, _, _ = s.run(accept)
@@ -226,13 +231,13 @@ def test_accept_kernel_matches_the_numpy_reference(seed):
     rng = np.random.default_rng(seed)
     used = int(rng.choice([1, 2, 16, 64]))
     s = Scenario(rng, used=used, num_blocks=int(rng.integers(used, 4 * used + 2)), count=int(rng.integers(0, 80)),
-                 slot_base=int(rng.choice([0, 0, 64, 192])))
+                 slot_base=int(rng.choice([0, 0, 64, 192])), k=wire.WIDE_K if seed % 2 else wire.K)
     _same(s.run(reference.accept_results), s.run(kernels.accept_results))
 
 
-def _fill_case(rng: np.random.Generator, slots: int = 32, num_blocks: int = 200):
+def _fill_case(rng: np.random.Generator, slots: int = 32, num_blocks: int = 200, k: int = wire.K):
     scales = 10.0 ** rng.integers(-44, 37, (num_blocks, 1))  # extreme exponents need two scale factors
-    blocks = (rng.standard_normal((num_blocks, wire.K)) * scales).astype(np.float32)
+    blocks = (rng.standard_normal((num_blocks, k)) * scales).astype(np.float32)
     blocks[rng.integers(0, num_blocks)] = 0
     local = qz.block_exponents(blocks)
     global_exp = local.copy()
@@ -242,8 +247,9 @@ def _fill_case(rng: np.random.Generator, slots: int = 32, num_blocks: int = 200)
     n = int(rng.integers(1, slots + 1))
     chosen = rng.permutation(slots)[:n].astype(np.int64)
     block_ids = np.where(rng.random(n) < 0.25, -1, chosen + slots * rng.integers(0, num_blocks // slots, n))
-    raw = np.zeros((slots, wire.NETAGG_BYTES), np.uint8)
+    raw = np.zeros((slots, wire.netagg_bytes(k)), np.uint8)
     raw[:, 0] = wire.VERSION
+    raw[:, layout.WIDTH_AT] = wire.width_code(k)
     raw[:, 1] = rng.integers(0, 4, slots)  # FLAG_RETRANSMIT left over in some rows
     state = dict(raw=raw, next_pool=rng.integers(0, 2, slots).astype(np.uint8),
                  rounds=rng.integers(0, 2**16, slots).astype(np.uint16), expect=np.full(slots, -1, np.int64),
@@ -264,8 +270,9 @@ def _fill(fill, args: dict, state: dict, workers: int) -> tuple:
     return int(result), [st[k] for k in sorted(st)], keys
 
 
-def test_numpy_fill_builds_what_the_wire_format_says():
-    args, state, workers = _fill_case(np.random.default_rng(3))
+@pytest.mark.parametrize("k", [wire.K, wire.WIDE_K], ids=["narrow", "wide"])
+def test_numpy_fill_builds_what_the_wire_format_says(k):
+    args, state, workers = _fill_case(np.random.default_rng(3), k=k)
     result, (expect, next_pool, raw, rounds, sent_at), keys = _fill(reference.fill_packets, args, state, workers)
     assert result == 0
     for i, (slot, block) in enumerate(zip(args["slots"].tolist(), args["block_ids"].tolist(), strict=True)):
@@ -287,7 +294,7 @@ def test_numpy_fill_builds_what_the_wire_format_says():
 @needs_numba
 @pytest.mark.parametrize("seed", range(100))
 def test_fill_kernel_matches_the_numpy_reference(seed):
-    args, state, workers = _fill_case(np.random.default_rng(seed))
+    args, state, workers = _fill_case(np.random.default_rng(seed), k=wire.WIDE_K if seed % 2 else wire.K)
     _same(_fill(reference.fill_packets, args, state, workers), _fill(kernels.fill_packets, args, state, workers))
 
 

@@ -3,8 +3,8 @@
 Both get the same tables (the same P4Runtime updates) and the same frames; the fast engine takes
 them in batches of random sizes. Emitted frames (in order, with their ports), every counter and
 every register must be identical, over random and adversarial sequences: loss, duplicates,
-reordering across rounds and slot reuse, malformed frames, spoofed sources, two tenants, and a job
-re-created on freed slots.
+reordering across rounds and slot reuse, malformed frames, spoofed sources, two tenants (one of them
+with wide packets), packets of the other width, and a job re-created on freed cells.
 """
 
 from __future__ import annotations
@@ -66,11 +66,12 @@ class Twins:
         self._apply(p4rt.Update(type=kind, entity=multicast_group_entity(gid, replicas)))
 
     def add_job(self, job: int, workers: list[tuple[int, str, int, int]], base: int, count: int, gen: int,
-                ps_mode: bool = False) -> None:
-        """workers: (rank, ip, udp port, switch port)."""
+                ps_mode: bool = False, k: int = wire.K) -> None:
+        """workers: (rank, ip, udp port, switch port); ``base``: the first cell; ``k``: the job's width."""
         ins = p4rt.Update.INSERT
         self.entry(ins, dp.TABLE_JOBS, {"job_id": job}, dp.ACTION_SET_JOB, {
-            "num_workers": len(workers), "slot_base": base, "slot_count": count, "mgid": job, "generation": gen})
+            "num_workers": len(workers), "slot_base": base, "slot_count": count, "mgid": job, "generation": gen,
+            "width": wire.width_code(k)})
         for rank, ip, udp, port in workers:
             self.entry(ins, dp.TABLE_WORKERS, {"job_id": job, "ipv4_src": _ip(ip), "udp_src": udp,
                                                "ingress_port": port}, dp.ACTION_SET_WORKER,
@@ -155,10 +156,14 @@ def frame(src_ip: str, dst_ip: str, sport: int, dport: int, payload: bytes, *, s
 
 def contribution(job: int, rank: int, ip: str, udp: int, slot: int, pool: int, round_: int, seq: int,
                  values: np.ndarray, exponent: int = 0, flags: int = 0, members: int = 0, exchange: int = 0,
-                 width: int = 0) -> bytes:
+                 width: int | None = None) -> bytes:
+    """A contribution carrying ``values``; ``width``: the header's code (default: the one of ``len(values)``;
+    another one makes a malformed packet)."""
+    code = wire.WIDTH_CODES[values.size] if width is None else width
     header = wire.Header(job_id=job, slot=slot, pool=pool, rank=rank, seq=seq, exponent=exponent, flags=flags,
-                         round=round_ & 0xFFFF, members=members, exchange=exchange, width=width)
-    return frame(ip, AGGREGATOR, udp, wire.NETAGG_UDP_PORT, wire.pack(header, values))
+                         round=round_ & 0xFFFF, members=members, exchange=exchange, width=code)
+    payload = header.pack() + values.astype(wire.WIRE_VALUE_DTYPE).tobytes()
+    return frame(ip, AGGREGATOR, udp, wire.NETAGG_UDP_PORT, payload)
 
 
 def _mutate(data: bytes, rng: np.random.Generator) -> bytes:
@@ -189,6 +194,7 @@ def _setup(twins: Twins) -> None:
 
 TENANT_A = [(r, f"10.0.0.{r + 1}", 40000 + r, 1 + r) for r in range(3)]
 TENANT_B = [(r, f"10.0.1.{r + 1}", 41000 + r, 4 + r) for r in range(2)]
+TENANT_C = [(r, f"10.0.2.{r + 1}", 42000 + r, 9 + r) for r in range(2)]
 
 
 def _round_flags(rng: np.random.Generator) -> int:
@@ -207,19 +213,20 @@ def _exchange(rng: np.random.Generator, round_: int) -> int:
 
 
 def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int, hostile: float,
-             rounds: dict[tuple[int, int], int] | None = None) -> list:
+             rounds: dict[tuple[int, int], int] | None = None, widths: dict[int, int] | None = None) -> list:
     """Rounds of contributions per (job, slot), of every worker or of a subset (``members``), with loss,
-    duplicates, resends of old rounds, reordering, outsiders and other members in a subset round, plus
-    hostile and malformed frames and plain IPv4 traffic. ``rounds``: each (job, slot)'s last round so far
-    (updated)."""
+    duplicates, resends of old rounds, reordering, outsiders and other members in a subset round, packets of
+    the other width, plus hostile and malformed frames and plain IPv4 traffic. ``rounds``: each (job, slot)'s
+    last round so far (updated); ``widths``: each job's values per packet (default ``wire.K``)."""
     rounds = {} if rounds is None else rounds
+    widths = {} if widths is None else widths
     frames: list[tuple[bytes, int]] = []
     while len(frames) < n:
         if rng.random() < hostile:
             kind = rng.integers(8)
             job = int(rng.choice(list(jobs)))
             rank, ip, udp, port = jobs[job][0][int(rng.integers(len(jobs[job][0])))]
-            values = rng.integers(-2**31, 2**31, wire.K).astype(np.int32)
+            values = rng.integers(-2**31, 2**31, widths.get(job, wire.K)).astype(np.int32)
             good = contribution(job, rank, ip, udp, 0, 0, 1, 0, values)
             if kind == 0:
                 frames.append((_mutate(good, rng), port))
@@ -240,9 +247,12 @@ def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int
                 frames.append((frame(ip, "10.0.0.9", 1000, 2000, b"x", ttl=1), port))
                 frames.append((frame(ip, "10.0.0.9", 1000, 2000, b"opts", ihl=6), port))
                 frames.append((frame(ip, "10.0.7.7", 1000, 2000, b"to port 511", proto=6), port))
-            elif kind == 5:  # fragment and wrong lengths
+            elif kind == 5:  # fragment, wrong lengths, a width code that is not the values', an undefined one
                 frames.append((frame(ip, AGGREGATOR, udp, wire.NETAGG_UDP_PORT, good[42:], flags_frag=0x2000), port))
                 frames.append((good[:-4] + b"", port))
+                h = dict(job=job, rank=rank, ip=ip, udp=udp, slot=0, pool=0, round_=1, seq=0, values=values)
+                frames.append((contribution(**h, width=1 - wire.WIDTH_CODES[values.size]), port))
+                frames.append((contribution(**h, width=int(rng.integers(2, 256))), port))
             elif kind == 6:  # not IPv4
                 frames.append((SWITCH_MAC + b"\x02" * 6 + b"\x86\xdd" + rng.bytes(60), port))
             else:  # a copy of a much older round
@@ -250,6 +260,7 @@ def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int
             continue
         job = int(rng.choice(list(jobs)))
         workers, slots = jobs[job]
+        k = widths.get(job, wire.K)
         slot = int(rng.integers(slots))
         key = (job, slot)
         round_ = rounds.get(key, 0) + 1
@@ -261,19 +272,20 @@ def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int
             senders = [w for w in workers if rng.random() < 0.6] or workers[-1:]
             members = wire.members_of(w[0] for w in senders)
             for rank, ip, udp, port in workers:
-                values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
+                values = rng.integers(-2**20, 2**20, k).astype(np.int32)
                 if (1 << rank) & ~members and rng.random() < 0.3:  # an outsider
                     batch.append((contribution(job, rank, ip, udp, slot, pool, round_, 7, values, 0, 0, members), port))
                 if (1 << rank) & members and rng.random() < 0.1:  # other members than the round's
                     other = members ^ (1 << int(rng.integers(len(workers) + 1)))
                     batch.append((contribution(job, rank, ip, udp, slot, pool, round_, 7, values, 0, 0, other), port))
         for rank, ip, udp, port in senders:
-            values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
+            wrong_width = rng.random() < 0.02  # the other width, valid as such: not the job's
+            values = rng.integers(-2**20, 2**20, wire.K + wire.WIDE_K - k if wrong_width else k).astype(np.int32)
             exponent = int(rng.integers(-128, 128))
             if members and rng.random() < 0.2:  # a PS in the group (MLfabric's ps_members): zeros, no magnitude
-                values, exponent = np.zeros(wire.K, np.int32), -128
+                values, exponent = np.zeros(k, np.int32), -128
             pkt = (contribution(job, rank, ip, udp, slot, pool, round_, round_ * 100 + slot, values, exponent,
-                                _round_flags(rng), members, _exchange(rng, round_), int(rng.random() < 0.01)), port)
+                                _round_flags(rng), members, _exchange(rng, round_)), port)
             if rng.random() > 0.1:  # 10 % lost
                 batch.append(pkt)
             if rng.random() < 0.2:  # duplicate
@@ -305,16 +317,25 @@ def test_random_and_adversarial_sequences_give_identical_frames_counters_and_reg
     twins = Twins(shards)
     _setup(twins)
     twins.add_job(1, TENANT_A, base=0, count=4, gen=100)
-    twins.add_job(2, TENANT_B, base=4, count=3, gen=101, ps_mode=seed % 2 == 0)
+    # Tenant B sends wide packets: 3 slots of 4 cells from cell 4.
+    twins.add_job(2, TENANT_B, base=4, count=3, gen=101, ps_mode=seed % 2 == 0, k=wire.WIDE_K)
     jobs = {1: (TENANT_A, 4), 2: (TENANT_B, 3)}
-    twins.run(_traffic(rng, jobs, 1500, hostile=0.15), rng)
+    widths = {2: wire.WIDE_K}
+    twins.run(_traffic(rng, jobs, 1500, hostile=0.15, widths=widths), rng)
     twins.assert_same_state()
-    # Tenant B leaves mid-round; a new job (new generation) gets its slots and more.
+    # Tenant B leaves mid-round; a new narrow job (new generation) gets cells of its wide slots, and a new wide
+    # job the cells after them.
     twins.remove_job(2, TENANT_B, ps_mode=seed % 2 == 0)
     twins.run(_traffic(rng, {1: (TENANT_A, 4)}, 200, hostile=0.1), rng)
-    twins.add_job(3, TENANT_B, base=3, count=4, gen=102)
-    twins.run(_traffic(rng, {1: (TENANT_A, 3), 3: (TENANT_B, 4)}, 1500, hostile=0.15), rng)
+    twins.add_job(3, TENANT_B, base=4, count=6, gen=102)
+    twins.add_job(4, TENANT_C, base=10, count=2, gen=103, k=wire.WIDE_K)
+    widths = {4: wire.WIDE_K}
+    twins.run(_traffic(rng, {1: (TENANT_A, 4), 3: (TENANT_B, 6), 4: (TENANT_C, 2)}, 1500, hostile=0.15,
+                       widths=widths), rng)
     twins.assert_same_state()
+    drops = twins.ref_state.counter_arrays(dp.COUNTER_DROP_REASONS)[0]
+    assert drops[dp.DropReason.WRONG_WIDTH] > 0 and drops[dp.DropReason.MALFORMED] > 0
+    assert twins.ref_state.counter_arrays(dp.COUNTER_JOB_RESULTS)[0][4] > 50  # the wide job really aggregates
     contributions = twins.ref_state.counter_total(dp.COUNTER_JOB_CONTRIBUTIONS)
     results = twins.ref_state.counter_total(dp.COUNTER_JOB_RESULTS)
     assert contributions > 500 and results > 100  # the sequences really aggregate

@@ -46,10 +46,31 @@ def test_network_byte_order():
     assert data[8] == (-3) & 0xFF  # exponent, two's complement
 
 
-@pytest.mark.parametrize("size", [0, 15, wire.NETAGG_BYTES - 1, wire.NETAGG_BYTES + 1])
+@pytest.mark.parametrize("size", [0, 15, wire.NETAGG_BYTES - 1, wire.NETAGG_BYTES + 1,
+                                  wire.netagg_bytes(wire.WIDE_K), 2000])
 def test_wrong_size_is_malformed(size):
+    payload = (_header().pack() + bytes(2000))[:size]  # a narrow header: the size must be its width's
     with pytest.raises(wire.MalformedPacket, match="bytes"):
-        wire.unpack(bytes(size))
+        wire.unpack(payload)
+
+
+@pytest.mark.parametrize("k", [wire.K, wire.WIDE_K])
+def test_both_widths_round_trip_and_name_their_code(k):
+    values = np.arange(-k // 2, k // 2, dtype=np.int32) * 1000
+    data = wire.pack(_header(width=wire.width_code(k)), values)
+    assert len(data) == wire.netagg_bytes(k) == wire.HEADER_BYTES + 4 * k
+    assert wire.frame_bytes(k) == 14 + 20 + 8 + len(data)
+    header, back = wire.unpack(data)
+    assert header.width == wire.WIDTH_CODES[k] and wire.WIDTHS[header.width] == k
+    np.testing.assert_array_equal(back, values)
+    assert wire.cells_of(k) == k // wire.K
+
+
+def test_widths_the_protocol_does_not_define_are_refused():
+    for k in (0, 32, 128, 512):
+        with pytest.raises(ValueError, match="values per packet"):
+            wire.width_code(k)
+    assert wire.payload_efficiency(k=wire.WIDE_K) > 0.9 > wire.payload_efficiency() > 0.7
 
 
 def test_wrong_version_and_pool_are_malformed():
@@ -58,8 +79,13 @@ def test_wrong_version_and_pool_are_malformed():
         wire.unpack(wire.pack(_header(version=wire.VERSION - 1), values))
     with pytest.raises(wire.MalformedPacket, match="pool"):
         wire.unpack(wire.pack(_header(pool=2), values))
+    data = bytearray(wire.pack(_header(), values))
+    data[wire.FIELD_OFFSETS["width"]] = 1  # a wide code on a narrow packet: the size is not the code's
+    with pytest.raises(wire.MalformedPacket, match="bytes"):
+        wire.unpack(bytes(data))
+    data[wire.FIELD_OFFSETS["width"]] = 2  # a code the protocol does not define
     with pytest.raises(wire.MalformedPacket, match="width"):
-        wire.unpack(wire.pack(_header(width=1), values))
+        wire.unpack(bytes(data))
 
 
 def test_exchange_ids_tell_order_size_and_tag_apart():
@@ -70,8 +96,10 @@ def test_exchange_ids_tell_order_size_and_tag_apart():
 
 
 def test_pack_rejects_wrong_value_count():
-    with pytest.raises(ValueError, match="exactly"):
+    with pytest.raises(ValueError, match="carries"):
         wire.pack(_header(), np.zeros(wire.K - 1, np.int32))
+    with pytest.raises(ValueError, match="carries"):
+        wire.pack(_header(width=1), np.zeros(wire.K, np.int32))
 
 
 def test_scapy_layer_matches_codec():

@@ -43,8 +43,10 @@ def test_protocol_constants_agree():
     assert defines["MAX_WORKERS"] == wire.MAX_WORKERS
     assert defines["NUM_POOLS"] == wire.NUM_POOLS
     assert defines["NUM_POOL_SLOTS"] == defines["NUM_SLOTS"] * wire.NUM_POOLS
-    assert defines["NETAGG_UDP_LENGTH"] == wire.UDP_LENGTH
-    assert defines["NETAGG_IPV4_TOTAL_LENGTH"] == wire.IPV4_TOTAL_LENGTH
+    assert defines["NETAGG_UDP_LENGTH"] == wire.UDP_LENGTH == wire.udp_length(wire.K)
+    assert defines["NETAGG_IPV4_TOTAL_LENGTH"] == wire.IPV4_TOTAL_LENGTH == wire.ipv4_total_length(wire.K)
+    assert defines["NETAGG_WIDE_UDP_LENGTH"] == wire.udp_length(wire.WIDE_K)
+    assert defines["NETAGG_WIDE_IPV4_TOTAL_LENGTH"] == wire.ipv4_total_length(wire.WIDE_K)
     assert defines["FLAG_RESULT"] == wire.FLAG_RESULT
     assert defines["FLAG_RETRANSMIT"] == wire.FLAG_RETRANSMIT
     assert defines["ETHERTYPE_IPV4"] == wire.ETHERTYPE_IPV4
@@ -56,12 +58,46 @@ def test_lengths_follow_the_header():
     assert header_bits // 8 == wire.HEADER_BYTES == 24
     assert defines["NETAGG_UDP_LENGTH"] == wire.UDP_HEADER_BYTES + wire.HEADER_BYTES + wire.K * wire.VALUE_BYTES == 288
     assert defines["NETAGG_IPV4_TOTAL_LENGTH"] == wire.IPV4_HEADER_BYTES + defines["NETAGG_UDP_LENGTH"] == 308
+    wide_udp = wire.UDP_HEADER_BYTES + wire.HEADER_BYTES + wire.WIDE_K * wire.VALUE_BYTES
+    assert defines["NETAGG_WIDE_UDP_LENGTH"] == wide_udp == 1056
+    assert defines["NETAGG_WIDE_IPV4_TOTAL_LENGTH"] == wire.IPV4_HEADER_BYTES + wide_udp == 1076
+    assert wire.frame_bytes(wire.K) == 322 and wire.frame_bytes(wire.WIDE_K) == 1090
 
 
-def test_width_code_is_the_only_one_carried():
+def test_width_codes_agree():
+    """Both width codes, and nothing else, name a width; a wide packet is NETAGG_WIDE_CELLS cells."""
     defines = _defines()
-    assert wire.WIDTHS[defines["NETAGG_WIDTH"]] == defines["NETAGG_K"] == wire.K
-    assert [code for code, k in wire.WIDTHS.items() if k == wire.K] == [defines["NETAGG_WIDTH"]]
+    p4_widths = {defines["NETAGG_WIDTH"]: defines["NETAGG_K"], defines["NETAGG_WIDTH_WIDE"]: defines["NETAGG_WIDE_K"]}
+    assert p4_widths == wire.WIDTHS
+    assert (defines["NETAGG_WIDTH"], defines["NETAGG_WIDTH_WIDE"]) == (0, 1)
+    assert defines["NETAGG_WIDE_K"] == wire.WIDE_K == defines["NETAGG_WIDE_CELLS"] * defines["NETAGG_K"]
+    assert defines["NETAGG_WIDE_CELLS"] == wire.cells_of(wire.WIDE_K) and wire.cells_of(wire.K) == 1
+
+
+def test_wide_packets_carry_one_values_header_per_cell():
+    """headers_t has values (chunk 0) and values1..values3; the parser extracts the three only for the wide
+    code, the deparser emits them, and ValueSum has write/merge/read for every chunk."""
+    defines = _defines()
+    chunks = ["values"] + [f"values{c}" for c in range(1, defines["NETAGG_WIDE_CELLS"])]
+    headers = re.search(r"struct headers_t \{(.*?)\}", (INCLUDE / "headers.p4").read_text(), re.S).group(1)
+    assert re.findall(r"values_h (\w+);", headers) == chunks
+    parser = (dp.P4SRC_DIR / "v1model" / "parser.p4").read_text()
+    assert re.search(r"NETAGG_WIDTH_WIDE:\s*parse_wide;", parser)
+    wide_state = re.search(r"state parse_wide \{(.*?)\}", parser, re.S).group(1)
+    assert re.findall(r"packet\.extract\(hdr\.(\w+)\)", wide_state) == chunks[1:]
+    assert re.findall(r"packet\.emit\(hdr\.(values\d*)\)", parser) == chunks
+    actions = {a.preamble.name.rsplit(".", 1)[1] for a in load_p4info(dp.P4INFO_PATH).actions
+               if a.preamble.name.startswith("NetaggIngress.value_sum.")}
+    suffixes = [""] + [f"_{c}" for c in range(1, defines["NETAGG_WIDE_CELLS"])]
+    assert actions == {f"{op}_values{s}" for op in ("write", "merge", "read") for s in suffixes}
+
+
+def test_set_job_takes_the_width_last():
+    info = load_p4info(dp.P4INFO_PATH)
+    set_job = next(a for a in info.actions if a.preamble.name == dp.ACTION_SET_JOB)
+    assert [p.name for p in set_job.params] == ["num_workers", "slot_base", "slot_count", "mgid", "generation",
+                                                "width"]
+    assert set_job.params[-1].bitwidth == 8 == next(f.bits for f in wire.HEADER_FIELDS if f.name == "width")
 
 
 def test_round_flags_agree():
@@ -81,6 +117,7 @@ def test_drop_reasons_and_ops_agree():
         assert defines[f"DROP_{reason.name}"] == reason.value, reason
     assert max(DropReason) < defines["DROP_REASONS"]
     assert DropReason.EXCHANGE_MISMATCH == 16 and defines["DROP_REASONS"] == 32
+    assert DropReason.WRONG_WIDTH == defines["DROP_WRONG_WIDTH"] == 17
     for op in ValueOp:
         assert defines[f"OP_{op.name}"] == op.value, op
     for level in Level:
@@ -137,6 +174,9 @@ def test_p4info_ids_match_the_program_and_are_unique():
     assert len(ids) == len(set(ids))
     sources = "\n".join(p.read_text() for p in sorted((dp.P4SRC_DIR / "v1model").rglob("*.p4")))
     declared = {int(v, 16) for v in re.findall(r"@id\((0x[0-9a-fA-F]{8})\)", sources)}
+    # value_sum.p4's CHUNK_ACTIONS(c, write_id, merge_id, read_id) passes a wide chunk's ids to its @ids.
+    for ids in re.findall(r"^\s*CHUNK_ACTIONS\(\d+, (0x\w{8}), (0x\w{8}), (0x\w{8})\)", sources, re.M):
+        declared |= {int(v, 16) for v in ids}
     for o in objects:
         if ".value_" in o.preamble.name:
             continue  # FOR_EACH_VALUE pastes the index into the id

@@ -42,7 +42,7 @@ header netagg_h {
     bit<8> pool;
     bit<8> rank;
     int<8> exponent;
-    bit<8> width;      /* values per packet: 0 = NETAGG_K (64); any other code is MALFORMED */
+    bit<8> width;      /* values per packet: NETAGG_WIDTH (64) or NETAGG_WIDTH_WIDE (256); any other code is MALFORMED */
     bit<16> round;
     bit<32> seq;
     bit<32> members;   /* a subset round's expected contributors; 0 = the whole job */
@@ -50,17 +50,22 @@ header netagg_h {
 }
 
 #define VALUE_FIELD(i) bit<32> v##i;
-/* NETAGG_K signed 32-bit values (two's complement; addition is modular). */
+/* NETAGG_K signed 32-bit values (two's complement; addition is modular): one cell's worth. */
 header values_h {
     FOR_EACH_VALUE(VALUE_FIELD)
 }
 
+/* A narrow packet carries values (chunk 0); a wide one (width NETAGG_WIDTH_WIDE) carries
+ * NETAGG_WIDE_CELLS chunks: values, values1, values2, values3 (values 64c .. 64c + 63 in chunk c). */
 struct headers_t {
     ethernet_h ethernet;
     ipv4_h ipv4;
     udp_h udp;
     netagg_h netagg;
     values_h values;
+    values_h values1;
+    values_h values2;
+    values_h values3;
 }
 
 #endif

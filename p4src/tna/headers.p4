@@ -55,6 +55,7 @@ struct ingress_metadata_t {
     bit<8> num_workers;
     bit<16> mgid;
     bit<32> generation;
+    bit<8> job_width;          /* the job's width code */
     /* From the worker table. */
     bit<1> worker_hit;
     bit<8> rank;
@@ -62,6 +63,7 @@ struct ingress_metadata_t {
     /* Derived per packet. */
     bit<16> slot_room;         /* slot_count - slot: positive iff the slot is in range (slot < NUM_SLOTS) */
     bit<1> slot_out_of_range;
+    bit<1> wrong_width;        /* a width other than the job's, or wide (not aggregated here) */
     bit<1> rank_mismatch;
     worker_mask_t member_bit;  /* members & worker_mask */
     bit<1> not_member;         /* a subset round's packet from a worker outside its members */
@@ -77,7 +79,7 @@ struct ingress_metadata_t {
     bit<32> count_before;
     bit<1> complete;
     bit<1> late;
-    bit<1> bad_shape;          /* lengths or fragment bits wrong for a netagg packet */
+    bit<1> bad_shape;          /* an undefined width code, lengths other than the width's, or a fragment */
     bit<8> value_op;
     bit<8> exponent_key;       /* exponent ^ 0x80: signed order as unsigned order */
     bit<1> to_group;

@@ -12,7 +12,11 @@
  * of its group, and a parent's result coming down (a RESULT from the parent on the up port)
  * is stored and sent to the local group: its job is known from down_links in pass 1's first
  * stage, it passes the same checks and registers read-only up to LevelState, and an accepted
- * one goes through pass 2 like a first contribution (its values written) to the group. */
+ * one goes through pass 2 like a first contribution (its values written) to the group.
+ * Wide packets (256 values) are not aggregated: the jobs table carries each job's width as the
+ * v1model program's does, and a wide packet, or one whose width is not its job's, is refused as
+ * WRONG_WIDTH; the controller's default width for this target is 64 (docs/tofino.md, "Wide
+ * packets", for the four-pass design that would add them). */
 #include <core.p4>
 #include <tna.p4>
 
@@ -131,13 +135,21 @@ control NetaggIngress(inout tna_headers_t hdr,
             meta.round_behind = hdr.netagg.round - 2;
             meta.exponent_key = ((bit<8>)hdr.netagg.exponent) + 8w0x80;
             meta.flags_keep = hdr.netagg.flags & ~((bit<8>)ROUND_FLAGS);
-            if (hdr.ipv4.total_len != NETAGG_IPV4_TOTAL_LENGTH || hdr.udp.length != NETAGG_UDP_LENGTH) {
+            /* The lengths of the packet's width; an undefined width code is malformed. (A wide
+             * packet of the right shape is refused later, as WRONG_WIDTH: see WorkerLookup.) */
+            if (hdr.netagg.width == NETAGG_WIDTH) {
+                if (hdr.ipv4.total_len != NETAGG_IPV4_TOTAL_LENGTH || hdr.udp.length != NETAGG_UDP_LENGTH) {
+                    meta.bad_shape = 1;
+                }
+            } else if (hdr.netagg.width == NETAGG_WIDTH_WIDE) {
+                if (hdr.ipv4.total_len != NETAGG_WIDE_IPV4_TOTAL_LENGTH
+                        || hdr.udp.length != NETAGG_WIDE_UDP_LENGTH) {
+                    meta.bad_shape = 1;
+                }
+            } else {
                 meta.bad_shape = 1;
             }
             if (hdr.ipv4.flags[0:0] == 1 || hdr.ipv4.frag_offset != 0) {
-                meta.bad_shape = 1;
-            }
-            if (hdr.netagg.width != NETAGG_WIDTH) {
                 meta.bad_shape = 1;
             }
             if (hdr.ipv4.isValid() && hdr.ipv4.ihl == 5) {
@@ -173,6 +185,11 @@ control NetaggIngress(inout tna_headers_t hdr,
                 ig_dprsr_md.drop_ctl = 1;
             } else if (meta.worker_hit == 0 && meta.down == 0) {
                 meta.drop_reason = DROP_UNKNOWN_WORKER;
+                ig_dprsr_md.drop_ctl = 1;
+                meta.reject = 1;
+            } else if (meta.wrong_width == 1) {
+                /* Another width than the job's, or wide: this twin aggregates narrow packets only. */
+                meta.drop_reason = DROP_WRONG_WIDTH;
                 ig_dprsr_md.drop_ctl = 1;
                 meta.reject = 1;
             } else if (meta.slot_out_of_range == 1) {

@@ -1,7 +1,9 @@
 /* netagg: TNA parsers and deparsers. The ingress parser reads the same headers as the
  * v1model parser (netagg iff IPv4 without options, UDP, to NETAGG_UDP_PORT or
  * NETAGG_TREE_UDP_PORT: a parent switch's results, tree_links.p4), plus the recirc header of
- * a recirculated pass, which only the recirculation port carries.
+ * a recirculated pass, which only the recirculation port carries. Only the first 64 values are
+ * extracted: a wide packet (refused as WRONG_WIDTH, docs/tofino.md "Wide packets") keeps the
+ * other 192 as payload, so a truncated wide packet is not a parser error here.
  * The egress parser reads the bridge header and, for a group copy, the headers the
  * egress rewrites; the rest of the packet passes through as payload. */
 #ifndef _NETAGG_TNA_PARSER_P4_
@@ -24,11 +26,13 @@ parser NetaggIngressParser(packet_in packet,
         meta.num_workers = 0;
         meta.mgid = 0;
         meta.generation = 0;
+        meta.job_width = 0;
         meta.worker_hit = 0;
         meta.rank = 0;
         meta.worker_mask = 0;
         meta.slot_room = 0;
         meta.slot_out_of_range = 0;
+        meta.wrong_width = 0;
         meta.rank_mismatch = 0;
         meta.member_bit = 0;
         meta.not_member = 0;

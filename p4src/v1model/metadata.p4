@@ -15,12 +15,13 @@ struct metadata_t {
     bit<16> slot_count;
     bit<16> mgid;
     bit<32> generation;
+    bit<8> width;              /* the job's width code: NETAGG_WIDTH or NETAGG_WIDTH_WIDE */
     /* From the worker table. */
     bit<8> rank;
     worker_mask_t worker_mask;
     /* Derived per packet. */
-    slot_index_t slot_index;   /* absolute slot */
-    slot_index_t pool_index;   /* absolute slot * NUM_POOLS + pool */
+    slot_index_t slot_index;   /* the slot's first cell: slot_base + slot * cells of the job's width */
+    slot_index_t pool_index;   /* slot_index * NUM_POOLS + pool; value chunk c at pool_index + NUM_POOLS * c */
     bit<1> stale;              /* slot last used by another job */
     bit<2> round_state;        /* ROUND_NEW / ROUND_SAME / ROUND_OLD */
     worker_mask_t bitmap_before;

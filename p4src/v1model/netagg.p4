@@ -1,7 +1,8 @@
 /* netagg: in-network gradient aggregation for multi-tenant training (v1model).
  *
- * Workers send K quantized int32 values per packet to an aggregation slot of
- * their job; the switch sums them exactly once per (slot, pool version), keeps
+ * Workers send K (narrow) or WIDE_K (wide: the job's width) quantized int32 values per packet
+ * to an aggregation slot of their job; the switch sums them exactly once per (slot, pool
+ * version), one cell of value registers per 64 values (value_sum.p4), keeps
  * the maximum block exponent, and delivers the completed sum to the job's
  * multicast group (all workers, or the job's parameter server). In a tree of
  * switches, a switch with an up link for the job sends the completed partial to its
@@ -97,10 +98,14 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
             ipv4_forward.apply(hdr, meta, standard_metadata);
         } else if (hdr.netagg.version != NETAGG_VERSION) {
             meta.drop_reason = DROP_BAD_VERSION;
-        } else if (hdr.ipv4.total_len != NETAGG_IPV4_TOTAL_LENGTH
-                   || hdr.udp.length != NETAGG_UDP_LENGTH
-                   || hdr.netagg.width != NETAGG_WIDTH
+        } else if (!((hdr.netagg.width == NETAGG_WIDTH
+                      && hdr.ipv4.total_len == NETAGG_IPV4_TOTAL_LENGTH
+                      && hdr.udp.length == NETAGG_UDP_LENGTH)
+                     || (hdr.netagg.width == NETAGG_WIDTH_WIDE
+                         && hdr.ipv4.total_len == NETAGG_WIDE_IPV4_TOTAL_LENGTH
+                         && hdr.udp.length == NETAGG_WIDE_UDP_LENGTH))
                    || hdr.ipv4.flags[0:0] == 1 || hdr.ipv4.frag_offset != 0) {
+            /* An undefined width code, lengths other than the width's, or a fragment. */
             meta.drop_reason = DROP_MALFORMED;
         } else if ((hdr.netagg.flags & FLAG_RESULT) != 0 && meta.down == 0) {
             meta.drop_reason = DROP_RESULT_FROM_HOST;

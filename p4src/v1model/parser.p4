@@ -1,6 +1,8 @@
 /* netagg: parser and deparser. A packet is netagg iff it is IPv4 without
- * options, UDP, to NETAGG_UDP_PORT (or NETAGG_TREE_UDP_PORT: a parent switch's results, tree_links.p4). A truncated one ends with a parser error,
- * which ingress drops and counts as malformed. */
+ * options, UDP, to NETAGG_UDP_PORT (or NETAGG_TREE_UDP_PORT: a parent switch's results, tree_links.p4).
+ * A wide packet (width NETAGG_WIDTH_WIDE) carries three more value chunks after the first
+ * (values1..3). A truncated one ends with a parser error, which ingress drops and counts as
+ * malformed; so does a wide header on a narrow packet's 64 values. */
 #ifndef _NETAGG_PARSER_P4_
 #define _NETAGG_PARSER_P4_
 
@@ -38,6 +40,16 @@ parser NetaggParser(packet_in packet,
     state parse_netagg {
         packet.extract(hdr.netagg);
         packet.extract(hdr.values);
+        transition select(hdr.netagg.width) {
+            NETAGG_WIDTH_WIDE: parse_wide;
+            default: accept;
+        }
+    }
+
+    state parse_wide {
+        packet.extract(hdr.values1);
+        packet.extract(hdr.values2);
+        packet.extract(hdr.values3);
         transition accept;
     }
 }
@@ -49,6 +61,9 @@ control NetaggDeparser(packet_out packet, in headers_t hdr) {
         packet.emit(hdr.udp);
         packet.emit(hdr.netagg);
         packet.emit(hdr.values);
+        packet.emit(hdr.values1);
+        packet.emit(hdr.values2);
+        packet.emit(hdr.values3);
     }
 }
 

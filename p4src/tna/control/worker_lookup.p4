@@ -11,17 +11,22 @@
  * for equality, not order); with slot < NUM_SLOTS (which the controller's slot_base +
  * slot_count <= NUM_SLOTS implies) 16 bits hold it. A subset round's sender outside its members
  * is flagged (meta.not_member) from members & worker_mask, taken in the worker table's action. Registers are indexed pool * NUM_SLOTS +
- * slot here (v1model: slot * NUM_POOLS + pool): that layout needs no shift. */
+ * slot here (v1model: slot * NUM_POOLS + pool): that layout needs no shift.
+ * The jobs entry carries the job's width (set_job's last parameter, as in the P4Info); this twin
+ * aggregates narrow packets only, so a packet whose width is not its job's, or is wide, is
+ * flagged (meta.wrong_width) and refused as WRONG_WIDTH (docs/tofino.md, "Wide packets"). With
+ * narrow jobs only, slot_base + slot is the slot's cell as in the v1model program. */
 #ifndef _NETAGG_TNA_WORKER_LOOKUP_P4_
 #define _NETAGG_TNA_WORKER_LOOKUP_P4_
 
 control WorkerLookup(in tna_headers_t hdr, in port_t ingress_port, inout ingress_metadata_t meta) {
     action set_job(bit<8> num_workers, slot_index_t slot_base, bit<16> slot_count,
-                   bit<16> mgid, bit<32> generation) {
+                   bit<16> mgid, bit<32> generation, bit<8> width) {
         meta.job_hit = 1;
         meta.num_workers = num_workers;
         meta.mgid = mgid;
         meta.generation = generation;
+        meta.job_width = width;
         meta.slot_index = slot_base[15:0] + hdr.netagg.slot;
         meta.slot_room = slot_count - hdr.netagg.slot;
     }
@@ -73,6 +78,11 @@ control WorkerLookup(in tna_headers_t hdr, in port_t ingress_port, inout ingress
         workers.apply();
         if (hdr.netagg.slot[15:12] != 0 || meta.slot_room[15:15] == 1 || meta.slot_room == 0) {
             meta.slot_out_of_range = 1;
+        }
+        /* Narrow only (docs/tofino.md, "Wide packets"): a packet of another width than its job's, and
+         * every wide packet (a wide job's included), is WRONG_WIDTH. */
+        if (hdr.netagg.width != meta.job_width || hdr.netagg.width == NETAGG_WIDTH_WIDE) {
+            meta.wrong_width = 1;
         }
         if (hdr.netagg.rank != meta.rank) {
             meta.rank_mismatch = 1;
