@@ -407,7 +407,7 @@ class KVServer:
         header, blob = frame.header, frame.blob
         round_id, seq_start = int(header["round"]), int(header["seq_start"]) & SEQ_MASK
         keys, sizes = [int(k) for k in header["keys"]], [int(s) for s in header["sizes"]]
-        nb = sum(blocks_for(size) for size in sizes)
+        nb = sum(blocks_for(size, self.config.width) for size in sizes)
         if len(keys) != len(sizes) or len(blob) != 2 * nb:
             raise ValueError(f"commit of round {round_id}: {len(keys)} keys, {len(sizes)} sizes, "
                              f"{len(blob)} bytes of exponents and flags for {nb} blocks")

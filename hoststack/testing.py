@@ -60,20 +60,20 @@ def expected_allreduce(inputs: Sequence[Any], k: int = wire.K) -> tuple[Any, np.
 
 
 def job_configs(num_workers: int, mode: str, aggregator: Endpoint, ps: Endpoint | None, slot_count: int = 32,
-                job_id: int = 1) -> list[WorkerConfig]:
+                job_id: int = 1, width: int = wire.K) -> list[WorkerConfig]:
     """One config per rank, each worker bound to its own free loopback port."""
     return [WorkerConfig(job_id=job_id, rank=rank, num_workers=num_workers, slot_count=slot_count, mode=mode,
-                         aggregator=aggregator, bind=Endpoint(LOCALHOST, port), ps=ps)
+                         aggregator=aggregator, bind=Endpoint(LOCALHOST, port), ps=ps, width=width)
             for rank, port in enumerate(free_ports(num_workers))]
 
 
 @contextlib.contextmanager
 def fallback_job(num_workers: int, slot_count: int = 32, job_id: int = 1, handle: Handle | None = None,
-                 secret: str = "") -> Iterator[tuple[KVServer, list[WorkerConfig]]]:
+                 secret: str = "", width: int = wire.K) -> Iterator[tuple[KVServer, list[WorkerConfig]]]:
     """A running fallback-mode PS on loopback and the configs of its workers (with the job's ``secret``)."""
     placeholder = WorkerConfig(job_id=job_id, rank=0, num_workers=num_workers, slot_count=slot_count,
                                mode="fallback", aggregator=Endpoint(LOCALHOST, 9), bind=Endpoint(LOCALHOST, 0),
-                               ps=Endpoint(LOCALHOST, 0), secret=secret)
+                               ps=Endpoint(LOCALHOST, 0), secret=secret, width=width)
     with KVServer(placeholder, handle) as server:
         ps = Endpoint(*server.address)
         # Port 0: each worker binds a free port itself (the PS learns the addresses), so no race

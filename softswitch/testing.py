@@ -12,6 +12,7 @@ import itertools
 import time
 
 from netagg import dataplane as dp
+from netagg import wire
 from netagg.controller.config import parse_config
 from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord, PsEndpoint, WorkerEndpoint
@@ -72,11 +73,12 @@ class LoopbackSwitch:
         self.stop()
 
     def add_job(self, num_workers: int, slot_count: int, mode: str = "allreduce", ps: Endpoint | None = None,
-                bind_ports: list[int] | None = None, senders: int = 0) -> list[WorkerConfig]:
+                bind_ports: list[int] | None = None, senders: int = 0, width: int = wire.K) -> list[WorkerConfig]:
         """Install a job (unless fallback) and return every rank's configuration (``senders``: a one-way
-        job, whose last ranks only send and the others only receive)."""
-        if mode != "fallback" and self._next_slot + slot_count > self.capacity:
-            raise ValueError(f"only {self.capacity - self._next_slot} slots left")
+        job, whose last ranks only send and the others only receive; ``width``: values per packet)."""
+        cells = slot_count * wire.cells_of(width)
+        if mode != "fallback" and self._next_slot + cells > self.capacity:
+            raise ValueError(f"only {self.capacity - self._next_slot} cells left")
         ports = bind_ports or free_ports(num_workers)
         job = JobRecord(
             job_id=next(self._job_ids), tenant="test", name="test", mode=mode, state="active",
@@ -84,17 +86,17 @@ class LoopbackSwitch:
             slot_count=slot_count, slots_wanted=slot_count, generation=next(self._generations),
             workers=[WorkerEndpoint(r, LOCAL_HOST, "127.0.0.1", p) for r, p in enumerate(ports)],
             ps=PsEndpoint(LOCAL_HOST, ps.host, ps.port) if ps else None,
-            lease_seconds=3600, lease_expires=time.time() + 3600, created=time.time(), senders=senders,
+            lease_seconds=3600, lease_expires=time.time() + 3600, created=time.time(), senders=senders, width=width,
         )
         if mode != "fallback":
-            self._next_slot += slot_count
+            self._next_slot += cells
             self.programmer.install_job(job)
         self.jobs[job.job_id] = job
         aggregator = ps if mode == "fallback" else self.aggregator
         assert aggregator is not None, "fallback mode needs a PS endpoint"
         return [WorkerConfig(job_id=job.job_id, rank=w.rank, num_workers=num_workers, slot_count=slot_count,
                              mode=mode, aggregator=aggregator, bind=Endpoint(w.ip, w.udp_port), ps=ps,
-                             senders=senders)
+                             senders=senders, width=width)
                 for w in job.workers]
 
     def remove_job(self, job_id: int) -> None:

@@ -1,8 +1,9 @@
 """The TNA program compiles for Tofino 1 with the open-source Tofino compiler and fits it.
 
 Without bf-p4c the source-level checks below still run: the stateful ALUs the design expects
-(one per register), the four-RegisterAction limit of an ALU, and the tree paths
-(docs/tofino.md, "Tree paths") with the v1model program's control-plane names.
+(one per register), the four-RegisterAction limit of an ALU, the tree paths
+(docs/tofino.md, "Tree paths") with the v1model program's control-plane names, and the packet
+widths (docs/tofino.md, "Wide packets": both shapes checked, wide packets refused).
 """
 
 import json
@@ -31,7 +32,6 @@ MAX_REGISTER_ACTIONS = 4
 TNA_DIR = dp.P4SRC_DIR / "tna"
 #: The tree paths' control-plane objects, named as in the v1model program (and its P4Info).
 TREE_TABLES = (dp.TABLE_UP_LINKS, dp.TABLE_DOWN_LINKS)
-TYPE_WIDTHS = {"port_t": 9, "mac_addr_t": 48, "ipv4_addr_t": 32}
 
 
 def _tna_sources() -> str:
@@ -80,31 +80,17 @@ def test_source_has_one_stateful_alu_per_register():
         assert 1 <= count <= MAX_REGISTER_ACTIONS, (name, count)
 
 
-def _width(type_name: str) -> int:
-    match = re.fullmatch(r"bit<(\d+)>", type_name)
-    return int(match.group(1)) if match else TYPE_WIDTHS[type_name]
-
-
 def test_source_has_the_tree_paths():
-    """up_links, down_links and level_state, as the v1model program names them; the tree port parsed."""
+    """up_links, down_links and level_state, as the v1model program names them (control instances and
+    registers; the tables' keys and action parameters are checked with every other table's in
+    tests/test_wire_p4_agreement.py::test_tna_tables_and_actions_match_the_p4info); the tree port parsed."""
     text = _tna_sources()
     info = load_p4info(dp.P4INFO_PATH)
-    actions = {a.preamble.id: a for a in info.actions}
     for table in (t for t in info.tables if t.preamble.name in TREE_TABLES):
         control, short = table.preamble.name.split(".")[1:]
         # The control instance keeps the v1model name, so that the bfrt name is the P4Info's.
         assert re.search(rf"^    \w+\(\) {control};$", text, re.M), control
-        body = re.search(rf"\btable {short} \{{(.*?)\n    \}}", text, re.S)
-        assert body, f"no table {short} in the TNA program"
-        assert re.findall(r'@name\("(\w+)"\)', body.group(1)) == [m.name for m in table.match_fields], short
         assert re.search(rf"\b{short}\.apply\(\)", text), short
-        for ref in table.action_refs:
-            action = actions[ref.id]
-            name = action.preamble.name.rsplit(".", 1)[1]
-            declared = re.search(rf"\baction {name}\((.*?)\)", text, re.S)
-            assert declared, f"no action {name} in the TNA program"
-            params = [p.strip().rsplit(" ", 1) for p in declared.group(1).split(",") if p.strip()]
-            assert [(n, _width(t)) for t, n in params] == [(p.name, p.bitwidth) for p in action.params], name
     assert len([t for t in info.tables if t.preamble.name in TREE_TABLES]) == len(TREE_TABLES)
     register = next(r for r in info.registers if r.preamble.name == dp.REGISTER_LEVEL_STATE)
     assert re.search(r"\bLevelState\(\) level_state;", text)
@@ -125,6 +111,33 @@ def test_compiler_warnings_are_split_from_target_notes():
     warnings, notes = compiler_warnings(output)
     assert warnings == ["p4src/tna/x.p4(3): [--Wwarn=overflow] warning: 8s0x80: signed value does not fit in 8 bits"]
     assert len(notes) == 1 and "min_parse_depth" in notes[0]
+
+
+def _decision_chain() -> list[str]:
+    """The drop reasons of pass 1's decision chain, in order."""
+    top = (TNA_DIR / "netagg.p4").read_text()
+    chain = top[top.index("if (ig_prsr_md.parser_err != PARSER_ERROR_OK)"):top.index("slot_owner.apply(meta);")]
+    return re.findall(r"meta\.drop_reason = (DROP_\w+);", chain)
+
+
+def test_source_checks_both_widths_and_refuses_wide_packets():
+    """Both widths' lengths and both codes (any other code is MALFORMED); set_job takes the job's width (its
+    parameters match the P4Info's in test_wire_p4_agreement.py); a packet of another width than its job's, or
+    wide (the twin aggregates narrow packets only, docs/tofino.md "Wide packets"), is WRONG_WIDTH, a job reject,
+    decided right before the slot range as in the v1model program."""
+    text = _tna_sources()
+    for define in ("NETAGG_WIDTH", "NETAGG_WIDTH_WIDE", "NETAGG_IPV4_TOTAL_LENGTH", "NETAGG_UDP_LENGTH",
+                   "NETAGG_WIDE_IPV4_TOTAL_LENGTH", "NETAGG_WIDE_UDP_LENGTH"):
+        assert re.search(rf"\b{define}\b", text), define
+    set_job = re.search(r"\baction set_job\((.*?)\)", text, re.S).group(1)
+    assert set_job.split(",")[-1].split() == ["bit<8>", "width"]
+    assert re.search(r"hdr\.netagg\.width != meta\.job_width \|\| hdr\.netagg\.width == NETAGG_WIDTH_WIDE", text)
+    chain = _decision_chain()
+    assert chain.index("DROP_WRONG_WIDTH") + 1 == chain.index("DROP_SLOT_OUT_OF_RANGE")
+    assert chain.index("DROP_UNKNOWN_WORKER") < chain.index("DROP_WRONG_WIDTH")
+    top = (TNA_DIR / "netagg.p4").read_text()
+    wrong_width = re.search(r"meta\.drop_reason = DROP_WRONG_WIDTH;(.*?)\}", top, re.S).group(1)
+    assert "meta.reject = 1;" in wrong_width
 
 
 @pytest.fixture(scope="module")
