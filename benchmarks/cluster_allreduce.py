@@ -7,7 +7,7 @@ same tensors, one run. Each time is also shown as a ratio to its physical bound 
 * PS:          N · M / (e·B)             (all of it crosses the PS's link)
 
 with M the tensor bytes, B the per-host link rate and e the payload share of each packet on
-the wire (all headers, preamble and gaps counted). Writes a table to stdout, a CSV and a PNG
+the wire (all headers, preamble and gaps counted; for netagg, of the job's packet width). Writes a table to stdout, a CSV and a PNG
 plot under ``results/``. Needs root (namespaces); prints why it cannot run otherwise.
 """
 
@@ -60,6 +60,8 @@ class Measurement:
     #: Packets the workers sent (netagg kinds; 0 for gloo), for retransmissions as a share.
     packets_sent: int = 0
     timed_worker_cpu_share: float = 0.0
+    #: Values per packet of the job (netagg and fallback kinds; 0 for gloo).
+    width: int = 0
 
 
 def torch_available() -> bool:
@@ -70,9 +72,9 @@ def torch_available() -> bool:
     return True
 
 
-def bound_seconds(kind: str, num_workers: int, tensor_bytes: int, rate_mbit: float) -> float:
+def bound_seconds(kind: str, num_workers: int, tensor_bytes: int, rate_mbit: float, width: int = wire.K) -> float:
     rate = rate_mbit * 1e6 / 8
-    e = wire.payload_efficiency()
+    e = wire.payload_efficiency(k=width)
     kind = kind.removesuffix("-fixed")
     if kind == "netagg":
         return tensor_bytes / (e * rate)
@@ -103,17 +105,21 @@ class RunningKind:
     ps: subprocess.Popen | None
     started: float
     switch_cpu_before: float
+    width: int = 0
 
 
 def start_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, iterations: int,
-               slots: int = 16, port_offset: int = 0, start_at: float | None = None) -> RunningKind:
+               slots: int = 16, port_offset: int = 0, start_at: float | None = None,
+               width: int | None = None) -> RunningKind:
     """Create the job (netagg/fallback kinds) and start one worker process per host; see finish_kind.
 
     ``start_at`` (a ``time.time()`` value): the workers wait until then before their first allreduce.
+    ``width``: values per packet (None: the controller's default for the switch's target).
     """
     hosts = cluster.worker_hosts[:num_workers]
     job_id = None
     ps = None
+    job_width = 0
     if kind == "gloo":
         master = f"{cluster.ip_of(hosts[0])}:{GLOO_PORT}"
         # Gloo must bind to the host's link, not to whatever the hostname resolves to.
@@ -122,8 +128,9 @@ def start_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int,
     else:
         mode = "allreduce" if kind.startswith("netagg") else "fallback"
         created = cluster.create_job(hosts, slots=slots, mode=mode, name=f"bench-{kind}-{port_offset}",
-                                     port_offset=port_offset)
+                                     port_offset=port_offset, options=("--width", str(width)) if width else ())
         job_id = created["job"]["job_id"]
+        job_width = int(created["job"].get("width", wire.K))
         if created["job"]["mode"] != mode:
             cluster.cli("job", "delete", str(job_id))
             raise RuntimeError(f"asked for {mode}, admitted as {created['job']['mode']}: {created['reason']}")
@@ -137,7 +144,7 @@ def start_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int,
     procs = [subprocess.Popen(cluster.host_command(host, [*cmd, "--size", str(size), *timing]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=dp.REPO_ROOT)
              for host, cmd in zip(hosts, commands)]
-    return RunningKind(kind, num_workers, size, procs, job_id, ps, started, switch_cpu_before)
+    return RunningKind(kind, num_workers, size, procs, job_id, ps, started, switch_cpu_before, job_width)
 
 
 def finish_kind(cluster: EmulatedCluster, run: RunningKind) -> Measurement:
@@ -158,7 +165,7 @@ def finish_kind(cluster: EmulatedCluster, run: RunningKind) -> Measurement:
             cluster.cli("job", "delete", str(run.job_id))
     wall = time.monotonic() - run.started
     seconds = max(r["seconds"] for r in results)
-    bound = bound_seconds(run.kind, run.num_workers, run.size * 4, cluster.spec.rate_mbit)
+    bound = bound_seconds(run.kind, run.num_workers, run.size * 4, cluster.spec.rate_mbit, run.width or wire.K)
     return Measurement(
         kind=run.kind, workers=run.num_workers, megabytes=run.size * 4 / 1e6, seconds=seconds, bound_seconds=bound,
         ratio_to_bound=seconds / bound, identical_on_all_workers=len({r["digest"] for r in results}) == 1,
@@ -167,14 +174,14 @@ def finish_kind(cluster: EmulatedCluster, run: RunningKind) -> Measurement:
         switch_cpu_share=(_cpu_seconds(cluster.switch.process.pid) - run.switch_cpu_before) / wall,
         retransmissions=sum(r.get("retransmissions", 0) for r in results),
         packets_sent=sum(r.get("packets_sent", 0) for r in results),
-        timed_worker_cpu_share=max(r.get("timed_cpu_share", 0.0) for r in results),
+        timed_worker_cpu_share=max(r.get("timed_cpu_share", 0.0) for r in results), width=run.width,
     )
 
 
 def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, iterations: int,
-             slots: int = 16) -> Measurement:
+             slots: int = 16, width: int | None = None) -> Measurement:
     """One allreduce measurement of ``kind`` on the first ``num_workers`` hosts."""
-    return finish_kind(cluster, start_kind(cluster, kind, num_workers, size, iterations, slots))
+    return finish_kind(cluster, start_kind(cluster, kind, num_workers, size, iterations, slots, width=width))
 
 
 @contextlib.contextmanager
@@ -190,10 +197,10 @@ def cpu_hog(processes: int) -> Iterator[None]:
 
 
 def _table(rows: list[Measurement]) -> str:
-    lines = [f"{'kind':<14} {'N':>2} {'MB':>7} {'seconds':>9} {'bound':>8} {'x bound':>8} {'identical':>9} "
+    lines = [f"{'kind':<14} {'N':>2} {'k':>3} {'MB':>7} {'seconds':>9} {'bound':>8} {'x bound':>8} {'identical':>9} "
              f"{'worker cpu':>10} {'timed':>6} {'switch cpu':>10} {'retx':>6} {'retx %':>6}"]
     for m in rows:
-        lines.append(f"{m.kind:<14} {m.workers:>2} {m.megabytes:>7.2f} {m.seconds:>9.3f} {m.bound_seconds:>8.3f} "
+        lines.append(f"{m.kind:<14} {m.workers:>2} {m.width or '-':>3} {m.megabytes:>7.2f} {m.seconds:>9.3f} {m.bound_seconds:>8.3f} "
                      f"{m.ratio_to_bound:>8.2f} {m.identical_on_all_workers!s:>9} {m.worker_cpu_share:>10.0%} "
                      f"{m.timed_worker_cpu_share:>6.0%} "
                      f"{m.switch_cpu_share:>10.0%} {m.retransmissions:>6} "
@@ -204,10 +211,10 @@ def _table(rows: list[Measurement]) -> str:
 def _speedups(rows: list[Measurement]) -> list[str]:
     out = []
     by_key = {(m.kind, m.workers, m.megabytes): m for m in rows}
-    e = wire.payload_efficiency()
     for (kind, n, mb), m in sorted(by_key.items()):
         if kind != "netagg":
             continue
+        e = wire.payload_efficiency(k=m.width or wire.K)
         for other, ideal in (("gloo", 2 * (n - 1) / n * e / E_TCP), ("fallback", float(n))):
             o = by_key.get((other, n, mb))
             if o:
@@ -253,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=16,
                         help="slots per job = packets in flight per worker; a few times the links' "
                              "bandwidth-delay product in packets (default 16)")
+    parser.add_argument("--width", type=int, choices=sorted(wire.WIDTH_CODES),
+                        help="values per packet of the jobs (default: the controller's for the switch's target)")
     parser.add_argument("--rate-mbit", type=float, help="override configs/cluster.yaml's link rate")
     parser.add_argument("--target", choices=("soft", "bmv2"), help="override configs/cluster.yaml's target")
     parser.add_argument("--out", type=Path, default=dp.REPO_ROOT / "results")
@@ -279,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu_hog(args.cpu_hog):
         for n, mb, kind in tqdm(jobs, desc="allreduce", unit="run"):
             size = max(1, int(mb * 1e6 / 4))
-            rows.append(run_kind(cluster, kind, n, size, args.iterations, args.slots))
+            rows.append(run_kind(cluster, kind, n, size, args.iterations, args.slots, args.width))
     print(_table(rows))
     for line in _speedups(rows):
         print(line)

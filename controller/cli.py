@@ -136,7 +136,7 @@ def _format_job(job: dict[str, Any]) -> str:
     workers = ", ".join(f"{w['rank']}={w['ip']}:{w['udp_port']}" for w in job["workers"])
     width = job.get("width", wire.K)  # a controller from before wide packets: narrow
     cells = width // wire.K
-    if cells == 1:  # a narrow job's slots are cells
+    if cells == 1 or not job["slot_count"]:  # a narrow job's slots are cells; a fallback job holds none
         held = f"  slots {job['slots']} ({job['slot_count']} of {job['slots_wanted']} wanted)"
     else:
         held = (f"  cells {job['slots']} ({job['slot_count']} of {job['slots_wanted']} slots wanted, "

@@ -57,8 +57,9 @@ def one_round(configs: list[WorkerConfig], slot: int, pool: int, values: list[np
             s.bind(cfg.bind.as_tuple())
             s.settimeout(3)
             socks.append(s)
-        for cfg, s, v in zip(configs, socks, values):
-            header = wire.Header(job_id=cfg.job_id, slot=slot, pool=pool, rank=cfg.rank, seq=slot)
+        for cfg, s, v in zip(configs, socks, values):  # packets of the job's width
+            header = wire.Header(job_id=cfg.job_id, slot=slot, pool=pool, rank=cfg.rank, seq=slot,
+                                 width=wire.width_code(cfg.width))
             s.sendto(wire.pack(header, v), cfg.aggregator.as_tuple())
         results = []
         for s in socks:
@@ -105,6 +106,39 @@ def test_create_show_delete_with_live_counters(capsys, soft_controller, soft_swi
                                                         dp.TABLE_REPLICAS: 0, "groups": 0}
     code, _, err = run_cli(capsys, controller, TOKENS["alice"], "job", "show", str(job["job_id"]))
     assert code == EXIT_CODES["not_found"] and "no job" in err
+
+
+def test_a_wide_job_on_the_switch(capsys, soft_controller, soft_switch):
+    """A job of width 256 (the software target's default): its set_job entry on the switch carries the width code
+    and its first cell, its workers' configs the width, and a round of wide packets sums all 256 values."""
+    controller = soft_controller
+    narrow = create(capsys, controller, TOKENS["alice"], [free_udp_port()], 3)["job"]
+    made = create(capsys, controller, TOKENS["alice"], [free_udp_port() for _ in range(2)], 8, "--width", "256")
+    job = made["job"]
+    assert (made["admission"], job["width"], job["slot_base"], job["slot_count"], job["cells"]) == (
+        "full", 256, 3, 8, 32)
+    # The default (no --width) on the software target is wide too.
+    code, out, err = run_cli(capsys, controller, TOKENS["alice"], "job", "create", "--workers",
+                             f"local:{free_udp_port()}", "--slots", "2")
+    assert code == 0, err
+    default = json.loads(out)["job"]
+    assert (default["width"], default["slot_base"], default["cells"]) == (256, 3 + 32, 8)
+    with P4RuntimeClient(soft_switch.grpc_address, device_id=1, election_id=(0, 1), p4info_path=dp.P4INFO_PATH) as r:
+        r.connect()
+        entries = {e.match["job_id"]: e.params for e in r.read_entries(dp.TABLE_JOBS)}
+    assert (entries[job["job_id"]]["slot_base"], entries[job["job_id"]]["slot_count"],
+            entries[job["job_id"]]["width"]) == (3, 8, wire.width_code(256))
+    assert entries[narrow["job_id"]]["width"] == wire.width_code(64)
+    configs = worker_configs(capsys, controller, TOKENS["alice"], job["job_id"], 2)
+    assert [c.width for c in configs] == [256, 256] and configs[0].slot_count == 8
+    values = [np.arange(wire.WIDE_K, dtype=np.int32) * (r + 1) for r in range(2)]
+    for result in one_round(configs, slot=7, pool=0, values=values):
+        np.testing.assert_array_equal(result, np.arange(wire.WIDE_K, dtype=np.int32) * 3)
+    code, out, _ = run_cli(capsys, controller, TOKENS["alice"], "job", "show", str(job["job_id"]))
+    assert code == 0 and json.loads(out)["counters"]["results"] == 1
+    code = main(["--config", str(controller.config), "--token", TOKENS["alice"], "job", "show", str(job["job_id"])])
+    out = capsys.readouterr().out
+    assert code == 0 and "cells 3..34 (8 of 8 slots wanted, 4 cells each), width 256" in out, out
 
 
 def test_best_effort_admission(capsys, controller):

@@ -52,8 +52,8 @@ def assert_switch_matches_database(grpc_address: str, jobs: list[dict]) -> None:
 
 def burst(client: ApiClient, stop: threading.Event, seed: int, hosts: tuple[str, ...] = ("local",),
           tolerated: tuple[str, ...] = ()) -> None:
-    """Creates (1-4 workers on ``hosts``) and deletes until stopped or the controller is killed under it;
-    an API error other than ``tolerated`` ones fails the test."""
+    """Creates (1-4 workers on ``hosts``, narrow and wide) and deletes until stopped or the controller is killed
+    under it; an API error other than ``tolerated`` ones fails the test."""
     rng = random.Random(seed)
     mine: list[int] = []
     while not stop.is_set():
@@ -62,7 +62,8 @@ def burst(client: ApiClient, stop: threading.Event, seed: int, hosts: tuple[str,
                 client.call("delete", job_id=mine.pop(rng.randrange(len(mine))))
             else:
                 workers = [f"{rng.choice(hosts)}:{free_udp_port()}" for _ in range(rng.randint(1, 4))]
-                result = client.call("create", name="burst", workers=workers, slots=rng.randint(1, 8))
+                result = client.call("create", name="burst", workers=workers, slots=rng.randint(1, 8),
+                                     width=rng.choice(sorted(wire.WIDTH_CODES)))
                 mine.append(result["job"]["job_id"])
         except ApiError as err:
             if err.code == "unreachable":
@@ -73,7 +74,7 @@ def burst(client: ApiClient, stop: threading.Event, seed: int, hosts: tuple[str,
 
 def test_kill_minus_nine_during_burst_loses_nothing(tmp_path, any_switch):
     soft_switch = any_switch
-    config = config_for(tmp_path, any_switch, capacity=256)
+    config = config_for(tmp_path, any_switch, capacity=1024)  # cells: a wide slot takes 4
     for round_ in range(3):
         ctl = start_controller(config, tmp_path / "controller.log")
         stop = threading.Event()

@@ -119,8 +119,10 @@ def cli(capsys, controller: ControllerProcess, *args: str, token: str = TOKENS["
 
 
 def create_job(capsys, controller: ControllerProcess, workers: int, *extra: str, slots: int = 8) -> dict:
+    """A job create; narrow unless ``extra`` names a width (several 8-slot jobs fit the 64 cells then)."""
+    width = () if "--width" in extra else ("--width", "64")
     code, out, err = cli(capsys, controller, "--json", "job", "create", "--slots", str(slots), "--workers",
-                         ",".join(f"local:{p}" for p in free_ports(workers)), *extra)
+                         ",".join(f"local:{p}" for p in free_ports(workers)), *width, *extra)
     assert code == 0, err
     return json.loads(out)["job"]
 
@@ -270,7 +272,7 @@ def test_workers_allreduce_through_a_restarted_switch(capsys, tmp_path):
     config, metrics_port = config_with_metrics(tmp_path, switches[0])
     ctl = start_controller(config, tmp_path / "controller.log")
     try:
-        job = create_job(capsys, ctl, 2)
+        job = create_job(capsys, ctl, 2, "--width", "256")  # wide packets through the restart
         configs = []
         for rank in range(2):
             code, out, err = cli(capsys, ctl, "job", "config", str(job["job_id"]), "--rank", str(rank))
@@ -319,7 +321,7 @@ def test_workers_allreduce_through_a_restarted_switch(capsys, tmp_path):
         done = time.monotonic()
         assert not errors, errors
         for index, inputs in enumerate(rounds):
-            expected, _ = expected_allreduce(inputs)
+            expected, _ = expected_allreduce(inputs, configs[0].width)
             for rank in range(2):
                 np.testing.assert_array_equal(results[rank][index], expected)
         report(capsys, f"[workers through a restart] kill -> switch ready {ready - killed:.2f} s -> job back "

@@ -180,6 +180,37 @@ def test_a_job_over_two_racks_is_on_every_switch_of_its_tree_and_a_rack_job_on_i
         ctl.stop()
 
 
+def test_a_wide_job_has_its_width_on_every_switch_of_its_tree_and_counts_cells_on_each(capsys, tmp_path, targets):
+    ctl = start_controller(tree_config(tmp_path, targets), tmp_path / "controller.log")  # 64 cells a switch
+    try:
+        wait_for(lambda: all(held(targets).values()), "the controller to push the pipeline to every switch")
+        code, made, err = create(capsys, ctl, ["r0h0:41000", "r1h0:41001"], "--width", "256", slots=8)
+        assert code == 0, err
+        wide = made["job"]
+        assert (made["admission"], wide["width"], wide["cells"]) == ("full", 256, 32)
+        assert wide["segments"] == {"root": [0, 8], "rack0": [0, 8], "rack1": [0, 8]}  # first cell, slots
+        # rack1 has 32 cells left: a rack job of 12 wide slots (48 cells) gets 8, a narrow one the rest.
+        code, made, err = create(capsys, ctl, ["r1h0:41010", "r1h1:41011"], "--width", "256", slots=12)
+        assert code == 0, err
+        rack = made["job"]
+        assert (made["admission"], rack["segments"], rack["cells"]) == ("partial", {"rack1": [32, 8]}, 32)
+        code, made, err = create(capsys, ctl, ["r0h0:41020", "r1h1:41021"], "--width", "256", slots=1)
+        assert code == EXIT_CODES["capacity_exhausted"] and "of width 256" in err, err
+        on_switches = held(targets)
+        assert on_switches == expected_on(targets, [wide, rack])
+        for name in SWITCHES:  # set_job: the width code at every level
+            jobs = [e for e in on_switches[name]["entries"] if e[0] == dp.TABLE_JOBS]
+            assert jobs and all(dict(e[3])["width"] == wire.width_code(256) for e in jobs), (name, jobs)
+        code, out, err = cli(capsys, ctl, "job", "config", str(wide["job_id"]), "--rank", "1")
+        assert code == 0, err
+        config = WorkerConfig.from_dict(yaml.safe_load(out))
+        assert (config.width, config.slot_count, config.aggregator.host) == (256, 8, "10.62.0.254")
+        code, out, err = cli(capsys, ctl, "job", "show", str(wide["job_id"]))
+        assert code == 0 and "width 256" in out and "rack1 0..31" in out, out
+    finally:
+        ctl.stop()
+
+
 def samples(port: int) -> list[tuple[str, dict, float]]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20) as response:
         text = response.read().decode()
@@ -272,7 +303,7 @@ def test_a_topology_config_is_checked(tmp_path):
 
 
 def test_kill_9_of_the_controller_among_tree_creates_leaves_every_switch_as_its_database_says(tmp_path, targets):
-    config = tree_config(tmp_path, targets, capacity=256)
+    config = tree_config(tmp_path, targets, capacity=1024)  # cells: the bursts' wide jobs take 4 a slot
     for round_ in range(3):
         ctl = start_controller(config, tmp_path / "controller.log")
         wait_for(lambda: all(held(targets).values()), "every switch in sync")
@@ -293,8 +324,9 @@ def test_kill_9_of_the_controller_among_tree_creates_leaves_every_switch_as_its_
         expected = expected_on(targets, jobs)
         assert wait_for(lambda: held(targets) == expected, "every switch as the database says")
         assert all(j["state"] == "active" for j in ApiClient(ctl.socket, ADMIN_TOKEN).call("list"))
-        for switch in SWITCHES:  # no slot of a switch is in two jobs
-            ranges = sorted((b, b + c) for j in jobs for s, (b, c) in j["segments"].items() if s == switch)
+        for switch in SWITCHES:  # no cell of a switch is in two jobs (a segment: first cell, slots of the width)
+            ranges = sorted((b, b + c * wire.cells_of(j["width"])) for j in jobs
+                            for s, (b, c) in j["segments"].items() if s == switch)
             assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(ranges)), (switch, ranges)
     finally:
         ctl.stop()

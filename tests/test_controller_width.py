@@ -155,7 +155,7 @@ def test_allocators_grant_whole_slots_of_cells():
 
 
 def test_a_wide_job_of_8_slots_takes_32_cells_and_a_full_switch_admits_whole_slots(tmp_path):
-    service, fabric = _service(tmp_path, capacity=64, min_slots=4)
+    service, _ = _service(tmp_path, capacity=64, min_slots=4)
     wide = _create(service, 8)  # the software target's default: wide
     job = wide["job"]
     assert (wide["admission"], job["width"], job["slot_base"], job["slot_count"], job["cells"]) == (
@@ -264,7 +264,7 @@ def test_an_old_database_without_the_width_column_opens_with_narrow_jobs(tmp_pat
 
 
 def test_a_distribution_job_has_its_jobs_width(tmp_path):
-    service, fabric = _service(tmp_path, capacity=64, min_slots=1)
+    service, _ = _service(tmp_path, capacity=64, min_slots=1)
     made = _create(service, 6, width=256, ports=3, ps="ps0", update_mode="async",
                    distribution=["local:41000", "local:41001", "local:41002"], distribution_ps=["local:41003"],
                    distribution_slots=4)
@@ -284,6 +284,8 @@ def test_the_cli_shows_the_width_and_the_cells(tmp_path):
     wide = _create(service, 8, width=256)["job"]
     assert "  slots 0..3 (4 of 4 wanted), width 64, generation" in _format_job(narrow)
     assert "  cells 4..35 (8 of 8 slots wanted, 4 cells each), width 256, generation" in _format_job(wide)
+    fallback = _create(service, 64, width=256, ps="ps0", mode="fallback")["job"]
+    assert "  slots - (0 of 64 wanted), width 256, generation" in _format_job(fallback)
     old = {k: v for k, v in narrow.items() if k not in ("width", "cells")}  # a controller from before widths
     assert "  slots 0..3 (4 of 4 wanted), width 64" in _format_job(old)
 
