@@ -71,6 +71,9 @@ def test_controller_and_worker_metrics_during_a_real_job(capsys, metrics_control
     created = json.loads(cli(capsys, controller, "--json", "job", "create", "--name", "bert", "--slots", "8",
                              "--workers", ",".join(f"local:{p}" for p in ports)))
     job_id = created["job"]["job_id"]
+    width = created["job"]["width"]  # the software target's default: wide
+    assert width == 256
+    blocks, cells = -(-1000 // width), 8 * width // 64  # per allreduce of 1000 values; the job's switch memory
     configs = [WorkerConfig.from_dict(yaml.safe_load(cli(capsys, controller, "job", "config", str(job_id),
                                                          "--rank", str(r)))) for r in range(N)]
     during: list[Samples] = []
@@ -103,10 +106,10 @@ def test_controller_and_worker_metrics_during_a_real_job(capsys, metrics_control
         assert samples[("netagg_worker_shadow_resends_total", labels)] == stats["shadow_resends"]
         assert samples[("netagg_worker_packets_sent_total", labels)] == stats["packets_sent"]
         assert samples[("netagg_worker_results_accepted_total", labels)] == stats["results_accepted"]
-        assert samples[("netagg_worker_goodput_bytes_total", labels)] == stats["blocks"] * 64 * 4
+        assert samples[("netagg_worker_goodput_bytes_total", labels)] == stats["blocks"] * width * 4
         assert samples[("netagg_worker_window", labels)] == stats["window"]
         assert samples[("netagg_worker_smallest_window", labels)] == stats["smallest_window"]
-        assert stats["packets_sent"] > 0 and stats["blocks"] == 4 * 16  # 4 allreduces of 1000 values
+        assert stats["packets_sent"] > 0 and stats["blocks"] == 4 * blocks  # 4 allreduces of 1000 values
 
     # Mid-job scrape: the job is there with some of its traffic counted.
     assert during and during[0][("netagg_switch_up", (("grpc_address", soft_switch.grpc_address),))] == 1
@@ -117,14 +120,14 @@ def test_controller_and_worker_metrics_during_a_real_job(capsys, metrics_control
     shown = json.loads(cli(capsys, controller, "--json", "job", "show", str(job_id)))["counters"]
     for short in ("contributions", "results", "duplicates", "retransmit_results", "rejects"):
         assert job_value(after, f"netagg_job_{short}_total", job_id) == shown[short], short
-    assert shown["contributions"] >= N * 4 * 16 and shown["results"] >= 4 * 16
+    assert shown["contributions"] >= N * 4 * blocks and shown["results"] >= 4 * blocks
     assert job_value(after, "netagg_job_contributions_total", job_id) >= job_value(
         during[0], "netagg_job_contributions_total", job_id)
     job_labels = (("job_id", str(job_id)), ("name", "bert"), ("tenant", "alice"))
-    assert after[("netagg_job_slots", job_labels)] == 8
+    assert after[("netagg_job_slots", job_labels)] == 8 and after[("netagg_job_width", job_labels)] == width
     assert after[("netagg_job_workers", job_labels)] == N
-    assert after[("netagg_slots_in_use", ())] == 8
-    assert after[("netagg_slots_free", ())] == after[("netagg_slots_capacity", ())] - 8
+    assert after[("netagg_slots_in_use", ())] == cells
+    assert after[("netagg_slots_free", ())] == after[("netagg_slots_capacity", ())] - cells
     assert after[("netagg_jobs", (("mode", "allreduce"), ("state", "active")))] == 1
     assert after[("netagg_admissions_total", (("decision", "full"),))] == 1
     assert after[("netagg_admissions_total", (("decision", "refused"),))] == 0
@@ -149,7 +152,8 @@ def test_controller_and_worker_metrics_during_a_real_job(capsys, metrics_control
 
 def test_refused_and_fallback_admissions_are_counted(capsys, metrics_controller):
     controller, port = metrics_controller  # capacity 64, min_per_job 4
-    cli(capsys, controller, "job", "create", "--slots", "64", "--workers", f"local:{free_udp_port()}")
+    # 16 wide slots (the software target's default width, 4 cells each) take the whole capacity.
+    cli(capsys, controller, "job", "create", "--slots", "16", "--workers", f"local:{free_udp_port()}")
     cli(capsys, controller, "job", "create", "--slots", "8", "--ps", "ps0", "--lease", "1",
         "--workers", f"local:{free_udp_port()}")
     code = main(["--config", str(controller.config), "--token", TOKENS["alice"], "job", "create", "--slots", "8",

@@ -307,16 +307,17 @@ def test_an_mlfabric_job_with_distribution_creates_and_owns_its_distribution_job
     code, out, _ = _cli(capsys, soft_controller, "job", "list")
     assert code == 0 and json.loads(out) == []
     assert _switch_view(soft_switch, dist["job_id"]) == (None, [])
-    # Both jobs' slots are free again: the whole capacity (64) goes to one job.
+    # Both jobs' cells are free again: the whole capacity (64 cells: 16 wide slots, the software target's
+    # default width) goes to one job.
     code, out, err = _cli(capsys, soft_controller, "job", "create", "--workers", f"local:{free_udp_port()}",
-                          "--slots", "64")
+                          "--slots", "16")
     assert code == 0 and json.loads(out)["admission"] == "full", err
 
 
 def test_distribution_goes_with_its_job_or_not_at_all(capsys, soft_controller):
     # No slots left for the distribution job: the job is not created either, and its slots are free again.
     code, _, err = _cli(capsys, soft_controller, "job", "create", "--workers", f"local:{free_udp_port()}",
-                        "--slots", "64", "--mode", "ps", "--ps", "ps0", "--sync", "async",
+                        "--slots", "16", "--mode", "ps", "--ps", "ps0", "--sync", "async",
                         "--distribution", f"local:{free_udp_port()}", "--distribution-ps", f"local:{free_udp_port()}")
     assert code == EXIT_CODES["capacity_exhausted"] and "for the distribution job" in err, err
     code, out, _ = _cli(capsys, soft_controller, "job", "list")
@@ -335,7 +336,7 @@ def test_distribution_goes_with_its_job_or_not_at_all(capsys, soft_controller):
         time.sleep(0.2)
     assert json.loads(out) == []
     code, out, err = _cli(capsys, soft_controller, "job", "create", "--workers", f"local:{free_udp_port()}",
-                          "--slots", "64")
+                          "--slots", "16")  # the whole capacity again (64 cells)
     assert code == 0 and json.loads(out)["admission"] == "full", err
 
 
