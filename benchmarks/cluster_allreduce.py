@@ -7,7 +7,8 @@ same tensors, one run. Each time is also shown as a ratio to its physical bound 
 * PS:          N · M / (e·B)             (all of it crosses the PS's link)
 
 with M the tensor bytes, B the per-host link rate and e the payload share of each packet on
-the wire (all headers, preamble and gaps counted; for netagg, of the job's packet width). Writes a table to stdout, a CSV and a PNG
+the wire (all headers, preamble and gaps counted; for netagg, of the job's packet width). Writes a table
+to stdout, a CSV and a PNG
 plot under ``results/``. Needs root (namespaces); prints why it cannot run otherwise.
 """
 
@@ -200,7 +201,8 @@ def _table(rows: list[Measurement]) -> str:
     lines = [f"{'kind':<14} {'N':>2} {'k':>3} {'MB':>7} {'seconds':>9} {'bound':>8} {'x bound':>8} {'identical':>9} "
              f"{'worker cpu':>10} {'timed':>6} {'switch cpu':>10} {'retx':>6} {'retx %':>6}"]
     for m in rows:
-        lines.append(f"{m.kind:<14} {m.workers:>2} {m.width or '-':>3} {m.megabytes:>7.2f} {m.seconds:>9.3f} {m.bound_seconds:>8.3f} "
+        lines.append(f"{m.kind:<14} {m.workers:>2} {m.width or '-':>3} {m.megabytes:>7.2f} {m.seconds:>9.3f} "
+                     f"{m.bound_seconds:>8.3f} "
                      f"{m.ratio_to_bound:>8.2f} {m.identical_on_all_workers!s:>9} {m.worker_cpu_share:>10.0%} "
                      f"{m.timed_worker_cpu_share:>6.0%} "
                      f"{m.switch_cpu_share:>10.0%} {m.retransmissions:>6} "

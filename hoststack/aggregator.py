@@ -143,7 +143,8 @@ class SoftAggregator:
     def _aggregate(self, data: bytes | bytearray | memoryview, slot: int, pool: int, round_: int, rank: int,
                    exponent: int, members: int, flags: int, exchange: int) -> Outcome | None:
         values = np.frombuffer(data, wire.WIRE_VALUE_DTYPE, self.width, wire.HEADER_BYTES)
-        verdict = self.registers.aggregate(slot * self.cells, pool, round_, 1 << rank, self.num_workers, _GENERATION, members,
+        verdict = self.registers.aggregate(slot * self.cells, pool, round_, 1 << rank, self.num_workers, _GENERATION,
+                                           members,
                                            exponent, values, flags=flags, exchange=exchange)
         if verdict.drop != DropReason.NONE:
             return self._drop(verdict.drop)

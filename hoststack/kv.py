@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from netagg import wire
 from netagg.hoststack import blocks as blk
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.envconfig import config_from_env

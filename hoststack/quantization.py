@@ -1,8 +1,9 @@
 """Block floating point: float32 gradients to int32 values the switch can sum without overflow.
 
 Every block of k values (one packet of the job's width, ``wire.K`` or ``wire.WIDE_K``) shares one
-exponent ``G``, the maximum over all workers of each worker's *block exponent* ``E = floor(log2(max |x|))`` (the IEEE-754 exponent of
-the block's largest magnitude, so every value of the block satisfies ``|x| < 2**(E+1)``).
+exponent ``G``, the maximum over all workers of each worker's *block exponent*
+``E = floor(log2(max |x|))`` (the IEEE-754 exponent of the block's largest magnitude, so every value
+of the block satisfies ``|x| < 2**(E+1)``).
 With ``n`` workers each value is scaled by the power of two ``2**(P - G - 1)``, where
 ``2**P`` is the largest power of two with ``n * 2**P <= 2**31``, and rounded to the
 nearest integer: ``|q| < 2**P``, so the sum of ``n`` of them fits in an int32.

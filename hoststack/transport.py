@@ -89,13 +89,14 @@ import math
 import select
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from netagg import layout, mmsg, udpgso, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport_reference as reference
+from netagg.hoststack.congestion import RTO_FLOOR, CongestionWindow, RtoEstimator
 from netagg.hoststack.failover import FailoverClient
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, packet_dtype, slot_count_of, udp_socket
 from netagg.jobconfig import WorkerConfig, resolve
@@ -107,9 +108,6 @@ try:  # compiled batch kernels when numba is installed (extra "fast"); same effe
 except ImportError:
     kernels = None  # (tests set it to None to run the numpy reference)
 
-#: Smallest retransmission timeout (s). ``make bench``, 8 workers at 40 Mbit/s on 2 busy cores: a 2 ms floor
-#: gave 1.32x the bound with 7,389 retransmissions (nearly all spurious), 10 ms 1.00x with 222.
-RTO_FLOOR = 0.010
 #: Datagrams read per receive without GRO (one recvmmsg), and read calls per wake-up before the ready slots
 #: are refilled.
 _RECV_BATCH = mmsg.BATCH
@@ -121,7 +119,7 @@ _RECV_CALLS_MAX = 64
 _RECV_ROWS = 256
 #: Receive buffer row: longer datagrams are cut to this (and so still counted as malformed).
 _RECV_STRIDE = 1152
-assert _RECV_STRIDE > wire.netagg_bytes(wire.WIDE_K)
+assert wire.netagg_bytes(wire.WIDE_K) < _RECV_STRIDE
 #: Restart ride-through (module docstring): from this resend of a packet on, its slot's previous packet is
 #: resent with it ...
 SHADOW_RETRIES = 2
@@ -166,6 +164,11 @@ class TransportStats:
     #: Times the congestion window was halved, and its smallest value so far.
     window_decreases: int = 0
     smallest_window: float = 0.0
+    #: Results that came back sooner after their packet's resend than the path's shortest round trip: the
+    #: original made it, the timeout was spurious (hoststack/congestion.py) ...
+    spurious_timeouts: int = 0
+    #: ... and the window cuts such results undid.
+    window_undos: int = 0
     #: Timeouts with no result since the previous one (a worker not there yet): only the head packet was resent.
     stalled_timeouts: int = 0
     #: Copies of packets whose result this worker already has (a slot's previous packet, see the module
@@ -194,63 +197,6 @@ class _FailedOver(Exception):
     def __init__(self, start: int) -> None:
         super().__init__(start)
         self.start = start
-
-
-@dataclass
-class RtoEstimator:
-    """RFC 6298's retransmission timeout from round-trip samples, clamped to [minimum, maximum].
-
-    A round completes only when the slowest worker's packet arrived, so one worker's loss
-    inflates everyone's round trip; samples are therefore clipped to twice the smoothed RTT
-    (a real increase still raises SRTT by up to 12.5 % per sample) so that RTTVAR does not
-    explode under loss.
-    """
-
-    initial: float = 0.05
-    minimum: float = RTO_FLOOR
-    maximum: float = 1.0
-    granularity: float = 0.0005
-    #: Doublings of one packet's timeout before it plateaus: a failed retransmission here mostly
-    #: means another worker's packet was lost (the round was incomplete), not congestion ...
-    max_backoff: int = 2
-    #: ... for this many more retries; after them doubling resumes (a straggler or dead peer).
-    plateau: int = 2
-    srtt: float | None = None
-    rttvar: float = 0.0
-    rto: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.rto = min(max(self.initial, self.minimum), self.maximum)
-
-    def sample(self, rtt: float) -> None:
-        """Feed one round trip of a packet that was not retransmitted (Karn)."""
-        if self.srtt is None:
-            self.srtt, self.rttvar = rtt, rtt / 2
-        else:
-            rtt = min(rtt, 2 * self.srtt)
-            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
-            self.srtt = 0.875 * self.srtt + 0.125 * rtt
-        self.rto = min(max(self.srtt + max(self.granularity, 4 * self.rttvar), self.minimum), self.maximum)
-
-    def sample_all(self, rtts: np.ndarray) -> None:
-        """:meth:`sample` for each round trip of ``rtts`` (float64), in order."""
-        if kernels is None:
-            for rtt in rtts.tolist():
-                self.sample(rtt)
-            return
-        srtt, self.rttvar, rto = kernels.rto_samples(np.nan if self.srtt is None else self.srtt, self.rttvar,
-                                                      self.granularity, self.minimum, self.maximum, rtts)
-        if not math.isnan(rto):
-            self.srtt, self.rto = srtt, rto
-
-    def backoff(self, retries: int) -> float:
-        """Timeout after ``retries`` retransmissions of the same packet.
-
-        ``rto * 2**e`` with e = 1, 2, .., max_backoff, then ``plateau`` times max_backoff,
-        then increasing by one per retry again; at most ``maximum``.
-        """
-        doublings = max(min(retries, self.max_backoff), retries - self.plateau)
-        return min(self.rto * (2 ** min(doublings, 40)), self.maximum)
 
 
 @dataclass(frozen=True)
@@ -339,9 +285,8 @@ class Transport:
         self.stats = TransportStats()
         #: Congestion window (packets outstanding), kept across exchanges; fixed at S without control.
         self.congestion_control = congestion_control
-        self.window = float(self.slot_count)
-        self.stats.smallest_window = self.window
-        self._last_decrease = -math.inf
+        self.cwnd = CongestionWindow(self.slot_count, congestion_control)
+        self.stats.smallest_window = self.cwnd.value
         # One preallocated packet per slot; row s is always slot s.
         self.packets = np.zeros(self.slot_count, packet_dtype(self.k))
         hdr = self.packets["hdr"]
@@ -429,8 +374,8 @@ class Transport:
     # -- public ------------------------------------------------------------
     def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None, *, flags: np.ndarray | None = None,
                  tag: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Aggregate ``blocks`` ((n, k) float32, k = ``self.k``) with the job: returns (sums (n, k) '>i4', exponents int8, round
-        flags uint8), per block; :func:`quantization.dequantize` with ``flags=`` decodes them.
+        """Aggregate ``blocks`` ((n, k) float32, k = ``self.k``) with the job: returns (sums (n, k) '>i4',
+        exponents int8, round flags uint8), per block; :func:`quantization.dequantize` with ``flags=`` decodes them.
 
         ``exponents`` and ``flags`` are this worker's :func:`quantization.inspect` of ``blocks`` (computed here
         when either is not given: exponents alone do not say whether the blocks are finite). Blocks holding NaN
@@ -698,22 +643,33 @@ class Transport:
             count += 1
         return count
 
+    @property
+    def window(self) -> float:
+        """Packets this transport keeps outstanding at most (``cwnd``; its slots without congestion control)."""
+        return self.cwnd.value
+
+    @window.setter
+    def window(self, value: float) -> None:
+        self.cwnd.value = float(value)
+
     def on_results(self, count: int) -> None:
         """Additive increase: one packet per window of accepted results, up to S."""
-        if self.congestion_control and self.window < self.slot_count:
-            self.window = min(self.window + count / self.window, float(self.slot_count))
+        self.cwnd.on_results(count)
 
     def on_timeout(self, now: float) -> None:
         """Multiplicative decrease, at most once per smoothed round trip (one loss event)."""
-        if not self.congestion_control:
-            return
-        srtt = self.rto.srtt if self.rto.srtt is not None else self.rto.rto
-        if now - self._last_decrease < srtt:
-            return
-        self._last_decrease = now
-        self.window = max(1.0, self.window / 2)
-        self.stats.window_decreases += 1
-        self.stats.smallest_window = min(self.stats.smallest_window, self.window)
+        if self.cwnd.on_timeout(now, self.rto.srtt if self.rto.srtt is not None else self.rto.rto):
+            self.stats.window_decreases = self.cwnd.stats.decreases
+            self.stats.smallest_window = min(self.stats.smallest_window, self.cwnd.value)
+
+    def on_resends_answered(self, spurious: int, confirmed: int) -> None:
+        """Results for resent packets: ``spurious`` answered their originals (undo the cut their timeouts made,
+        unless another was a loss), ``confirmed`` may have answered the resends (the cut stands)."""
+        self.stats.spurious_timeouts += spurious
+        if confirmed:
+            self.cwnd.on_loss_confirmed()
+        elif spurious and self.cwnd.on_spurious():
+            self.stats.window_undos = self.cwnd.stats.undone
 
 
 class Exchange:
@@ -756,6 +712,8 @@ class Exchange:
         self.expect = np.full(used, -1, np.int64)
         self.sent_at = np.zeros(used)
         self.retries = np.zeros(used, np.int32)
+        #: When each slot's outstanding packet was last resent (0: not resent): tells a spurious timeout.
+        self.resent_at = np.zeros(used)
         #: Retransmission timers: (deadline, id, slots, their expected keys when armed).
         self.timers: list[tuple[float, int, np.ndarray, np.ndarray]] = []
         self._timer_id = 0
@@ -901,6 +859,7 @@ class Exchange:
             by_retries.setdefault(count, []).append(i)
         t.raw[slots, layout.FLAGS_AT] |= wire.FLAG_RETRANSMIT  # cleared when the row is next filled
         errors = t.transmit(slots)
+        self.resent_at[slots] = now
         t.stats.packets_sent += slots.shape[0] - errors
         t.stats.socket_errors += errors
         t.stats.retransmissions += slots.shape[0]
@@ -991,6 +950,9 @@ class Exchange:
                 if n_acc:
                     accepted += n_acc
                     self.remaining -= done
+                    resent = self.resent_at[acc_slots[:n_acc]]
+                    if resent.any():
+                        self._judge_resends(acc_slots[:n_acc], resent)
                     in_flight = self.in_flight
                     for slot in acc_slots[:n_acc].tolist():
                         del in_flight[slot]
@@ -1022,6 +984,21 @@ class Exchange:
         t.seq = (seq0 + nb) & SEQ_MASK
         t.probe_seq = (self.probe0 + self.used_slots) & SEQ_MASK
         stats.blocks += nb
+
+    def _judge_resends(self, slots: np.ndarray, resent: np.ndarray) -> None:
+        """Accepted results of ``slots`` whose packets were resent at ``resent`` (0: not resent): those back sooner
+        than the path's shortest round trip answer the originals (the timeout was spurious: the originals' round
+        trips are samples); the others may answer the resends (hoststack/congestion.py)."""
+        t = self.transport
+        now = time.monotonic()
+        was = resent > 0
+        slots = slots[was]
+        self.resent_at[slots] = 0.0
+        spurious = t.rto.spurious(now - resent[was])
+        n = int(spurious.sum())
+        if n:
+            t.rto.sample_all(now - self.sent_at[slots[spurious]])
+        t.on_resends_answered(n, slots.shape[0] - n)
 
     def _out_of_step(self) -> None:
         t = self.transport

@@ -17,8 +17,8 @@ from netagg import layout, wire
 from netagg.hoststack.codec_kernels import quantize_row
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK
 
-wire.check_compiled_layout(__name__, "v3 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,exponent:8s,width:8,"
-                                     "round:16,seq:32,members:32,exchange:32")  # see check_compiled_layout
+wire.check_compiled_layout(__name__, "v3 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,"
+                                     "exponent:8s,width:8,round:16,seq:32,members:32,exchange:32")
 
 _HEADER = wire.HEADER_BYTES
 _VERSION = wire.VERSION

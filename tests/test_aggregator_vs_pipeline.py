@@ -5,8 +5,9 @@ Both get the same contributions (the aggregator the UDP payloads, the model whol
 ports) over random sequences: loss, duplicates, retransmissions before and after completion, delayed copies
 of earlier rounds, reordering across rounds and slots, both pools, round numbers wrapping past 0xFFFF, subset
 rounds (with outsiders and packets that disagree on the members), more senders than the job's worker count
-(late contributions), packets of the other width and refused packets; for narrow and wide jobs. Every packet must leave both with the same result datagrams to the
-same destinations; at the end the job's counters, the drops by reason and the slot registers must agree.
+(late contributions), packets of the other width and refused packets; for narrow and wide jobs. Every packet
+must leave both with the same result datagrams to the same destinations; at the end the job's counters, the drops
+by reason and the slot registers must agree.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ SWITCH_MAC = bytes.fromhex("0200000000fe")
 STRANGER = ("10.0.9.9", 999)
 _IPV4_DONT_FRAGMENT = 0x4000
 #: Drops counted in the job's rejects too: those of WorkerLookup and the registers (not of the checks before).
-_JOB_REJECTS = (DropReason.UNKNOWN_WORKER, DropReason.WRONG_WIDTH, DropReason.SLOT_OUT_OF_RANGE, DropReason.BAD_POOL, DropReason.RANK_MISMATCH,
-                DropReason.NOT_A_MEMBER, DropReason.MEMBERS_MISMATCH, DropReason.EXCHANGE_MISMATCH)
+_JOB_REJECTS = (DropReason.UNKNOWN_WORKER, DropReason.WRONG_WIDTH, DropReason.SLOT_OUT_OF_RANGE, DropReason.BAD_POOL,
+                DropReason.RANK_MISMATCH, DropReason.NOT_A_MEMBER, DropReason.MEMBERS_MISMATCH,
+                DropReason.EXCHANGE_MISMATCH)
 
 
 def _address(rank: int) -> tuple[str, int]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from netagg import layout, mmsg, wire
+from netagg.hoststack import congestion
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport as tr
 from netagg.hoststack import transport_reference as reference
@@ -27,7 +28,7 @@ from netagg.hoststack.testing import (
     run_workers,
     through_relay,
 )
-from netagg.hoststack.transport import RtoEstimator, Transport, TransportTimeout
+from netagg.hoststack.transport import Transport, TransportTimeout
 from netagg.jobconfig import Endpoint
 from netagg.localports import free_ports
 
@@ -311,24 +312,6 @@ def test_a_global_exponent_below_the_local_one_writes_nothing():
             np.testing.assert_array_equal(before, after)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_rto_batch_update_equals_one_sample_at_a_time(seed, monkeypatch):
-    rng = np.random.default_rng(seed)
-    rtts = rng.exponential(0.001, int(rng.integers(0, 60))) * rng.choice([1, 1, 50], 1)
-    one = RtoEstimator(initial=0.05)
-    for rtt in rtts.tolist():
-        one.sample(rtt)
-    batched = RtoEstimator(initial=0.05)
-    for part in np.array_split(rtts, 3):
-        batched.sample_all(part)
-    monkeypatch.setattr(tr, "kernels", None)
-    reference = RtoEstimator(initial=0.05)
-    for part in np.array_split(rtts, 3):
-        reference.sample_all(part)
-    for est in (batched, reference):
-        assert (est.srtt, est.rttvar, est.rto) == (one.srtt, one.rttvar, one.rto)
-
-
 @pytest.fixture(params=["compiled+mmsg", "numpy+mmsg", "compiled+per-packet", "numpy+per-packet"])
 def path(request, monkeypatch):
     """Every combination of batch processor (numba or numpy) and socket calls (batched or one per packet)."""
@@ -337,6 +320,7 @@ def path(request, monkeypatch):
         pytest.skip("numba is not installed")
     if processor == "numpy":
         monkeypatch.setattr(tr, "kernels", None)
+        monkeypatch.setattr(congestion, "kernels", None)
     if io == "per-packet":
         monkeypatch.setattr(mmsg, "AVAILABLE", False)
     elif not mmsg.AVAILABLE:
