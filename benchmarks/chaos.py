@@ -205,7 +205,7 @@ class AllreduceTraffic:
         self._go = not self.stop.is_set()
         if self._go:
             self._inputs = round_inputs(self.seed, self.rounds)
-            self._expected = expected_allreduce(self._inputs)[0]
+            self._expected = expected_allreduce(self._inputs, k=self.configs[0].width)[0]
             self.rounds += 1
 
     def _work(self, rank: int) -> None:
