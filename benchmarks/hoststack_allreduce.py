@@ -1,15 +1,18 @@
 """Allreduce goodput of the host stack, in one run.
 
 ``python -m benchmarks.hoststack_allreduce one-worker`` (issue 10, item 4's host-stack
-figure): one worker of a 1-worker job allreduces a float32 tensor (``KVWorker.allreduce``)
+figure): one worker of a 1-worker job, at each packet width (``--widths``, 64 and 256 values),
+allreduces a float32 tensor (``KVWorker.allreduce``)
 through (a) the native ``--netagg`` reflector of ``benchmarks/limit_probe.py``, a zero-cost
 1-worker aggregator (with ``--gro``: it answers each segmented send with one, as the switch
 does; and per datagram), and (b) the software switch (``LoopbackSwitch``, in this process; the
 worker then runs as its own process, ``benchmarks.allreduce_worker``). It prints goodput
-(tensor MB/s), data packets/s and their ratio to the probe's client round trips/s with
-the same datagrams, one per message and with UDP GSO/GRO (``udp_round_trips``, measured
-before and after in the same run), then where one allreduce's time goes per packet (a cProfile of the exchange, which
-inflates the Python share, and the codec steps around it timed alone).
+(tensor MB/s), the same per core the worker used while timed (its CPU share), data packets/s
+and their ratio to the probe's client round trips/s with narrow datagrams, one per message and
+with UDP GSO/GRO (``udp_round_trips``, measured before and after in the same run), the cores
+one worker needs per width to fill 10 and 100 Gbit/s, then where one allreduce's time goes per
+packet (a cProfile of the exchange, which inflates the Python share, and the codec steps around
+it timed alone).
 
 ``python -m benchmarks.hoststack_allreduce [switch]``: 4 worker processes through the
 software target as a separate process, goodput per worker next to what the switch's
@@ -57,8 +60,9 @@ def _probe(windows: list[int], seconds: float, gso: bool = False) -> dict[int, f
 
 
 def _time_in_process(config: WorkerConfig, data: np.ndarray, iterations: int) -> tuple[list[float], str, dict]:
-    times, result, stats, _ = time_allreduce(config, data, iterations)
-    return times, _digest(result), {"retransmissions": stats.retransmissions, "smallest_window": stats.smallest_window}
+    times, result, stats, share = time_allreduce(config, data, iterations)
+    return times, _digest(result), {"retransmissions": stats.retransmissions, "smallest_window": stats.smallest_window,
+                                    "cpu_share": share}
 
 
 def _time_in_worker_process(config: WorkerConfig, size: int, iterations: int, workdir: Path) -> tuple[list[float],
@@ -72,7 +76,8 @@ def _time_in_worker_process(config: WorkerConfig, size: int, iterations: int, wo
         raise RuntimeError(out.stderr[-2000:])
     result = json.loads(out.stdout.strip().splitlines()[-1])
     return result["all_seconds"], result["digest"], {"retransmissions": result["retransmissions"],
-                                                     "smallest_window": result["smallest_window"]}
+                                                     "smallest_window": result["smallest_window"],
+                                                     "cpu_share": result.get("timed_cpu_share", 0.0)}
 
 
 _SEND = {"send_prepared", "send", "_send_plain", "<method 'send' of '_socket.socket' objects>",
@@ -127,60 +132,71 @@ def one_worker(args: argparse.Namespace) -> int:
     from benchmarks.limit_probe import netagg_reflector
 
     size = int(args.megabytes * 1e6 / 4)
-    packets = -(-size // wire.K)
     data = tensor_for(0, size)
-    want = _digest(expected_allreduce([data])[0])
+    want = {k: _digest(expected_allreduce([data], k=k)[0]) for k in args.widths}
+    widest = max(args.widths)
+    packets = -(-size // widest)
     windows = sorted({64, *args.slots})
     before = _probe(windows, args.probe_seconds)
     before_gso = _probe(windows, args.probe_seconds, gso=True)
-    rows: list[tuple[str, int, list[float], bool, dict]] = []
+    rows: list[tuple[str, int, int, list[float], bool, dict]] = []
     thread_rows: list[tuple[int, list[float], bool, dict]] = []
+
+    def config(host: str, port: int, slots: int, k: int, threads: int = 1) -> WorkerConfig:
+        return WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=slots, mode="allreduce",
+                            aggregator=Endpoint(host, port), bind=Endpoint("127.0.0.1", 0), width=k, threads=threads)
+
     with tempfile.TemporaryDirectory(prefix="netagg-goodput-") as tmp:
         with netagg_reflector(gro=True) as (host, port):
-            for slots in args.slots:
-                config = WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=slots, mode="allreduce",
-                                      aggregator=Endpoint(host, port), bind=Endpoint("127.0.0.1", 0))
-                times, digest, extra = _time_in_process(config, data, args.iterations)
-                rows.append(("native reflector, GSO/GRO", slots, times, digest == want, extra))
+            for k in args.widths:
+                for slots in args.slots:
+                    times, digest, extra = _time_in_process(config(host, port, slots, k), data, args.iterations)
+                    rows.append(("native reflector, GSO/GRO", k, slots, times, digest == want[k], extra))
             thread_slots = max(args.slots)
             for threads in args.threads:  # the thread scan (hoststack/threads.py): same slots, T threads
-                config = WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=thread_slots, mode="allreduce",
-                                      aggregator=Endpoint(host, port), bind=Endpoint("127.0.0.1", 0),
-                                      threads=threads)
-                times, digest, extra = _time_in_process(config, data, args.iterations)
-                thread_rows.append((threads, times, digest == want, extra))
-            split_config = WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=args.slots[0],
-                                        mode="allreduce", aggregator=Endpoint(host, port),
-                                        bind=Endpoint("127.0.0.1", 0))
-            split = time_split(split_config, data)
+                times, digest, extra = _time_in_process(config(host, port, thread_slots, widest, threads), data,
+                                                        args.iterations)
+                thread_rows.append((threads, times, digest == want[widest], extra))
+            split = time_split(config(host, port, args.slots[0], widest), data)
         with netagg_reflector() as (host, port):
-            for slots in args.slots:
-                config = WorkerConfig(job_id=1, rank=0, num_workers=1, slot_count=slots, mode="allreduce",
-                                      aggregator=Endpoint(host, port), bind=Endpoint("127.0.0.1", 0))
-                times, digest, extra = _time_in_process(config, data, args.iterations)
-                rows.append(("native reflector, per datagram", slots, times, digest == want, extra))
+            for k in args.widths:
+                for slots in args.slots:
+                    times, digest, extra = _time_in_process(config(host, port, slots, k), data, args.iterations)
+                    rows.append(("native reflector, per datagram", k, slots, times, digest == want[k], extra))
         if not args.no_switch:
-            rows += _through_software_switch(args.slots, size, args.iterations, want, Path(tmp))
+            for k in args.widths:
+                rows += _through_software_switch(args.slots, size, args.iterations, want[k], Path(tmp), k)
     after = _probe(windows, args.probe_seconds)
     after_gso = _probe(windows, args.probe_seconds, gso=True)
     probe = {w: (before[w] + after[w]) / 2 for w in windows}
     probe_gso = {w: (before_gso[w] + after_gso[w]) / 2 for w in windows}
-    print(f"1 worker, {args.megabytes} MB float32 tensor ({packets} data packets of {wire.NETAGG_BYTES} bytes), "
-          f"median of {args.iterations} allreduces after a warm-up")
+    print(f"1 worker, {args.megabytes} MB float32 tensor (" + ", ".join(
+        f"{-(-size // k)} data packets of {wire.netagg_bytes(k)} bytes" for k in args.widths)
+        + f"), median of {args.iterations} allreduces after a warm-up")
     for window in windows:
         print(f"  probe (native UDP client, {wire.NETAGG_BYTES}-byte datagrams, window {window}): per datagram "
               f"{probe[window]:,.0f} round trips/s (before {before[window]:,.0f}, after {after[window]:,.0f}); "
               f"GSO/GRO {probe_gso[window]:,.0f} (before {before_gso[window]:,.0f}, after {after_gso[window]:,.0f})")
-    print(f"  {'aggregator':<32}{'slots':>6}{'MB/s':>8}{'packets/s':>11}{'/probe64':>10}{'/probe(slots)':>15}"
-          f"{'/gso-probe(slots)':>19}{'exact':>7}{'resent':>8}")
-    for name, slots, times, exact, extra in rows:
+    print(f"  {'aggregator':<32}{'k':>4}{'slots':>6}{'MB/s':>8}{'cpu':>6}{'MB/s/core':>10}{'packets/s':>11}"
+          f"{'/probe64':>10}{'/gso-probe(slots)':>19}{'exact':>7}{'resent':>8}")
+    per_core: dict[int, float] = {}
+    for name, k, slots, times, exact, extra in rows:
         if not times:
-            print(f"  {name:<32}{slots:>6}  unavailable: {extra.get('error', '?')}")
+            print(f"  {name:<32}{k:>4}{slots:>6}  unavailable: {extra.get('error', '?')}")
             continue
         seconds = statistics.median(times)
-        pps = packets / seconds
-        print(f"  {name:<32}{slots:>6}{args.megabytes / seconds:>8.1f}{pps:>11,.0f}{pps / probe[64]:>10.2f}"
-              f"{pps / probe[slots]:>15.2f}{pps / probe_gso[slots]:>19.2f}{exact!s:>7}{extra['retransmissions']:>8}")
+        pps = -(-size // k) / seconds
+        share = extra.get("cpu_share", 0.0)
+        core = args.megabytes / seconds / share if share else 0.0
+        if name.startswith("native reflector, GSO"):
+            per_core[k] = max(per_core.get(k, 0.0), core)
+        print(f"  {name:<32}{k:>4}{slots:>6}{args.megabytes / seconds:>8.1f}{share:>6.0%}{core:>10.1f}{pps:>11,.0f}"
+              f"{pps / probe[64]:>10.2f}{pps / probe_gso[slots]:>19.2f}{exact!s:>7}{extra['retransmissions']:>8}")
+    for k, mb_per_core in sorted(per_core.items()):  # cores one worker needs to fill a link of that rate
+        if mb_per_core:
+            need = {gbit: gbit * 1e9 / 8 * wire.payload_efficiency(k=k) / (mb_per_core * 1e6) for gbit in (10, 100)}
+            print(f"  width {k}: {mb_per_core:.1f} MB/s of gradients per core -> cores per worker to fill "
+                  f"10 Gbit/s: {need[10]:.1f}, 100 Gbit/s: {need[100]:.1f}")
     if thread_rows:
         one = None
         cpus = len(os.sched_getaffinity(0))
@@ -206,7 +222,7 @@ def one_worker(args: argparse.Namespace) -> int:
 
 
 def _through_software_switch(slot_list: list[int], size: int, iterations: int, want: str,
-                             workdir: Path) -> list[tuple[str, int, list[float], bool, dict]]:
+                             workdir: Path, k: int) -> list[tuple[str, int, int, list[float], bool, dict]]:
     rows = []
     try:
         from netagg.softswitch.testing import LoopbackSwitch
@@ -214,11 +230,11 @@ def _through_software_switch(slot_list: list[int], size: int, iterations: int, w
         with LoopbackSwitch() as switch:
             engine = type(switch.target.switch).__name__
             for slots in slot_list:
-                config = switch.add_job(1, slot_count=slots)[0]
+                config = switch.add_job(1, slot_count=slots, width=k)[0]
                 times, digest, extra = _time_in_worker_process(config, size, iterations, workdir)
-                rows.append((f"software switch ({engine})", slots, times, digest == want, extra))
+                rows.append((f"software switch ({engine})", k, slots, times, digest == want, extra))
     except Exception as err:  # the software switch is optional here; report why it did not run
-        rows.append(("software switch", slot_list[0], [], False, {"error": f"{type(err).__name__}: {err}"}))
+        rows.append(("software switch", k, slot_list[0], [], False, {"error": f"{type(err).__name__}: {err}"}))
     return rows
 
 
@@ -275,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=None, help="default: one-worker 5, switch 3")
     parser.add_argument("--probe-seconds", type=float, default=2.0)
     parser.add_argument("--no-switch", action="store_true", help="one-worker: skip the software switch")
+    parser.add_argument("--widths", type=int, nargs="+", choices=sorted(wire.WIDTH_CODES),
+                        default=sorted(wire.WIDTH_CODES), help="one-worker: the packet widths to measure")
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2],
                         help="one-worker: the thread scan, threads per worker (each needs 64 of the largest --slots)")
     args = parser.parse_args(argv)
