@@ -75,9 +75,11 @@ def _deployment(workdir: Path, target: str, num_workers: int, racks: int = 1) ->
     return EmulatedCluster(workdir, ClusterSpec.load(num_workers=num_workers, target=target, rate_mbit=None))
 
 
-def run_demo(workdir: Path, num_workers: int = 4, steps: int = 150, slots: int = 16, mode: str = "allreduce",
-             report_every: int = 10, quiet: bool = False, target: str = "soft", racks: int = 1) -> DemoResult:
-    """The whole demo; raises DeploymentError when a process fails. ``racks`` > 1: over a tree of switches."""
+def run_demo(workdir: Path, num_workers: int = 4, steps: int = 150, slots: int | None = None,
+             mode: str = "allreduce", report_every: int = 10, quiet: bool = False, target: str = "soft",
+             racks: int = 1) -> DemoResult:
+    """The whole demo; raises DeploymentError when a process fails. ``racks`` > 1: over a tree of switches.
+    ``slots``: the job's (None: the controller chooses them from the hosts' links)."""
     result = DemoResult(steps=steps)
     started = time.monotonic()
     say = (lambda *_: None) if quiet else print
@@ -87,8 +89,10 @@ def run_demo(workdir: Path, num_workers: int = 4, steps: int = 150, slots: int =
         result.job = created["job"]
         job_id = result.job["job_id"]
         width = int(result.job.get("width", wire.K))
-        say(f"job {job_id}: {num_workers} workers, mode {result.job['mode']}, slots {result.job['slots']} of "
-            f"{width} values (admission {created['admission']})")
+        chosen_by = result.job.get("slots_chosen_by", "asked")
+        how = "asked" if chosen_by == "asked" else f"chosen by the controller: {chosen_by}"
+        say(f"job {job_id}: {num_workers} workers, mode {result.job['mode']}, {result.job['slot_count']} slots "
+            f"of {width} values ({how}; admission {created['admission']})")
         if result.job["mode"] in ("ps", "fallback"):
             deployment.start_ps(created["config_paths"][0], deployment.ps_host,
                                 handle="sgd" if result.job["mode"] == "ps" else "sum", lr=LEARNING_RATE)
@@ -127,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--mode", choices=("allreduce", "ps"), default="allreduce")
-    parser.add_argument("--slots", type=int, default=16, help="slots asked for the job (packets in flight per worker)")
+    parser.add_argument("--slots", type=int,
+                        help="slots asked for the job (packets in flight per worker); default: the controller "
+                             "chooses them from the hosts' links (docs/controller.md)")
     parser.add_argument("--tolerance", type=float, default=0.02,
                         help="largest allowed drop in test accuracy vs the float32 reference (default 0.02)")
     parser.add_argument("--workdir", type=Path, help="keep logs and configs here (default: a temporary folder)")

@@ -63,6 +63,8 @@ class Measurement:
     timed_worker_cpu_share: float = 0.0
     #: Values per packet of the job (netagg and fallback kinds; 0 for gloo).
     width: int = 0
+    #: The slots the job got (netagg kinds: the controller's choice unless --slots; 0 for gloo and fallback).
+    slots: int = 0
 
 
 def torch_available() -> bool:
@@ -107,20 +109,22 @@ class RunningKind:
     started: float
     switch_cpu_before: float
     width: int = 0
+    slots: int = 0
 
 
 def start_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, iterations: int,
-               slots: int = 16, port_offset: int = 0, start_at: float | None = None,
+               slots: int | None = None, port_offset: int = 0, start_at: float | None = None,
                width: int | None = None) -> RunningKind:
     """Create the job (netagg/fallback kinds) and start one worker process per host; see finish_kind.
 
+    ``slots``: the job's (None: the controller chooses them from the hosts' links, docs/controller.md).
     ``start_at`` (a ``time.time()`` value): the workers wait until then before their first allreduce.
     ``width``: values per packet (None: the controller's default for the switch's target).
     """
     hosts = cluster.worker_hosts[:num_workers]
     job_id = None
     ps = None
-    job_width = 0
+    job_width = job_slots = 0
     if kind == "gloo":
         master = f"{cluster.ip_of(hosts[0])}:{GLOO_PORT}"
         # Gloo must bind to the host's link, not to whatever the hostname resolves to.
@@ -132,6 +136,7 @@ def start_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int,
                                      port_offset=port_offset, options=("--width", str(width)) if width else ())
         job_id = created["job"]["job_id"]
         job_width = int(created["job"].get("width", wire.K))
+        job_slots = int(created["job"]["slot_count"])
         if created["job"]["mode"] != mode:
             cluster.cli("job", "delete", str(job_id))
             raise RuntimeError(f"asked for {mode}, admitted as {created['job']['mode']}: {created['reason']}")
@@ -145,7 +150,7 @@ def start_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int,
     procs = [subprocess.Popen(cluster.host_command(host, [*cmd, "--size", str(size), *timing]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=dp.REPO_ROOT)
              for host, cmd in zip(hosts, commands)]
-    return RunningKind(kind, num_workers, size, procs, job_id, ps, started, switch_cpu_before, job_width)
+    return RunningKind(kind, num_workers, size, procs, job_id, ps, started, switch_cpu_before, job_width, job_slots)
 
 
 def finish_kind(cluster: EmulatedCluster, run: RunningKind) -> Measurement:
@@ -176,11 +181,12 @@ def finish_kind(cluster: EmulatedCluster, run: RunningKind) -> Measurement:
         retransmissions=sum(r.get("retransmissions", 0) for r in results),
         packets_sent=sum(r.get("packets_sent", 0) for r in results),
         timed_worker_cpu_share=max(r.get("timed_cpu_share", 0.0) for r in results), width=run.width,
+        slots=run.slots,
     )
 
 
 def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, iterations: int,
-             slots: int = 16, width: int | None = None) -> Measurement:
+             slots: int | None = None, width: int | None = None) -> Measurement:
     """One allreduce measurement of ``kind`` on the first ``num_workers`` hosts."""
     return finish_kind(cluster, start_kind(cluster, kind, num_workers, size, iterations, slots, width=width))
 
@@ -198,10 +204,11 @@ def cpu_hog(processes: int) -> Iterator[None]:
 
 
 def _table(rows: list[Measurement]) -> str:
-    lines = [f"{'kind':<14} {'N':>2} {'k':>3} {'MB':>7} {'seconds':>9} {'bound':>8} {'x bound':>8} {'identical':>9} "
-             f"{'worker cpu':>10} {'timed':>6} {'switch cpu':>10} {'retx':>6} {'retx %':>6}"]
+    lines = [f"{'kind':<14} {'N':>2} {'k':>3} {'slots':>5} {'MB':>7} {'seconds':>9} {'bound':>8} {'x bound':>8} "
+             f"{'identical':>9} {'worker cpu':>10} {'timed':>6} {'switch cpu':>10} {'retx':>6} {'retx %':>6}"]
     for m in rows:
-        lines.append(f"{m.kind:<14} {m.workers:>2} {m.width or '-':>3} {m.megabytes:>7.2f} {m.seconds:>9.3f} "
+        lines.append(f"{m.kind:<14} {m.workers:>2} {m.width or '-':>3} {m.slots or '-':>5} {m.megabytes:>7.2f} "
+                     f"{m.seconds:>9.3f} "
                      f"{m.bound_seconds:>8.3f} "
                      f"{m.ratio_to_bound:>8.2f} {m.identical_on_all_workers!s:>9} {m.worker_cpu_share:>10.0%} "
                      f"{m.timed_worker_cpu_share:>6.0%} "
@@ -259,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", choices=KINDS + FIXED_WINDOW_KINDS, default=list(KINDS),
                         help="what to measure; the -fixed kinds run without congestion control")
     parser.add_argument("--iterations", type=int, default=2)
-    parser.add_argument("--slots", type=int, default=16,
-                        help="slots per job = packets in flight per worker; a few times the links' "
-                             "bandwidth-delay product in packets (default 16)")
+    parser.add_argument("--slots", type=int,
+                        help="slots per job = packets in flight per worker (default: the controller chooses them "
+                             "from the links' rate and slots.target_rtt_ms; each job's count is printed)")
     parser.add_argument("--width", type=int, choices=sorted(wire.WIDTH_CODES),
                         help="values per packet of the jobs (default: the controller's for the switch's target)")
     parser.add_argument("--rate-mbit", type=float, help="override configs/cluster.yaml's link rate")
@@ -284,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Measurement] = []
     print(f"emulated cluster: {spec.num_workers} worker hosts + 1 PS host, {spec.target} switch, "
           f"{spec.rate_mbit} Mbit/s and {spec.delay_ms} ms per link, MTU {spec.mtu}; machine: {os.cpu_count()} cores")
+    print(f"slots per job: {args.slots} (--slots)" if args.slots else
+          "slots per job: the controller's choice for the links (column slots; docs/controller.md)")
     if args.cpu_hog:
         print(f"CPU hog: {args.cpu_hog} spinning process(es) beside the cluster")
     with tempfile.TemporaryDirectory(prefix="netagg-bench-") as tmp, EmulatedCluster(Path(tmp), spec) as cluster, \

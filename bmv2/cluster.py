@@ -43,6 +43,9 @@ class ClusterSpec:
     slots: int = 1024
     #: TCP congestion control in the hosts (None: the machine's default; see configs/cluster.yaml).
     tcp_congestion: str | None = None
+    #: The controller's ``slots.target_rtt_ms`` (None: its default): the round trip the slots of a job created
+    #: without ``--slots`` cover on the hosts' links (``rate_mbit``, written as each host's ``link_mbit``).
+    target_rtt_ms: float | None = None
 
     @classmethod
     def load(cls, path: Path = CLUSTER_CONFIG, **overrides: object) -> ClusterSpec:
@@ -88,10 +91,14 @@ class EmulatedCluster(Deployment):
         self.switch = start_target(self.spec.target, self.topology.switch_interfaces(), self.workdir / "switch.log",
                                    grpc_address=f"unix:{self.workdir}/p4runtime.sock",
                                    namespace=self.topology.switch_namespace)
-        hosts = [{"name": h.name, "ip": h.ip, "mac": h.mac, "port": h.switch_port} for h in self.topology.hosts]
+        # Each host's link rate (the tc shaping of its link): the controller sizes the slots of a job created
+        # without --slots to it (docs/controller.md).
+        rate = {} if self.spec.rate_mbit is None else {"link_mbit": self.spec.rate_mbit}
+        hosts = [{"name": h.name, "ip": h.ip, "mac": h.mac, "port": h.switch_port, **rate}
+                 for h in self.topology.hosts]
         self.start_controller(self.controller_config(
             self.switch.grpc_address, self.topology.aggregator_ip, wire.NETAGG_UDP_PORT, hosts, self.ps_host,
-            PS_PORT, self.spec.slots, bmv2_json))
+            PS_PORT, self.spec.slots, bmv2_json, target_rtt_ms=self.spec.target_rtt_ms))
 
     def stop(self) -> None:
         try:
@@ -127,6 +134,7 @@ class EmulatedTreeCluster(Deployment):
 
         super().__init__(workdir)
         self.slots = slots
+        self.host_links = host_links
         self.tree = EmulatedTree(workdir, racks_topology(racks, workers_per_rack, ps_host=True),
                                  prefix or f"nt{os.getpid() % 10000}", target=target, link_shape=uplink,
                                  host_shape=host_links, programmed=False)
@@ -147,7 +155,11 @@ class EmulatedTreeCluster(Deployment):
     def _start(self) -> None:
         self.tree.__enter__()
         topology = self.workdir / "topology.yaml"
-        topology.write_text(yaml.safe_dump(self.tree.topology_data(), sort_keys=False))
+        data = self.tree.topology_data()
+        if self.host_links is not None and self.host_links.rate_mbit is not None:  # the hosts' shaped links
+            for host in data["hosts"]:
+                host["link_mbit"] = self.host_links.rate_mbit
+        topology.write_text(yaml.safe_dump(data, sort_keys=False))
         self.start_controller(self.topology_controller_config(topology, self.ps_host, PS_PORT, self.slots))
 
     def stop(self) -> None:

@@ -70,12 +70,16 @@ class Deployment:
         raise NotImplementedError
 
     def controller_config(self, grpc_address: str, aggregator_ip: str, aggregator_port: int, hosts: list[dict],
-                          ps_host: str, ps_port: int, capacity: int, bmv2_json: Path | None = None) -> dict:
+                          ps_host: str, ps_port: int, capacity: int, bmv2_json: Path | None = None,
+                          target_rtt_ms: float | None = None) -> dict:
+        """The controller's configuration for one switch; ``hosts`` as its ``hosts:`` entries (with ``link_mbit``
+        where the link's rate is known), ``target_rtt_ms`` its ``slots.target_rtt_ms`` (None: the default)."""
         switch = {"grpc_address": grpc_address, "p4info": str(dp.P4INFO_PATH),
                   "aggregator": {"ip": aggregator_ip, "udp_port": aggregator_port}}
         if bmv2_json is not None:
             switch["bmv2_json"] = str(bmv2_json)
-        return {"switch": switch, **self._controller_common(ps_host, ps_port, capacity), "hosts": hosts}
+        return {"switch": switch, **self._controller_common(ps_host, ps_port, capacity, target_rtt_ms),
+                "hosts": hosts}
 
     def topology_controller_config(self, topology: Path, ps_host: str, ps_port: int, capacity: int) -> dict:
         """The controller's configuration for a tree of switches: the topology file names the switches and the
@@ -83,9 +87,11 @@ class Deployment:
         return {"topology": str(topology), "switch": {"p4info": str(dp.P4INFO_PATH)},
                 **self._controller_common(ps_host, ps_port, capacity)}
 
-    def _controller_common(self, ps_host: str, ps_port: int, capacity: int) -> dict:
+    def _controller_common(self, ps_host: str, ps_port: int, capacity: int,
+                           target_rtt_ms: float | None = None) -> dict:
+        rtt = {} if target_rtt_ms is None else {"target_rtt_ms": target_rtt_ms}
         return {
-            "slots": {"capacity": capacity, "min_per_job": 4},
+            "slots": {"capacity": capacity, "min_per_job": 4, **rtt},
             "controller": {"database": str(self.workdir / "controller.db"),
                            "api_socket": str(self.workdir / "controller.sock"), "admin_token": ADMIN_TOKEN},
             "tenants": {"demo": {"token": TENANT_TOKEN}},
@@ -161,14 +167,16 @@ class Deployment:
             raise DeploymentError(f"netagg {' '.join(args)} exited {result.returncode}: {result.stderr.strip()}")
         return result.stdout
 
-    def create_job(self, hosts: Sequence[str], slots: int, mode: str = "allreduce", name: str = "demo",
+    def create_job(self, hosts: Sequence[str], slots: int | None, mode: str = "allreduce", name: str = "demo",
                    port_offset: int = 0, options: Sequence[str] = (), ps: str | None = "ps0") -> dict:
-        """``netagg job create`` for one worker per entry of ``hosts`` (configured host names), with the PS
-        ``ps`` (the deployment's; None: none) and ``options`` (more ``job create`` flags); writes every rank's
-        YAML. Jobs sharing hosts need different ``port_offset``s."""
+        """``netagg job create`` for one worker per entry of ``hosts`` (configured host names), of ``slots`` slots
+        (None: the controller chooses them from the hosts' links), with the PS ``ps`` (the deployment's; None:
+        none) and ``options`` (more ``job create`` flags); writes every rank's YAML. Jobs sharing hosts need
+        different ``port_offset``s."""
         num_workers = len(hosts)
         ports = self.worker_ports(hosts, port_offset)
-        created = json.loads(self.cli("--json", "job", "create", "--name", name, "--slots", str(slots),
+        created = json.loads(self.cli("--json", "job", "create", "--name", name,
+                                      *(() if slots is None else ("--slots", str(slots))),
                                       "--mode", mode, *(("--ps", ps) if ps else ()),
                                       "--workers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports)), *options))
         job_id = created["job"]["job_id"]

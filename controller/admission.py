@@ -18,6 +18,7 @@ from netagg import wire
 from netagg.controller.allocator import SlotAllocator, SlotRange, TreeAllocator, TreeSlots
 from netagg.controller.config import ControllerConfig
 from netagg.controller.errors import ServiceError
+from netagg.controller.sizing import ASKED, SlotChoice, choose_slots
 from netagg.controller.store import PsEndpoint, WorkerEndpoint
 from netagg.jobconfig import SCHEDULES, UPDATE_MODES
 
@@ -50,12 +51,14 @@ class JobRequest:
 
     ``width``: values per packet, 64 or 256 (docs/protocol.md, "Wide packets"); None: the switch target's
     default (``config.default_width``). ``slots`` counts the job's slots of that width: each takes
-    ``wire.cells_of(width)`` cells of switch memory. A distribution job has its job's width.
+    ``wire.cells_of(width)`` cells of switch memory; None: the controller chooses them from the links of
+    the job's hosts (``sizing.choose_slots``; the job's ``slots_chosen_by`` says how). A distribution job
+    has its job's width, and (without ``distribution_slots``) its job's slots.
     """
 
     name: str
     workers: Sequence[str]
-    slots: int
+    slots: int | None = None
     mode: str = "allreduce"
     ps: str | None = None
     lease_seconds: float | None = None
@@ -116,7 +119,8 @@ class JobRequest:
                        "go back to its members)")
         if self.mode in ("ps", "fallback") and ps is None:
             raise _bad(f"mode {self.mode} needs --ps")
-        if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
+        if self.slots is not None and (not isinstance(self.slots, int) or isinstance(self.slots, bool)
+                                       or self.slots < 1):
             raise _bad(f"slots must be >= 1, got {self.slots}")
         width = self._width(config)
         if config.topology is not None:
@@ -126,9 +130,17 @@ class JobRequest:
         lease = config.default_lease_seconds if self.lease_seconds is None else self.lease_seconds
         if lease <= 0:
             raise _bad("lease must be > 0 seconds")
+        if self.slots is None:  # the controller's choice, from the links of the job's hosts
+            hosts = {w.host for w in [*workers, *switch_members]}
+            if self.mode in ("ps", "fallback") and ps is not None:
+                hosts.add(ps.host)
+            choice = choose_slots([config.hosts[h].link_mbit for h in sorted(hosts)], width, config.target_rtt_ms,
+                                  config.min_slots, config.slot_capacity)
+        else:
+            choice = SlotChoice(self.slots, ASKED)
         return ValidJob(self, owner, workers, ps, replicas, distribution,
-                        self.slots if self.distribution_slots is None else self.distribution_slots, lease,
-                        switch_members, width)
+                        choice.slots if self.distribution_slots is None else self.distribution_slots, lease,
+                        switch_members, width, choice.slots, choice.chosen_by)
 
     def _width(self, config: ControllerConfig) -> int:
         """The job's width: asked, or the switch target's default."""
@@ -295,6 +307,10 @@ class ValidJob:
     switch_members: list[WorkerEndpoint] = dataclasses.field(default_factory=list)
     #: Values per packet, the request's or the target's default (its distribution job's too).
     width: int = wire.K
+    #: The job's slots: the request's, or the controller's choice (``sizing.choose_slots``) when it names none;
+    #: and how they were chosen (``asked``, ``link R Mbit/s x T ms`` or ``default ...``).
+    slots: int = 0
+    slots_chosen_by: str = ASKED
 
     @property
     def cells(self) -> int:
@@ -346,14 +362,15 @@ class Admission:
 def admit(job: ValidJob, allocator: SlotAllocator | TreeAllocator, min_slots: int) -> Admission:
     """Take the job's cells (and its distribution job's) from the allocator: best effort.
 
-    A job of ``slots`` slots of width k needs ``slots * cells_of(k)`` contiguous cells. Fewer slots than asked
-    (a whole number of them, at least ``min_slots``: a minimum in the job's slots) is a partial admission;
+    A job of ``slots`` slots (``job.slots``: asked, or chosen by the controller) of width k needs
+    ``slots * cells_of(k)`` contiguous cells. Fewer slots than that (a whole number of them, at least
+    ``min_slots``: a minimum in the job's slots) is a partial admission;
     none at all is fallback mode through the PS, or, without a PS, a refusal (ServiceError
     capacity_exhausted). A distribution job (of the same width) goes through the switch or not at all:
     without cells for it, neither job is created.
     """
     request = job.request
-    slots, mode, switch_aggregation = request.slots, request.mode, request.switch_aggregation
+    slots, mode, switch_aggregation = job.slots, request.mode, request.switch_aggregation
     cells = job.cells
     taken: SlotRange | TreeSlots | None = None
     if mode == "fallback":
@@ -373,7 +390,7 @@ def admit(job: ValidJob, allocator: SlotAllocator | TreeAllocator, min_slots: in
                 reason += "; no switch aggregation without slots"
             grant = Grant(None, "fallback", reason, cells)
         else:
-            grant = _slots_grant(taken, slots, cells)
+            grant = _slots_grant(taken, slots, cells, job.slots_chosen_by)
     distribution = None
     if job.distribution is not None:
         want = job.distribution_slots
@@ -400,12 +417,13 @@ def _free(allocator: SlotAllocator | TreeAllocator, width: int) -> str:
     return str(largest) if cells == 1 else f"{largest} cells, {largest // cells} slots of width {width}"
 
 
-def _slots_grant(taken: SlotRange | TreeSlots, wanted: int, cells: int) -> Grant:
+def _slots_grant(taken: SlotRange | TreeSlots, wanted: int, cells: int, chosen_by: str = ASKED) -> Grant:
     got = taken.count // cells
+    how = "as asked" if chosen_by == ASKED else f"chosen by the controller: {chosen_by}"
     if got < wanted:
-        return Grant(taken, "partial", f"{got} of {wanted} slots (largest free range); fewer packets "
-                     "in flight", cells)
-    return Grant(taken, "full", f"{wanted} slots as asked", cells)
+        detail = "largest free range" if chosen_by == ASKED else f"largest free range; {how}"
+        return Grant(taken, "partial", f"{got} of {wanted} slots ({detail}); fewer packets in flight", cells)
+    return Grant(taken, "full", f"{wanted} slots {how}", cells)
 
 
 # -- checking names against the config ---------------------------------------------

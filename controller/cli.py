@@ -73,9 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--name", default="job")
     create.add_argument("--workers", required=True,
                         help="comma-separated HOST:UDP_PORT per rank (HOST: configured name or IPv4)")
-    create.add_argument("--slots", type=int, required=True,
-                        help="aggregation slots wanted (of the job's width: a slot of width 256 takes 4 cells of the "
-                        "switch's memory)")
+    create.add_argument("--slots", type=int,
+                        help="aggregation slots wanted = packets in flight per worker (of the job's width: a slot of "
+                        "width 256 takes 4 cells of the switch's memory); default: the controller chooses them from "
+                        "the links of the job's hosts (hosts' link_mbit, slots.target_rtt_ms; docs/controller.md)")
     create.add_argument("--width", type=_width, metavar="64|256",
                         help="values per packet, the job's one width (default: the switch target's, "
                         "switch.target: 256 on the software targets and BMv2, 64 on Tofino; docs/controller.md)")
@@ -108,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --distribution: comma-separated HOST:UDP_PORT per PS node, the primary first, "
                         "then the replicas in order, where it sends the versions from")
     create.add_argument("--distribution-slots", type=int,
-                        help="with --distribution: the distribution job's slots (default: --slots)")
+                        help="with --distribution: the distribution job's slots (default: the job's slots)")
     create.add_argument("--switch-ps", metavar="ENDPOINTS",
                         help="with --switch-aggregation: comma-separated HOST:UDP_PORT per PS node (the primary "
                         "first, then the replicas), where it takes part in the switch groups: the PS receives each "
@@ -144,8 +145,11 @@ def _format_job(job: dict[str, Any]) -> str:
     lines = [
         f"job {job['job_id']} ({job['name']}) tenant={job['tenant']} mode={job['mode']} state={job['state']}",
         f"{held}, width {width}, generation {job['generation']}",
-        f"  workers {workers}",
     ]
+    chosen_by = job.get("slots_chosen_by", "asked")  # a controller from before the choice: asked
+    if chosen_by != "asked":
+        lines.append(f"  {job['slots_wanted']} slots chosen by the controller: {chosen_by}")
+    lines.append(f"  workers {workers}")
     if job.get("ps"):
         lines.append(f"  ps {job['ps']['ip']}:{job['ps']['udp_port']}")
     if job.get("update_mode", "sync") != "sync" or job.get("replicas"):

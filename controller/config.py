@@ -7,6 +7,7 @@ Every problem is reported as one :class:`ConfigError` naming the file, the key
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,9 @@ class HostConfig:
     ip: str
     mac: str
     port: int
+    #: The rate of the host's link to its switch port, in Mbit/s (``link_mbit``); None: unknown. The
+    #: controller sizes a job's slots to its hosts' slowest link when the create names none (``sizing.py``).
+    link_mbit: float | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,9 @@ class ControllerConfig:
     #: The switch target (``switch.target``, :data:`TARGETS`): it decides the default job width. Left out:
     #: ``bmv2`` with ``switch.bmv2_json``, else ``soft``. Under a topology, every switch's.
     target: str = "soft"
+    #: ``slots.target_rtt_ms``: the round trip a job's window must cover when the controller chooses its slots
+    #: (the path's round trip plus queueing and a busy host's scheduling delays; ``sizing.py``).
+    target_rtt_ms: float = 5.0
 
     @property
     def default_width(self) -> int:
@@ -111,10 +118,10 @@ _SCHEMA: dict[str, set[str]] = {
     "switch": {"grpc_address", "device_id", "election_id", "p4info", "bmv2_json", "aggregator",
                "startup_wait_seconds", "target"},
     "switch.aggregator": {"ip", "mac", "udp_port"},
-    "slots": {"capacity", "min_per_job"},
+    "slots": {"capacity", "min_per_job", "target_rtt_ms"},
     "jobs": {"lease_seconds"},
     "controller": {"database", "api_socket", "admin_token", "metrics_address"},
-    "hosts.*": {"name", "ip", "mac", "port"},
+    "hosts.*": {"name", "ip", "mac", "port", "link_mbit"},
     "parameter_servers.*": {"name", "host", "udp_port"},
 }
 
@@ -260,6 +267,9 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         raise r.fail("slots.capacity", "must be >= 1")
     if not 1 <= min_slots <= capacity:
         raise r.fail("slots.min_per_job", f"must be in 1..{capacity}")
+    target_rtt_ms = r.value("slots.target_rtt_ms", float, 5.0)
+    if not (math.isfinite(target_rtt_ms) and target_rtt_ms > 0):
+        raise r.fail("slots.target_rtt_ms", f"must be a number of milliseconds > 0, got {target_rtt_ms!r}")
     lease = r.value("jobs.lease_seconds", float, 600.0)
     if lease <= 0:
         raise r.fail("jobs.lease_seconds", "must be > 0")
@@ -289,7 +299,7 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
 
     hosts: dict[str, HostConfig] = {}
     if topology is not None:
-        hosts = {h.name: HostConfig(h.name, h.ip, h.mac, h.port) for h in topology.hosts.values()}
+        hosts = {h.name: HostConfig(h.name, h.ip, h.mac, h.port, h.link_mbit) for h in topology.hosts.values()}
     for i, item in enumerate(data.get("hosts") or []):
         where = f"hosts[{i}]"
         name = r.value("name", str, node=item, name=f"{where}.name")
@@ -303,6 +313,7 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
             ip=_ip(r, f"{where}.ip", r.value("ip", str, node=item, name=f"{where}.ip")),
             mac=_mac(r, f"{where}.mac", r.value("mac", str, node=item, name=f"{where}.mac")),
             port=port,
+            link_mbit=link_mbit(item.get("link_mbit"), f"{r.source}: {where}.link_mbit"),
         )
     servers: dict[str, PsConfig] = {}
     for i, item in enumerate(data.get("parameter_servers") or []):
@@ -321,8 +332,20 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         aggregator_port=aggregator_port, slot_capacity=capacity, min_slots=min_slots,
         default_lease_seconds=lease, database=database, api_socket=api_socket, admin_token=admin_token,
         tenants=tenants, hosts=hosts, parameter_servers=servers, metrics_address=metrics_address,
-        startup_wait_seconds=startup_wait, topology=topology, target=target,
+        startup_wait_seconds=startup_wait, topology=topology, target=target, target_rtt_ms=target_rtt_ms,
     )
+
+
+def link_mbit(value: Any, where: str) -> float | None:
+    """A host's ``link_mbit`` checked: a positive, finite number of Mbit/s (None: left out). ``where`` names
+    the file and key in the ConfigError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}: expected a number of Mbit/s, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{where}: must be a number of Mbit/s > 0, got {value!r}")
+    return float(value)
 
 
 def _topology(r: _Reader, base: Path) -> Topology | None:

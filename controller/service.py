@@ -42,6 +42,7 @@ from netagg.controller.allocator import (
 from netagg.controller.config import ControllerConfig
 from netagg.controller.errors import P4RuntimeError, ServiceError
 from netagg.controller.fabric import Fabric, SwitchSession
+from netagg.controller.sizing import ASKED
 from netagg.controller.store import JobRecord, JobStore
 from netagg.controller.switch_programmer import ReconcileReport
 from netagg.controller.topology import TreeWorker, plan_tree
@@ -366,7 +367,8 @@ class JobService:
                 rows = [JobRecord(
                     job_id=job_id, tenant=job.owner, name=request.name, mode=admitted.mode, state="installing",
                     slot_base=slots.base if slots else 0, slot_count=admitted.job.slot_count,
-                    slots_wanted=request.slots, generation=self.store.next_generation(conn),
+                    slots_wanted=job.slots, slots_chosen_by=job.slots_chosen_by,
+                    generation=self.store.next_generation(conn),
                     workers=[*job.workers, *members], ps_members=len(members),
                     ps=job.ps, lease_seconds=job.lease, lease_expires=now + job.lease, created=now,
                     note=admitted.job.note, update_mode=request.update_mode, delay_bound=request.delay_bound,
@@ -386,6 +388,9 @@ class JobService:
                         job_id=dist_id, tenant=job.owner, name=f"{request.name}-distribution", mode="allreduce",
                         state="installing", slot_base=dist_slots.base, slot_count=admitted.distribution.slot_count,
                         slots_wanted=job.distribution_slots, generation=self.store.next_generation(conn),
+                        # Its own --distribution-slots, or its job's slots (asked, or chosen for the job).
+                        slots_chosen_by=ASKED if request.distribution_slots is not None
+                        or job.slots_chosen_by == ASKED else f"its job's: {job.slots_chosen_by}",
                         workers=job.distribution, ps=None, lease_seconds=job.lease, lease_expires=now + job.lease,
                         created=now, note=admitted.distribution.note, secret=jobsecret.new_secret(),
                         senders=1 + len(job.replicas), distribution_of=job_id, width=job.width,

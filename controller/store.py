@@ -59,6 +59,8 @@ MIGRATIONS = (
     ("segments", "TEXT NOT NULL DEFAULT '{}'"),
     # Wide packets (docs/protocol.md): values per packet; the jobs of a database from before it were narrow.
     ("width", f"INTEGER NOT NULL DEFAULT {wire.K}"),
+    # How the job's slots were chosen (controller/sizing.py); the jobs of a database from before it asked.
+    ("slots_chosen_by", "TEXT NOT NULL DEFAULT 'asked'"),
 )
 
 
@@ -136,6 +138,9 @@ class JobRecord:
     #: Values per packet (``wire.WIDTHS``: 64 or 256), the same on every switch of its tree and in every
     #: worker's config; a fallback job keeps it too (the PS aggregates either width).
     width: int = wire.K
+    #: How ``slots_wanted`` was chosen: ``asked`` (the create named it), or by the controller from the links
+    #: of the job's hosts (``link R Mbit/s x T ms``) or without a known rate (``default ...``): sizing.py.
+    slots_chosen_by: str = "asked"
 
     @property
     def uses_switch(self) -> bool:
@@ -174,7 +179,7 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
         distribution=row["distribution"], distribution_of=row["distribution_of"], threads=row["threads"],
         ps_members=row["ps_members"],
         segments={switch: (base, count) for switch, (base, count) in json.loads(row["segments"]).items()},
-        width=row["width"],
+        width=row["width"], slots_chosen_by=row["slots_chosen_by"],
     )
 
 
@@ -223,15 +228,15 @@ class JobStore:
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
             " workers, ps, lease_seconds, lease_expires, created, counter_base, note,"
             " update_mode, delay_bound, schedule, replicas, secret, switch_aggregation, senders, distribution,"
-            " distribution_of, threads, ps_members, segments, width)"
-            f" VALUES ({', '.join('?' * 29)})",
+            " distribution_of, threads, ps_members, segments, width, slots_chosen_by)"
+            f" VALUES ({', '.join('?' * 30)})",
             (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
              job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
              json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
              job.created, json.dumps(job.counter_base), job.note, job.update_mode, job.delay_bound, job.schedule,
              json.dumps([asdict(r) for r in job.replicas]), job.secret, int(job.switch_aggregation), job.senders,
              job.distribution, job.distribution_of, job.threads, job.ps_members,
-             json.dumps({switch: list(r) for switch, r in job.segments.items()}), job.width),
+             json.dumps({switch: list(r) for switch, r in job.segments.items()}), job.width, job.slots_chosen_by),
         )
 
     def set_state(self, job_id: int, state: str, *more: int) -> None:

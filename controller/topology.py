@@ -2,9 +2,11 @@
 
 ``configs/topology.yaml`` names the switches (P4Runtime address, device id, aggregator address and
 MAC), each non-root switch's link to its parent (its up port, and the parent's port facing it) and
-the hosts (switch, port, address, MAC). :func:`load_topology` validates it. :func:`plan_tree` turns a
-job's workers into one segment per switch of the job's tree: the switches its workers hang off and
-their ancestors up to the lowest one they share (a job inside one rack is one segment, as today).
+the hosts (switch, port, address, MAC; optionally ``link_mbit``, the rate of the host's link, which
+sizes a job's slots when its create names none: ``sizing.py``). :func:`load_topology` validates it.
+:func:`plan_tree` turns a job's workers into one segment per switch of the job's tree: the switches
+its workers hang off and their ancestors up to the lowest one they share (a job inside one rack is
+one segment, as today).
 :func:`tree_state` turns a plan and each segment's allocation (job id, slots, generation) into the
 entries and multicast group every switch of the tree must hold; :func:`fabric_state` gives the entries
 every switch holds whatever the jobs (routes across the tree, source bindings).
@@ -27,6 +29,7 @@ from typing import Any
 
 from netagg import dataplane as dp
 from netagg import wire
+from netagg.controller.config import link_mbit
 from netagg.controller.switch_programmer import DesiredState, Entry, ip_to_int, mac_to_int
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig, read_yaml
 
@@ -34,7 +37,7 @@ _MAC = re.compile(r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$")
 _ADDRESS = re.compile(r"^([\w.\-\[\]:]+:\d+|unix:/\S+)$")
 _SWITCH_KEYS = {"grpc_address", "device_id", "aggregator", "parent"}
 _PARENT_KEYS = {"switch", "up_port", "port"}
-_HOST_KEYS = {"name", "switch", "port", "ip", "mac"}
+_HOST_KEYS = {"name", "switch", "port", "ip", "mac", "link_mbit"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class TopoHost:
     port: int
     ip: str
     mac: str
+    #: The rate of the host's link to its switch port, in Mbit/s; None: unknown (controller/config.py, HostConfig).
+    link_mbit: float | None = None
 
 
 @dataclass
@@ -210,7 +215,8 @@ def parse_topology(data: Any, source: str) -> Topology:
             raise fail(f"{where}.switch", f"unknown switch {switch!r}")
         hosts[name] = TopoHost(name, switch, _port(item.get("port"), f"{where}.port", fail),
                                _ipv4(_string(item, "ip", where, fail), f"{where}.ip", fail),
-                               _mac(_string(item, "mac", where, fail), f"{where}.mac", fail))
+                               _mac(_string(item, "mac", where, fail), f"{where}.mac", fail),
+                               link_mbit(item.get("link_mbit"), f"{source}: {where}.link_mbit"))
     _check_ports_and_addresses(switches, hosts, fail)
     return Topology(source, switches, hosts)
 
@@ -225,8 +231,8 @@ def dump_topology(topology: Topology, addresses: Mapping[str, str] | None = None
                             "aggregator": {"ip": s.aggregator_ip, "mac": s.aggregator_mac}}
         if s.parent is not None:
             switches[s.name]["parent"] = {"switch": s.parent, "up_port": s.up_port, "port": s.parent_port}
-    hosts = [{"name": h.name, "switch": h.switch, "port": h.port, "ip": h.ip, "mac": h.mac}
-             for h in topology.hosts.values()]
+    hosts = [{"name": h.name, "switch": h.switch, "port": h.port, "ip": h.ip, "mac": h.mac,
+              **({"link_mbit": h.link_mbit} if h.link_mbit is not None else {})} for h in topology.hosts.values()]
     return {"switches": switches, "hosts": hosts}
 
 

@@ -55,6 +55,11 @@ def _with(path: str, value):
     ("hosts.0.colour", "red", "hosts[0].colour", "unknown key"),
     ("parameter_servers.0.host", "elsewhere", "parameter_servers[0].host", "unknown host"),
     ("jobs.lease_seconds", -1, "jobs.lease_seconds", "> 0"),
+    ("hosts.0.link_mbit", 0, "hosts[0].link_mbit", "> 0"),
+    ("hosts.0.link_mbit", "1G", "hosts[0].link_mbit", "expected a number"),
+    ("slots.target_rtt_ms", 0, "slots.target_rtt_ms", "> 0"),
+    ("slots.target_rtt_ms", "5 ms", "slots.target_rtt_ms", "expected float"),
+    ("slots.target_rt_ms", 5, "slots.target_rt_ms", "unknown key"),
 ])
 def test_each_mistake_names_file_key_and_problem(path, value, key, problem):
     with pytest.raises(ConfigError) as err:
