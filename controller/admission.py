@@ -419,11 +419,11 @@ def _free(allocator: SlotAllocator | TreeAllocator, width: int) -> str:
 
 def _slots_grant(taken: SlotRange | TreeSlots, wanted: int, cells: int, chosen_by: str = ASKED) -> Grant:
     got = taken.count // cells
-    how = "as asked" if chosen_by == ASKED else f"chosen by the controller: {chosen_by}"
     if got < wanted:
-        detail = "largest free range" if chosen_by == ASKED else f"largest free range; {how}"
+        detail = "largest free range" if chosen_by == ASKED else "largest free range; chosen by the controller"
         return Grant(taken, "partial", f"{got} of {wanted} slots ({detail}); fewer packets in flight", cells)
-    return Grant(taken, "full", f"{wanted} slots {how}", cells)
+    return Grant(taken, "full", f"{wanted} slots " + ("as asked" if chosen_by == ASKED else
+                                                        "as chosen by the controller"), cells)
 
 
 # -- checking names against the config ---------------------------------------------

@@ -148,7 +148,7 @@ def _format_job(job: dict[str, Any]) -> str:
     ]
     chosen_by = job.get("slots_chosen_by", "asked")  # a controller from before the choice: asked
     if chosen_by != "asked":
-        lines.append(f"  {job['slots_wanted']} slots chosen by the controller: {chosen_by}")
+        lines.append(f"  slots chosen by the controller: {chosen_by}")
     lines.append(f"  workers {workers}")
     if job.get("ps"):
         lines.append(f"  ps {job['ps']['ip']}:{job['ps']['udp_port']}")

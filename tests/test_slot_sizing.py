@@ -240,7 +240,7 @@ def test_the_job_keeps_its_chosen_slots_and_says_why(tmp_path):
     job = made["job"]
     assert (made["admission"], job["slot_count"], job["slots_wanted"], job["cells"]) == ("full", 245, 245, 980)
     assert job["slots_chosen_by"] == "link 400 Mbit/s x 5 ms"
-    assert made["reason"] == "245 slots chosen by the controller: link 400 Mbit/s x 5 ms"
+    assert made["reason"] == "245 slots as chosen by the controller"
     assert service.worker_config(ALICE, job["job_id"], 0).slot_count == 245
     # An asked count says so; both survive a restart of the controller (the database holds them).
     asked = service.create_job(ALICE, JobRequest(name="k", workers=["local:40002"], slots=8))
@@ -279,8 +279,8 @@ def test_a_chosen_count_is_admitted_partially_like_any_other(tmp_path):
     service.create_job(ALICE, JobRequest(name="big", workers=["local:40000"], slots=800))  # 3200 cells
     made = service.create_job(ALICE, JobRequest(name="j", workers=["local:40001"]))  # wants 245 slots
     assert (made["admission"], made["job"]["slot_count"], made["job"]["slots_wanted"]) == ("partial", 224, 245)
-    assert made["reason"] == ("224 of 245 slots (largest free range; chosen by the controller: link 400 Mbit/s "
-                              "x 5 ms); fewer packets in flight")
+    assert made["reason"] == ("224 of 245 slots (largest free range; chosen by the controller); fewer packets "
+                              "in flight")
     service.store.close()
 
 
@@ -399,7 +399,7 @@ def test_job_create_without_slots_gets_the_computed_count_and_job_show_says_why(
     code, out, err = _cli(capsys, api, "job", "show", str(job_id))
     assert code == 0, err
     assert "  cells 0..979 (245 of 245 slots wanted, 4 cells each), width 256" in out
-    assert "  245 slots chosen by the controller: link 400 Mbit/s x 5 ms" in out
+    assert "  slots chosen by the controller: link 400 Mbit/s x 5 ms" in out
     # Asked: as before, and nothing said about a choice.
     code, out, err = _cli(capsys, api, "job", "create", "--workers", "slow:40002", "--slots", "8")
     assert code == 0, err
