@@ -22,7 +22,7 @@ Environment (the ``netagg`` CLI's variables where they exist):
 ``NETAGG_TOKEN``         tenant token (required)
 ``NETAGG_SOCKET``        controller API socket; default: ``api_socket`` of ``NETAGG_CONFIG``
 ``NETAGG_CONFIG``        controller YAML (default ``configs/controller.yaml``)
-``NETAGG_SLOTS``         aggregation slots to ask for (default 64)
+``NETAGG_SLOTS``         aggregation slots to ask for (default: the controller sizes them to the links)
 ``NETAGG_PS``            parameter server for fallback mode (a configured name or HOST:PORT)
 ``NETAGG_LEASE``         lease in seconds, renewed by rank 0 every third of it (default 30)
 ``NETAGG_WORKER_HOST``   this rank's IPv4 address toward the switch (default: the address that
@@ -202,12 +202,12 @@ class NetaggProcessGroup(dist.ProcessGroup):
             client = _api_client()
             workers = [self._store.get(f"netagg/addr/{r}").decode() for r in range(size)]
             ps = os.environ.get("NETAGG_PS", "").strip() or None
-            slots = _env_int("NETAGG_SLOTS", 64)
+            asked = {"slots": _env_int("NETAGG_SLOTS", 0)} if os.environ.get("NETAGG_SLOTS", "").strip() else {}
             lease = float(_env_int("NETAGG_LEASE", 30))
             try:
                 created = client.call("create", name=os.environ.get("NETAGG_JOB_NAME", "torch"), workers=workers,
-                                      slots=slots, mode="allreduce", ps=ps, lease_seconds=lease,
-                                      threads=_env_int("NETAGG_THREADS", 1))
+                                      mode="allreduce", ps=ps, lease_seconds=lease,
+                                      threads=_env_int("NETAGG_THREADS", 1), **asked)
             except ApiError as err:
                 if err.code != "capacity_exhausted":
                     raise
@@ -219,8 +219,8 @@ class NetaggProcessGroup(dist.ProcessGroup):
                 plan = {"mode": job["mode"], "job_id": job["job_id"], "admission": created["admission"],
                         "reason": created["reason"], "slots": job["slot_count"], "message": ""}
                 if created["admission"] == "partial":
-                    plan["message"] = (f"netagg: job {job['job_id']} got {job['slot_count']} of {slots} slots "
-                                       f"({created['reason']})")
+                    plan["message"] = (f"netagg: job {job['job_id']} got {job['slot_count']} of "
+                                       f"{job.get('slots_wanted', '?')} slots ({created['reason']})")
                 elif created["admission"] == "fallback":
                     plan["message"] = f"netagg: job {job['job_id']} runs in fallback mode ({created['reason']})"
                 for r in range(size):

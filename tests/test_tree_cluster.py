@@ -36,9 +36,10 @@ SIZE = 20_000
 TOPOLOGY = racks_topology(2, 2)
 
 
-def exact_digest(workers: int) -> str:
-    """The digest every worker's result must have: the job's contributions summed at one place."""
-    expected, _ = expected_allreduce([tensor_for(r, SIZE) for r in range(workers)])
+def exact_digest(workers: int, k: int = wire.K) -> str:
+    """The digest every worker's result must have: the job's contributions summed at one place (packets of ``k``
+    values, the job's width)."""
+    expected, _ = expected_allreduce([tensor_for(r, SIZE) for r in range(workers)], k=k)
     return hashlib.sha256(np.ascontiguousarray(expected, np.float32).tobytes()).hexdigest()
 
 
@@ -159,7 +160,7 @@ def test_a_threaded_job_over_two_racks_made_by_the_controller_gets_the_exact_sum
         job = created["job"]
         assert job["threads"] == 2 and {c for _, c in job["segments"].values()} == {128}
         assert [WorkerConfig.load(path).threads for path in created["config_paths"]] == [2, 2]
-    assert [r["digest"] for r in results] == [exact_digest(2)] * 2
+    assert [r["digest"] for r in results] == [exact_digest(2, job["width"])] * 2
 
 
 def test_a_job_of_40_workers_through_three_switch_processes_made_by_the_controller(tmp_path):
@@ -173,7 +174,7 @@ def test_a_job_of_40_workers_through_three_switch_processes_made_by_the_controll
     with EmulatedTreeCluster(tmp_path, racks=2, workers_per_rack=20, prefix=f"tb{os.getpid() % 10000}") as cluster:
         created, results = allreduce_on(cluster, 64)
         per_switch = json.loads(cluster.cli("--json", "job", "show", str(created["job"]["job_id"])))["switch_counters"]
-    assert [r["digest"] for r in results] == [exact_digest(workers)] * workers
+    assert [r["digest"] for r in results] == [exact_digest(workers, created["job"]["width"])] * workers
     rounds = per_switch["root"]["results"]
     assert rounds > 0 and all(c["results"] == rounds for c in per_switch.values()), per_switch
     assert per_switch["rack0"]["contributions"] == per_switch["rack1"]["contributions"] == 20 * rounds
