@@ -205,7 +205,7 @@ def run_job(configs: list[WorkerConfig], iterations: int, fault, after: int = 3,
     done = len(results[0][0])
     assert all(len(out) == done for out, _ in results)
     for i in range(done):
-        expected, _ = expected_allreduce([make_input(i, rank) for rank in range(N)])
+        expected, _ = expected_allreduce([make_input(i, rank) for rank in range(N)], k=configs[0].width)
         for rank in range(N):
             np.testing.assert_array_equal(results[rank][0][i][0], expected, err_msg=f"rank {rank} allreduce {i}")
     return [[t for _, t in out] for out, _ in results], [stats for _, stats in results]
@@ -411,7 +411,7 @@ def test_ps_mode_pushes_applied_at_the_ps_during_a_failover_are_applied_once_and
             assert away.is_set() and server.failover.decisions == 1
             assert server.applied_rounds == pushes
         for i in range(pushes):
-            expected, _ = expected_allreduce([make_input(i, rank) for rank in range(N)])
+            expected, _ = expected_allreduce([make_input(i, rank) for rank in range(N)], k=configs[0].width)
             for rank in range(N):  # the sum store keeps each push's aggregate
                 np.testing.assert_array_equal(results[rank][0][i], expected, err_msg=f"rank {rank} pull {i}")
         assert all(s.failovers == 1 for _, s in results)

@@ -46,7 +46,7 @@ SET_JOB_ID, UNKNOWN_JOB_ID, FORWARD_ID = 0x01000001, 0x01000002, 0x01000007
 
 
 def job_params(n: int = 1) -> dict[str, int]:
-    return {"num_workers": 2, "slot_base": 16 * n, "slot_count": 16, "mgid": n, "generation": n}
+    return {"num_workers": 2, "slot_base": 16 * n, "slot_count": 16, "mgid": n, "generation": n, "width": 0}
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 3.0) -> bool:
@@ -109,7 +109,7 @@ def lpm(field_id: int, value: bytes, prefix_len: int) -> p4rt.FieldMatch:
     return p4rt.FieldMatch(field_id=field_id, lpm=p4rt.FieldMatch.LPM(value=value, prefix_len=prefix_len))
 
 
-GOOD_JOB_PARAMS = [(1, b"\x02"), (2, b"\x00"), (3, b"\x10"), (4, b"\x01"), (5, b"\x01")]
+GOOD_JOB_PARAMS = [(1, b"\x02"), (2, b"\x00"), (3, b"\x10"), (4, b"\x01"), (5, b"\x01"), (6, b"\x00")]
 
 
 def write_error(c: P4RuntimeClient, *updates: p4rt.Update) -> P4RuntimeError:
@@ -297,13 +297,13 @@ def test_pipeline_actions_reset_or_keep_state(client: P4RuntimeClient, switch: S
 def test_insert_duplicate_modify_delete(client: P4RuntimeClient, switch: Switch) -> None:
     jobs = switch.state.table(JOBS)
     client.insert_entry(JOBS, {"job_id": 5}, SET_JOB, job_params(5))
-    assert jobs.lookup((5,)) == (SET_JOB, (2, 80, 16, 5, 5))
+    assert jobs.lookup((5,)) == (SET_JOB, (2, 80, 16, 5, 5, 0))
     with pytest.raises(P4RuntimeError) as info:
         client.insert_entry(JOBS, {"job_id": 5}, SET_JOB, job_params(6))
     assert info.value.code == "UNKNOWN" and info.value.errors[0].code == "ALREADY_EXISTS"
     assert "job_id=0x5" in str(info.value)
     client.modify_entry(JOBS, {"job_id": 5}, SET_JOB, job_params(7))
-    assert jobs.lookup((5,)) == (SET_JOB, (2, 112, 16, 7, 7))
+    assert jobs.lookup((5,)) == (SET_JOB, (2, 112, 16, 7, 7, 0))
     with pytest.raises(P4RuntimeError) as info:
         client.modify_entry(JOBS, {"job_id": 6}, SET_JOB, job_params(6))
     assert info.value.errors[0].code == "NOT_FOUND"
@@ -390,8 +390,8 @@ INVALID_UPDATES = [  # (id, update, code, fragment of the message)
      "missing parameter(s) generation"),
     ("param too wide", insert_route(TEN_SLASH_8, [(1, b"\x02\x00"), (2, b"\x01")]), "INVALID_ARGUMENT",
      "parameter 'port' (9 bits): value 0x200 does not fit"),
-    ("unknown param", insert_job(params=[*GOOD_JOB_PARAMS, (6, b"\x01")]), "INVALID_ARGUMENT",
-     "no parameter with id 6"),
+    ("unknown param", insert_job(params=[*GOOD_JOB_PARAMS, (7, b"\x01")]), "INVALID_ARGUMENT",
+     "no parameter with id 7"),
     ("foreign action", insert_job(action_id=FORWARD_ID, params=PORT_AND_MAC), "INVALID_ARGUMENT",
      "not an action of table"),
     ("@defaultonly action", insert_job(action_id=UNKNOWN_JOB_ID, params=[]), "PERMISSION_DENIED",
@@ -418,11 +418,11 @@ def test_invalid_entries_are_rejected(client: P4RuntimeClient, switch: Switch, u
 def test_padded_values_are_accepted_and_read_back_canonical(client: P4RuntimeClient) -> None:
     client.write([table_update(_INSERT, JOBS_ID, [exact(1, b"\x00\x00\x07")], SET_JOB_ID,
                                [(1, b"\x00\x02"), (2, b"\x00\x00\x00\x00"), (3, b"\x10"), (4, b"\x01"),
-                                (5, b"\x00\x01")])])
+                                (5, b"\x00\x01"), (6, b"\x00\x01")])])
     [entity] = client.read([p4rt.Entity(table_entry=p4rt.TableEntry(table_id=JOBS_ID))])
     entry = entity.table_entry
     assert entry.match[0].exact.value == b"\x07"
-    assert [p.value for p in entry.action.action.params] == [b"\x02", b"\x00", b"\x10", b"\x01", b"\x01"]
+    assert [p.value for p in entry.action.action.params] == [b"\x02", b"\x00", b"\x10", b"\x01", b"\x01", b"\x01"]
 
 
 def test_const_default_action_cannot_be_modified(client: P4RuntimeClient) -> None:
