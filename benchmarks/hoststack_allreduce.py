@@ -96,7 +96,7 @@ def time_split(config: WorkerConfig, data: np.ndarray) -> dict[str, float]:
     with Transport(config, progress_timeout=60.0) as transport:
         split: dict[str, float] = {}
         start = time.perf_counter()
-        layout, blocks = blk.pack([0], [data])
+        layout, blocks = blk.pack([0], [data], config.width)
         exponents = qz.block_exponents(blocks)
         split["codec: pack + block exponents"] = time.perf_counter() - start
         transport.exchange(blocks, exponents)  # warm-up
