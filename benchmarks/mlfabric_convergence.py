@@ -100,6 +100,7 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
     if kind in PS_MEMBER:  # the PS's rank in the job's switch groups: another UDP port of its host
         options += ["--switch-ps", f"{cluster.ps_host}:{cluster.worker_ports([cluster.ps_host], offset=300)[0]}"]
     job_id, paths = create_job(cluster, hosts, options, f"mlfabric-{kind}", args.slots)
+    width = WorkerConfig.load(paths[0]).width  # the job's packet width: the link time below counts its frames
     member_args: list[str] = []
     if kind in PS_MEMBER:
         member = cluster.workdir / f"mlfabric-job{job_id}-ps-member.yaml"
@@ -176,7 +177,8 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         # The PS's exchange per group it received (a switch member), against one model's frames at the link rate.
         "ps_exchange_s": round(member["seconds"] / member["groups"], 3) if (member := final.get("switch_member"))
         and member.get("groups") else None,
-        "link_s": round(-(-_model_values(args.hidden) // wire.K) * wire.FRAME_BYTES * 8 / (args.rate_mbit * 1e6), 3),
+        "link_s": round(-(-_model_values(args.hidden) // width) * wire.frame_bytes(width) * 8 / (args.rate_mbit * 1e6),
+                        3),
         "pulls": sum(r.get("pulls", 0) for r in reports),
         # Per worker: seconds getting models, computing, waiting for grants, sending (training.PHASES).
         "phases": [{k: round(v, 1) for k, v in (r.get("phase_seconds") or {}).items()} for r in reports],
