@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,29 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
         yield local
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its ranks in sessions of their own: killpg misses them)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            out += [child, *_descendants(child)]
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL the launcher's process group and every rank below it (a hung rank would keep renewing its job's
+    lease and hold the pipes open)."""
+    for target in _descendants(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 def _torchrun(deployment, nproc: int, save: Path, backend: str = "netagg", device: str = "cpu",
               extra: tuple[str, ...] = (), **env: str) -> tuple[list[dict], str]:
     """Run the example under torchrun; returns every rank's JSON line (rank order) and stderr."""
@@ -50,11 +74,11 @@ def _torchrun(deployment, nproc: int, save: Path, backend: str = "netagg", devic
     try:
         stdout, stderr = process.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        _kill_tree(process.pid)
         stdout, stderr = process.communicate()
         pytest.fail(f"torchrun with {nproc} ranks did not finish in 240 s:\n{stderr[-4000:]}")
     except BaseException:  # pytest's own timeout, ^C: no rank outlives the test
-        os.killpg(process.pid, signal.SIGKILL)
+        _kill_tree(process.pid)
         raise
     result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr[-4000:]
