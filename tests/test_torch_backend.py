@@ -76,6 +76,8 @@ def _torchrun(deployment, nproc: int, save: Path, backend: str = "netagg", devic
     except subprocess.TimeoutExpired:
         _kill_tree(process.pid)
         stdout, stderr = process.communicate()
+        for job in _jobs(deployment):  # the dead ranks' job would hold the switch until its lease lapsed
+            deployment.cli("job", "delete", str(job["job_id"]))
         pytest.fail(f"torchrun with {nproc} ranks did not finish in 240 s:\n{stderr[-4000:]}")
     except BaseException:  # pytest's own timeout, ^C: no rank outlives the test
         _kill_tree(process.pid)
