@@ -31,6 +31,10 @@ PACKET_DTYPE = packet_dtype(wire.K)
 assert HEADER_DTYPE.itemsize == wire.HEADER_BYTES and PACKET_DTYPE.itemsize == wire.NETAGG_BYTES
 assert packet_dtype(wire.WIDE_K).itemsize == wire.netagg_bytes(wire.WIDE_K)
 
+#: A receive buffer row: every message of either width fits, a longer datagram is cut (and counted as malformed).
+RECV_ROW_BYTES = 1152
+assert wire.netagg_bytes(wire.WIDE_K) < RECV_ROW_BYTES
+
 #: Slots used in fallback mode when the controller reserved none on the switch.
 DEFAULT_FALLBACK_SLOTS = 64
 #: Bit 31 of ``seq`` marks an exponent probe (zeros, first window); data blocks use bits 0..30.

@@ -98,7 +98,14 @@ from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.congestion import RTO_FLOOR, CongestionWindow, RtoEstimator
 from netagg.hoststack.failover import FailoverClient
-from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, packet_dtype, slot_count_of, udp_socket
+from netagg.hoststack.packets import (
+    PROBE_SEQ_BIT,
+    RECV_ROW_BYTES,
+    SEQ_MASK,
+    packet_dtype,
+    slot_count_of,
+    udp_socket,
+)
 from netagg.jobconfig import WorkerConfig, resolve
 
 log = logging.getLogger(__name__)
@@ -118,8 +125,7 @@ _RECV_CALLS_MAX = 64
 #: Receive rows per call with GRO (a few coalesced buffers of up to 64 segments each).
 _RECV_ROWS = 256
 #: Receive buffer row: longer datagrams are cut to this (and so still counted as malformed).
-_RECV_STRIDE = 1152
-assert wire.netagg_bytes(wire.WIDE_K) < _RECV_STRIDE
+_RECV_STRIDE = RECV_ROW_BYTES
 #: Restart ride-through (module docstring): from this resend of a packet on, its slot's previous packet is
 #: resent with it ...
 SHADOW_RETRIES = 2
@@ -660,7 +666,7 @@ class Transport:
         """Multiplicative decrease, at most once per smoothed round trip (one loss event)."""
         if self.cwnd.on_timeout(now, self.rto.srtt if self.rto.srtt is not None else self.rto.rto):
             self.stats.window_decreases = self.cwnd.stats.decreases
-            self.stats.smallest_window = min(self.stats.smallest_window, self.cwnd.value)
+            self.stats.smallest_window = self.cwnd.stats.smallest
 
     def on_resends_answered(self, spurious: int, confirmed: int) -> None:
         """Results for resent packets: ``spurious`` answered their originals (undo the cut their timeouts made,

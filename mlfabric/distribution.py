@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from netagg import mmsg, wire
-from netagg.hoststack.packets import HEADER_DTYPE, packet_dtype, udp_socket
+from netagg.hoststack.packets import HEADER_DTYPE, RECV_ROW_BYTES, packet_dtype, udp_socket
 from netagg.jobconfig import WorkerConfig, resolve
 
 #: Versions kept for repairs at the PS, and assembled at once at a worker.
@@ -41,7 +41,7 @@ KEEP_VERSIONS = 4
 MIN_RATE_SECONDS = 0.01
 _VERSION_BITS = 16
 _BLOCK_MASK = (1 << 16) - 1
-_STRIDE = 1152
+_STRIDE = RECV_ROW_BYTES
 
 
 @dataclass(frozen=True)
