@@ -19,6 +19,39 @@ from netagg.bmv2.targets import TargetProcess, bmv2_missing, start_target
 from netagg.localports import free_ports
 
 ADMIN_TOKEN = "admin-test-token"
+#: A root and two racks of two hosts each, as a topology file gives it (no switch behind the addresses).
+TWO_RACKS = {
+    "switches": {
+        "root": {"grpc_address": "unix:/unused/root", "aggregator": {"ip": "10.60.0.254", "mac": "02:00:00:60:00:fe"}},
+        "rack0": {"grpc_address": "unix:/unused/rack0", "aggregator": {"ip": "10.61.0.254", "mac": "02:00:00:61:00:fe"},
+                  "parent": {"switch": "root", "up_port": 32, "port": 1}},
+        "rack1": {"grpc_address": "unix:/unused/rack1", "aggregator": {"ip": "10.62.0.254", "mac": "02:00:00:62:00:fe"},
+                  "parent": {"switch": "root", "up_port": 32, "port": 2}},
+    },
+    "hosts": [{"name": f"r{r}h{h}", "switch": f"rack{r}", "port": 1 + h, "ip": f"10.6{1 + r}.0.{1 + h}",
+               "mac": f"02:00:00:6{1 + r}:00:{1 + h:02x}"} for r in range(2) for h in range(2)],
+}
+
+
+def old_database(path: Path, missing: str) -> None:
+    """A controller database from before the ``jobs`` column ``missing`` existed, holding one job (id 4, alice's,
+    8 slots from 16, generation 3)."""
+    import sqlite3
+
+    from netagg.controller import store
+
+    conn = sqlite3.connect(str(path))
+    conn.executescript(store.SCHEMA)
+    for name, declaration in store.MIGRATIONS:
+        if name != missing:
+            conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
+    conn.execute(
+        "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
+        " workers, ps, lease_seconds, lease_expires, created) VALUES"
+        " (4, 'alice', 'old', 'allreduce', 'active', 16, 8, 8, 3, ?, NULL, 60, 1e12, 1)",
+        ('[{"rank": 0, "host": "local", "ip": "127.0.0.1", "udp_port": 5000}]',))
+    conn.commit()
+    conn.close()
 TOKENS = {"alice": "alice-test-token", "bob": "bob-test-token"}
 
 

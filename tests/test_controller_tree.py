@@ -41,22 +41,12 @@ from netagg.controller.topology import (
 from netagg.jobconfig import ConfigError, WorkerConfig
 from netagg.localports import free_ports
 
-from conftest import ADMIN_TOKEN, ControllerProcess, free_udp_port, start_controller
+from conftest import ADMIN_TOKEN, TWO_RACKS, ControllerProcess, free_udp_port, start_controller
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 SWITCHES = ("root", "rack0", "rack1")
-TOPOLOGY = {
-    "switches": {
-        "root": {"grpc_address": "unix:/unused/root", "aggregator": {"ip": "10.60.0.254", "mac": "02:00:00:60:00:fe"}},
-        "rack0": {"grpc_address": "unix:/unused/rack0", "aggregator": {"ip": "10.61.0.254", "mac": "02:00:00:61:00:fe"},
-                  "parent": {"switch": "root", "up_port": 32, "port": 1}},
-        "rack1": {"grpc_address": "unix:/unused/rack1", "aggregator": {"ip": "10.62.0.254", "mac": "02:00:00:62:00:fe"},
-                  "parent": {"switch": "root", "up_port": 32, "port": 2}},
-    },
-    "hosts": [{"name": f"r{r}h{h}", "switch": f"rack{r}", "port": 1 + h, "ip": f"10.6{1 + r}.0.{1 + h}",
-               "mac": f"02:00:00:6{1 + r}:00:{1 + h:02x}"} for r in range(2) for h in range(2)],
-}
+TOPOLOGY = TWO_RACKS
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ switches count cells per switch with one width at every level.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from pathlib import Path
 
@@ -19,7 +18,6 @@ import yaml
 
 from netagg import dataplane as dp
 from netagg import wire
-from netagg.controller import store as store_module
 from netagg.controller.admission import JobRequest, admit
 from netagg.controller.allocator import AllocationError, FabricAllocator, SlotAllocator, SlotRange, TreeAllocator
 from netagg.controller.cli import _format_job, main
@@ -32,7 +30,7 @@ from netagg.controller.switch_programmer import job_state
 from netagg.controller.topology import Allocation, TreeWorker, parse_topology, plan_tree, tree_state, worker_config
 from netagg.jobconfig import ConfigError
 
-from conftest import ADMIN_TOKEN, controller_config
+from conftest import ADMIN_TOKEN, TWO_RACKS, controller_config, old_database
 
 ALICE = Caller("alice")
 
@@ -231,24 +229,8 @@ def test_the_width_survives_a_controller_restart(tmp_path):
     assert again.allocator.free_cells == 64 - 5 - 2
 
 
-def _old_database(path: Path) -> None:
-    """A database as a controller from before wide packets left it: every column but ``width``, one job."""
-    conn = sqlite3.connect(str(path))
-    conn.executescript(store_module.SCHEMA)
-    for name, declaration in store_module.MIGRATIONS:
-        if name != "width":
-            conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
-    conn.execute(
-        "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
-        " workers, ps, lease_seconds, lease_expires, created) VALUES"
-        " (4, 'alice', 'old', 'allreduce', 'active', 16, 8, 8, 3, ?, NULL, 60, 1e12, 1)",
-        ('[{"rank": 0, "host": "local", "ip": "127.0.0.1", "udp_port": 5000}]',))
-    conn.commit()
-    conn.close()
-
-
 def test_an_old_database_without_the_width_column_opens_with_narrow_jobs(tmp_path):
-    _old_database(tmp_path / "ctl.db")
+    old_database(tmp_path / "ctl.db", "width")
     config = load_config(_config_path(tmp_path, capacity=64))
     store = JobStore(config.database)
     columns = {row["name"]: row for row in store._conn.execute("PRAGMA table_info(jobs)")}
@@ -291,17 +273,7 @@ def test_the_cli_shows_the_width_and_the_cells(tmp_path):
 
 
 # -- trees of switches ----------------------------------------------------------------------------------
-TOPOLOGY = {
-    "switches": {
-        "root": {"grpc_address": "unix:/unused/root", "aggregator": {"ip": "10.60.0.254", "mac": "02:00:00:60:00:fe"}},
-        "rack0": {"grpc_address": "unix:/unused/rack0", "aggregator": {"ip": "10.61.0.254", "mac": "02:00:00:61:00:fe"},
-                  "parent": {"switch": "root", "up_port": 32, "port": 1}},
-        "rack1": {"grpc_address": "unix:/unused/rack1", "aggregator": {"ip": "10.62.0.254", "mac": "02:00:00:62:00:fe"},
-                  "parent": {"switch": "root", "up_port": 32, "port": 2}},
-    },
-    "hosts": [{"name": f"r{r}h{h}", "switch": f"rack{r}", "port": 1 + h, "ip": f"10.6{1 + r}.0.{1 + h}",
-               "mac": f"02:00:00:6{1 + r}:00:{1 + h:02x}"} for r in range(2) for h in range(2)],
-}
+TOPOLOGY = TWO_RACKS
 
 
 def test_a_wide_tree_job_has_one_width_at_every_level_and_cells_per_switch():

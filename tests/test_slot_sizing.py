@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import copy
 import json
-import sqlite3
 from pathlib import Path
 
 import pytest
 import yaml
 
 from netagg import dataplane as dp
-from netagg.controller import store as store_module
 from netagg.controller.admission import JobRequest, admit
 from netagg.controller.allocator import FabricAllocator, TreeAllocator
 from netagg.controller.api import ApiServer
@@ -38,7 +36,7 @@ from netagg.controller.store import JobRecord, JobStore
 from netagg.controller.topology import TreeWorker, dump_topology, parse_topology, plan_tree
 from netagg.jobconfig import ConfigError
 
-from conftest import ADMIN_TOKEN, TOKENS, controller_config
+from conftest import ADMIN_TOKEN, TOKENS, TWO_RACKS, controller_config, old_database
 
 ALICE = Caller("alice")
 
@@ -256,18 +254,7 @@ def test_the_job_keeps_its_chosen_slots_and_says_why(tmp_path):
 
 def test_an_old_database_without_the_column_says_its_jobs_asked(tmp_path):
     config = _config(tmp_path)
-    conn = sqlite3.connect(str(config.database))
-    conn.executescript(store_module.SCHEMA)
-    for name, declaration in store_module.MIGRATIONS:
-        if name != "slots_chosen_by":
-            conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
-    conn.execute(
-        "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
-        " workers, ps, lease_seconds, lease_expires, created) VALUES"
-        " (4, 'alice', 'old', 'allreduce', 'active', 16, 8, 8, 3, ?, NULL, 60, 1e12, 1)",
-        ('[{"rank": 0, "host": "local", "ip": "127.0.0.1", "udp_port": 5000}]',))
-    conn.commit()
-    conn.close()
+    old_database(config.database, "slots_chosen_by")
     store = JobStore(config.database)
     assert store.get(4).slots_chosen_by == "asked"
     store.close()
@@ -302,20 +289,10 @@ def test_a_distribution_job_defaults_to_its_jobs_chosen_slots(tmp_path):
 
 
 # -- over a tree of switches -----------------------------------------------------------------------------
-TOPOLOGY = {
-    "switches": {
-        "root": {"grpc_address": "unix:/unused/root", "aggregator": {"ip": "10.60.0.254", "mac": "02:00:00:60:00:fe"}},
-        "rack0": {"grpc_address": "unix:/unused/rack0", "aggregator": {"ip": "10.61.0.254", "mac": "02:00:00:61:00:fe"},
-                  "parent": {"switch": "root", "up_port": 32, "port": 1}},
-        "rack1": {"grpc_address": "unix:/unused/rack1", "aggregator": {"ip": "10.62.0.254", "mac": "02:00:00:62:00:fe"},
-                  "parent": {"switch": "root", "up_port": 32, "port": 2}},
-    },
-    # rack 0's hosts on 400 Mbit/s links, rack 1's on 200 Mbit/s; r1h1 has no rate.
-    "hosts": [{"name": f"r{r}h{h}", "switch": f"rack{r}", "port": 1 + h, "ip": f"10.6{1 + r}.0.{1 + h}",
-               "mac": f"02:00:00:6{1 + r}:00:{1 + h:02x}",
-               **({} if (r, h) == (1, 1) else {"link_mbit": 400 if r == 0 else 200})}
-              for r in range(2) for h in range(2)],
-}
+#: rack 0's hosts on 400 Mbit/s links, rack 1's on 200 Mbit/s; r1h1 has no rate.
+TOPOLOGY = {**TWO_RACKS, "hosts": [
+    {**host, **({} if host["name"] == "r1h1" else {"link_mbit": 400 if host["switch"] == "rack0" else 200})}
+    for host in TWO_RACKS["hosts"]]}
 
 
 def _tree_config(tmp_path: Path, topology: dict = TOPOLOGY):
