@@ -22,7 +22,7 @@ from netagg import wire
 from netagg.bmv2.deployment import Deployment
 from netagg.bmv2.netns import LinkShape, Topology, ns_exec
 from netagg.bmv2.p4build import compile_program
-from netagg.bmv2.targets import start_target
+from netagg.bmv2.targets import SOFT_TARGETS, start_target
 from netagg.jobconfig import ConfigError, read_yaml
 
 CLUSTER_CONFIG = dp.REPO_ROOT / "configs" / "cluster.yaml"
@@ -75,7 +75,8 @@ class EmulatedCluster(Deployment):
         self.prefix = prefix or f"nc{os.getpid() % 100000}"
         self.topology = Topology(self.prefix, spec.num_workers + 1, mtu=spec.mtu,
                                  shape=LinkShape(spec.rate_mbit, spec.delay_ms, spec.queue_packets),
-                                 tcp_congestion=spec.tcp_congestion)
+                                 tcp_congestion=spec.tcp_congestion,
+                                 switch_segmentation=spec.target in SOFT_TARGETS)
 
     @property
     def worker_hosts(self) -> list[str]:
@@ -90,7 +91,8 @@ class EmulatedCluster(Deployment):
         bmv2_json = compile_program(self.workdir / "p4c")[0] if self.spec.target == "bmv2" else None
         self.switch = start_target(self.spec.target, self.topology.switch_interfaces(), self.workdir / "switch.log",
                                    grpc_address=f"unix:{self.workdir}/p4runtime.sock",
-                                   namespace=self.topology.switch_namespace)
+                                   namespace=self.topology.switch_namespace,
+                                   udp_segmentation=self.topology.switch_segmentation)
         # Each host's link rate (the tc shaping of its link): the controller sizes the slots of a job created
         # without --slots to it (docs/controller.md).
         rate = {} if self.spec.rate_mbit is None else {"link_mbit": self.spec.rate_mbit}

@@ -118,6 +118,11 @@ class Topology:
     shape: LinkShape = field(default_factory=LinkShape)
     #: TCP congestion control of the hosts' connections (None: the kernel's default, whatever the machine has).
     tcp_congestion: str | None = None
+    #: The switch-side interfaces carry segmentation-offload sends whole (tx-udp-segmentation, with the
+    #: checksum offload it needs), as a NIC hands its host's receive offload one buffer: for a software switch
+    #: that sends with --udp-segmentation (softswitch/raw_segmentation.py). Frames the switch sends plainly
+    #: are untouched; the hosts' interfaces keep every offload off (they send real frames).
+    switch_segmentation: bool = False
     hosts: list[Host] = field(default_factory=list)
 
     @property
@@ -184,6 +189,9 @@ class Topology:
             run(ns_exec(ns, ["ip", "link", "set", ifname, "mtu", str(self.mtu)]))
             # Offloads would hand the switch oversized or checksum-less frames.
             run(ns_exec(ns, ["ethtool", "-K", ifname, "tx", "off", "rx", "off", "tso", "off", "gso", "off"]),
+                check=False)
+        if self.switch_segmentation:
+            run(ns_exec(sw, ["ethtool", "-K", switch_if, "tx", "on", "gso", "on", "tx-udp-segmentation", "on"]),
                 check=False)
         run(ns_exec(namespace, ["ip", "link", "set", host_if, "address", mac]))
         run(ns_exec(namespace, ["ip", "addr", "add", f"{ip}/24", "dev", host_if]))

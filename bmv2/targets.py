@@ -77,9 +77,10 @@ def _bmv2_has_thrift() -> bool:
 
 def target_command(kind: str, interfaces: Mapping[int, str], grpc_address: str, device_id: int = 1,
                    loopback: str | None = None, faults: Faults | None = None,
-                   shards: int | None = None) -> list[str]:
+                   shards: int | None = None, udp_segmentation: bool = False) -> list[str]:
     """The command line that starts ``kind`` on ``interfaces`` ({port: ifname}); ``shards``: the software
-    target's pipeline shards (None: its default, or SHARDED_SHARDS for soft-sharded)."""
+    target's pipeline shards (None: its default, or SHARDED_SHARDS for soft-sharded); ``udp_segmentation``:
+    the software target's raw ports send runs of one UDP flow as segmentation-offload sends (BMv2: ignored)."""
     if kind == "bmv2":
         if loopback or (faults and faults.args()):
             raise TargetError("BMv2 has no loopback UDP mode or fault injection; use the software target")
@@ -103,6 +104,8 @@ def target_command(kind: str, interfaces: Mapping[int, str], grpc_address: str, 
             cmd += ["-i", f"{number}@{ifname}"]
         if loopback:
             cmd += ["--loopback", loopback]
+        if udp_segmentation:
+            cmd.append("--udp-segmentation")
         return cmd + (faults.args() if faults else [])
     raise TargetError(f"unknown target {kind!r}; choose one of {', '.join(TARGETS)}")
 
@@ -110,12 +113,13 @@ def target_command(kind: str, interfaces: Mapping[int, str], grpc_address: str, 
 def start_target(kind: str, interfaces: Mapping[int, str], log_path: Path, grpc_address: str | None = None,
                  namespace: str | None = None, device_id: int = 1, loopback: str | None = None,
                  faults: Faults | None = None, ready_timeout: float = 20.0,
-                 shards: int | None = None) -> TargetProcess:
+                 shards: int | None = None, udp_segmentation: bool = False) -> TargetProcess:
     """Start the target (inside ``namespace`` if given) and wait until P4Runtime answers."""
     if kind == "bmv2" and (reason := bmv2_missing()):
         raise TargetError(reason)
     grpc_address = grpc_address or f"127.0.0.1:{free_ports(1, 'tcp')[0]}"
-    cmd = ns_exec(namespace, target_command(kind, interfaces, grpc_address, device_id, loopback, faults, shards))
+    cmd = ns_exec(namespace, target_command(kind, interfaces, grpc_address, device_id, loopback, faults, shards,
+                                            udp_segmentation))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

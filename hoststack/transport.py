@@ -725,6 +725,8 @@ class Exchange:
         self._timer_id = 0
         #: results_accepted at the start and at the last timeout: no change since means stalled (see below).
         self.accepted_mark = transport.stats.results_accepted
+        #: A stalled timeout happened and no result has been accepted since (see _restart_timers).
+        self.stall_open = False
         self.remaining = nb
         #: Ready packets that did not fit in the congestion window: (order key, slot); see _order_key.
         self.waiting: list[tuple[int, int]] = []
@@ -853,6 +855,7 @@ class Exchange:
             if rest.any():  # one timer for the others, not backed off further: they were not sent
                 self._arm(now + t.rto.backoff(max(1, int(retries[slots[rest]].min()))), slots[rest], keys[rest])
             t.stats.stalled_timeouts += 1
+            self.stall_open = True
             slots, keys = slots[is_head], keys[is_head]
             if not slots.shape[0]:
                 return
@@ -881,6 +884,16 @@ class Exchange:
             again = slots[retries[slots] >= SHADOW_RETRIES]
             if again.shape[0]:
                 self._resend_answered(np.unique(again))  # a slot once, even if two of its timers were due
+
+    def _restart_timers(self, now: float) -> None:
+        """The first result after a stall: every outstanding packet's timer starts again from now (RFC 6298's
+        restart on new acknowledgements). The switch held them while the straggler was away; timers that ran
+        through the stall would fire while its results come in and resend (and halve the window for) the lot."""
+        self.stall_open = False
+        slots = np.fromiter(self.in_flight, np.int64, len(self.in_flight))
+        self.timers.clear()
+        if slots.shape[0]:
+            self._arm(now + self.transport.rto.rto, slots, self.expect[slots].copy())
 
     def _resend_answered(self, slots: np.ndarray) -> None:
         """Resend, per slot of ``slots``, its latest packet whose result this worker already has: the shadow
@@ -974,6 +987,8 @@ class Exchange:
             if accepted:
                 stats.results_accepted += accepted
                 last_progress = now
+                if self.stall_open:
+                    self._restart_timers(now)
                 t.on_results(accepted)
                 if failover is not None:
                     vote_at = now + failover.after

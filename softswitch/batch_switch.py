@@ -25,7 +25,7 @@ import numpy as np
 
 from netagg import mmsg, udpgso, wire
 from netagg.softswitch import fastpath_kernels as kernels
-from netagg.softswitch import packet_ring
+from netagg.softswitch import packet_ring, raw_segmentation
 from netagg.softswitch.fastpath import FastPipeline
 from netagg.softswitch.ports import LoopbackUdpPort, Port, RawSocketPort
 from netagg.softswitch.switch import PortLoop
@@ -80,7 +80,9 @@ class BatchSwitch(PortLoop):
     tx_faults = None
 
     def __init__(self, pipeline: FastPipeline, ports: Sequence[Port], raw_io: str | None = None,
-                 peers: Sequence[FastPipeline] = ()) -> None:
+                 peers: Sequence[FastPipeline] = (), udp_segmentation: bool = False) -> None:
+        """``udp_segmentation``: raw ports send each run of one UDP flow's frames as one segmentation-offload
+        send (:mod:`~netagg.softswitch.raw_segmentation`); off where the kernel refuses it, saying why."""
         reason = enable_batching(ports)
         if reason:
             raise ValueError(reason)
@@ -134,6 +136,19 @@ class BatchSwitch(PortLoop):
             self._gso_keys = np.zeros(self._out.capacity, np.int64)
             self._gso_order = np.zeros((self._out.capacity, 2), np.uint64)
             self._gso_steer = np.zeros(self._out.capacity, np.int64)
+        # Segmentation-offload sends on raw ports: a send-only socket per port, in group order.
+        self._segmented: raw_segmentation.SegmentedSends | None = None
+        self._tx_socks: list[socket.socket] = []
+        if udp_segmentation and self._raw:
+            try:
+                for port in self._raw:
+                    self._tx_socks.append(raw_segmentation.open_tx_socket(port.ifname))
+                self._segmented = raw_segmentation.SegmentedSends(self._out.capacity, len(self._raw))
+            except OSError as err:
+                log.warning("raw ports: no segmentation offload (%s); one frame per send", err)
+                for sock in self._tx_socks:
+                    sock.close()
+                self._tx_socks = []
 
     def run(self) -> None:
         """Serve until stop()."""
@@ -163,6 +178,8 @@ class BatchSwitch(PortLoop):
             self._thread.join(timeout=5)
         if self._rings is not None and not (self._thread is not None and self._thread.is_alive()):
             self._rings.close()  # unmapped before the ports' sockets close
+        for sock in self._tx_socks:
+            sock.close()
         super().stop()
 
     def _serve_raw(self, ports: list[RawSocketPort]) -> None:
@@ -274,6 +291,9 @@ class BatchSwitch(PortLoop):
             self.stats.transmit_failed += failed
             self.stats.unknown_port += unknown
             return
+        if self._segmented is not None:
+            self._transmit_segmented(emitted)
+            return
         counts = self._group_counts
         self.stats.unknown_port += kernels.group_sends(out_len, out_port, emitted, self._port_slot, out.row_addr,
                                                        out.tx_words, out.tx_iov_words, counts)
@@ -281,6 +301,21 @@ class BatchSwitch(PortLoop):
         for group, count in enumerate(counts.tolist()):
             if count:
                 sent, failed = out.send_prepared(self._raw[group].fileno(), count, first)
+                self.stats.transmitted += sent
+                self.stats.transmit_failed += failed
+                if failed:
+                    self.transmit_failed_by_port[self._raw[group].number] += failed
+                first += count
+
+    def _transmit_segmented(self, emitted: int) -> None:
+        """Raw ports' frames as runs of one flow per send (raw_segmentation), one sendmmsg per port."""
+        out, seg = self._out, self._segmented
+        _, unknown = seg.plan(out.buf, self._out_len, self._out_port, emitted, self._port_slot, out.row_addr)
+        self.stats.unknown_port += unknown
+        first = 0
+        for group, count in enumerate(seg.group_counts.tolist()):
+            if count:
+                sent, failed = seg.send(self._tx_socks[group].fileno(), first, count)
                 self.stats.transmitted += sent
                 self.stats.transmit_failed += failed
                 if failed:

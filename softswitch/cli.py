@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=None,
                         help="pipeline shards, one core each (default: half this machine's CPUs, at most 8; "
                              "1 with --engine reference or fault injection)")
+    parser.add_argument("--udp-segmentation", action="store_true",
+                        help="raw ports send each run of one UDP flow's frames as one segmentation-offload send "
+                             "(virtio-net header; the egress interface's tx-udp-segmentation, else the kernel, "
+                             "cuts it): far fewer sends per result (docs/softswitch.md)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         faults = Faults(args.drop, args.duplicate, args.reorder, args.seed, args.burst, args.burst_length)
         target = SoftwareTarget(args.grpc_addr, interfaces, args.loopback.as_tuple() if args.loopback else None,
                                 faults, args.device_id,
-                                engine=args.engine, shards=args.shards)
+                                engine=args.engine, shards=args.shards, udp_segmentation=args.udp_segmentation)
         target.start()
     except (OSError, ValueError) as err:
         print(f"netagg-softswitch: {err}", file=sys.stderr)

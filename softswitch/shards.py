@@ -59,7 +59,8 @@ class ShardedSwitch:
     tx_faults = None
 
     def __init__(self, pipeline: FastPipeline, shards: int, interfaces: Mapping[int, str],
-                 loopback: tuple[int, str, int] | None = None, raw_io: str | None = None) -> None:
+                 loopback: tuple[int, str, int] | None = None, raw_io: str | None = None,
+                 udp_segmentation: bool = False) -> None:
         from netagg.softswitch.batch_switch import BatchSwitch  # needs numba
 
         if shards < 2:
@@ -79,7 +80,8 @@ class ShardedSwitch:
                 opened.extend(members)
                 for i, port in enumerate(members):
                     per_shard[i].append(port)
-            self.shards: list[BatchSwitch] = [BatchSwitch(p, ports, raw_io, peers=self.pipelines)
+            self.shards: list[BatchSwitch] = [BatchSwitch(p, ports, raw_io, peers=self.pipelines,
+                                                                   udp_segmentation=udp_segmentation)
                            for p, ports in zip(self.pipelines, per_shard, strict=True)]
             # Rings are set up; now the raw ports' sockets join one steered fanout group per interface.
             for number in sorted(interfaces):

@@ -42,9 +42,12 @@ class SoftwareTarget:
 
     def __init__(self, grpc_address: str = "127.0.0.1:9559", interfaces: Mapping[int, str] | None = None,
                  loopback: tuple[str, int] | None = None, faults: Faults | None = None, device_id: int = 1,
-                 p4info_path: Path = dp.P4INFO_PATH, engine: str = "auto", shards: int | None = None) -> None:
+                 p4info_path: Path = dp.P4INFO_PATH, engine: str = "auto", shards: int | None = None,
+                 udp_segmentation: bool = False) -> None:
         """``shards``: pipeline shards on as many cores (:mod:`~netagg.softswitch.shards`; None: what the
-        machine can spare); 1 where the per-packet loop runs (the reference engine, fault injection)."""
+        machine can spare); 1 where the per-packet loop runs (the reference engine, fault injection).
+        ``udp_segmentation``: raw ports send runs of one UDP flow as segmentation-offload sends
+        (:mod:`~netagg.softswitch.raw_segmentation`; the batched loops only)."""
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
         index = P4InfoIndex.from_file(p4info_path)
@@ -80,7 +83,8 @@ class SoftwareTarget:
             assert isinstance(self.pipeline, fastpath.FastPipeline)
             try:
                 self.switch = ShardedSwitch(self.pipeline, self.shards, interfaces or {},
-                                            (LOOPBACK_PORT_NUMBER, *loopback) if loopback is not None else None)
+                                            (LOOPBACK_PORT_NUMBER, *loopback) if loopback is not None else None,
+                                            udp_segmentation=udp_segmentation)
             except ShardingUnavailable as err:
                 # The pipeline keeps shard 0's lock and counters: the control plane still takes every lock.
                 log.warning("software target: 1 shard, not %d (%s)", self.shards, err)
@@ -99,7 +103,7 @@ class SoftwareTarget:
 
             if (why := enable_batching(ports)) is None:
                 warm_up()
-                self.switch = BatchSwitch(self.pipeline, ports)
+                self.switch = BatchSwitch(self.pipeline, ports, udp_segmentation=udp_segmentation)
             else:
                 log.warning("software target: per-packet loop (%s)", why)
                 self.switch = SoftSwitch(self.pipeline.process, ports, rx, tx)
