@@ -31,6 +31,11 @@ def tensor_for(rank: int, size: int) -> np.ndarray:
     return (rng.standard_normal(size) * 10.0 ** rng.uniform(-3, 1, size)).astype(np.float32)
 
 
+#: Wall-clock time (time.time()) when the timed allreduces began and ended: for benchmarks that set them against
+#: something else on the machine (benchmarks.tcp_share).
+WINDOW: list[float] = []
+
+
 def time_allreduce(config: WorkerConfig, data: np.ndarray, iterations: int, congestion_control: bool = True,
                    ) -> tuple[list[float], np.ndarray, TransportStats, float]:
     """One warm-up allreduce (its result is returned), then ``iterations`` timed ones; the transport's stats, and
@@ -41,10 +46,12 @@ def time_allreduce(config: WorkerConfig, data: np.ndarray, iterations: int, cong
         result = worker.allreduce(data)
         times = []
         cpu = _cpu()
+        WINDOW[:] = [time.time()]
         for _ in range(iterations):
             start = time.perf_counter()
             worker.allreduce(data)
             times.append(time.perf_counter() - start)
+        WINDOW.append(time.time())
         share = (_cpu() - cpu) / sum(times) if times else 0.0
     return times, result, worker.transport.stats, share
 
@@ -84,6 +91,7 @@ def _gloo(rank: int, world: int, master: str, size: int, iterations: int) -> tup
         dist.all_reduce(result)
         times = []
         busy = 0.0
+        WINDOW[:] = [time.time()]
         for _ in range(iterations):
             work = data.clone()
             dist.barrier()
@@ -91,6 +99,7 @@ def _gloo(rank: int, world: int, master: str, size: int, iterations: int) -> tup
             dist.all_reduce(work)
             times.append(time.perf_counter() - start)
             busy += _cpu() - cpu
+        WINDOW.append(time.time())
     finally:
         dist.destroy_process_group()
     return times, result.numpy(), {"timed_cpu_share": busy / sum(times) if times else 0.0}
@@ -125,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_seconds": busy,
         "digest": hashlib.sha256(np.ascontiguousarray(result, np.float32).tobytes()).hexdigest(),
         "head": [float(x) for x in result[:4]],
+        "timed_window": WINDOW,
         **extra,
     }), flush=True)
     return 0

@@ -65,6 +65,8 @@ class Measurement:
     width: int = 0
     #: The slots the job got (netagg kinds: the controller's choice unless --slots; 0 for gloo and fallback).
     slots: int = 0
+    #: Wall-clock time (time.time()) the first worker began its timed allreduces and the last one ended them.
+    timed_window: tuple[float, float] = (0.0, 0.0)
 
 
 def torch_available() -> bool:
@@ -181,8 +183,13 @@ def finish_kind(cluster: EmulatedCluster, run: RunningKind) -> Measurement:
         retransmissions=sum(r.get("retransmissions", 0) for r in results),
         packets_sent=sum(r.get("packets_sent", 0) for r in results),
         timed_worker_cpu_share=max(r.get("timed_cpu_share", 0.0) for r in results), width=run.width,
-        slots=run.slots,
+        slots=run.slots, timed_window=_timed_window(results),
     )
+
+
+def _timed_window(results: list[dict]) -> tuple[float, float]:
+    windows = [r["timed_window"] for r in results if len(r.get("timed_window", ())) == 2]
+    return (min(w[0] for w in windows), max(w[1] for w in windows)) if windows else (0.0, 0.0)
 
 
 def run_kind(cluster: EmulatedCluster, kind: str, num_workers: int, size: int, iterations: int,
