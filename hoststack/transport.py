@@ -62,13 +62,13 @@ a decrease, a worker could hold only blocks that another worker cannot send unti
 gets the lower block this worker is holding back (a deadlock). With that rule the lowest
 unfinished block is always sent by every worker.
 
-I/O is batched through the kernel. Every group of packets sent at once (a window refill, the
-retransmissions due at one moment) is built in the preallocated rows by one pass
-(``fill_packets``) and leaves with one ``sendmmsg`` whose messages are UDP GSO sends of up to 64
-equal-size segments each (:mod:`netagg.udpgso`; iovecs point at the rows), so the kernel's
-socket and IP layers are crossed once per 64 packets. Results are read with ``recvmmsg`` on a
-``UDP_GRO`` socket, a coalesced buffer split by its segment size into receive rows (up to
-:data:`_RECV_ROWS` per call), and checked and applied by one pass over the batch
+I/O is batched through the kernel (:mod:`~netagg.hoststack.transport_io`, the socket's own module).
+Every group of packets sent at once (a window refill, the retransmissions due at one moment) is built
+in the preallocated rows by one pass (``fill_packets``) and leaves with one ``sendmmsg`` whose messages
+are UDP GSO sends of up to 64 equal-size segments each (:mod:`netagg.udpgso`; iovecs point at the
+rows), so the kernel's socket and IP layers are crossed once per 64 packets. Results are read with
+``recvmmsg`` on a ``UDP_GRO`` socket, a coalesced buffer split by its segment size into receive rows,
+and checked and applied by one pass over the batch
 (``accept_results``): compiled with numba (:mod:`~netagg.hoststack.transport_kernels`) or its
 numpy reference (:mod:`~netagg.hoststack.transport_reference`), with the same effects; the values are
 quantized by the codec's one quantizer (``codec_kernels.quantize_row``, or
@@ -81,31 +81,27 @@ their timers fire together and they are resent together, a single loss event for
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import heapq
 import logging
 import math
-import select
 import socket
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from netagg import layout, mmsg, udpgso, wire
+from netagg import layout, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.congestion import RTO_FLOOR, CongestionWindow, RtoEstimator
 from netagg.hoststack.failover import FailoverClient
 from netagg.hoststack.packets import (
     PROBE_SEQ_BIT,
-    RECV_ROW_BYTES,
     SEQ_MASK,
     packet_dtype,
     slot_count_of,
-    udp_socket,
 )
+from netagg.hoststack.transport_io import SlotSocket
 from netagg.jobconfig import WorkerConfig, resolve
 
 log = logging.getLogger(__name__)
@@ -115,17 +111,11 @@ try:  # compiled batch kernels when numba is installed (extra "fast"); same effe
 except ImportError:
     kernels = None  # (tests set it to None to run the numpy reference)
 
-#: Datagrams read per receive without GRO (one recvmmsg), and read calls per wake-up before the ready slots
-#: are refilled.
-_RECV_BATCH = mmsg.BATCH
+#: Receive calls per wake-up before the ready slots are refilled ...
 _RECV_CALLS = 2
 #: ... but while a retransmission timer is due, up to this many: results that waited in the socket while this
 #: worker was descheduled are read before their packets are taken for lost (no retransmission storm).
 _RECV_CALLS_MAX = 64
-#: Receive rows per call with GRO (a few coalesced buffers of up to 64 segments each).
-_RECV_ROWS = 256
-#: Receive buffer row: longer datagrams are cut to this (and so still counted as malformed).
-_RECV_STRIDE = RECV_ROW_BYTES
 #: Restart ride-through (module docstring): from this resend of a packet on, its slot's previous packet is
 #: resent with it ...
 SHADOW_RETRIES = 2
@@ -263,12 +253,8 @@ class Transport:
         self.slot_base, self.slot_count = slot_range if slot_range is not None else (0, slot_count_of(config))
         if self.slot_count < 1 or self.slot_base < 0 or self.slot_base + self.slot_count > 0x10000:
             raise ValueError(f"slot range {slot_range} is not within the 16-bit slot field")
-        self._connect = connect
         self.progress_timeout = progress_timeout
         target = config.ps if config.mode == "fallback" else config.aggregator
-        self.sock = udp_socket(resolve(config.bind), sock)
-        self.address: tuple[str, int] = self.sock.getsockname()
-        self._fd = self.sock.fileno()
         # Failover to the PS (hoststack/failover.py): where the job's exchanges go while the switch is away.
         self.failover = failover
         self._switch_address = resolve(target)
@@ -285,8 +271,6 @@ class Transport:
         #: ... and the last one's inputs, flags, collective id and the state it began from (run again at the PS
         #: after a failover).
         self._prev: tuple[np.ndarray, np.ndarray, np.ndarray | None, int, _Mark] | None = None
-        self.poller = select.poll()
-        self.poller.register(self._fd, select.POLLIN)
         self.rto = RtoEstimator(rto_initial, rto_min, rto_max, max_backoff=max_backoff)
         self.stats = TransportStats()
         #: Congestion window (packets outstanding), kept across exchanges; fixed at S without control.
@@ -303,14 +287,12 @@ class Transport:
         hdr["slot"] = self.slot_base + np.arange(self.slot_count)
         self.raw = self.packets.view(np.uint8).reshape(self.slot_count, nbytes)
         self.words = self.raw.view(np.uint32)
-        self.rows = [memoryview(self.raw[s]) for s in range(self.slot_count)]
         # Per slot: the exact bytes of the packet sent in it before the current one (row s of ``_raw``), kept
         # across exchanges, and how many packets the slot has carried (a shadow exists from 2 on).
         self.shadow = np.zeros((self.slot_count, nbytes), np.uint8)
         self.uses = np.zeros(self.slot_count, np.int64)
         # What the recovery resends are copied into and sent from (module docstring).
         self.resend = np.zeros((self.slot_count, nbytes), np.uint8)
-        self.resend_rows = [memoryview(self.resend[s]) for s in range(self.slot_count)]
         #: The members a subset exchange writes into each row it fills (0: the whole job).
         self.members = 0
         self.next_pool = np.zeros(self.slot_count, np.uint8)
@@ -321,31 +303,9 @@ class Transport:
         self.seq = 0
         self.probe_seq = 0
         self.encode = qz.factor_tables(config.total_workers)[:2]  # the whole job's (a tree: more than its leaf's)
-        # Batched I/O (module docstring): segmented sends whose iovecs point at the rows above, coalesced
-        # receives split into rows; else one send/recvfrom_into per packet.
-        self._batched = mmsg.AVAILABLE
-        self._tx: udpgso.GsoBatch | None = None
-        self.rx_capacity = _RECV_BATCH
-        if self._batched:
-            if udpgso.enable_gro(self.sock):
-                self._rx: mmsg.MsgBatch | udpgso.GroBatch = udpgso.GroBatch(_RECV_ROWS, _RECV_STRIDE)
-                self.rx_capacity = _RECV_ROWS
-            else:
-                self._rx = mmsg.MsgBatch(_RECV_BATCH, _RECV_STRIDE)
-            self.rx_buf, self.rx_names, self.rx_lengths = self._rx.buf, self._rx.names, self._rx.lengths
-            self._tx = udpgso.GsoBatch(self.slot_count)
-            if self._tx.refused is not None:
-                log.info("transport %s: one datagram per message (%s)", self.address, self._tx.refused)
-            self.row_addr = np.uint64(self.raw.ctypes.data) + np.arange(self.slot_count, dtype=np.uint64) \
-                * np.uint64(nbytes)
-            self.resend_addr = np.uint64(self.resend.ctypes.data) \
-                + np.arange(self.slot_count, dtype=np.uint64) * np.uint64(nbytes)
-        else:
-            self.rx_buf = np.zeros((_RECV_BATCH, _RECV_STRIDE), np.uint8)
-            self.rx_names = np.zeros((_RECV_BATCH, mmsg.NAME_BYTES), np.uint8)
-            self.rx_lengths = np.zeros(_RECV_BATCH, np.uint32)
-            self._rx_rows = [memoryview(row) for row in self.rx_buf]
-            self._rx_name_view = memoryview(self.rx_names.reshape(-1))
+        #: The socket and its batched I/O (transport_io.py), sending the rows above.
+        self.io = SlotSocket(resolve(config.bind), self.raw, self.resend, self.slot_base, self.stats, sock, connect)
+        self.address = self.io.address
         self._set_destination(self._switch_address)
         #: On the PS: the most rounds a slot has run there since the switch last saw the job (``failover_route``).
         self._rounds_away = 0
@@ -357,25 +317,7 @@ class Transport:
 
     def _set_destination(self, destination: tuple[str, int]) -> None:
         """Send to ``destination`` (the switch, or the PS after a failover) and accept results from it."""
-        self.destination = destination
-        self.sources = frozenset({destination} | self._also_from)
-        if len(self.sources) == 1 and self._connect:
-            # One peer: a connected socket sends faster and the kernel drops strangers' datagrams.
-            self.sock.connect(destination)
-            self._send = self.sock.send
-        else:
-            sendto = self.sock.sendto
-            self._send = lambda data: sendto(data, destination)
-        if self._batched:
-            self._dest_name = mmsg.sockaddr_in(*destination)  # kept alive: the headers point at it
-            self._tx_name = (0, 0) if len(self.sources) == 1 and self._connect \
-                else (self._dest_name.ctypes.data, self._dest_name.size)
-        else:
-            # What recvmmsg would write for a peer (sockaddr_in up to the address); others get zeros.
-            self._source_names = {source: bytes(mmsg.sockaddr_in(*source)[:8]) for source in self.sources}
-        #: The peers as the batch processors compare them: IPv4 << 16 | port.
-        self.allowed = np.array([int.from_bytes(socket.inet_aton(host), "big") << 16 | port
-                                  for host, port in sorted(self.sources)], np.int64)
+        self.io.set_destination(destination, self._also_from)
 
     # -- public ------------------------------------------------------------
     def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None, *, flags: np.ndarray | None = None,
@@ -446,7 +388,7 @@ class Transport:
         data = packet.tobytes()
         for _ in range(3):
             try:
-                self._send(data)
+                self.io.send(data)
             except OSError:
                 self.stats.socket_errors += 1
         log.error("job %d rank %d: aborted collective %d (%s); the job's other ranks will raise OutOfStep",
@@ -551,19 +493,26 @@ class Transport:
     @property
     def batched(self) -> bool:
         """Whether packets cross the kernel in batches (sendmmsg/recvmmsg) rather than one call each."""
-        return self._batched
+        return self.io.batched
 
     @property
     def gso_refused(self) -> str | None:
         """Why sends go one datagram per message instead of UDP GSO (None: GSO is in use)."""
-        if self._tx is None:
-            return "no sendmmsg/recvmmsg on this platform"
-        return self._tx.refused
+        return self.io.gso_refused
 
     @property
     def gro(self) -> bool:
         """Whether results are received as UDP GRO coalesced buffers."""
-        return self._batched and isinstance(self._rx, udpgso.GroBatch)
+        return self.io.gro
+
+    @property
+    def sock(self) -> socket.socket:
+        return self.io.sock
+
+    @property
+    def destination(self) -> tuple[str, int]:
+        """Where the exchanges go: the switch, or the PS after a failover."""
+        return self.io.destination
 
     @property
     def on_ps(self) -> bool:
@@ -576,7 +525,7 @@ class Transport:
         return self.seq
 
     def close(self) -> None:
-        self.sock.close()
+        self.io.close()
 
     def __enter__(self) -> Transport:
         return self
@@ -585,70 +534,8 @@ class Transport:
         self.close()
 
     # -- used by Exchange (one exchange's state and loop; it also reads and writes the per-slot rows and round
-    # state above: ``packets``/``raw``/``words``/``rows``, ``shadow``/``uses``/``resend``, ``rounds``/``next_pool``/
-    # ``seq``/``probe_seq``, ``members``, and the receive batch ``rx_*``/``allowed``/``poller``) --
-    def blocks_of(self, slots: np.ndarray) -> np.ndarray:
-        """The steering blocks of this transport's rows ``slots`` (job-relative slot >> 6)."""
-        return (slots + self.slot_base) >> wire.SEGMENT_BLOCK_SHIFT
-
-    def transmit(self, slots: np.ndarray, resend_buffer: bool = False, blocks: np.ndarray | None = None) -> int:
-        """Send the rows of ``slots`` as they are (one sendmmsg per batch); returns how many failed.
-
-        ``resend_buffer``: rows of ``_resend`` (``slots`` are then row numbers there, and ``blocks`` their
-        slots' steering blocks) instead of the packets. A segmented send never spans two steering blocks
-        (``wire.SEGMENT_BLOCK_SLOTS``: receivers with several cores steer it by its first datagram)."""
-        tx = self._tx
-        if tx is None:
-            errors, rows, send = 0, self.resend_rows if resend_buffer else self.rows, self._send
-            for slot in slots.tolist():
-                try:
-                    send(rows[slot])
-                except OSError:  # full buffer or ICMP: the timer resends
-                    errors += 1
-            return errors
-        errors = 0
-        addresses = self.resend_addr if resend_buffer else self.row_addr
-        if blocks is None:
-            blocks = self.blocks_of(slots)
-        for first in range(0, slots.shape[0], tx.capacity):
-            chunk = slots[first:first + tx.capacity]
-            headers = tx.plan_uniform(addresses[chunk], self.netagg_bytes, *self._tx_name,
-                                      keys=blocks[first:first + tx.capacity])
-            errors += tx.send(self._fd, headers)[1]
-        return errors
-
-    def rx_pending(self) -> bool:
-        """Whether datagrams of a coalesced receive wait in the batch (poll would not report them)."""
-        return isinstance(self._rx, udpgso.GroBatch) and self._rx.pending if self._batched else False
-
-    def receive(self) -> int:
-        """Read up to ``_rx_capacity`` waiting datagrams into the receive rows; returns how many, or -1
-        after a socket error (counted; e.g. ICMP port unreachable from an earlier send on loopback)."""
-        if self._batched:
-            try:
-                count = self._rx.recv(self._fd)
-            except OSError:
-                self.stats.socket_errors += 1
-                return -1
-            if count == 0 and ctypes.get_errno() == errno.ECONNREFUSED:  # MsgBatch.recv reports it as 0
-                self.stats.socket_errors += 1
-                return -1
-            return count
-        count, rows, names, lengths = 0, self._rx_rows, self._rx_name_view, self.rx_lengths
-        known, unknown, recv = self._source_names, bytes(8), self.sock.recvfrom_into
-        for _ in range(_RECV_BATCH):
-            try:
-                size, source = recv(rows[count])
-            except BlockingIOError:
-                break
-            except OSError:
-                self.stats.socket_errors += 1
-                continue
-            lengths[count] = size
-            names[count * mmsg.NAME_BYTES:count * mmsg.NAME_BYTES + 8] = known.get(source, unknown)
-            count += 1
-        return count
-
+    # state above: ``packets``/``raw``/``words``, ``shadow``/``uses``/``resend``, ``rounds``/``next_pool``/
+    # ``seq``/``probe_seq``, ``members``; its I/O goes through ``io``) --
     @property
     def window(self) -> float:
         """Packets this transport keeps outstanding at most (``cwnd``; its slots without congestion control)."""
@@ -746,9 +633,10 @@ class Exchange:
         none = np.zeros(0, np.int64)
         r.fill(none, none, r.blocks, r.local_exp, r.global_exp, r.ahead, 0, 0, r.window, *t.encode, t.raw, t.words,
                t.next_pool, t.rounds, r.expect, r.sent_at, 0.0, none.copy())
-        rows = t.rx_capacity
+        rows = t.io.rx_capacity
         outputs = np.zeros(rows, np.int64), np.zeros(rows, np.int64), np.zeros(rows)
-        r.accept(t.rx_buf, t.rx_lengths, t.rx_names, 0, t.allowed, t.config.job_id, t.slot_base, 0, r.window, 0,
+        io = t.io
+        r.accept(io.rx_buf, io.rx_lengths, io.rx_names, 0, io.allowed, t.config.job_id, t.slot_base, 0, r.window, 0,
                  r.expect, r.retries, r.sent_at, t.next_pool, 0.0, r.sums_flat, r.global_exp, 0, r.result_flags,
                  r.alarm, *outputs)
         RtoEstimator().sample_all(outputs[2][:0])
@@ -817,7 +705,7 @@ class Exchange:
             raise TransportError("aggregator returned an exponent below this worker's: protocol violation")
         if self.block_flags is not None:  # fill wrote flags 0: a block's non-finite flags go with it
             hdr["flags"][slots] = np.where(block_ids >= 0, self.block_flags[np.maximum(block_ids, 0)], 0)
-        errors = t.transmit(slots)
+        errors = t.io.transmit(slots)
         t.stats.packets_sent += slots.shape[0] - errors
         t.stats.socket_errors += errors
         self._arm(now + t.rto.rto, slots, keys)
@@ -867,7 +755,7 @@ class Exchange:
             retries[slot] = count
             by_retries.setdefault(count, []).append(i)
         t.raw[slots, layout.FLAGS_AT] |= wire.FLAG_RETRANSMIT  # cleared when the row is next filled
-        errors = t.transmit(slots)
+        errors = t.io.transmit(slots)
         self.resent_at[slots] = now
         t.stats.packets_sent += slots.shape[0] - errors
         t.stats.socket_errors += errors
@@ -913,8 +801,7 @@ class Exchange:
         rows = t.resend[:n]
         rows[:] = np.where(outstanding[:, None], t.shadow[slots], t.raw[slots])
         rows[:, layout.FLAGS_AT] |= wire.FLAG_RETRANSMIT
-        errors = t.transmit(np.arange(n, dtype=np.int64), resend_buffer=True,
-                            blocks=t.blocks_of(slots))
+        errors = t.io.transmit(np.arange(n, dtype=np.int64), resend_buffer=True, blocks=t.io.blocks_of(slots))
         t.stats.packets_sent += n - errors
         t.stats.socket_errors += errors
         t.stats.shadow_resends += n - errors
@@ -928,11 +815,12 @@ class Exchange:
         self.release(list(range(self.used_slots)), [-1] * self.used_slots)
         last_progress = time.monotonic()
         stats, accept, job_id, slot_base = t.stats, self.accept, t.config.job_id, t.slot_base
-        buf, names, lengths, allowed = t.rx_buf, t.rx_names, t.rx_lengths, t.allowed
+        io = t.io
+        buf, names, lengths, allowed = io.rx_buf, io.rx_names, io.rx_lengths, io.allowed
         expect, retries, sent_at, next_pool = self.expect, self.retries, self.sent_at, t.next_pool
         window, seq0, sums, global_exp = self.window, self.seq0, self.sums_flat, self.global_exp
         ident, result_flags, alarm = self.ident, self.result_flags, self.alarm
-        rows = t.rx_capacity
+        rows = io.rx_capacity
         acc_slots = np.empty(rows, np.int64)
         following = np.empty(rows, np.int64)
         rtts = np.empty(rows)
@@ -943,15 +831,15 @@ class Exchange:
             wake = min(last_progress + t.progress_timeout, vote_at)
             if self.timers:
                 wake = min(wake, self.timers[0][0])
-            if wake > now and not t.rx_pending():
-                t.poller.poll(math.ceil((wake - now) * 1000))
+            if wake > now and not io.rx_pending():
+                io.poller.poll(math.ceil((wake - now) * 1000))
             ready_slots: list[int] = []
             ready_blocks: list[int] = []
             accepted = 0
             calls = 0
             while calls < _RECV_CALLS_MAX:
                 calls += 1
-                count = t.receive()
+                count = io.receive()
                 if count <= 0:
                     if count < 0:
                         continue  # a socket error (counted): read on
