@@ -19,7 +19,7 @@ from netagg.controller.allocator import SlotAllocator, SlotRange, TreeAllocator,
 from netagg.controller.config import ControllerConfig
 from netagg.controller.errors import ServiceError
 from netagg.controller.sizing import ASKED, SlotChoice, choose_slots
-from netagg.controller.store import PsEndpoint, WorkerEndpoint
+from netagg.controller.store import JobRecord, PsEndpoint, WorkerEndpoint
 from netagg.jobconfig import SCHEDULES, UPDATE_MODES
 
 MODES = ("allreduce", "ps", "fallback")
@@ -359,7 +359,39 @@ class Admission:
                 allocator.release(grant.slots)
 
 
-def admit(job: ValidJob, allocator: SlotAllocator | TreeAllocator, min_slots: int) -> Admission:
+@dataclass(frozen=True)
+class TenantCap:
+    """The most cells a tenant's new job may take (its quota and fair share less what its jobs hold), and why."""
+
+    cells: int
+    why: str
+
+
+def tenant_cap(config: ControllerConfig, tenant: str, jobs: list[JobRecord], new_jobs: int = 1) -> TenantCap | None:
+    """What ``tenant`` may still take for ``new_jobs`` more jobs, given the ``jobs`` that exist (None: no limit).
+
+    Raises ServiceError ``quota_exceeded`` when the tenant already runs its ``max_jobs``."""
+    limits = config.tenant_limits.get(tenant)
+    mine = [j for j in jobs if j.tenant == tenant]
+    if limits is not None and limits.max_jobs is not None and len(mine) + new_jobs > limits.max_jobs:
+        raise ServiceError("quota_exceeded", (
+            f"tenant {tenant!r} has {len(mine)} job(s) and may have {limits.max_jobs} (tenants.{tenant}.max_jobs); "
+            "delete one first"))
+    caps = []
+    if limits is not None and limits.max_cells is not None:
+        caps.append((limits.max_cells, f"tenant {tenant!r}'s quota of {limits.max_cells} cells"))
+    if config.fair_share and len(config.tenant_limits) > 1:
+        share = config.tenant_share(tenant)
+        caps.append((share, f"tenant {tenant!r}'s fair share of {share} cells"))
+    if not caps:
+        return None
+    limit, why = min(caps)
+    held = sum(j.cell_count for j in mine if j.uses_switch)
+    return TenantCap(max(0, limit - held), f"{why}, {held} held by its jobs")
+
+
+def admit(job: ValidJob, allocator: SlotAllocator | TreeAllocator, min_slots: int,
+          cap: TenantCap | None = None) -> Admission:
     """Take the job's cells (and its distribution job's) from the allocator: best effort.
 
     A job of ``slots`` slots (``job.slots``: asked, or chosen by the controller) of width k needs
@@ -367,33 +399,52 @@ def admit(job: ValidJob, allocator: SlotAllocator | TreeAllocator, min_slots: in
     ``min_slots``: a minimum in the job's slots) is a partial admission;
     none at all is fallback mode through the PS, or, without a PS, a refusal (ServiceError
     capacity_exhausted). A distribution job (of the same width) goes through the switch or not at all:
-    without cells for it, neither job is created.
+    without cells for it, neither job is created. ``cap``: the tenant's quota and fair share (:func:`tenant_cap`):
+    the job gets at most that many cells (its distribution job's count too); a job it leaves no room for falls
+    back to its PS, or is refused (``quota_exceeded``).
     """
     request = job.request
     slots, mode, switch_aggregation = job.slots, request.mode, request.switch_aggregation
     cells = job.cells
     taken: SlotRange | TreeSlots | None = None
+    allowed = slots if cap is None else min(slots, cap.cells // cells)
     if mode == "fallback":
         grant = Grant(None, "full", "fallback mode asked for", cells)
     else:
-        taken = allocator.allocate(slots * cells, min(min_slots, slots) * cells, unit=cells)
+        if allowed < min(min_slots, slots):  # the tenant's quota or share leaves no room
+            need = _need(min(min_slots, slots), job.width)
+            if job.ps is None:
+                raise ServiceError("quota_exceeded", f"{cap.why}: no room for {need}, and no --ps to fall back to")
+            taken = None
+            why = f"{cap.why}: no room for {need}"
+        else:
+            taken = allocator.allocate(allowed * cells, min(min_slots, allowed) * cells, unit=cells)
+            why = (f"no range of {_need(min(min_slots, slots), job.width)} (largest free: "
+                   f"{_free(allocator, job.width)})")
         if taken is None:
             if job.ps is None:
-                raise ServiceError("capacity_exhausted", (
-                    f"no range of {_need(min(min_slots, slots), job.width)} (largest free: "
-                    f"{_free(allocator, job.width)}) and no --ps to fall back to"))
+                raise ServiceError("capacity_exhausted", f"{why} and no --ps to fall back to")
             mode = "fallback"
-            reason = (f"no range of {_need(min(min_slots, slots), job.width)} (largest free: "
-                      f"{_free(allocator, job.width)}); workers aggregate through the PS")
+            reason = f"{why}; workers aggregate through the PS"
             if switch_aggregation:
                 switch_aggregation = False
                 reason += "; no switch aggregation without slots"
             grant = Grant(None, "fallback", reason, cells)
         else:
-            grant = _slots_grant(taken, slots, cells, job.slots_chosen_by)
+            grant = _slots_grant(taken, slots, cells, job.slots_chosen_by,
+                                 cap.why if cap is not None and allowed < slots else None)
     distribution = None
     if job.distribution is not None:
         want = job.distribution_slots
+        if cap is not None:
+            left = cap.cells - (taken.count if taken else 0)
+            if left // cells < min(min_slots, want):
+                if taken:
+                    allocator.release(taken)
+                raise ServiceError("quota_exceeded", (
+                    f"{cap.why}: no room for the distribution job's {_need(min(min_slots, want), job.width)}; "
+                    "neither job was created"))
+            want = min(want, left // cells)
         dist_taken = allocator.allocate(want * cells, min(min_slots, want) * cells, unit=cells)
         if dist_taken is None:
             if taken:
@@ -417,10 +468,11 @@ def _free(allocator: SlotAllocator | TreeAllocator, width: int) -> str:
     return str(largest) if cells == 1 else f"{largest} cells, {largest // cells} slots of width {width}"
 
 
-def _slots_grant(taken: SlotRange | TreeSlots, wanted: int, cells: int, chosen_by: str = ASKED) -> Grant:
+def _slots_grant(taken: SlotRange | TreeSlots, wanted: int, cells: int, chosen_by: str = ASKED,
+                 capped_by: str | None = None) -> Grant:
     got = taken.count // cells
     if got < wanted:
-        detail = "largest free range" if chosen_by == ASKED else "largest free range; chosen by the controller"
+        detail = (capped_by or "largest free range") + ("; chosen by the controller" if chosen_by != ASKED else "")
         return Grant(taken, "partial", f"{got} of {wanted} slots ({detail}); fewer packets in flight", cells)
     return Grant(taken, "full", f"{wanted} slots " + ("as asked" if chosen_by == ASKED else
                                                         "as chosen by the controller"), cells)

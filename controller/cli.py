@@ -26,7 +26,7 @@ from netagg.jobconfig import ConfigError, write_private
 
 EXIT_CODES = {
     "ok": 0, "internal": 1, "invalid_argument": 2, "not_found": 3, "permission_denied": 4,
-    "capacity_exhausted": 5, "switch_error": 6, "switch_unavailable": 6, "unreachable": 7,
+    "capacity_exhausted": 5, "quota_exceeded": 5, "switch_error": 6, "switch_unavailable": 6, "unreachable": 7,
 }
 DEFAULT_CONFIG = dp.REPO_ROOT / "configs" / "controller.yaml"
 

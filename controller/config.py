@@ -103,6 +103,17 @@ class ControllerConfig:
     #: ``slots.target_rtt_ms``: the round trip a job's window must cover when the controller chooses its slots
     #: (the path's round trip plus queueing and a busy host's scheduling delays; ``sizing.py``).
     target_rtt_ms: float = 5.0
+    #: Per tenant (by name): its quotas and weight (``tenants.<name>``: max_jobs, max_cells, weight).
+    tenant_limits: dict[str, TenantLimits] = field(default_factory=dict)
+    #: ``slots.fair_share``: no tenant's jobs hold more than its weighted share of the switch's cells.
+    fair_share: bool = False
+
+    def tenant_share(self, tenant: str) -> int:
+        """The cells ``tenant``'s jobs may hold together under ``fair_share``: the capacity split among the
+        configured tenants by weight (rounded down)."""
+        weights = {name: limits.weight for name, limits in self.tenant_limits.items()}
+        total = sum(weights.values())
+        return int(self.slot_capacity * weights.get(tenant, 1.0) / total) if total > 0 else self.slot_capacity
 
     @property
     def default_width(self) -> int:
@@ -118,7 +129,7 @@ _SCHEMA: dict[str, set[str]] = {
     "switch": {"grpc_address", "device_id", "election_id", "p4info", "bmv2_json", "aggregator",
                "startup_wait_seconds", "target"},
     "switch.aggregator": {"ip", "mac", "udp_port"},
-    "slots": {"capacity", "min_per_job", "target_rtt_ms"},
+    "slots": {"capacity", "min_per_job", "target_rtt_ms", "fair_share"},
     "jobs": {"lease_seconds"},
     "controller": {"database", "api_socket", "admin_token", "metrics_address"},
     "hosts.*": {"name", "ip", "mac", "port", "link_mbit"},
@@ -287,15 +298,19 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
             raise r.fail("controller.metrics_address", f"{metrics_address!r} is not host:port (port 0..65535)")
 
     tenants: dict[str, str] = {}
+    limits: dict[str, TenantLimits] = {}
     for tenant, spec in r.section("tenants", required=False).items():
-        if not isinstance(spec, dict) or set(spec) != {"token"} or not isinstance(spec["token"], str):
-            raise r.fail(f"tenants.{tenant}", "expected {token: <string>}")
+        if not isinstance(spec, dict) or "token" not in spec or not set(spec) <= _TENANT_KEYS \
+                or not isinstance(spec["token"], str):
+            raise r.fail(f"tenants.{tenant}", "expected {token: <string>} and optionally max_jobs, max_cells, weight")
         token = spec["token"]
         if len(token) < 8:
             raise r.fail(f"tenants.{tenant}.token", "must be at least 8 characters")
         if token in tenants or token == admin_token:
             raise r.fail(f"tenants.{tenant}.token", "is already used by another tenant or the admin")
         tenants[token] = str(tenant)
+        limits[str(tenant)] = _tenant_limits(r, str(tenant), spec)
+    fair_share = r.value("slots.fair_share", bool, False)
 
     hosts: dict[str, HostConfig] = {}
     if topology is not None:
@@ -333,7 +348,35 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         default_lease_seconds=lease, database=database, api_socket=api_socket, admin_token=admin_token,
         tenants=tenants, hosts=hosts, parameter_servers=servers, metrics_address=metrics_address,
         startup_wait_seconds=startup_wait, topology=topology, target=target, target_rtt_ms=target_rtt_ms,
+        tenant_limits=limits, fair_share=fair_share,
     )
+
+
+_TENANT_KEYS = {"token", "max_jobs", "max_cells", "weight"}
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """A tenant's quotas (None: no limit) and its weight in the fair share (``slots.fair_share``)."""
+
+    max_jobs: int | None = None
+    #: Switch memory cells its jobs may hold together (a narrow slot is one cell, a wide one four).
+    max_cells: int | None = None
+    weight: float = 1.0
+
+
+def _tenant_limits(r: _Reader, tenant: str, spec: dict) -> TenantLimits:
+    where = f"tenants.{tenant}"
+    max_jobs = r.value("max_jobs", int, None, node=spec, name=f"{where}.max_jobs")
+    if max_jobs is not None and max_jobs < 1:
+        raise r.fail(f"{where}.max_jobs", f"must be >= 1, got {max_jobs}")
+    max_cells = r.value("max_cells", int, None, node=spec, name=f"{where}.max_cells")
+    if max_cells is not None and max_cells < 1:
+        raise r.fail(f"{where}.max_cells", f"must be >= 1, got {max_cells}")
+    weight = r.value("weight", float, 1.0, node=spec, name=f"{where}.weight")
+    if not (math.isfinite(weight) and weight > 0):
+        raise r.fail(f"{where}.weight", f"must be a number > 0, got {weight!r}")
+    return TenantLimits(max_jobs, max_cells, weight)
 
 
 def link_mbit(value: Any, where: str) -> float | None:

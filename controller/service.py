@@ -30,7 +30,7 @@ from p4.config.v1 import p4info_pb2
 
 from netagg import dataplane as dp
 from netagg import jobsecret
-from netagg.controller.admission import Admission, JobRequest, ValidJob, admit
+from netagg.controller.admission import Admission, JobRequest, ValidJob, admit, tenant_cap
 from netagg.controller.allocator import (
     AllocationError,
     FabricAllocator,
@@ -322,7 +322,8 @@ class JobService:
             dist_id = None if job.distribution is None else self._free_job_id(exclude={job_id})
             allocator = self.allocator if switches is None else TreeAllocator(self.allocator, switches)
             try:
-                admitted = admit(job, allocator, self.config.min_slots)
+                cap = tenant_cap(self.config, job.owner, self.store.all(), 1 if job.distribution is None else 2)
+                admitted = admit(job, allocator, self.config.min_slots, cap)
             except ServiceError:
                 self.admissions["refused"] += 1
                 raise

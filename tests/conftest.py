@@ -16,6 +16,8 @@ import yaml
 from netagg import dataplane as dp
 from netagg.bmv2.p4build import compile_program
 from netagg.bmv2.targets import TargetProcess, bmv2_missing, start_target
+from netagg.controller.fabric import ONE_SWITCH, SwitchSession
+from netagg.controller.store import JobRecord
 from netagg.localports import free_ports
 
 ADMIN_TOKEN = "admin-test-token"
@@ -175,3 +177,30 @@ def soft_controller(tmp_path: Path, soft_switch: TargetProcess) -> Iterator[Cont
     ctl = start_controller(config_for(tmp_path, soft_switch), tmp_path / "controller.log")
     yield ctl
     ctl.stop()
+
+
+class _Client:
+    index = None
+
+
+class FakeFabric:
+    """A stand-in for the controller's switches in the job service's tests: one switch that is always there,
+    recording the jobs installed on it and counting nothing."""
+
+    is_tree = False
+
+    def __init__(self) -> None:
+        self.sessions = {ONE_SWITCH: SwitchSession(ONE_SWITCH, "fake", 1, _Client(), unavailable_since=None)}
+        self.installed: dict[int, JobRecord] = {}
+
+    def switches_of(self, job: JobRecord) -> list[str]:
+        return [ONE_SWITCH] if job.uses_switch else []
+
+    def install(self, job: JobRecord, others: list[JobRecord]) -> None:
+        self.installed[job.job_id] = job
+
+    def remove(self, job: JobRecord, others: list[JobRecord]) -> None:
+        self.installed.pop(job.job_id, None)
+
+    def read_counters(self, switch: str, job_id: int) -> dict[str, int]:
+        return dict.fromkeys(dp.JOB_COUNTERS, 0)

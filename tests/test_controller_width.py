@@ -23,42 +23,15 @@ from netagg.controller.allocator import AllocationError, FabricAllocator, SlotAl
 from netagg.controller.cli import _format_job, main
 from netagg.controller.config import DEFAULT_WIDTHS, default_width, load_config, parse_config
 from netagg.controller.errors import ServiceError
-from netagg.controller.fabric import ONE_SWITCH, SwitchSession
 from netagg.controller.service import Caller, JobService
 from netagg.controller.store import JobRecord, JobStore, PsEndpoint, WorkerEndpoint
 from netagg.controller.switch_programmer import job_state
 from netagg.controller.topology import Allocation, TreeWorker, parse_topology, plan_tree, tree_state, worker_config
 from netagg.jobconfig import ConfigError
 
-from conftest import ADMIN_TOKEN, TWO_RACKS, controller_config, old_database
+from conftest import ADMIN_TOKEN, TWO_RACKS, FakeFabric, controller_config, old_database
 
 ALICE = Caller("alice")
-
-
-class _Client:
-    index = None
-
-
-class FakeFabric:
-    """One switch that is always there: records the jobs installed on it, counts nothing."""
-
-    is_tree = False
-
-    def __init__(self) -> None:
-        self.sessions = {ONE_SWITCH: SwitchSession(ONE_SWITCH, "fake", 1, _Client(), unavailable_since=None)}
-        self.installed: dict[int, JobRecord] = {}
-
-    def switches_of(self, job: JobRecord) -> list[str]:
-        return [ONE_SWITCH] if job.uses_switch else []
-
-    def install(self, job: JobRecord, others: list[JobRecord]) -> None:
-        self.installed[job.job_id] = job
-
-    def remove(self, job: JobRecord, others: list[JobRecord]) -> None:
-        self.installed.pop(job.job_id, None)
-
-    def read_counters(self, switch: str, job_id: int) -> dict[str, int]:
-        return dict.fromkeys(dp.JOB_COUNTERS, 0)
 
 
 def _config_path(tmp_path: Path, capacity: int = 64, min_slots: int = 4, **switch) -> Path:
