@@ -860,8 +860,9 @@ def loopback_gso_sends(out_buf, out_len, out_port, count, port_number, row_addr,
             continue
         udp = payload - 8
         keys[m] = (np.int64(_u32(b, IP + 16)) << np.int64(16)) | np.int64(_u16(b, udp + 2))
-        if payload + 6 <= length:  # job_id (bytes 2-3) and slot (4-5) of a netagg header
-            steer[m] = (np.int64(_u16(b, payload + 2)) << np.int64(32)) | np.int64(_u16(b, payload + 4) >> BLOCK_SHIFT)
+        if payload + layout.SLOT_AT + 2 <= length:  # job_id and slot of a netagg header
+            steer[m] = (np.int64(_u16(b, payload + layout.JOB_AT)) << np.int64(32)) \
+                | np.int64(_u16(b, payload + layout.SLOT_AT) >> BLOCK_SHIFT)
         else:
             steer[m] = -1
         iov_words[m, 0] = row_addr[i] + np.uint64(udp + 8)
@@ -922,12 +923,12 @@ def frame_owners(buf, lengths, ports, count, shards, me, owners, dn_keys, dn_val
         dport = _u16(b, udp + 2)
         if udp + 14 > length or (dport != NETAGG_PORT and dport != TREE_PORT):
             continue
-        job = np.int64(_u16(b, udp + 10))
+        job = np.int64(_u16(b, udp + 8 + layout.JOB_AT))
         if udp == UDP and length >= FRAME_BYTES and b[FLAGS] & FLAG_RESULT:
             down, local = down_link(b, ports[i], dn_keys, dn_vals)
             if down:
                 job = local
-        slot = np.int64(_u16(b, udp + 12))
+        slot = np.int64(_u16(b, udp + 8 + layout.SLOT_AT))
         owner = (job + (slot >> BLOCK_SHIFT)) % shards
         owners[i] = owner
         if owner != me:

@@ -32,7 +32,7 @@ import socket
 import numpy as np
 from numba import njit
 
-from netagg import mmsg, wire
+from netagg import layout, mmsg, wire
 
 SOL_PACKET = 263
 PACKET_VNET_HDR = 15
@@ -136,9 +136,9 @@ def segment_bytes(b, length):
 @njit(cache=True)
 def _steering(b, length):
     """The steering block of a netagg frame (job, slot >> BLOCK_SHIFT), or -1."""
-    if length < PAYLOAD + 6:
+    if length < PAYLOAD + layout.SLOT_AT + 2:
         return -1
-    return (_u16(b, PAYLOAD + 2) << 32) | (_u16(b, PAYLOAD + 4) >> BLOCK_SHIFT)
+    return (_u16(b, PAYLOAD + layout.JOB_AT) << 32) | (_u16(b, PAYLOAD + layout.SLOT_AT) >> BLOCK_SHIFT)
 
 
 @njit(cache=True)
