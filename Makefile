@@ -54,10 +54,10 @@ ptf: build
 demo: $(DEMO_STAMP)
 	$(BIN)/python -m netagg.apps.demo --target $(TARGET)
 
-## demo-tree: the same over two racks: a switch per rack under a root, each its own software target in a
-## namespace, one controller over all three (needs root)
+## demo-tree: the same over two racks: a switch per rack under a root, each its own TARGET (soft, or bmv2) in
+## a namespace, one controller over all three (needs root)
 demo-tree: $(DEMO_STAMP)
-	$(BIN)/python -m netagg.apps.demo --racks 2
+	$(BIN)/python -m netagg.apps.demo --racks 2 --target $(TARGET)
 
 ## bench-switch: aggregated packets/s of the software target (and BMv2 where installed)
 bench-switch: build

@@ -125,9 +125,9 @@ class EmulatedCluster(Deployment):
 
 
 class EmulatedTreeCluster(Deployment):
-    """Racks of worker hosts, each rack's leaf switch linked to a root (``bmv2/tree.py``: a software target per
-    switch in its own namespace, shaped links), and one controller daemon driving every switch through its
-    topology. Hosts ``w0 ..`` rack by rack; ``ps`` on rack 0 (the PS a job falls back to when no slots)."""
+    """Racks of worker hosts, each rack's leaf switch linked to a root (``bmv2/tree.py``: a software target, or
+    BMv2, per switch in its own namespace, shaped links), and one controller daemon driving every switch through
+    its topology. Hosts ``w0 ..`` rack by rack; ``ps`` on rack 0 (the PS a job falls back to when no slots)."""
 
     def __init__(self, workdir: Path, racks: int = 2, workers_per_rack: int = 2, target: str = "soft",
                  uplink: LinkShape | None = None, host_links: LinkShape | None = None, prefix: str | None = None,
@@ -162,7 +162,8 @@ class EmulatedTreeCluster(Deployment):
             for host in data["hosts"]:
                 host["link_mbit"] = self.host_links.rate_mbit
         topology.write_text(yaml.safe_dump(data, sort_keys=False))
-        self.start_controller(self.topology_controller_config(topology, self.ps_host, PS_PORT, self.slots))
+        bmv2_json = compile_program(self.workdir / "p4c")[0] if self.tree.target == "bmv2" else None
+        self.start_controller(self.topology_controller_config(topology, self.ps_host, PS_PORT, self.slots, bmv2_json))
 
     def stop(self) -> None:
         try:

@@ -81,11 +81,13 @@ class Deployment:
         return {"switch": switch, **self._controller_common(ps_host, ps_port, capacity, target_rtt_ms),
                 "hosts": hosts}
 
-    def topology_controller_config(self, topology: Path, ps_host: str, ps_port: int, capacity: int) -> dict:
+    def topology_controller_config(self, topology: Path, ps_host: str, ps_port: int, capacity: int,
+                                   bmv2_json: Path | None = None) -> dict:
         """The controller's configuration for a tree of switches: the topology file names the switches and the
-        hosts (docs/controller.md, "The daemon over a topology")."""
-        return {"topology": str(topology), "switch": {"p4info": str(dp.P4INFO_PATH)},
-                **self._controller_common(ps_host, ps_port, capacity)}
+        hosts (docs/controller.md, "The daemon over a topology"); ``bmv2_json``: the program every BMv2 switch
+        of the tree gets."""
+        switch = {"p4info": str(dp.P4INFO_PATH), **({"bmv2_json": str(bmv2_json)} if bmv2_json else {})}
+        return {"topology": str(topology), "switch": switch, **self._controller_common(ps_host, ps_port, capacity)}
 
     def _controller_common(self, ps_host: str, ps_port: int, capacity: int,
                            target_rtt_ms: float | None = None) -> dict:

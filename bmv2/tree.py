@@ -180,10 +180,18 @@ class EmulatedTree:
                 continue
             client = P4RuntimeClient(self.switches[name].grpc_address, device_id=1, election_id=(0, 1))
             client.connect()
-            client.set_pipeline(dp.P4INFO_PATH, b"")
+            client.set_pipeline(dp.P4INFO_PATH, self._device_config())
             self.clients[name] = client
             self.state[name] = fabric[name]
             reconcile_state(client, fabric[name])
+
+    def _device_config(self) -> bytes:
+        """What set_pipeline hands the switches: BMv2's compiled program, nothing for the software target."""
+        if self.target != "bmv2":
+            return b""
+        from netagg.bmv2.p4build import compile_program
+
+        return compile_program(self.workdir / "p4c")[0].read_bytes()
 
     def topology_data(self) -> dict:
         """The topology file for a controller of this tree: the switches at their targets' addresses."""

@@ -369,6 +369,8 @@ def warm_up() -> None:
                                np.zeros(mmsg.BATCH, np.int64))
     kernels.frame_owners(rx.buf, in_len, in_len.copy(), 0, 2, 0, np.zeros(mmsg.BATCH, np.int64),
                          np.full((16, 2), -1, np.int64), np.zeros(16, np.int64))
+    seg = raw_segmentation.SegmentedSends(out.capacity, 1)
+    seg.plan(out.buf, out_len, out_port, 0, np.full(2, -1, np.int64), out.row_addr)
     udpgso.warm_up()
     packet_ring.warm_up()
     gro = udpgso.GroBatch(4, 128, LOOPBACK_HEADROOM)  # its lengths are contiguous, unlike MsgBatch's view

@@ -27,7 +27,7 @@ def make_inputs(n: int = N, size: int = SIZE, seed: int = 3) -> list[np.ndarray]
     return block_scaled_inputs(n, size, seed, decades=20)
 
 
-@pytest.mark.parametrize("loss", [0.0, 0.01, 0.05, 0.2])
+@pytest.mark.parametrize("loss", [0.0, 0.01, 0.05, pytest.param(0.2, marks=pytest.mark.slow)])
 def test_allreduce_is_bit_identical_under_loss_duplication_and_reordering(loss):
     inputs = make_inputs()
     expected, _ = expected_allreduce(inputs)
@@ -46,6 +46,7 @@ def test_allreduce_is_bit_identical_under_loss_duplication_and_reordering(loss):
         assert counters["retransmit_results"] > 0
 
 
+@pytest.mark.slow
 def test_allreduce_is_bit_identical_when_whole_gso_sends_are_lost():
     """A lost UDP GSO packet loses up to 64 consecutive datagrams at once: every block still arrives exactly once."""
     inputs = make_inputs(size=40_000)
@@ -67,7 +68,7 @@ def test_allreduce_is_bit_identical_when_whole_gso_sends_are_lost():
     assert counters["retransmit_results"] > 0
 
 
-@pytest.mark.parametrize("loss", [0.0, 0.2])
+@pytest.mark.parametrize("loss", [0.0, pytest.param(0.2, marks=pytest.mark.slow)])
 def test_ps_mode_sum_store_gets_every_block_even_when_the_switch_to_ps_copy_is_lost(loss):
     inputs = make_inputs(size=4_000)
     second = [x * 2 for x in make_inputs(size=70, seed=9)]

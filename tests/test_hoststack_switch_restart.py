@@ -177,6 +177,7 @@ def check_and_report(capsys, what: str, results: list, restarted: float, gate: R
               f"{[s.retransmissions for s in stats]}, stale results {[s.stale_results for s in stats]}")
 
 
+@pytest.mark.slow
 def test_workers_ride_through_a_wiped_switch_with_a_laggard_that_lost_results(capsys):
     with testing.LoopbackSwitch() as switch:
         aggregator = switch.aggregator
@@ -198,6 +199,7 @@ def test_workers_ride_through_a_wiped_switch_with_a_laggard_that_lost_results(ca
             check_and_report(capsys, "wiped in-process switch", results, restarted, gate)
 
 
+@pytest.mark.slow
 def test_without_shadow_resends_the_laggard_deadlocks(monkeypatch):
     """The control experiment: the same run with the shadow resends off never completes the lost rounds."""
     monkeypatch.setattr(tr.Exchange, "_resend_answered", lambda self, slots: None)

@@ -72,7 +72,7 @@ def test_a_range_program_steers_each_result_to_the_thread_that_owns_its_slot():
             steering.udp_range_program(bad)
 
 
-@pytest.mark.parametrize(("threads", "shards"), [(2, 1), (3, 2)])
+@pytest.mark.parametrize(("threads", "shards"), [(2, 1), pytest.param(3, 2, marks=pytest.mark.slow)])
 def test_allreduce_over_threads_is_bit_identical_to_one_thread(threads, shards):
     inputs = _inputs(60_000, 7)
     expected, _ = expected_allreduce(inputs)
@@ -102,6 +102,7 @@ def test_exchanges_of_growing_and_shrinking_sizes_over_processes_stay_exact():
             np.testing.assert_array_equal(got, expected_allreduce(inputs[size])[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("faults", [{"drop": 0.05, "duplicate": 0.02, "reorder": 0.02, "seed": 3},
                                     {"burst": 0.004, "burst_length": 64, "seed": 11}])
 def test_allreduce_over_threads_under_loss_stays_exact(faults):

@@ -41,7 +41,8 @@ def check(results: list[np.ndarray], inputs: list[np.ndarray]) -> None:
     assert np.all(error <= bound + np.abs(truth) * 2.0**-23 + 2.0**-149)
 
 
-@pytest.mark.parametrize(("n", "size"), [(2, 1), (2, 65), (2, 750_000), (4, 20_000), (8, 3_000)])
+@pytest.mark.parametrize(("n", "size"), [(2, 1), (2, 65), pytest.param(2, 750_000, marks=pytest.mark.slow),
+                                          (4, 20_000), (8, 3_000)])
 def test_allreduce_through_the_fallback_ps(n, size):
     inputs = make_inputs(n, size, seed=n * size)
     with fallback_job(n, slot_count=32) as (server, configs):
@@ -60,7 +61,8 @@ def test_consecutive_calls_of_different_sizes_keep_pools_and_seqs_in_step():
         check([results[rank][i] for rank in range(n)], inputs)
 
 
-@pytest.mark.parametrize(("drop", "duplicate", "reorder"), [(0.05, 0.05, 0.05), (0.2, 0.1, 0.1)])
+@pytest.mark.parametrize(("drop", "duplicate", "reorder"),
+                         [(0.05, 0.05, 0.05), pytest.param(0.2, 0.1, 0.1, marks=pytest.mark.slow)])
 def test_loss_duplication_and_reordering_give_bit_identical_results(drop, duplicate, reorder):
     n = 3
     inputs = make_inputs(n, 6_000, seed=7)

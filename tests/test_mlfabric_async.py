@@ -24,6 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 BOUND = 3
 
 
+@pytest.mark.slow
 def test_a_slow_workers_stale_updates_are_dropped_and_no_applied_update_exceeds_the_bound(tmp_path):
     configs = loopback_configs(4, update_mode="async", delay_bound=BOUND)
     paths = write_configs(configs, tmp_path)

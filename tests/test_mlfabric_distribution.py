@@ -48,7 +48,7 @@ def _distribution_job(switch, receivers: int, senders: int = 1):
     return switch.add_job(receivers + senders, slot_count=SLOTS, senders=senders)
 
 
-@pytest.mark.parametrize("loss", [0.0, 0.1])
+@pytest.mark.parametrize("loss", [0.0, pytest.param(0.1, marks=pytest.mark.slow)])
 def test_every_receiver_gets_the_newest_version_exactly_repairing_what_it_missed(loss):
     faults = {"drop": loss, "seed": 7} if loss else {}
     rng = np.random.default_rng(1)

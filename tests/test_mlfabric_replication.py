@@ -113,6 +113,7 @@ def _poll(endpoint, secret: str, until, timeout: float = 30.0, what: str = "the 
         observer.close()
 
 
+@pytest.mark.slow
 def test_a_node_joins_the_promoted_replica_catches_up_and_takes_over_after_a_second_kill(tmp_path, plain_run):
     _, _, baseline_model = plain_run
     configs = loopback_configs(WORKERS, update_mode="async", delay_bound=BOUND, replicas=1)

@@ -66,6 +66,7 @@ def test_two_tenants_through_three_shards_get_exact_sums_and_every_shard_aggrega
     assert counters_a["contributions"] == N * counters_a["results"]
 
 
+@pytest.mark.slow
 def test_sharded_switch_under_loss_duplication_and_reordering_stays_exact():
     inputs = _inputs(20_000, 3)
     want, _ = expected_allreduce(inputs)

@@ -114,6 +114,30 @@ def test_the_demo_model_trains_bit_identically_over_two_racks_and_through_one_sw
     assert all(c["contributions"] == 2 * c["results"] > 0 for c in per_switch.values()), per_switch
 
 
+@pytest.mark.bmv2
+def test_the_demo_over_two_racks_of_bmv2_switches_matches_the_software_targets(tmp_path):
+    """The same two-rack demo with BMv2 (``simple_switch_grpc`` running the compiled v1model program) as every
+    switch of the tree: the controller pushes the program to all three, and the workers end with the parameters
+    the software targets' tree gives, bit for bit."""
+    ok, why = can_create_namespaces()
+    if not ok:
+        pytest.skip(f"emulated tree: {why}")
+    from netagg.bmv2.targets import bmv2_missing
+
+    if (missing := bmv2_missing()) is not None:
+        pytest.skip(missing)
+    pytest.importorskip("sklearn")
+    from netagg.apps.demo import run_demo
+
+    on_bmv2 = run_demo(tmp_path / "bmv2", num_workers=4, steps=15, quiet=True, racks=2, target="bmv2")
+    on_soft = run_demo(tmp_path / "soft", num_workers=4, steps=15, quiet=True, racks=2)
+    assert set(on_bmv2.job["segments"]) == {"root", "rack0", "rack1"}
+    digests = {r["param_digest"] for r in on_bmv2.workers + on_soft.workers}
+    assert len(digests) == 1, [(r["rank"], r["param_digest"][:12]) for r in on_bmv2.workers + on_soft.workers]
+    per_switch = on_bmv2.switch_counters
+    assert all(c["contributions"] == 2 * c["results"] > 0 for c in per_switch.values()), per_switch
+
+
 def test_a_job_is_on_all_of_its_switches_or_on_none(tmp_path):
     """A switch of the tree that cannot take its share: the others are put back as they were (root first, so
     the leaves' partials never meet a missing parent segment); then the job installs and is removed cleanly."""
