@@ -7,7 +7,7 @@ DEMO_STAMP := $(VENV)/.demo-stamp
 TARGET ?= soft
 PYTEST_ARGS ?=
 
-.PHONY: setup build build-tofino p4info test ptf demo demo-tree bench bench-switch bench-tenants bench-sparse bench-tree chaos soak-mlfabric lint clean
+.PHONY: setup build build-tofino p4info test check ptf demo demo-tree bench bench-switch bench-tenants bench-sparse bench-tree chaos soak-mlfabric lint clean
 
 $(VENV)/.created:
 	@scripts/setup-system.sh
@@ -45,6 +45,14 @@ p4info: setup
 ## test: the whole suite (unit, P4Runtime, PTF on the software target, BMv2 where installed)
 test: build
 	$(BIN)/python -m pytest -rs $(PYTEST_ARGS)
+
+## check: the everyday tier (3.5 minutes on a 2-core machine): every test not marked slow (unit,
+## differential, loopback end to end), one short emulation over veths and PTF's aggregation
+## group on the software target (both need root). `make test` runs everything; CI runs `make test`.
+check: build
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not netns and not bmv2 and not tofino" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_raw_segmentation.py
+	$(BIN)/python -m netagg.bmv2.ptf_runner --target soft aggregation
 
 ## ptf: the PTF suite against TARGET=soft|bmv2 (needs root for namespaces)
 ptf: build

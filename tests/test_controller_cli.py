@@ -251,6 +251,7 @@ def test_unreachable_controller_and_switch(capsys, tmp_path):
     assert code == EXIT_CODES["switch_error"] and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_lease_expiry_reclaims_job(capsys, tmp_path, any_switch):
     soft_switch = any_switch
     config = config_for(tmp_path, any_switch)

@@ -90,6 +90,7 @@ def test_allreduce_over_threads_is_bit_identical_to_one_thread(threads, shards):
     assert counters["results"] == 2 * (blocks + 256)  # every round once (each thread probes its own slots)
 
 
+@pytest.mark.slow
 def test_exchanges_of_growing_and_shrinking_sizes_over_processes_stay_exact():
     """The shares' shared memory grows with the exchange (a new segment) and is reused for smaller ones."""
     sizes = [1_000, 90_000, 5_000, 0, 130_000]

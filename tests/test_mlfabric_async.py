@@ -63,6 +63,7 @@ def test_a_slow_workers_stale_updates_are_dropped_and_no_applied_update_exceeds_
     assert configs[0].secret not in (tmp_path / "ps.log").read_text() + json.dumps(reports) + json.dumps(stats)
 
 
+@pytest.mark.slow
 def test_the_scheduled_job_grants_non_overlapping_slots_and_keeps_the_bound(tmp_path):
     configs = loopback_configs(4, update_mode="async", delay_bound=BOUND, schedule="mlfabric")
     paths = write_configs(configs, tmp_path)
