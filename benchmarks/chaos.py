@@ -9,7 +9,7 @@ Each scenario is set up once, trains, and gets faults injected at random (seeded
 
 * ``switch``: the software target, the controller (as processes, :class:`netagg.bmv2.deployment.LocalDeployment`)
   and an allreduce job whose workers (:class:`~netagg.hoststack.kv.KVWorker` in threads) allreduce in a loop,
-  every result compared with :func:`~netagg.hoststack.testing.expected_allreduce` (bit for bit). Fault:
+  every result compared with :func:`~netagg.testing.hoststack.expected_allreduce` (bit for bit). Fault:
   ``kill -9`` of the switch, a random time down, the same command on the same P4Runtime address and UDP
   port; the controller re-pushes the pipeline and the job, the workers ride through.
 * ``both``: the same setup; ``kill -9`` of the controller and the switch at once, both started again (in a
@@ -17,7 +17,7 @@ Each scenario is set up once, trains, and gets faults injected at random (seeded
 * ``away``: the same setup, the job's PS running and the workers' ``failover_after`` at 1 s; ``kill -9``
   of the switch for 2-4 s: the job fails over to its PS and returns once the controller has put it back
   on the restarted switch (docs/operations.md, "When the switch stays away").
-* ``chain``: a 3-node MLfabric PS chain (:mod:`netagg.mlfabric.testing`) and 3 training worker processes;
+* ``chain``: a 3-node MLfabric PS chain (:mod:`netagg.testing.mlfabric`) and 3 training worker processes;
   ``kill -9`` of the node at a chain position (each position in turn, in a seeded order), restarted either
   at once or once the chain has repaired itself without it. At the end the job is halted and every node
   compared: every update a worker saw acknowledged is in the log exactly once, the nodes hold the same state.
@@ -57,13 +57,13 @@ import yaml
 from netagg.bmv2.deployment import ADMIN_TOKEN, LocalDeployment
 from netagg.bmv2.targets import start_target
 from netagg.hoststack.kv import KVWorker
-from netagg.hoststack.testing import expected_allreduce
 from netagg.hoststack.transport import TransportTimeout
 from netagg.jobconfig import WorkerConfig
 from netagg.mlfabric import chainctl
-from netagg.mlfabric.testing import collect, loopback_configs, start_ps, start_workers, stop, write_configs
 from netagg.mlfabric.worker import FabricClient
 from netagg.shutdown import sigterm_as_interrupt
+from netagg.testing.hoststack import expected_allreduce
+from netagg.testing.mlfabric import collect, loopback_configs, start_ps, start_workers, stop, write_configs
 
 SCENARIOS = ("switch", "both", "away", "chain")
 #: Allreduce jobs: workers, slots, values per allreduce.

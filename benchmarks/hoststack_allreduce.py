@@ -42,9 +42,9 @@ from netagg import dataplane as dp
 from netagg import wire
 from netagg.hoststack import blocks as blk
 from netagg.hoststack import quantization as qz
-from netagg.hoststack.testing import expected_allreduce
 from netagg.jobconfig import Endpoint, WorkerConfig
 from netagg.localports import free_ports
+from netagg.testing.hoststack import expected_allreduce
 
 WORKERS = 4
 
@@ -225,7 +225,7 @@ def _through_software_switch(slot_list: list[int], size: int, iterations: int, w
                              workdir: Path, k: int) -> list[tuple[str, int, int, list[float], bool, dict]]:
     rows = []
     try:
-        from netagg.softswitch.testing import LoopbackSwitch
+        from netagg.testing.softswitch import LoopbackSwitch
 
         with LoopbackSwitch() as switch:
             engine = type(switch.target.switch).__name__

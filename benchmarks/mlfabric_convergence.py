@@ -35,7 +35,7 @@ from netagg.bmv2.deployment import json_result
 from netagg.bmv2.dynamics import ClusterDynamics, DynamicsSpec, Plan, make_plan
 from netagg.bmv2.netns import can_create_namespaces
 from netagg.jobconfig import WorkerConfig
-from netagg.mlfabric.testing import PS_COMMAND, WORKER_COMMAND, stop
+from netagg.testing.mlfabric import PS_COMMAND, WORKER_COMMAND, stop
 
 KINDS = {
     "sync": ["--sync", "sync"],

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from netagg.bmv2.netns import ns_exec
+from netagg.faults import Faults
 from netagg.localports import free_ports
-from netagg.softswitch.faults import Faults
 
 #: soft: the software target with its default engine (the compiled fast path where it can run);
 #: soft-ref: the software target on its readable reference model; soft-sharded: its fast path in

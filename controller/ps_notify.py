@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterable
 
 from netagg.controller.store import JobRecord
-from netagg.hoststack.psproto import PsClient, PsError
+from netagg.psproto import PsClient, PsError
 
 log = logging.getLogger("netagg.controller")
 

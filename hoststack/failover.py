@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from netagg.hoststack.psproto import PsClient, PsError
+from netagg.psproto import PsClient, PsError
 
 log = logging.getLogger(__name__)
 

@@ -34,11 +34,11 @@ from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.failover import FailoverClient
 from netagg.hoststack.metrics import WorkerExporter, port_from_env
 from netagg.hoststack.packets import SEQ_MASK
-from netagg.hoststack.psproto import PsClient, PsError
 from netagg.hoststack.sparse import SparseTable
 from netagg.hoststack.threads import ThreadedTransport
 from netagg.hoststack.transport import RTO_FLOOR, SubsetRound, Transport
 from netagg.jobconfig import ConfigError, WorkerConfig, resolve
+from netagg.psproto import PsClient, PsError
 
 __all__ = ["KVWorker", "PsError"]
 

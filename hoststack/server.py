@@ -2,7 +2,7 @@
 """The parameter server (PS) of one job: ``python -m netagg.hoststack.server --config ps.yaml``.
 
 It listens on the job's ``ps`` endpoint: UDP for netagg packets, TCP (same port number)
-for the control protocol of :mod:`~netagg.hoststack.psproto` (served by :mod:`netagg.framed_server`).
+for the control protocol of :mod:`~netagg.psproto` (served by :mod:`netagg.framed_server`).
 
 * ``fallback`` mode: the workers send their contributions here instead of to the
   switch; :class:`~netagg.hoststack.aggregator.SoftAggregator` aggregates them with the

@@ -41,7 +41,6 @@ import numpy as np
 
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.hotset import COUNT_DTYPE, KEY_DTYPE, FrequencySampler, HotSet
-from netagg.hoststack.psproto import PsRefused
 from netagg.hoststack.sparse_store import (
     PLACEMENTS,
     ROW_DTYPE,
@@ -53,6 +52,7 @@ from netagg.hoststack.sparse_store import (
     positions,
     unpack_arrays,
 )
+from netagg.psproto import PsRefused
 
 if TYPE_CHECKING:
     from netagg.hoststack.kv import KVWorker

@@ -1,4 +1,4 @@
-"""MLfabric's request/response framing: :mod:`netagg.hoststack.psproto` frames over TCP, with timeouts.
+"""MLfabric's request/response framing: :mod:`netagg.psproto` frames over TCP, with timeouts.
 
 A frame is ``!II`` (JSON length, blob length), a JSON object, then the blob (float32
 values). :class:`Connection` is the client side: it tells a broken or silent peer
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from netagg.hoststack.psproto import PsClient, PsError, PsRefused, PsUnreachable
+from netagg.psproto import PsClient, PsError, PsRefused, PsUnreachable
 
 __all__ = ["Connection", "FabricError", "Refused", "Unreachable", "from_blob", "to_blob"]
 

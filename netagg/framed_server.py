@@ -1,4 +1,4 @@
-"""The request servers' one TCP server: :mod:`netagg.hoststack.psproto` frames, one answer per request.
+"""The request servers' one TCP server: :mod:`netagg.psproto` frames, one answer per request.
 
 Used by the parameter server (hoststack/server.py), the MLfabric PS chain (mlfabric/async_server.py)
 and the aggregation service (mlfabric/aggregation.py). :class:`FramedServer` accepts connections and
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from netagg import jobsecret
-from netagg.hoststack.psproto import ConnectionClosed, ProtocolError, recv_frame, send_frame
+from netagg.psproto import ConnectionClosed, ProtocolError, recv_frame, send_frame
 
 _log = logging.getLogger(__name__)
 

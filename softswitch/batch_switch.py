@@ -127,6 +127,7 @@ class BatchSwitch(PortLoop):
         self._out = mmsg.MsgBatch(max(2 * raw_rows, 2 * LOOPBACK_GRO_ROWS) + 4 * mmsg.BATCH, STRIDE)
         self._out_len = np.zeros(self._out.capacity, np.int64)
         self._out_port = np.zeros(self._out.capacity, np.int64)
+        self._order = np.zeros(self._out.capacity, np.int64)  # group_sends' scratch
         # Segmented sends of the loopback port's results (udpgso), with their sorting scratch.
         self._gso: udpgso.GsoBatch | None = None
         if self._loopback:
@@ -296,7 +297,7 @@ class BatchSwitch(PortLoop):
             return
         counts = self._group_counts
         self.stats.unknown_port += kernels.group_sends(out_len, out_port, emitted, self._port_slot, out.row_addr,
-                                                       out.tx_words, out.tx_iov_words, counts)
+                                                       out.tx_words, out.tx_iov_words, counts, self._order)
         first = 0
         for group, count in enumerate(counts.tolist()):
             if count:
@@ -360,7 +361,7 @@ def warm_up() -> None:
     kernels.loopback_sends(out.buf, out_len, out_port, 0, 1, out.row_addr, out.names, out.name_addr, out.tx_words,
                            out.tx_iov_words)
     kernels.group_sends(out_len, out_port, 0, np.full(2, -1, np.int64), out.row_addr, out.tx_words,
-                        out.tx_iov_words, np.zeros(1, np.int64))
+                        out.tx_iov_words, np.zeros(1, np.int64), np.zeros(mmsg.BATCH, np.int64))
     gso = udpgso.GsoBatch(mmsg.BATCH)
     kernels.loopback_gso_sends(out.buf, out_len, out_port, 0, 1, out.row_addr, out.names, out.name_addr,
                                gso.hdr_words, gso.iov_words, gso.ctrl_size, gso.iov_addr, gso.ctrl_addr,

@@ -800,15 +800,15 @@ def loopback_sends(out_buf, out_len, out_port, count, port_number, row_addr, nam
 
 
 @njit(cache=True, nogil=True)
-def group_sends(out_len, out_port, count, port_slot, row_addr, tx_words, tx_iov_words, group_counts):
-    """Fill sendmmsg headers for the emitted frames grouped by egress port (a counting sort).
+def order_by_group(out_port, count, port_slot, group_frames, order):
+    """The emitted frames by egress group, a counting sort that keeps each group's frames in emission order.
 
     ``port_slot[port]`` is the group of a raw port, -2 for a port sent to elsewhere (the loopback
-    port), or -1 (no such port: the frame is left out and counted). Afterwards group ``g``'s
-    messages are ``group_counts[g]`` consecutive headers, groups in order. Returns the frames
-    to no port."""
-    groups = group_counts.shape[0]
-    group_counts[:] = 0
+    port), or -1 (no such port: the frame is left out and counted). Afterwards ``group_frames[g]`` is
+    group ``g``'s frame count and ``order`` holds the frames' indices group after group. Returns the
+    frames to no port."""
+    groups = group_frames.shape[0]
+    group_frames[:] = 0
     unknown = 0
     for i in range(count):
         port = out_port[i]
@@ -816,19 +816,29 @@ def group_sends(out_len, out_port, count, port_slot, row_addr, tx_words, tx_iov_
         if g == -1:
             unknown += 1
         elif g >= 0:
-            group_counts[g] += 1
+            group_frames[g] += 1
     start = np.zeros(groups, np.int64)
     total = 0
     for g in range(groups):
         start[g] = total
-        total += group_counts[g]
+        total += group_frames[g]
     for i in range(count):
         port = out_port[i]
         g = port_slot[port] if 0 <= port < port_slot.shape[0] else -1
-        if g < 0:
-            continue
-        m = start[g]
-        start[g] += 1
+        if g >= 0:
+            order[start[g]] = i
+            start[g] += 1
+    return unknown
+
+
+@njit(cache=True, nogil=True)
+def group_sends(out_len, out_port, count, port_slot, row_addr, tx_words, tx_iov_words, group_counts, order):
+    """Fill sendmmsg headers for the emitted frames grouped by egress port (:func:`order_by_group`):
+    group ``g``'s messages are ``group_counts[g]`` consecutive headers, groups in order; ``order`` is
+    scratch. Returns the frames to no port."""
+    unknown = order_by_group(out_port, count, port_slot, group_counts, order)
+    for m in range(group_counts.sum()):
+        i = order[m]
         tx_words[m, 0] = 0
         tx_words[m, 1] = 0
         tx_iov_words[m, 0] = row_addr[i]

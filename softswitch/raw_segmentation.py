@@ -33,6 +33,7 @@ import numpy as np
 from numba import njit
 
 from netagg import layout, mmsg, wire
+from netagg.softswitch.fastpath_kernels import order_by_group
 
 SOL_PACKET = 263
 PACKET_VNET_HDR = 15
@@ -93,7 +94,7 @@ class SegmentedSends:
     def plan(self, out_buf: np.ndarray, out_len: np.ndarray, out_port: np.ndarray, count: int,
              port_slot: np.ndarray, row_addr: np.ndarray) -> tuple[int, int]:
         """Messages for ``count`` emitted frames by group (``port_slot`` as in
-        ``fastpath_kernels.group_sends``); returns (messages, frames to no port)."""
+        ``fastpath_kernels.order_by_group``); returns (messages, frames to no port)."""
         return plan_sends(out_buf, out_len, out_port, count, port_slot, row_addr, self.group_counts, self._order,
                           self.vnet, self.vnet_addr, self.hdr_words, self.iov_words, self.iov_addr, MAX_SEGMENTS,
                           MAX_SEND_BYTES)
@@ -195,27 +196,9 @@ def plan_sends(out_buf, out_len, out_port, count, port_slot, row_addr, group_cou
     the pseudo-header sum as its UDP checksum (the kernel finishes every segment's). Returns (messages,
     frames to no port)."""
     groups = group_counts.shape[0]
-    group_counts[:] = 0
     frames = np.zeros(groups, np.int64)
-    unknown = 0
-    for i in range(count):
-        port = out_port[i]
-        g = port_slot[port] if 0 <= port < port_slot.shape[0] else -1
-        if g == -1:
-            unknown += 1
-        elif g >= 0:
-            frames[g] += 1
-    start = np.zeros(groups, np.int64)
-    total = 0
-    for g in range(groups):
-        start[g] = total
-        total += frames[g]
-    for i in range(count):
-        port = out_port[i]
-        g = port_slot[port] if 0 <= port < port_slot.shape[0] else -1
-        if g >= 0:
-            order[start[g]] = i
-            start[g] += 1
+    unknown = order_by_group(out_port, count, port_slot, frames, order)
+    group_counts[:] = 0
     h = 0
     iv = 0
     pos = 0

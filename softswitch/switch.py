@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from netagg.softswitch.faults import FaultInjector
+from netagg.faults import FaultInjector
 from netagg.softswitch.ports import Port
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from netagg import dataplane as dp
+from netagg.faults import Faults
 from netagg.p4info import P4InfoIndex
 from netagg.softswitch import fastpath
-from netagg.softswitch.faults import Faults
 from netagg.softswitch.forwarding_state import ForwardingState
 from netagg.softswitch.p4runtime_server import P4RuntimeDevice, ServerHandle, serve
 from netagg.softswitch.pipeline import NetaggPipeline

@@ -184,17 +184,18 @@ class _Client:
 
 
 class FakeFabric:
-    """A stand-in for the controller's switches in the job service's tests: one switch that is always there,
-    recording the jobs installed on it and counting nothing."""
+    """A stand-in for the controller's switches in the job service's tests: switches that are always there
+    (one, or a tree's), recording the jobs installed and counting nothing."""
 
-    is_tree = False
-
-    def __init__(self) -> None:
-        self.sessions = {ONE_SWITCH: SwitchSession(ONE_SWITCH, "fake", 1, _Client(), unavailable_since=None)}
+    def __init__(self, names: tuple[str, ...] = (ONE_SWITCH,), tree: bool = False) -> None:
+        self.is_tree = tree
+        self.sessions = {n: SwitchSession(n, "fake", 1, _Client(), unavailable_since=None) for n in names}
         self.installed: dict[int, JobRecord] = {}
 
     def switches_of(self, job: JobRecord) -> list[str]:
-        return [ONE_SWITCH] if job.uses_switch else []
+        if not job.uses_switch:
+            return []
+        return list(job.segments) if self.is_tree else [ONE_SWITCH]
 
     def install(self, job: JobRecord, others: list[JobRecord]) -> None:
         self.installed[job.job_id] = job

@@ -17,10 +17,10 @@ from netagg import dataplane as dp
 from netagg import wire
 from netagg.dataplane import DropReason
 from netagg.hoststack import KVWorker
-from netagg.hoststack.testing import expected_allreduce, fallback_job
 from netagg.hoststack.transport import OutOfStep, TransportError
 from netagg.jobconfig import WorkerConfig
-from netagg.softswitch.testing import LoopbackSwitch
+from netagg.testing.hoststack import expected_allreduce, fallback_job
+from netagg.testing.softswitch import LoopbackSwitch
 
 PROGRESS_TIMEOUT = 4.0
 

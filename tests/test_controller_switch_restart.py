@@ -29,11 +29,11 @@ from netagg.controller.config import parse_config
 from netagg.controller.p4runtime_client import P4RuntimeClient, P4RuntimeError
 from netagg.controller.switch_programmer import MANAGED_TABLES
 from netagg.hoststack.kv import KVWorker
-from netagg.hoststack.testing import expected_allreduce
 from netagg.jobconfig import ConfigError, WorkerConfig
 from netagg.localports import free_ports
 from netagg.softswitch.p4runtime_server import serve
 from netagg.softswitch.target import SoftwareTarget
+from netagg.testing.hoststack import expected_allreduce
 
 from conftest import ADMIN_TOKEN, TOKENS, ControllerProcess, controller_config, free_udp_port, start_controller
 

@@ -35,7 +35,7 @@ def _train(configs, hook: str, tmp_path) -> list[dict]:
 def test_ddp_with_netagg_hook_matches_gloo(tmp_path):
     pytest.importorskip("torch", reason="torch is optional: pip install torch==2.13.0")
     pytest.importorskip("sklearn", reason="the example's data set comes with scikit-learn")
-    from netagg.softswitch.testing import LoopbackSwitch
+    from netagg.testing.softswitch import LoopbackSwitch
 
     with LoopbackSwitch() as switch:
         netagg = _train(switch.add_job(2, slot_count=32), "netagg", tmp_path)

@@ -16,10 +16,10 @@ if fastpath.unavailable():
     pytest.skip(f"compiled fast paths unavailable: {fastpath.unavailable()}", allow_module_level=True)
 
 from netagg.hoststack import transport_kernels
-from netagg.hoststack.testing import expected_allreduce, run_workers
 from netagg.hoststack.transport import Transport
 from netagg.softswitch import batch_switch, fastpath_kernels
-from netagg.softswitch.testing import LoopbackSwitch
+from netagg.testing.hoststack import expected_allreduce, run_workers
+from netagg.testing.softswitch import LoopbackSwitch
 
 
 def _signatures() -> dict[str, int]:

@@ -22,12 +22,12 @@ from netagg import dataplane as dp
 from netagg import wire
 from netagg.hoststack.failover import ROUND_GUARD, FailoverClient, FailoverCoordinator
 from netagg.hoststack.server import KVServer
-from netagg.hoststack.testing import expected_allreduce, run_workers, run_workers_with_fault
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
 from netagg.localports import free_ports
+from netagg.testing.hoststack import expected_allreduce, run_workers, run_workers_with_fault
 from tests.test_hoststack_switch_restart import ProcessSwitch, ResultGate, job_record
 
-testing = pytest.importorskip("netagg.softswitch.testing")
+testing = pytest.importorskip("netagg.testing.softswitch")
 
 N = 3
 SLOTS = 32

@@ -20,7 +20,10 @@ from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport as tr
 from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, packet_dtype
-from netagg.hoststack.testing import (
+from netagg.hoststack.transport import Transport, TransportTimeout
+from netagg.jobconfig import Endpoint
+from netagg.localports import free_ports
+from netagg.testing.hoststack import (
     LossyRelay,
     expected_allreduce,
     fallback_job,
@@ -28,9 +31,6 @@ from netagg.hoststack.testing import (
     run_workers,
     through_relay,
 )
-from netagg.hoststack.transport import Transport, TransportTimeout
-from netagg.jobconfig import Endpoint
-from netagg.localports import free_ports
 
 kernels = tr.kernels  # the compiled steps the transport runs (None without numba)
 needs_numba = pytest.mark.skipif(kernels is None, reason="numba is not installed")

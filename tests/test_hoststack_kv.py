@@ -7,7 +7,7 @@ import pytest
 
 from netagg.hoststack import blocks as blk
 from netagg.hoststack.kv import KVWorker
-from netagg.hoststack.testing import expected_allreduce, fallback_job, run_workers
+from netagg.testing.hoststack import expected_allreduce, fallback_job, run_workers
 
 N = 3
 

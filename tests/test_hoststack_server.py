@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from netagg.hoststack.kv import KVWorker
-from netagg.hoststack.psproto import PsError
 from netagg.hoststack.server import KVServer, main
-from netagg.hoststack.testing import expected_allreduce, job_configs, run_workers
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
 from netagg.localports import free_ports
+from netagg.psproto import PsError
+from netagg.testing.hoststack import expected_allreduce, job_configs, run_workers
 
 
 def read_line(process: subprocess.Popen, timeout: float = 30.0) -> str:
@@ -102,7 +102,7 @@ def test_a_ps_mode_worker_without_its_ps_fails_at_once():
 def test_a_fault_inside_a_ps_handler_is_answered_and_the_connection_keeps_serving(monkeypatch):
     # As at the MLfabric servers (netagg/framed_server.py): a fault of the PS's own is answered as an internal
     # error, not a dropped connection (which a worker takes for an unreachable PS, retrying into the same fault).
-    from netagg.hoststack.psproto import PsClient, PsRefused
+    from netagg.psproto import PsClient, PsRefused
 
     def fault(self, frame):
         raise RuntimeError("a bug")

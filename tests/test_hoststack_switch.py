@@ -11,12 +11,12 @@ import pytest
 
 from netagg import wire
 from netagg.hoststack.server import SGD, KVServer
-from netagg.hoststack.testing import block_scaled_inputs, expected_allreduce, run_workers
 from netagg.hoststack.transport import SubsetRound, TransportError, subset_round_uses
 from netagg.jobconfig import Endpoint
 from netagg.localports import free_ports
+from netagg.testing.hoststack import block_scaled_inputs, expected_allreduce, run_workers
 
-testing = pytest.importorskip("netagg.softswitch.testing")
+testing = pytest.importorskip("netagg.testing.softswitch")
 
 N = 4
 SIZE = 6_000

@@ -34,13 +34,13 @@ from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord, WorkerEndpoint
 from netagg.controller.switch_programmer import SwitchProgrammer
 from netagg.hoststack import transport as tr
-from netagg.hoststack.testing import expected_allreduce, run_workers_with_fault
 from netagg.hoststack.transport import TransportTimeout
 from netagg.jobconfig import Endpoint, WorkerConfig
 from netagg.localports import free_ports
 from netagg.softswitch.target import LOOPBACK_PORT_NUMBER
+from netagg.testing.hoststack import expected_allreduce, run_workers_with_fault
 
-testing = pytest.importorskip("netagg.softswitch.testing")
+testing = pytest.importorskip("netagg.testing.softswitch")
 
 N = 3
 SLOTS = 32

@@ -15,11 +15,11 @@ import yaml
 
 from netagg import steering, wire
 from netagg.hoststack.envconfig import config_from_env
-from netagg.hoststack.testing import block_scaled_inputs, expected_allreduce, run_workers
 from netagg.hoststack.threads import split_blocks, thread_shares
 from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
+from netagg.testing.hoststack import block_scaled_inputs, expected_allreduce, run_workers
 
-testing = pytest.importorskip("netagg.softswitch.testing")
+testing = pytest.importorskip("netagg.testing.softswitch")
 
 N = 4
 

@@ -12,7 +12,9 @@ import pytest
 from netagg import wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.kv import KVWorker
-from netagg.hoststack.testing import (
+from netagg.hoststack.transport import Exchange, RtoEstimator, Transport, TransportError, TransportTimeout
+from netagg.jobconfig import Endpoint
+from netagg.testing.hoststack import (
     LossyRelay,
     block_scaled_inputs,
     expected_allreduce,
@@ -21,8 +23,6 @@ from netagg.hoststack.testing import (
     run_workers,
     through_relay,
 )
-from netagg.hoststack.transport import Exchange, RtoEstimator, Transport, TransportError, TransportTimeout
-from netagg.jobconfig import Endpoint
 
 
 def make_inputs(n: int, size: int, seed: int = 0) -> list[np.ndarray]:
@@ -143,8 +143,8 @@ def test_the_ps_ignores_malformed_datagrams_and_garbage_connections():
 
 
 def test_the_ps_refuses_requests_without_the_job_secret_and_changes_nothing():
-    from netagg.hoststack.psproto import PsClient, PsRefused
     from netagg.jobsecret import new_secret
+    from netagg.psproto import PsClient, PsRefused
 
     secret = new_secret()
     with fallback_job(2, secret=secret) as (server, configs):

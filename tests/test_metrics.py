@@ -21,9 +21,9 @@ from netagg.controller.cli import main
 from netagg.controller.config import parse_config
 from netagg.hoststack import metrics as worker_metrics
 from netagg.hoststack.kv import KVWorker
-from netagg.hoststack.testing import run_workers
 from netagg.jobconfig import ConfigError, WorkerConfig
 from netagg.localports import free_ports
+from netagg.testing.hoststack import run_workers
 
 from conftest import TOKENS, ControllerProcess, config_for, controller_config, free_udp_port, start_controller
 

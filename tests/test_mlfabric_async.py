@@ -15,9 +15,9 @@ import pytest
 from netagg.mlfabric.aggregation import AggregationService
 from netagg.mlfabric.async_server import FabricServer, OutcomeWindow
 from netagg.mlfabric.protocol import Connection, Refused
-from netagg.mlfabric.testing import collect, loopback_configs, start_ps, start_workers, stop, write_configs
 from netagg.mlfabric.training import WorkerReport, _send, run_worker
 from netagg.mlfabric.worker import FabricClient, Unavailable
+from netagg.testing.mlfabric import collect, loopback_configs, start_ps, start_workers, stop, write_configs
 
 pytestmark = pytest.mark.timeout(120)
 

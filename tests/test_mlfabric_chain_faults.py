@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from netagg.mlfabric import chainctl
-from netagg.mlfabric.testing import collect, loopback_configs, start_ps, start_workers, stop, write_configs
 from netagg.mlfabric.worker import FabricClient
+from netagg.testing.mlfabric import collect, loopback_configs, start_ps, start_workers, stop, write_configs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -14,11 +14,11 @@ from netagg import wire
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.distribution import DistributionLayout, ModelCache, ModelSender
 from netagg.mlfabric.protocol import Refused
-from netagg.mlfabric.testing import loopback_configs
 from netagg.mlfabric.training import WorkerReport, _step, run_worker
 from netagg.mlfabric.worker import FabricClient
+from netagg.testing.mlfabric import loopback_configs
 
-testing = pytest.importorskip("netagg.softswitch.testing")
+testing = pytest.importorskip("netagg.testing.softswitch")
 
 pytestmark = pytest.mark.timeout(120)
 

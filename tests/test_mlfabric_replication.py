@@ -17,8 +17,8 @@ from netagg.localports import free_ports
 from netagg.mlfabric import chainctl
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.protocol import Connection, Refused
-from netagg.mlfabric.testing import collect, loopback_configs, start_ps, start_workers, stop, write_configs
 from netagg.mlfabric.worker import FabricClient
+from netagg.testing.mlfabric import collect, loopback_configs, start_ps, start_workers, stop, write_configs
 
 pytestmark = pytest.mark.timeout(150)
 

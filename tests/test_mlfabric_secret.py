@@ -15,8 +15,8 @@ from netagg.jobsecret import REFUSAL as SECRET_REFUSAL
 from netagg.mlfabric.aggregation import AggregationService
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.protocol import Connection, Refused
-from netagg.mlfabric.testing import loopback_configs, write_configs
 from netagg.mlfabric.worker import FabricClient
+from netagg.testing.mlfabric import loopback_configs, write_configs
 
 pytestmark = pytest.mark.timeout(60)
 

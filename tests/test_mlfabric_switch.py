@@ -13,11 +13,11 @@ from netagg import wire
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.grants import SWITCH_ROUND_MARGIN, switch_round_uses
 from netagg.mlfabric.switch_sum import SwitchSummer
-from netagg.mlfabric.testing import loopback_configs
 from netagg.mlfabric.training import WorkerReport, _apply_sum, _send, _step
 from netagg.mlfabric.worker import FabricClient
+from netagg.testing.mlfabric import loopback_configs
 
-testing = pytest.importorskip("netagg.softswitch.testing")
+testing = pytest.importorskip("netagg.testing.softswitch")
 
 pytestmark = pytest.mark.timeout(120)
 

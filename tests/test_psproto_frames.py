@@ -1,4 +1,4 @@
-"""The TCP framing every netagg server speaks (hoststack/psproto.py): timeouts bound progress, not size."""
+"""The TCP framing every netagg server speaks (netagg/psproto.py): timeouts bound progress, not size."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from netagg.hoststack.psproto import recv_frame, send_frame
+from netagg.psproto import recv_frame, send_frame
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,7 +23,6 @@ from netagg.controller.api import ApiServer
 from netagg.controller.cli import main
 from netagg.controller.config import load_config, parse_config
 from netagg.controller.errors import ServiceError
-from netagg.controller.fabric import ONE_SWITCH, SwitchSession
 from netagg.controller.service import Caller, JobService
 from netagg.controller.sizing import (
     DEFAULT_SLOTS,
@@ -32,11 +31,11 @@ from netagg.controller.sizing import (
     SlotChoice,
     choose_slots,
 )
-from netagg.controller.store import JobRecord, JobStore
+from netagg.controller.store import JobStore
 from netagg.controller.topology import TreeWorker, dump_topology, parse_topology, plan_tree
 from netagg.jobconfig import ConfigError
 
-from conftest import ADMIN_TOKEN, TOKENS, TWO_RACKS, controller_config, old_database
+from conftest import ADMIN_TOKEN, TOKENS, TWO_RACKS, FakeFabric, controller_config, old_database
 
 ALICE = Caller("alice")
 
@@ -194,35 +193,6 @@ def test_explicit_slots_are_kept_and_checked_as_before(tmp_path):
     # Left out, the request sends no slots at all (an older controller then complains, not guesses).
     assert "slots" not in JobRequest(name="j", workers=["local:5000"]).to_args()
     assert JobRequest(name="j", workers=["local:5000"], slots=8).to_args()["slots"] == 8
-
-
-class _Client:
-    index = None
-
-
-class FakeFabric:
-    """One switch that is always there: records the jobs installed on it, counts nothing."""
-
-    is_tree = False
-
-    def __init__(self, names: tuple[str, ...] = (ONE_SWITCH,), tree: bool = False) -> None:
-        self.is_tree = tree
-        self.sessions = {n: SwitchSession(n, "fake", 1, _Client(), unavailable_since=None) for n in names}
-        self.installed: dict[int, JobRecord] = {}
-
-    def switches_of(self, job: JobRecord) -> list[str]:
-        if not job.uses_switch:
-            return []
-        return list(job.segments) if self.is_tree else [ONE_SWITCH]
-
-    def install(self, job: JobRecord, others: list[JobRecord]) -> None:
-        self.installed[job.job_id] = job
-
-    def remove(self, job: JobRecord, others: list[JobRecord]) -> None:
-        self.installed.pop(job.job_id, None)
-
-    def read_counters(self, switch: str, job_id: int) -> dict[str, int]:
-        return dict.fromkeys(dp.JOB_COUNTERS, 0)
 
 
 def _service(config, fabric: FakeFabric | None = None) -> JobService:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from netagg import dataplane as dp
 from netagg import wire
 
-testing = pytest.importorskip("netagg.softswitch.testing")
+testing = pytest.importorskip("netagg.testing.softswitch")
 from netagg.softswitch.target import LOOPBACK_PORT_NUMBER  # noqa: E402
 
 

@@ -14,16 +14,16 @@ from p4.v1 import p4runtime_pb2 as p4rt
 
 from netagg import dataplane as dp
 from netagg import udpgso, wire
-from netagg.hoststack.testing import LossyRelay, block_scaled_inputs, expected_allreduce, run_workers
 from netagg.jobconfig import Endpoint
 from netagg.localports import free_ports
 from netagg.softswitch import fastpath
+from netagg.testing.hoststack import LossyRelay, block_scaled_inputs, expected_allreduce, run_workers
 
 if fastpath.unavailable():
     pytest.skip(f"compiled engine unavailable: {fastpath.unavailable()}", allow_module_level=True)
 
 from netagg.softswitch import shards as shards_mod
-from netagg.softswitch import testing
+from netagg.testing import softswitch as testing
 
 N = 4
 

@@ -7,14 +7,14 @@ import pytest
 
 from netagg import wire
 from netagg.hoststack.hotset import FrequencySampler, choose_hot_set, merge_reports
-from netagg.hoststack.psproto import PsClient, PsRefused
 from netagg.hoststack.server import KVServer
 from netagg.hoststack.sparse_store import StaleHotSet, TableSpec, TableState, pack_arrays
-from netagg.hoststack.testing import expected_allreduce, run_workers
 from netagg.jobconfig import Endpoint
 from netagg.localports import free_ports
+from netagg.psproto import PsClient, PsRefused
+from netagg.testing.hoststack import expected_allreduce, run_workers
 
-testing = pytest.importorskip("netagg.softswitch.testing")
+testing = pytest.importorskip("netagg.testing.softswitch")
 
 N = 3
 ROWS = 20_000

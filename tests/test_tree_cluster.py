@@ -26,8 +26,8 @@ from netagg.bmv2.cluster import EmulatedTreeCluster
 from netagg.bmv2.netns import LinkShape, can_create_namespaces, list_namespaces
 from netagg.bmv2.tree import EmulatedTree, racks_topology
 from netagg.controller.topology import Allocation, TreeWorker, plan_tree, worker_config
-from netagg.hoststack.testing import expected_allreduce
 from netagg.jobconfig import WorkerConfig
+from netagg.testing.hoststack import expected_allreduce
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from netagg import mmsg, udpgso
-from netagg.hoststack.testing import LOCALHOST, expected_allreduce, fallback_job, run_workers
+from netagg.testing.hoststack import LOCALHOST, expected_allreduce, fallback_job, run_workers
 
 try:
     from netagg import udpgso_kernels as kernels

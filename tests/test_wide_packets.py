@@ -8,11 +8,11 @@ import pytest
 
 from netagg import wire
 from netagg.hoststack.server import KVServer
-from netagg.hoststack.testing import block_scaled_inputs, expected_allreduce, fallback_job, run_workers
 from netagg.jobconfig import Endpoint
 from netagg.localports import free_ports
+from netagg.testing.hoststack import block_scaled_inputs, expected_allreduce, fallback_job, run_workers
 
-testing = pytest.importorskip("netagg.softswitch.testing")
+testing = pytest.importorskip("netagg.testing.softswitch")
 
 N = 3
 SIZE = 20_000

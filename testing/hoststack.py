@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 
 from netagg import wire
+from netagg.faults import FaultInjector
 from netagg.hoststack import blocks as blk
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.kv import KVWorker
 from netagg.hoststack.server import Handle, KVServer
 from netagg.jobconfig import Endpoint, WorkerConfig
 from netagg.localports import free_ports
-from netagg.softswitch.faults import FaultInjector
 
 LOCALHOST = "127.0.0.1"
 
