@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from netagg import mmsg, udpgso, wire
-from netagg.softswitch import fastpath_kernels as kernels
+from netagg.softswitch import io_kernels as kernels
 from netagg.softswitch import packet_ring, raw_segmentation
 from netagg.softswitch.fastpath import FastPipeline
 from netagg.softswitch.ports import LoopbackUdpPort, Port, RawSocketPort

@@ -33,7 +33,8 @@ import numpy as np
 from numba import njit
 
 from netagg import layout, mmsg, wire
-from netagg.softswitch.fastpath_kernels import order_by_group
+from netagg.softswitch.fastpath_defs import _ipv4_checksum, _u16
+from netagg.softswitch.io_kernels import order_by_group
 
 SOL_PACKET = 263
 PACKET_VNET_HDR = 15
@@ -94,7 +95,7 @@ class SegmentedSends:
     def plan(self, out_buf: np.ndarray, out_len: np.ndarray, out_port: np.ndarray, count: int,
              port_slot: np.ndarray, row_addr: np.ndarray) -> tuple[int, int]:
         """Messages for ``count`` emitted frames by group (``port_slot`` as in
-        ``fastpath_kernels.order_by_group``); returns (messages, frames to no port)."""
+        ``io_kernels.order_by_group``); returns (messages, frames to no port)."""
         return plan_sends(out_buf, out_len, out_port, count, port_slot, row_addr, self.group_counts, self._order,
                           self.vnet, self.vnet_addr, self.hdr_words, self.iov_words, self.iov_addr, MAX_SEGMENTS,
                           MAX_SEND_BYTES)
@@ -116,11 +117,6 @@ class SegmentedSends:
                 failed_frames += int(words[h, 3]) - 1
                 h += 1
         return sent_frames, failed_frames
-
-
-@njit(cache=True, inline="always")
-def _u16(b, i):
-    return (np.int64(b[i]) << 8) | np.int64(b[i + 1])
 
 
 @njit(cache=True)
@@ -170,22 +166,6 @@ def _pseudo_header_sum(b, udp_length):
     return s
 
 
-@njit(cache=True)
-def _set_ipv4_checksum(b):
-    """The IPv4 header checksum of the frame in ``b`` (no options), after its total length changed: the
-    receiver checks the merged frame's header before it cuts it."""
-    b[IP + 10] = 0
-    b[IP + 11] = 0
-    s = np.int64(0)
-    for i in range(IP, IP + 20, 2):
-        s += _u16(b, i)
-    while s >> 16:
-        s = (s & 0xFFFF) + (s >> 16)
-    s = ~s & 0xFFFF
-    b[IP + 10] = s >> 8
-    b[IP + 11] = s & 0xFF
-
-
 @njit(cache=True, nogil=True)
 def plan_sends(out_buf, out_len, out_port, count, port_slot, row_addr, group_counts, order, vnet, vnet_addr,
                hdr_words, iov_words, iov_addr, max_segments, max_bytes):
@@ -232,7 +212,7 @@ def plan_sends(out_buf, out_len, out_port, count, port_slot, row_addr, group_cou
                 b[IP + 3] = ip_length & 0xFF
                 b[UDP + 4] = udp_length >> 8
                 b[UDP + 5] = udp_length & 0xFF
-                _set_ipv4_checksum(b)
+                _ipv4_checksum(b)
                 check = _pseudo_header_sum(b, udp_length)
                 b[UDP + 6] = check >> 8
                 b[UDP + 7] = check & 0xFF

@@ -17,14 +17,14 @@ if fastpath.unavailable():
 
 from netagg.hoststack import transport_kernels
 from netagg.hoststack.transport import Transport
-from netagg.softswitch import batch_switch, fastpath_kernels
+from netagg.softswitch import batch_switch, fastpath_kernels, io_kernels, raw_segmentation
 from netagg.testing.hoststack import expected_allreduce, run_workers
 from netagg.testing.softswitch import LoopbackSwitch
 
 
 def _signatures() -> dict[str, int]:
     found = {}
-    for module in (fastpath_kernels, transport_kernels):
+    for module in (fastpath_kernels, io_kernels, raw_segmentation, transport_kernels):
         for name in dir(module):
             kernel = getattr(module, name)
             if hasattr(kernel, "signatures") and hasattr(kernel, "py_func"):

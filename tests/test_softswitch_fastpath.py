@@ -27,7 +27,7 @@ from netagg.softswitch.pipeline import NetaggPipeline
 if unavailable():
     pytest.skip(f"compiled engine unavailable: {unavailable()}", allow_module_level=True)
 
-from netagg.softswitch import fastpath_kernels
+from netagg.softswitch import io_kernels
 from netagg.softswitch.fastpath import FastPipeline
 
 AGGREGATOR = "10.0.0.254"
@@ -306,7 +306,7 @@ def _owner(frame: bytes, port: int, shards: int, tables) -> int:
         return 0
     owners = np.zeros(1, np.int64)
     row = np.frombuffer(frame, np.uint8).reshape(1, -1) if frame else np.zeros((1, 1), np.uint8)
-    fastpath_kernels.frame_owners(row, np.array([len(frame)], np.int64), np.array([port], np.int64), 1, shards, 0,
+    io_kernels.frame_owners(row, np.array([len(frame)], np.int64), np.array([port], np.int64), 1, shards, 0,
                                   owners, tables.dn_keys, tables.dn_vals)
     return int(owners[0])
 

@@ -153,7 +153,9 @@ def test_every_field_offset_follows_from_the_field_table_and_the_kernels_use_it(
         offset += field.bits // 8
     assert set(layout.BY_FIELD) == {f.name for f in wire.HEADER_FIELDS}
     # The compiled modules state the whole layout they were written for (imported here: they would raise).
-    for module in ("netagg.softswitch.fastpath_kernels", "netagg.hoststack.transport_kernels",
+    for module in ("netagg.softswitch.fastpath_kernels", "netagg.softswitch.fastpath_controls",
+                   "netagg.softswitch.fastpath_defs", "netagg.softswitch.io_kernels",
+                   "netagg.hoststack.transport_kernels",
                    "netagg.hoststack.codec_kernels"):
         pytest.importorskip("numba")
         importlib.import_module(module)
