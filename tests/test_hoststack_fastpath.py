@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from netagg import layout, mmsg, wire
-from netagg.hoststack import congestion
+from netagg.hoststack import congestion, exchange
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport as tr
 from netagg.hoststack import transport_reference as reference
@@ -32,7 +32,7 @@ from netagg.testing.hoststack import (
     through_relay,
 )
 
-kernels = tr.kernels  # the compiled steps the transport runs (None without numba)
+kernels = exchange.kernels  # the compiled steps an exchange runs (None without numba)
 needs_numba = pytest.mark.skipif(kernels is None, reason="numba is not installed")
 
 JOB = 7
@@ -319,7 +319,7 @@ def path(request, monkeypatch):
     if processor == "compiled" and kernels is None:
         pytest.skip("numba is not installed")
     if processor == "numpy":
-        monkeypatch.setattr(tr, "kernels", None)
+        monkeypatch.setattr(exchange, "kernels", None)
         monkeypatch.setattr(congestion, "kernels", None)
     if io == "per-packet":
         monkeypatch.setattr(mmsg, "AVAILABLE", False)
