@@ -292,7 +292,7 @@ class BatchSwitch(PortLoop):
             self.stats.transmit_failed += failed
             self.stats.unknown_port += unknown
             return
-        if self._segmented is not None:
+        if self._segmented is not None and self._segmented.refused is None:
             self._transmit_segmented(emitted)
             return
         counts = self._group_counts

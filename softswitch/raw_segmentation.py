@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
+import os
 import socket
+import struct
 
 import numpy as np
 from numba import njit
@@ -35,6 +38,8 @@ from numba import njit
 from netagg import layout, mmsg, wire
 from netagg.softswitch.fastpath_defs import _ipv4_checksum, _u16
 from netagg.softswitch.io_kernels import order_by_group
+
+log = logging.getLogger(__name__)
 
 SOL_PACKET = 263
 PACKET_VNET_HDR = 15
@@ -49,6 +54,8 @@ MAX_SEGMENTS = 64
 #: UDP payload bytes of one send (its IPv4 total length must fit 16 bits).
 MAX_SEND_BYTES = 65000
 ETH, IP, UDP, PAYLOAD = 0, 14, 34, 42
+#: Errors that mean "this kernel cannot send such a merged frame" (not a full buffer).
+_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.EPROTONOSUPPORT, errno.EMSGSIZE, errno.ENOTSUP)
 NETAGG_PORT = wire.NETAGG_UDP_PORT
 BLOCK_SHIFT = wire.SEGMENT_BLOCK_SHIFT
 
@@ -91,6 +98,8 @@ class SegmentedSends:
         #: Messages of each port group after :meth:`plan`, groups in order.
         self.group_counts = np.zeros(max(1, groups), np.int64)
         self._order = np.zeros(capacity, np.int64)
+        #: None while merged sends work; else why the kernel refused one (the switch then sends frame by frame).
+        self.refused: str | None = None
 
     def plan(self, out_buf: np.ndarray, out_len: np.ndarray, out_port: np.ndarray, count: int,
              port_slot: np.ndarray, row_addr: np.ndarray) -> tuple[int, int]:
@@ -102,7 +111,9 @@ class SegmentedSends:
 
     def send(self, fd: int, first: int, count: int) -> tuple[int, int]:
         """Send messages ``first .. first+count-1``; returns (frames sent, frames failed). A message the kernel
-        refuses (its socket buffer full: the port's link is backed up) is skipped and its frames counted."""
+        refuses for a passing reason (its socket buffer full: the port's link is backed up) is skipped and its
+        frames counted. A merged message it refuses as such (a kernel without UDP segmentation for packet
+        sockets) sets :attr:`refused`, said once in the log, and goes frame by frame."""
         words = self.hdr_words
         sent_frames = failed_frames = 0
         h, end = first, first + count
@@ -111,12 +122,48 @@ class SegmentedSends:
             if done > 0:
                 sent_frames += int(words[h:h + done, 3].sum()) - done
                 h += done
-            elif done < 0 and ctypes.get_errno() == errno.EINTR:
                 continue
+            err = ctypes.get_errno() if done < 0 else 0
+            if err == errno.EINTR:
+                continue
+            frames = int(words[h, 3]) - 1
+            if frames > 1 and err in _REFUSED:
+                if self.refused is None:
+                    self.refused = f"the kernel refused a segmentation-offload send ({os.strerror(err)})"
+                    log.warning("raw ports: %s; frames leave one by one from now on", self.refused)
+                sent = self._send_apart(fd, h)
+                sent_frames += sent
+                failed_frames += frames - sent
             else:
-                failed_frames += int(words[h, 3]) - 1
-                h += 1
+                failed_frames += frames
+            h += 1
         return sent_frames, failed_frames
+
+    def _send_apart(self, fd: int, h: int) -> int:
+        """Message ``h``'s frames one send each, its first frame's header as emitted again; returns how many
+        left. (The merged frames' own headers are intact in their rows, in front of the payloads sent.)"""
+        words = self.hdr_words
+        first_iov = (int(words[h, 2]) - int(self.iov_addr)) // 16
+        iovs = self.iov_words[first_iov + 1:first_iov + int(words[h, 3])]
+        segment = int(iovs[1, 1])
+        head = bytearray(ctypes.string_at(int(iovs[0, 0]), int(iovs[0, 1])))
+        struct.pack_into("!H", head, IP + 2, 28 + segment)
+        struct.pack_into("!HH", head, UDP + 4, 8 + segment, 0)  # UDP length; no checksum (IPv4 allows it)
+        struct.pack_into("!H", head, IP + 10, 0)
+        total = sum(struct.unpack_from("!10H", head, IP))
+        while total >> 16:
+            total = (total & 0xFFFF) + (total >> 16)
+        struct.pack_into("!H", head, IP + 10, ~total & 0xFFFF)
+        frames = [bytes(head)] + [ctypes.string_at(int(addr) - PAYLOAD, int(length) + PAYLOAD)
+                                  for addr, length in iovs[1:]]
+        sent = 0
+        for frame in frames:
+            try:
+                os.write(fd, bytes(VNET_BYTES) + frame)
+                sent += 1
+            except OSError:
+                pass
+        return sent
 
 
 @njit(cache=True)

@@ -4,6 +4,8 @@ cuts them (tx-udp-segmentation) or the kernel does, and whether the receiver coa
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import socket
 import struct
@@ -181,6 +183,46 @@ def test_the_host_receives_exactly_the_frames_datagrams_in_order(link: tuple[str
             data, ancillary, _, _ = rx.recvmsg(1 << 16, 64)
             segment = next((int.from_bytes(d[:2], "little") for level, kind, d in ancillary if kind == 104), 0)
             got += [data[k:k + segment] for k in range(0, len(data), segment)] if segment else [data]
+        assert got == [f[42:] for f in frames]
+    finally:
+        rx.close()
+        tx.close()
+
+
+@pytest.mark.netns
+def test_a_kernel_that_refuses_merged_sends_gets_the_frames_one_by_one(link: tuple[str, str], monkeypatch) -> None:
+    """Where the kernel refuses a merged send as such (EINVAL: no UDP segmentation for packet sockets), the
+    frames of that send still leave, one by one, with the first frame's header as a lone datagram's, and the
+    batch says so (``refused``: the switch then stops merging)."""
+    a, b = link
+    ifname = f"{a.split('-')[0]}x"
+    mac = subprocess.run(ns_exec(b, ["cat", f"/sys/class/net/{a.split('-')[0]}y/address"]), check=True,
+                         capture_output=True, text=True).stdout.strip()
+    real = mmsg._sendmmsg
+
+    def refuse_merged(fd, address, count, flags):
+        header = np.frombuffer(ctypes.string_at(address, mmsg.MMSGHDR_DTYPE.itemsize), "<u8")
+        if header[3] > 2:  # iovecs: the virtio-net header and more than one frame
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+        return real(fd, address, 1, flags)
+
+    monkeypatch.setattr(mmsg, "_sendmmsg", refuse_merged)
+    with in_namespace(b):
+        rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        rx.bind((DST, wire.NETAGG_UDP_PORT))
+        rx.settimeout(2.0)
+    with in_namespace(a):
+        tx = rs.open_tx_socket(ifname)
+    try:
+        frames = [_frame(i, 1048, slot=i % 8, mac=bytes.fromhex(mac.replace(":", ""))) for i in range(12)]
+        emitted = Emitted([(1, f) for f in frames])
+        sends = rs.SegmentedSends(64, 1)
+        messages, _ = emitted.plan(sends, np.array([-1, 0], np.int64))
+        assert messages == 1
+        assert sends.send(tx.fileno(), 0, messages) == (len(frames), 0)
+        assert sends.refused is not None and "refused" in sends.refused
+        got = [rx.recv(1 << 16) for _ in frames]
         assert got == [f[42:] for f in frames]
     finally:
         rx.close()
