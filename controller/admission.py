@@ -377,17 +377,30 @@ def tenant_cap(config: ControllerConfig, tenant: str, jobs: list[JobRecord], new
         raise ServiceError("quota_exceeded", (
             f"tenant {tenant!r} has {len(mine)} job(s) and may have {limits.max_jobs} (tenants.{tenant}.max_jobs); "
             "delete one first"))
+    found = tenant_limit(config, tenant)
+    if found is None:
+        return None
+    limit, kind = found
+    held = tenant_cells(tenant, jobs)
+    return TenantCap(max(0, limit - held), f"tenant {tenant!r}'s {kind} of {limit} cells, {held} held by its jobs")
+
+
+def tenant_limit(config: ControllerConfig, tenant: str) -> tuple[int, str] | None:
+    """The cells ``tenant``'s jobs may hold together (the smaller of its ``max_cells`` and, with
+    ``slots.fair_share``, its weighted share) and which one it is (``quota`` or ``fair share``); None: no
+    limit."""
+    limits = config.tenant_limits.get(tenant)
     caps = []
     if limits is not None and limits.max_cells is not None:
-        caps.append((limits.max_cells, f"tenant {tenant!r}'s quota of {limits.max_cells} cells"))
+        caps.append((limits.max_cells, "quota"))
     if config.fair_share and len(config.tenant_limits) > 1:
-        share = config.tenant_share(tenant)
-        caps.append((share, f"tenant {tenant!r}'s fair share of {share} cells"))
-    if not caps:
-        return None
-    limit, why = min(caps)
-    held = sum(j.cell_count for j in mine if j.uses_switch)
-    return TenantCap(max(0, limit - held), f"{why}, {held} held by its jobs")
+        caps.append((config.tenant_share(tenant), "fair share"))
+    return min(caps) if caps else None
+
+
+def tenant_cells(tenant: str, jobs: list[JobRecord]) -> int:
+    """The switch cells ``tenant``'s jobs hold."""
+    return sum(j.cell_count for j in jobs if j.tenant == tenant and j.uses_switch)
 
 
 def admit(job: ValidJob, allocator: SlotAllocator | TreeAllocator, min_slots: int,

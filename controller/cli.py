@@ -146,6 +146,9 @@ def _format_job(job: dict[str, Any]) -> str:
         f"job {job['job_id']} ({job['name']}) tenant={job['tenant']} mode={job['mode']} state={job['state']}",
         f"{held}, width {width}, generation {job['generation']}",
     ]
+    if job.get("tenant_limit_cells") is not None:
+        lines.append(f"  tenant {job['tenant']} holds {job['tenant_cells']} of its {job['tenant_limit_cells']} cells "
+                     f"({job['tenant_limit']})")
     chosen_by = job.get("slots_chosen_by", "asked")  # a controller from before the choice: asked
     if chosen_by != "asked":
         lines.append(f"  slots chosen by the controller: {chosen_by}")

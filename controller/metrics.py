@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from netagg import dataplane as dp
+from netagg.controller.admission import tenant_cells, tenant_limit
 from netagg.controller.allocator import FabricAllocator
 from netagg.p4info import P4InfoIndex, load_p4info
 
@@ -118,6 +119,18 @@ class ControllerCollector(Collector):
                 family.add_metric([switch] if tree else [], value)
         yield from families
 
+    def _tenants(self, jobs: list) -> Iterator[object]:
+        """Per configured tenant: the cells its jobs hold, and its limit (quota or fair share) where it has one."""
+        config = self.service.config
+        held = GaugeMetricFamily("netagg_tenant_cells", "Switch cells the tenant's jobs hold", labels=["tenant"])
+        limit = GaugeMetricFamily("netagg_tenant_limit_cells", "Cells the tenant's jobs may hold together (its "
+                                  "max_cells, or its fair share with slots.fair_share)", labels=["tenant"])
+        for tenant in sorted(set(config.tenants.values())):
+            held.add_metric([tenant], tenant_cells(tenant, jobs))
+            if (found := tenant_limit(config, tenant)) is not None:
+                limit.add_metric([tenant], found[0])
+        yield from (held, limit)
+
     def collect(self) -> Iterator[object]:
         started = time.monotonic()
         fabric = self.service.fabric
@@ -211,6 +224,7 @@ class ControllerCollector(Collector):
         yield count
 
         yield from self._slots()
+        yield from self._tenants(jobs)
 
         admissions = CounterMetricFamily("netagg_admissions", "Job admission decisions since the controller started",
                                          labels=["decision"])

@@ -31,7 +31,15 @@ from p4.config.v1 import p4info_pb2
 from netagg import dataplane as dp
 from netagg import jobsecret
 from netagg.controller import worker_configs
-from netagg.controller.admission import Admission, JobRequest, ValidJob, admit, tenant_cap
+from netagg.controller.admission import (
+    Admission,
+    JobRequest,
+    ValidJob,
+    admit,
+    tenant_cap,
+    tenant_cells,
+    tenant_limit,
+)
 from netagg.controller.allocator import (
     AllocationError,
     FabricAllocator,
@@ -577,6 +585,11 @@ class JobService:
         # The cells it holds (a narrow job's slots): slot_base .. slot_base + slot_count * cells - 1.
         view["slots"] = f"{job.slot_base}..{job.slot_base + job.cell_count - 1}" if job.slot_count else "-"
         view["cells"] = job.cell_count
+        # What its tenant's jobs hold together, and the tenant's limit (quota or fair share; None: none).
+        limit = tenant_limit(self.config, job.tenant)
+        view["tenant_cells"] = tenant_cells(job.tenant, self.store.all())
+        view["tenant_limit_cells"] = None if limit is None else limit[0]
+        view["tenant_limit"] = None if limit is None else limit[1]
         return view
 
 

@@ -113,3 +113,21 @@ def test_a_restarted_controller_counts_the_jobs_in_its_database(tmp_path: Path) 
     assert _create(again, ALICE, 12)["job"]["slot_count"] == 4  # 16 less the 12 its first job holds
     with pytest.raises(ServiceError, match="max_jobs"):
         _create(again, ALICE, 4)
+
+
+def test_the_job_view_the_cli_and_the_metrics_show_what_a_tenant_holds_against_its_limit(tmp_path: Path) -> None:
+    from netagg.controller.cli import _format_job
+    from netagg.controller.metrics import ControllerCollector
+
+    service = _service(_config_path(tmp_path, capacity=64, fair_share=True, alice={"max_cells": 24}))
+    job = _create(service, ALICE, 16)["job"]
+    _create(service, ALICE, 4)
+    view = service.show_job(ALICE, job["job_id"])
+    assert (view["tenant_cells"], view["tenant_limit_cells"], view["tenant_limit"]) == (20, 24, "quota")
+    assert "tenant alice holds 20 of its 24 cells (quota)" in _format_job(view)
+    bob = service.show_job(BOB, _create(service, BOB, 8)["job"]["job_id"])
+    assert (bob["tenant_cells"], bob["tenant_limit_cells"], bob["tenant_limit"]) == (8, 32, "fair share")
+    families = {f.name: {s.labels["tenant"]: s.value for s in f.samples}
+                for f in ControllerCollector(service)._tenants(service.store.all())}
+    assert families["netagg_tenant_cells"] == {"alice": 20, "bob": 8}
+    assert families["netagg_tenant_limit_cells"] == {"alice": 24, "bob": 32}
