@@ -14,9 +14,9 @@ that the kernel numbers the segments' IPv4 identifications from the first frame'
 UDP checksums.
 
 :func:`plan_sends` groups a batch of emitted frames by egress port (in emission order) and, within a
-port, merges runs of consecutive frames that are one flow: IPv4 without options or fragments, UDP,
-equal Ethernet, IPv4 and UDP headers but for the identification and checksums, equal length, and for
-netagg frames one steering block (job and ``slot >> wire.SEGMENT_BLOCK_SHIFT``: a host with several
+port, merges runs of consecutive frames that are one flow: IPv4 without options or fragments, UDP
+without a checksum (the switch's results; a forwarded frame's checksum is never recomputed), equal
+Ethernet, IPv4 and UDP headers but for the identification and checksums, equal length, and for netagg frames one steering block (job and ``slot >> wire.SEGMENT_BLOCK_SHIFT``: a host with several
 receive threads steers a coalesced buffer by its first datagram). Any other frame leaves alone, with
 an empty virtio-net header: exactly the bytes the pipeline emitted. The switch asks for this with
 ``--udp-segmentation`` (:class:`~netagg.softswitch.batch_switch.BatchSwitch`); the emulated cluster
@@ -169,8 +169,10 @@ class SegmentedSends:
 @njit(cache=True)
 def segment_bytes(b, length):
     """The UDP payload length of a frame that may be merged with others (IPv4 without options or fragments,
-    UDP, lengths consistent with the frame's), or -1."""
-    if length <= PAYLOAD or _u16(b, 12) != 0x0800 or b[IP] != 0x45 or b[IP + 9] != 17:
+    UDP without a checksum, lengths consistent with the frame's), or -1. The switch's own results carry no UDP
+    checksum; a frame it forwards with one leaves alone, so that a segment's checksum, which the kernel computes,
+    never vouches for bytes the sender's checksum did not."""
+    if length <= PAYLOAD or _u16(b, 12) != 0x0800 or b[IP] != 0x45 or b[IP + 9] != 17 or _u16(b, UDP + 6):
         return -1
     if _u16(b, IP + 6) & 0x3FFF or _u16(b, IP + 2) != length - IP or _u16(b, UDP + 4) != length - UDP:
         return -1

@@ -31,7 +31,7 @@ def _checksum(data: bytes) -> int:
 
 
 def _frame(index: int, payload_bytes: int, job: int = 3, slot: int | None = None, dport: int = wire.NETAGG_UDP_PORT,
-           dst: str = DST, options: bool = False, mac: bytes = DST_MAC) -> bytes:
+           dst: str = DST, options: bool = False, mac: bytes = DST_MAC, udp_checksum: int = 0) -> bytes:
     """An Ethernet/IPv4/UDP frame whose payload starts like a netagg header (job, slot) and carries ``index``."""
     slot = index if slot is None else slot
     payload = (struct.pack("!HHHH", 0x0300, job, slot, index) + bytes([index & 0xFF]) * (payload_bytes - 8))
@@ -40,8 +40,8 @@ def _frame(index: int, payload_bytes: int, job: int = 3, slot: int | None = None
     ip = struct.pack("!BBHHHBBH4s4s", 0x40 | ihl, 0, ihl * 4 + udp_len, index, 0x4000, 64, 17, 0,
                      socket.inet_aton(SRC), socket.inet_aton(dst)) + (b"\x01\x01\x01\x00" if options else b"")
     ip = ip[:10] + struct.pack("!H", ~_checksum(ip) & 0xFFFF) + ip[12:]
-    return mac + bytes.fromhex("020000000001") + b"\x08\x00" + ip + struct.pack("!HHHH", 4000, dport, udp_len, 0) \
-        + payload
+    udp = struct.pack("!HHHH", 4000, dport, udp_len, udp_checksum)
+    return mac + bytes.fromhex("020000000001") + b"\x08\x00" + ip + udp + payload
 
 
 class Emitted:
@@ -83,6 +83,8 @@ def test_runs_of_one_flow_merge_per_port_in_order_and_everything_else_leaves_alo
         (1, _frame(7, 1048, slot=wire.SEGMENT_BLOCK_SLOTS)),   # same job, the next steering block
         (1, _frame(8, 1048, options=True)),                    # IPv4 options: never merged
         (1, _frame(9, 1048, dst="10.79.0.3")),                 # another destination
+        (1, _frame(12, 1048, slot=12, udp_checksum=0x1234)),   # a UDP checksum (a forwarded frame): alone
+        (1, _frame(13, 1048, slot=13, udp_checksum=0x1234)),
         (7, _frame(10, 1048)),                                 # a port the switch does not have
         (2, _frame(11, 1048)),
     ]
@@ -92,8 +94,8 @@ def test_runs_of_one_flow_merge_per_port_in_order_and_everything_else_leaves_alo
     port_slot = np.array([-1, 0, 1], np.int64)
     messages, unknown = emitted.plan(sends, port_slot)
     assert unknown == 1
-    assert sends.group_counts.tolist() == [7, 1]
-    assert _messages(sends, emitted, messages) == [[0, 2, 3], [4], [5], [6], [7], [8], [9], [1, 11]]
+    assert sends.group_counts.tolist() == [9, 1]
+    assert _messages(sends, emitted, messages) == [[0, 2, 3], [4], [5], [6], [7], [8], [9], [10], [11], [1, 13]]
     # A merged run's first frame announces the run: lengths, a valid IPv4 checksum, the pseudo-header sum.
     for head, size, segment in ((0, 3, 1048), (1, 2, 1048)):
         row = emitted.row(head)
