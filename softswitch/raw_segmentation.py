@@ -13,14 +13,15 @@ counts every segment's headers) carries the same datagrams as frame-by-frame sen
 that the kernel numbers the segments' IPv4 identifications from the first frame's and fills in their
 UDP checksums.
 
-:func:`plan_sends` groups a batch of emitted frames by egress port (in emission order) and, within a
-port, merges runs of consecutive frames that are one flow: IPv4 without options or fragments, UDP
-without a checksum (the switch's results; a forwarded frame's checksum is never recomputed), equal
-Ethernet, IPv4 and UDP headers but for the identification and checksums, equal length, and for netagg frames one steering block (job and ``slot >> wire.SEGMENT_BLOCK_SHIFT``: a host with several
-receive threads steers a coalesced buffer by its first datagram). Any other frame leaves alone, with
-an empty virtio-net header: exactly the bytes the pipeline emitted. The switch asks for this with
-``--udp-segmentation`` (:class:`~netagg.softswitch.batch_switch.BatchSwitch`); the emulated cluster
-does, and turns on its switch-side interfaces' segmentation offload (``bmv2.netns``).
+:func:`plan_sends` groups a batch of emitted frames by egress port (in emission order) and, within a port,
+merges runs of consecutive frames that are one flow: IPv4 without options or fragments, UDP without a checksum
+(the switch's results; a forwarded frame's checksum is never recomputed), equal Ethernet, IPv4 and UDP headers
+but for the identification and checksums, equal length, and for netagg frames one steering block (job and
+``slot >> wire.SEGMENT_BLOCK_SHIFT``: a host with several receive threads steers a coalesced buffer by its
+first datagram). Any other frame leaves alone, with an empty virtio-net header: exactly the bytes the pipeline
+emitted. The switch asks for this with ``--udp-segmentation``
+(:class:`~netagg.softswitch.batch_switch.BatchSwitch`); the emulated cluster does, and turns on its switch-
+side interfaces' segmentation offload (``bmv2.netns``).
 """
 
 from __future__ import annotations
