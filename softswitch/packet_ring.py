@@ -136,17 +136,18 @@ def unavailable() -> str | None:
 
 
 @njit(cache=True, inline="always")
-def _u16(b, i):
+def _host_u16(b, i):
+    """A little-endian (host order) u16 of a kernel ring header; wire fields are big-endian (``fastpath_defs``)."""
     return np.int64(b[i]) | (np.int64(b[i + 1]) << 8)
 
 
 @njit(cache=True, inline="always")
-def _u32(b, i):
+def _host_u32(b, i):
     return np.int64(b[i]) | (np.int64(b[i + 1]) << 8) | (np.int64(b[i + 2]) << 16) | (np.int64(b[i + 3]) << 24)
 
 
 @njit(cache=True, inline="always")
-def _put32(b, i, v):
+def _host_put32(b, i, v):
     b[i] = v & 0xFF
     b[i + 1] = (v >> 8) & 0xFF
     b[i + 2] = (v >> 16) & 0xFF
@@ -194,9 +195,11 @@ def _slot(table, r, col, i):
 def _take(ring, pos, v3, rows, lengths, ports, fill, port, counts):
     """Copy the frame whose tpacket header is at ``pos`` into row ``fill`` (or count why not); new fill."""
     if v3:  # struct tpacket3_hdr
-        snaplen, length, mac, sll = _u32(ring, pos + 12), _u32(ring, pos + 16), _u16(ring, pos + 24), pos + 48
+        snaplen, length = _host_u32(ring, pos + 12), _host_u32(ring, pos + 16)
+        mac, sll = _host_u16(ring, pos + 24), pos + 48
     else:  # struct tpacket2_hdr
-        length, snaplen, mac, sll = _u32(ring, pos + 4), _u32(ring, pos + 8), _u16(ring, pos + 12), pos + 32
+        length, snaplen = _host_u32(ring, pos + 4), _host_u32(ring, pos + 8)
+        mac, sll = _host_u16(ring, pos + 12), pos + 32
     if ring[sll + 10] == PACKET_OUTGOING:  # sockaddr_ll.sll_pkttype: a frame this socket sent
         counts[0] += 1
         return fill
@@ -219,12 +222,12 @@ def _head(ring, table, r, v3):
         blk = _slot(table, r, T_RX, table[r, T_RX + NEXT])
         if (ring[blk + 8] & TP_STATUS_USER) == 0:  # block_status: still the kernel's
             return -1
-        n = _u32(ring, blk + 12)
+        n = _host_u32(ring, blk + 12)
         if n == 0:  # nothing in it: straight back
             _release_block(ring, table, r)
             continue
         table[r, T_LEFT] = n
-        table[r, T_HEAD] = blk + _u32(ring, blk + 16)
+        table[r, T_HEAD] = blk + _host_u32(ring, blk + 16)
     return table[r, T_HEAD]
 
 
@@ -245,7 +248,7 @@ def _advance(ring, table, r, v3):
         if table[r, T_LEFT] == 0:
             _release_block(ring, table, r)
         else:
-            table[r, T_HEAD] += _u32(ring, table[r, T_HEAD])  # tp_next_offset
+            table[r, T_HEAD] += _host_u32(ring, table[r, T_HEAD])  # tp_next_offset
         return
     _set_status(ring, table[r, T_HEAD], 0)
     nxt = table[r, T_RX + NEXT] + 1
@@ -277,7 +280,7 @@ def ring_receive(ring, table, version, rows, lengths, ports, fill, counts, copy)
             pos = _head(ring, table, r, v3)
             if pos < 0:
                 continue
-            ts = _u32(ring, pos + sec_at) * 1_000_000_000 + _u32(ring, pos + nsec_at)
+            ts = _host_u32(ring, pos + sec_at) * 1_000_000_000 + _host_u32(ring, pos + nsec_at)
             if best < 0 or ts < best_ts:
                 best, best_pos, best_ts = r, pos, ts
         if best < 0:
@@ -317,13 +320,13 @@ def ring_transmit(ring, table, version, out_buf, out_len, out_port, count, port_
             continue
         nxt = table[g, T_TX + NEXT]
         slot = _slot(table, g, T_TX, nxt)
-        status = _u32(ring, slot + status_at)
+        status = _host_u32(ring, slot + status_at)
         length = out_len[i]
         if (status != 0 and status != TP_STATUS_WRONG_FORMAT) or length > table[g, T_TX + UNIT] - hdr:
             failed += 1  # the kernel still sends from this slot (or the frame cannot fit one)
             continue
         _copy_out(ring, slot + hdr, out_buf[i], length)
-        _put32(ring, slot + len_at, length)
+        _host_put32(ring, slot + len_at, length)
         _set_status(ring, slot + status_at, TP_STATUS_SEND_REQUEST)
         table[g, T_TX + NEXT] = nxt + 1 if nxt + 1 < table[g, T_TX + COUNT] else 0
         queued[g] += 1
