@@ -444,8 +444,8 @@ def admit(job: ValidJob, allocator: SlotAllocator | TreeAllocator, min_slots: in
                 reason += "; no switch aggregation without slots"
             grant = Grant(None, "fallback", reason, cells)
         else:
-            grant = _slots_grant(taken, slots, cells, job.slots_chosen_by,
-                                 cap.why if cap is not None and allowed < slots else None)
+            capped = cap is not None and taken.count // cells == allowed < slots  # the cap, not the free range
+            grant = _slots_grant(taken, slots, cells, job.slots_chosen_by, cap.why if capped else None)
     distribution = None
     if job.distribution is not None:
         want = job.distribution_slots

@@ -131,3 +131,11 @@ def test_the_job_view_the_cli_and_the_metrics_show_what_a_tenant_holds_against_i
                 for f in ControllerCollector(service)._tenants(service.store.all())}
     assert families["netagg_tenant_cells"] == {"alice": 20, "bob": 8}
     assert families["netagg_tenant_limit_cells"] == {"alice": 24, "bob": 32}
+
+
+def test_a_grant_cut_by_the_free_range_says_so_not_the_quota(tmp_path: Path) -> None:
+    service = _service(_config_path(tmp_path, capacity=64, alice={"max_cells": 24}))
+    _create(service, BOB, 54)
+    alice = _create(service, ALICE, 99)
+    assert alice["job"]["slot_count"] == 10
+    assert "largest free range" in alice["reason"] and "quota" not in alice["reason"]
