@@ -172,6 +172,7 @@ class EmulatedTree:
 
     def _start_switches(self) -> None:
         fabric = fabric_state(self.topology)
+        device_config = self._device_config() if self.programmed else b""
         for name in self.topology.switches:
             sock = self.workdir / f"{name}.p4rt.sock"
             self.switches[name] = start_target(self.target, self._ports[name], self.workdir / f"{name}.log",
@@ -180,7 +181,7 @@ class EmulatedTree:
                 continue
             client = P4RuntimeClient(self.switches[name].grpc_address, device_id=1, election_id=(0, 1))
             client.connect()
-            client.set_pipeline(dp.P4INFO_PATH, self._device_config())
+            client.set_pipeline(dp.P4INFO_PATH, device_config)
             self.clients[name] = client
             self.state[name] = fabric[name]
             reconcile_state(client, fabric[name])
