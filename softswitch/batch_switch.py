@@ -298,10 +298,15 @@ class BatchSwitch(PortLoop):
         counts = self._group_counts
         self.stats.unknown_port += kernels.group_sends(out_len, out_port, emitted, self._port_slot, out.row_addr,
                                                        out.tx_words, out.tx_iov_words, counts, self._order)
+        self._send_by_group(counts, out.send_prepared, [port.fileno() for port in self._raw])
+
+    def _send_by_group(self, counts: np.ndarray, send, fds: list[int]) -> None:
+        """Group ``g``'s ``counts[g]`` consecutive prepared messages through ``send(fds[g], count, first)`` (a
+        sendmmsg), counting what left and what the kernel refused, per port."""
         first = 0
         for group, count in enumerate(counts.tolist()):
             if count:
-                sent, failed = out.send_prepared(self._raw[group].fileno(), count, first)
+                sent, failed = send(fds[group], count, first)
                 self.stats.transmitted += sent
                 self.stats.transmit_failed += failed
                 if failed:
@@ -313,15 +318,7 @@ class BatchSwitch(PortLoop):
         out, seg = self._out, self._segmented
         _, unknown = seg.plan(out.buf, self._out_len, self._out_port, emitted, self._port_slot, out.row_addr)
         self.stats.unknown_port += unknown
-        first = 0
-        for group, count in enumerate(seg.group_counts.tolist()):
-            if count:
-                sent, failed = seg.send(self._tx_socks[group].fileno(), first, count)
-                self.stats.transmitted += sent
-                self.stats.transmit_failed += failed
-                if failed:
-                    self.transmit_failed_by_port[self._raw[group].number] += failed
-                first += count
+        self._send_by_group(seg.group_counts, seg.send, [sock.fileno() for sock in self._tx_socks])
 
     def port_losses(self) -> dict[int, tuple[int, int]]:
         """Per raw port: (frames the kernel refused to send out of it, frames its receive ring had no room

@@ -110,11 +110,12 @@ class SegmentedSends:
                           self.vnet, self.vnet_addr, self.hdr_words, self.iov_words, self.iov_addr, MAX_SEGMENTS,
                           MAX_SEND_BYTES)
 
-    def send(self, fd: int, first: int, count: int) -> tuple[int, int]:
-        """Send messages ``first .. first+count-1``; returns (frames sent, frames failed). A message the kernel
-        refuses for a passing reason (its socket buffer full: the port's link is backed up) is skipped and its
-        frames counted. A merged message it refuses as such (a kernel without UDP segmentation for packet
-        sockets) sets :attr:`refused`, said once in the log, and goes frame by frame."""
+    def send(self, fd: int, count: int, first: int = 0) -> tuple[int, int]:
+        """Send messages ``first .. first+count-1`` (the arguments of ``MsgBatch.send_prepared``); returns (frames
+        sent, frames failed). A message the kernel refuses for a passing reason (its socket buffer full: the
+        port's link is backed up) is skipped and its frames counted. A merged message it refuses as such (a kernel
+        without UDP segmentation for packet sockets) sets :attr:`refused`, said once in the log, and goes frame by
+        frame."""
         words = self.hdr_words
         sent_frames = failed_frames = 0
         h, end = first, first + count

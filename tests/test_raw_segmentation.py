@@ -179,7 +179,7 @@ def test_the_host_receives_exactly_the_frames_datagrams_in_order(link: tuple[str
         sends = rs.SegmentedSends(256, 1)
         messages, _ = emitted.plan(sends, np.array([-1, 0], np.int64))
         assert messages < len(frames) // 10
-        assert sends.send(tx.fileno(), 0, messages) == (len(frames), 0)
+        assert sends.send(tx.fileno(), messages) == (len(frames), 0)
         got: list[bytes] = []
         while len(got) < len(frames):
             data, ancillary, _, _ = rx.recvmsg(1 << 16, 64)
@@ -222,7 +222,7 @@ def test_a_kernel_that_refuses_merged_sends_gets_the_frames_one_by_one(link: tup
         sends = rs.SegmentedSends(64, 1)
         messages, _ = emitted.plan(sends, np.array([-1, 0], np.int64))
         assert messages == 1
-        assert sends.send(tx.fileno(), 0, messages) == (len(frames), 0)
+        assert sends.send(tx.fileno(), messages) == (len(frames), 0)
         assert sends.refused is not None and "refused" in sends.refused
         got = [rx.recv(1 << 16) for _ in frames]
         assert got == [f[42:] for f in frames]
