@@ -150,13 +150,17 @@ class SoftAggregator:
             return self._drop(verdict.drop)
         if verdict.exchange_mismatch:
             self._drop(DropReason.EXCHANGE_MISMATCH)
+        if verdict.late_for_close:
+            self._drop(DropReason.LATE_FOR_CLOSED_ROUND)
         for name in verdict.counts:
             self.stats.count(name)
         if verdict.delivery == Delivery.NONE:
             return None
         packet = bytearray(data[:wire.HEADER_BYTES])
-        packet[layout.FLAGS_AT] = (packet[layout.FLAGS_AT] & ~wire.ROUND_FLAGS & 0xFF) | verdict.round_flags \
+        packet[layout.FLAGS_AT] = (packet[layout.FLAGS_AT] & ~wire.STORED_FLAGS & 0xFF) | verdict.round_flags \
             | self.result_flags
+        if verdict.members is not None:  # a round closed at a deadline: who is in its sum
+            packet[layout.MEMBERS_AT:layout.MEMBERS_AT + 4] = verdict.members.to_bytes(4, "big")
         packet[layout.EXPONENT_AT] = verdict.exponent & 0xFF
         packet += verdict.values.astype(wire.WIRE_VALUE_DTYPE).tobytes()
         return Outcome(bytes(packet), to_group=verdict.delivery == Delivery.GROUP)

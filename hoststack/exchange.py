@@ -61,6 +61,11 @@ class OutOfStep(TransportError):
     transport is failed: every rank of the job raises, and its workers must be started again."""
 
 
+class ClosedEarly(OutOfStep):
+    """A round of a collective that takes every rank's contribution was closed at a deadline by another rank
+    (docs/protocol.md, "Closing a round at a deadline"): the partial sum is never returned; the transport fails."""
+
+
 @dataclass
 class TransportStats:
     """Counters over the transport's life."""
@@ -109,7 +114,8 @@ class Exchange:
     """One exchange (one :meth:`Transport.exchange` call): per-slot outstanding packet, timers, received sums."""
 
     def __init__(self, transport: Transport, blocks: np.ndarray, exponents: np.ndarray,
-                 flags: np.ndarray | None = None, ident: int = 0) -> None:
+                 flags: np.ndarray | None = None, ident: int = 0, *, closable: bool = False,
+                 close_at: float = math.inf, give_up_at: float = math.inf) -> None:
         k = transport.k
         if blocks.ndim != 2 or blocks.shape[1] != k or blocks.dtype != np.float32:
             raise TypeError(f"expected float32 blocks of shape (n, {k}) (the job's width), got {blocks.dtype} "
@@ -125,6 +131,18 @@ class Exchange:
         #: what ``accept_results`` reports of a result out of step: [seen, its exchange id, its slot].
         self.ident = ident
         self.result_flags = np.zeros(nb, np.uint8)
+        #: Deadline rounds (docs/protocol.md, "Closing a round at a deadline"). ``closable``: results of rounds closed
+        #: early are accepted (else they fail the exchange: no rank uses a partial sum it did not ask for); per block,
+        #: the result's ``members`` (for a closed one: who is in its sum). ``close_at``: from then on (monotonic),
+        #: this worker closes its outstanding rounds, each once it has been out ``close_grace`` (RTO) seconds.
+        self.closable = closable or close_at < math.inf
+        self.result_members = np.zeros(nb, np.uint32)
+        self.close_at = close_at
+        #: Blocks this worker did not send because a round of their slot was closed without it (``_leave_slots``).
+        self.blocks_left = 0
+        #: A member that cannot finish by then stops (``TransportTimeout``): its rounds were closed without it.
+        self.give_up_at = give_up_at
+        self.closes_sent = 0
         self.alarm = np.zeros(3, np.int64)
         self.window = transport.slot_count
         self.used_slots = used = min(self.window, nb)
@@ -159,6 +177,8 @@ class Exchange:
         self.waiting: list[tuple[int, int]] = []
         #: Order key of each slot's outstanding packet.
         self.in_flight: dict[int, int] = {}
+        #: Per used slot: the expected key its close request was sent for (-1: none).
+        self.closed_key = np.full(used, -1, np.int64)
         #: The batch steps: compiled (transport_kernels) or their numpy reference (transport_reference).
         steps = kernels if kernels is not None else reference
         self.fill, self.accept = steps.fill_packets, steps.accept_results
@@ -174,11 +194,11 @@ class Exchange:
         r.fill(none, none, r.blocks, r.local_exp, r.global_exp, r.ahead, 0, 0, r.window, *t.encode, t.raw, t.words,
                t.next_pool, t.rounds, r.expect, r.sent_at, 0.0, none.copy())
         rows = t.io.rx_capacity
-        outputs = np.zeros(rows, np.int64), np.zeros(rows, np.int64), np.zeros(rows)
+        none_rows = np.zeros(rows, np.int64)
         io = t.io
         r.accept(io.rx_buf, io.rx_lengths, io.rx_names, 0, io.allowed, t.config.job_id, t.slot_base, 0, r.window, 0,
-                 r.expect, r.retries, r.sent_at, t.next_pool, 0.0, r.sums_flat, r.global_exp, 0, r.result_flags,
-                 r.alarm, *outputs)
+                 r.expect, r.retries, r.sent_at, t.next_pool, 0.0, r.sums_flat, r.global_exp, 0, 0, 1, r.result_flags,
+                 r.result_members, r.alarm, none_rows, none_rows.copy(), np.zeros(rows, np.uint8), np.zeros(rows))
         RtoEstimator().sample_all(np.full(1, 0.001))  # one sample: an empty batch returns before the kernel
 
     # -- sending -------------------------------------------------------------
@@ -346,6 +366,29 @@ class Exchange:
         t.stats.socket_errors += errors
         t.stats.shadow_resends += n - errors
 
+    def _close_due(self, now: float) -> float:
+        """Past ``close_at``: send a close request (the slot's packet again, ``FLAG_CLOSE`` set: the switch completes
+        the round with the contributions it has) for each outstanding packet out for at least the RTO, once per
+        packet. Returns when the next one falls due."""
+        t = self.transport
+        grace = t.rto.rto
+        outstanding = self.expect != -1
+        pending = outstanding & (self.closed_key != self.expect)
+        if not pending.any():
+            return math.inf
+        due_at = np.maximum(self.sent_at + grace, self.close_at)
+        due = pending & (due_at <= now)
+        if due.any():
+            slots = np.flatnonzero(due).astype(np.int64)
+            self.closed_key[slots] = self.expect[slots]
+            t.raw[slots, layout.FLAGS_AT] |= wire.FLAG_CLOSE  # cleared when the row is next filled
+            errors = t.io.transmit(slots)
+            t.stats.packets_sent += slots.shape[0] - errors
+            t.stats.socket_errors += errors
+            self.closes_sent += slots.shape[0] - errors
+            pending &= ~due
+        return float(due_at[pending].min()) if pending.any() else math.inf
+
     # -- receiving -----------------------------------------------------------
     def run(self) -> None:
         t = self.transport
@@ -360,17 +403,22 @@ class Exchange:
         expect, retries, sent_at, next_pool = self.expect, self.retries, self.sent_at, t.next_pool
         window, seq0, sums, global_exp = self.window, self.seq0, self.sums_flat, self.global_exp
         ident, result_flags, alarm = self.ident, self.result_flags, self.alarm
+        closable, result_members = int(self.closable), self.result_members
+        my_mask = 1 << t.config.rank
+        close_next = self.close_at
         rows = io.rx_capacity
         acc_slots = np.empty(rows, np.int64)
         following = np.empty(rows, np.int64)
+        acc_missed = np.zeros(rows, np.uint8)
         rtts = np.empty(rows)
         failover = t.failover if t.failover_armed() else None
         vote_at = last_progress + failover.after if failover is not None else math.inf
         while self.remaining:
             now = time.monotonic()
-            wake = min(last_progress + t.progress_timeout, vote_at)
+            wake = min(last_progress + t.progress_timeout, vote_at, self.give_up_at)
             if self.timers:
                 wake = min(wake, self.timers[0][0])
+            wake = min(wake, close_next)
             if wake > now and not io.rx_pending():
                 io.poller.poll(math.ceil((wake - now) * 1000))
             ready_slots: list[int] = []
@@ -386,8 +434,8 @@ class Exchange:
                     break
                 n_acc, n_rtt, foreign, malformed, stale, done = accept(
                     buf, lengths, names, count, allowed, job_id, slot_base, seq0, window, nb, expect, retries, sent_at,
-                    next_pool, time.monotonic(), sums, global_exp, ident, result_flags, alarm, acc_slots, following,
-                    rtts)
+                    next_pool, time.monotonic(), sums, global_exp, ident, closable, my_mask, result_flags,
+                    result_members, alarm, acc_slots, following, acc_missed, rtts)
                 if foreign or malformed or stale:
                     stats.foreign += foreign
                     stats.malformed += malformed
@@ -407,6 +455,8 @@ class Exchange:
                         t.rto.sample_all(rtts[:n_rtt])
                     nxt = following[:n_acc]
                     ready = nxt < nb
+                    if closable and acc_missed[:n_acc].any():
+                        ready &= self._leave_slots(acc_missed[:n_acc] != 0, nxt) == 0
                     ready_slots += acc_slots[:n_acc][ready].tolist()
                     ready_blocks += nxt[ready].tolist()
                 if calls >= _RECV_CALLS and not (self.timers and self.timers[0][0] <= time.monotonic()):
@@ -427,12 +477,33 @@ class Exchange:
                     self._timeout(time.monotonic() - last_progress)
             elif now - last_progress >= t.progress_timeout:
                 self._timeout(now - last_progress)
+            if now >= self.give_up_at and self.remaining:
+                self._timeout(now - last_progress, deadline=True)
             if ready_slots or self.waiting:
                 self.release(ready_slots, ready_blocks)
+            if now >= self.close_at:
+                close_next = self._close_due(time.monotonic())
             self._retransmit_due(now)
         t.seq = (seq0 + nb) & SEQ_MASK
         t.probe_seq = (self.probe0 + self.used_slots) & SEQ_MASK
         stats.blocks += nb
+
+    def _leave_slots(self, missed: np.ndarray, following: np.ndarray) -> np.ndarray:
+        """Slots whose round was closed without this worker: its exponent for the slot's next block was not in the
+        round's maximum, so it cannot quantize that block for the round, and it sends nothing more in the slot. Its
+        blocks left there (from ``following``, a window apart) have no sum here: flags ``FLAG_CLOSE``, members 0,
+        sums 0. Returns ``missed`` (as the release mask of those slots)."""
+        nb, window = self.num_blocks, self.window
+        for first in following[missed].tolist():
+            if first < nb:
+                skipped = np.arange(first, nb, window)
+                self.result_flags[skipped] = wire.FLAG_CLOSE
+                self.result_members[skipped] = 0
+                self.sums[skipped] = 0
+                self.global_exp[skipped] = qz.EXP_NONE
+                self.remaining -= skipped.shape[0]
+                self.blocks_left += skipped.shape[0]
+        return missed
 
     def _judge_resends(self, slots: np.ndarray, resent: np.ndarray) -> None:
         """Accepted results of ``slots`` whose packets were resent at ``resent`` (0: not resent): those back sooner
@@ -451,6 +522,12 @@ class Exchange:
 
     def _out_of_step(self) -> None:
         t = self.transport
+        if self.alarm[0] == 2:
+            raise ClosedEarly(
+                f"job {t.config.job_id} rank {t.config.rank}: collective #{t._index} ({self.num_blocks} blocks, id "
+                f"{self.ident:#010x}): slot {int(self.alarm[2]) + t.slot_base}'s round was closed at a deadline by "
+                "another rank, but this collective sums every rank's contribution; no partial sum is returned, and "
+                "this worker is unusable: restart the job's workers (and give every rank the same deadline setting)")
         met = int(self.alarm[1])
         other = "another rank's abort, or a contribution of another collective" if met == self.ident \
             else f"collective id {met:#010x}"
@@ -460,8 +537,13 @@ class Exchange:
             f"round met {other} (a rank skipped or failed a call, or called with another size); no sum is "
             "returned, and this worker is unusable: restart the job's workers")
 
-    def _timeout(self, waited: float) -> None:
+    def _timeout(self, waited: float, deadline: bool = False) -> None:
         waiting = int((self.expect != -1).sum())
+        if deadline:
+            raise TransportTimeout(
+                f"job {self.transport.config.job_id} rank {self.transport.config.rank}: the exchange's deadline "
+                f"passed with {self.remaining} of {self.num_blocks} blocks outstanding: its rounds were closed "
+                "without this worker (it sends its update another way)")
         raise TransportTimeout(
             f"job {self.transport.config.job_id} rank {self.transport.config.rank}: no result for {waited:.1f} s "
             f"({self.remaining} of {self.num_blocks} blocks outstanding in {waiting} slot(s), "

@@ -82,7 +82,9 @@ their timers fire together and they are resent together, a single loss event for
 from __future__ import annotations
 
 import logging
+import math
 import socket
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,6 +93,7 @@ from netagg import wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.congestion import RTO_FLOOR, CongestionWindow, RtoEstimator
 from netagg.hoststack.exchange import (
+    ClosedEarly,
     Exchange,
     OutOfStep,
     TransportError,
@@ -110,8 +113,8 @@ from netagg.jobconfig import WorkerConfig, resolve
 log = logging.getLogger(__name__)
 
 #: What callers import from here (the exchange's errors and counters live in ``exchange.py``).
-__all__ = ["RTO_FLOOR", "Exchange", "OutOfStep", "RtoEstimator", "SubsetRound", "Transport", "TransportError",
-           "TransportStats", "TransportTimeout", "subset_round_uses"]
+__all__ = ["RTO_FLOOR", "ClosedEarly", "Exchange", "OutOfStep", "RtoEstimator", "SubsetRound", "Transport",
+           "TransportError", "TransportStats", "TransportTimeout", "subset_round_uses"]
 
 @dataclass(frozen=True)
 class _Mark:
@@ -135,10 +138,20 @@ class SubsetRound:
     pool ``round_base % 2``): a slot's consecutive rounds never share a pool, even across
     exchanges, and a slot taken over never meets a packet whose round is SAME as the other
     pool's mark (docs/protocol.md, step 2).
+
+    Deadline rounds (docs/protocol.md, "Closing a round at a deadline"): with ``partial`` every member accepts
+    rounds closed before all members contributed (:attr:`Transport.last_members` then says, per block, who is in
+    the sum); a member with ``close_after`` closes its rounds still outstanding that many seconds after its
+    exchange began (implies ``partial``); one with ``give_up_after`` stops that many seconds after it began
+    (``TransportTimeout``): a member that late was closed out of rounds the others have moved past. Without
+    ``partial`` or ``close_after``, a closed round fails the exchange (``ClosedEarly``).
     """
 
     members: int
     round_base: int
+    partial: bool = False
+    close_after: float | None = None
+    give_up_after: float | None = None
 
 
 def subset_round_uses(num_blocks: int, slot_count: int) -> int:
@@ -223,6 +236,12 @@ class Transport:
         self.resend = np.zeros((self.slot_count, nbytes), np.uint8)
         #: The members a subset exchange writes into each row it fills (0: the whole job).
         self.members = 0
+        #: Deadline rounds of a subset exchange (SubsetRound): (closed rounds accepted, close after, give up after).
+        self._deadline: tuple[bool, float, float] = (False, math.inf, math.inf)
+        #: The last exchange's ``members`` field per block (a round closed at a deadline: who is in its sum; see
+        #: ``result_flags & wire.FLAG_CLOSE``), and how many close requests this worker sent in it.
+        self.last_members = np.zeros(0, np.uint32)
+        self.last_closes = 0
         self.next_pool = np.zeros(self.slot_count, np.uint8)
         # Per slot: the round number of its latest use (+1 per new packet, mod 2**16), which
         # lets the switch tell a delayed copy of an earlier round from a new one. Every worker
@@ -289,10 +308,14 @@ class Transport:
         # Written into each row as it is filled (Exchange._launch), so that every row keeps the bytes it was sent
         # with (a shadow copy of it must be the same packet).
         self.members = members
+        self._deadline = (subset.partial or subset.close_after is not None,
+                          math.inf if subset.close_after is None else subset.close_after,
+                          math.inf if subset.give_up_after is None else subset.give_up_after)
         try:
             return self._exchange(blocks, exponents, flags, members, subset.round_base)
         finally:
             self.members = 0
+            self._deadline = (False, math.inf, math.inf)
 
     def abort(self, reason: str) -> None:
         """This worker cannot take part in its next collective (its input was refused before anything was sent):
@@ -357,10 +380,15 @@ class Transport:
     def _run(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None, ident: int,
              mark: _Mark) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Run one exchange; after a failover decision, again at the PS from where the decision says."""
+        closable, close_after, give_up_after = self._deadline
         while True:
-            exchange = Exchange(self, blocks, exponents, flags, ident)
+            began = time.monotonic()
+            exchange = Exchange(self, blocks, exponents, flags, ident, closable=closable, close_at=began + close_after,
+                                give_up_at=began + give_up_after)
             try:
                 self._run_exchange(exchange)
+                self.last_members = exchange.result_members
+                self.last_closes = exchange.closes_sent
                 return exchange.sums, exchange.global_exp, exchange.result_flags
             except _FailedOver as decision:
                 self._to_ps()

@@ -17,18 +17,20 @@ from netagg import layout, wire
 from netagg.hoststack.codec_kernels import quantize_row
 from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK
 
-wire.check_compiled_layout(__name__, "v3 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,"
+wire.check_compiled_layout(__name__, "v4 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,"
                                      "exponent:8s,width:8,round:16,seq:32,members:32,exchange:32")
 
 _HEADER = wire.HEADER_BYTES
 _VERSION = wire.VERSION
 _RESULT = wire.FLAG_RESULT
 _OUT_OF_STEP = wire.FLAG_OUT_OF_STEP
-_NONFINITE = wire.NONFINITE_FLAGS
+_CLOSE = wire.FLAG_CLOSE
+_KEPT_FLAGS = wire.NONFINITE_FLAGS | wire.FLAG_CLOSE
 # The header's fields (netagg.layout, from wire.HEADER_FIELDS).
 _VERSION_AT, _FLAGS_AT, _JOB_AT, _SLOT_AT, _POOL_AT = (layout.VERSION_AT, layout.FLAGS_AT, layout.JOB_AT,
                                                        layout.SLOT_AT, layout.POOL_AT)
 _EXPONENT_AT, _ROUND_AT, _SEQ_AT, _EXCHANGE_AT = layout.EXPONENT_AT, layout.ROUND_AT, layout.SEQ_AT, layout.EXCHANGE_AT
+_MEMBERS_AT = layout.MEMBERS_AT
 _PROBE = np.int64(PROBE_SEQ_BIT)
 _MASK = np.int64(SEQ_MASK)
 
@@ -43,8 +45,8 @@ def _be(row: np.ndarray, start: int, width: int) -> np.int64:
 
 @njit(cache=True, nogil=True)
 def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0, window, num_blocks, expect, retries,
-                   sent_at, next_pool, now, sums, global_exp, exchange, result_flags, alarm, acc_slots, following,
-                   rtts):  # pragma: no cover
+                   sent_at, next_pool, now, sums, global_exp, exchange, closable, my_mask, result_flags, result_members,
+                   alarm, acc_slots, following, acc_missed, rtts):  # pragma: no cover
     """See ``transport_reference.accept_results`` (the reference): same arguments, same effects and result."""
     used = expect.shape[0]
     payload = sums.shape[1]
@@ -71,10 +73,11 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
             stale += 1
             continue
         outstanding = expect[slot]
+        refused = (row[_FLAGS_AT] & _OUT_OF_STEP) != 0 or _be(row, _EXCHANGE_AT, 4) != exchange
         if outstanding != -1 and (outstanding >> np.int64(32)) == (key >> np.int64(32)) and (
-                (row[_FLAGS_AT] & _OUT_OF_STEP) != 0 or _be(row, _EXCHANGE_AT, 4) != exchange):
+                refused or ((row[_FLAGS_AT] & _CLOSE) != 0 and closable == 0)):
             if alarm[0] == 0:
-                alarm[0] = 1
+                alarm[0] = 1 if refused else 2
                 alarm[1] = _be(row, _EXCHANGE_AT, 4)
                 alarm[2] = slot
             stale += 1
@@ -85,8 +88,9 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
         expect[slot] = -1
         next_pool[slot] ^= np.uint8(1)
         if retries[slot] == 0:
-            rtts[n_rtt] = now - sent_at[slot]
-            n_rtt += 1
+            if (row[_FLAGS_AT] & _CLOSE) == 0:  # a closed round's wait measured its deadline, not the path
+                rtts[n_rtt] = now - sent_at[slot]
+                n_rtt += 1
         else:
             retries[slot] = 0
         if seq & _PROBE:
@@ -97,7 +101,8 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
             values = row[_HEADER:_HEADER + payload]
             for j in range(payload):
                 out[j] = values[j]
-            result_flags[block] = row[_FLAGS_AT] & _NONFINITE
+            result_flags[block] = row[_FLAGS_AT] & _KEPT_FLAGS
+            result_members[block] = _be(row, _MEMBERS_AT, 4)
             done += 1
             nxt = block + window
         if nxt < num_blocks:
@@ -105,6 +110,7 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
             global_exp[nxt] = exponent - 256 if exponent >= 128 else exponent
         acc_slots[n_acc] = slot
         following[n_acc] = nxt
+        acc_missed[n_acc] = 1 if (row[_FLAGS_AT] & _CLOSE) != 0 and (_be(row, _MEMBERS_AT, 4) & my_mask) == 0 else 0
         n_acc += 1
     return n_acc, n_rtt, foreign, malformed, stale, done
 

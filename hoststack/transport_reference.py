@@ -21,8 +21,9 @@ _HEADER_BYTES = wire.HEADER_BYTES
 def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, count: int, allowed: np.ndarray,
                           job_id: int, slot_base: int, seq0: int, window: int, num_blocks: int, expect: np.ndarray,
                           retries: np.ndarray, sent_at: np.ndarray, next_pool: np.ndarray, now: float,
-                          sums: np.ndarray, global_exp: np.ndarray, exchange: int, result_flags: np.ndarray,
-                          alarm: np.ndarray, acc_slots: np.ndarray, following: np.ndarray,
+                          sums: np.ndarray, global_exp: np.ndarray, exchange: int, closable: int, my_mask: int,
+                          result_flags: np.ndarray, result_members: np.ndarray, alarm: np.ndarray,
+                          acc_slots: np.ndarray, following: np.ndarray, acc_missed: np.ndarray,
                           rtts: np.ndarray) -> tuple[int, int, int, int, int, int]:
     """Check and apply ``count`` received datagrams (``buf[i, :lengths[i]]`` from sockaddr ``names[i]``).
 
@@ -33,14 +34,18 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
     (round << 33 | pool << 32 | seq) other than ``expect[slot]`` is
     stale (so is a second copy of a result in the batch). An accepted result clears
     ``expect[slot]``, flips ``next_pool[slot]``, yields a round trip ``now - sent_at[slot]``
-    unless the slot was retransmitted (Karn; ``retries[slot]`` is reset), copies a data
+    unless the slot was retransmitted (Karn; ``retries[slot]`` is reset) or the round was closed, copies a data
     block's values into its row of ``sums`` and writes the exponent into ``global_exp`` of
-    the slot's next block, if any (for a probe: block ``slot``), and its non-finite flags into
-    ``result_flags[block]``. A result for the (round, pool) a slot has outstanding whose flags say
+    the slot's next block, if any (for a probe: block ``slot``), its non-finite and CLOSE flags into
+    ``result_flags[block]`` and its ``members`` into ``result_members[block]`` (a closed round: who is in
+    the sum). A result for the (round, pool) a slot has outstanding whose flags say
     OUT_OF_STEP or whose ``exchange`` is not this worker's is stale too, whatever its seq, and the first
     one of them writes ``alarm`` = [1, its exchange, its slot] (docs/protocol.md, "Collectives out of
-    step"). Writes the accepted slots and
-    their next blocks into ``acc_slots``/``following`` and the round trips into ``rtts``; returns
+    step"); so is one that says CLOSE (a round closed at a deadline) when ``closable`` is 0: alarm
+    [2, its exchange, its slot]. Writes the accepted slots and
+    their next blocks into ``acc_slots``/``following``, whether each was a closed round without this worker's
+    bit (``my_mask``: it missed it; its exponent was not in the round's maximum) into ``acc_missed``, and the
+    round trips into ``rtts``; returns
     (accepted, round trips, foreign, malformed, stale, data blocks done). The compiled
     ``transport_kernels.accept_results`` does the same in one pass.
     """
@@ -60,8 +65,9 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
     outstanding = np.full(count, -1, np.int64)
     outstanding[candidate] = expect[slot[candidate]]
     theirs = hdr["exchange"].astype(np.int64)
-    out_of_step = candidate & (outstanding != -1) & ((outstanding >> 32) == (key >> 32)) \
-        & (((hdr["flags"] & wire.FLAG_OUT_OF_STEP) != 0) | (theirs != exchange))
+    refused = ((hdr["flags"] & wire.FLAG_OUT_OF_STEP) != 0) | (theirs != exchange)
+    unwanted_close = ((hdr["flags"] & wire.FLAG_CLOSE) != 0) & (closable == 0)
+    out_of_step = candidate & (outstanding != -1) & ((outstanding >> 32) == (key >> 32)) & (refused | unwanted_close)
     candidate &= ~out_of_step
     candidate[candidate] = outstanding[candidate] == key[candidate]
     matching = np.flatnonzero(candidate)
@@ -71,12 +77,13 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
         accepted_at = dict(zip(slot[accepted].tolist(), accepted.tolist(), strict=True))
         for row in np.flatnonzero(out_of_step).tolist():
             if accepted_at.get(int(slot[row]), count) > row:
-                alarm[:] = (1, theirs[row], slot[row])
+                alarm[:] = (1 if refused[row] else 2, theirs[row], slot[row])
                 break
     slots = slot[accepted]
     expect[slots] = -1
     next_pool[slots] ^= 1
-    fresh = retries[slots] == 0
+    # Karn (no sample of a resent packet); nor of a closed round, whose wait measured its deadline, not the path.
+    fresh = (retries[slots] == 0) & ((hdr["flags"][accepted] & wire.FLAG_CLOSE) == 0)
     n_rtt = int(fresh.sum())
     rtts[:n_rtt] = now - sent_at[slots[fresh]]
     retries[slots] = 0
@@ -85,13 +92,16 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
     block = (seq - seq0) & SEQ_MASK
     data = ~probe
     sums[block[data]] = rows[accepted[data], _HEADER_BYTES:_HEADER_BYTES + payload]
-    result_flags[block[data]] = hdr["flags"][accepted[data]] & wire.NONFINITE_FLAGS
+    result_flags[block[data]] = hdr["flags"][accepted[data]] & (wire.NONFINITE_FLAGS | wire.FLAG_CLOSE)
+    result_members[block[data]] = hdr["members"][accepted[data]]
     nxt = np.where(probe, slots, block + window)
     ready = nxt < num_blocks
     global_exp[nxt[ready]] = hdr["exponent"][accepted][ready]
     n_acc = accepted.shape[0]
     acc_slots[:n_acc] = slots
     following[:n_acc] = nxt
+    acc_missed[:n_acc] = ((hdr["flags"][accepted] & wire.FLAG_CLOSE) != 0) \
+        & ((hdr["members"][accepted].astype(np.int64) & my_mask) == 0)
     n_valid = int(valid.sum())
     return n_acc, n_rtt, count - int(known.sum()), int(known.sum()) - n_valid, n_valid - n_acc, int(data.sum())
 

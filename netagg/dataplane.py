@@ -97,6 +97,12 @@ class DropReason(IntEnum):
     EXCHANGE_MISMATCH = 16
     #: A packet whose ``width`` (a defined code) is not its job's: a slot of another width spans other cells.
     WRONG_WIDTH = 17
+    #: A close request (``FLAG_CLOSE``) for a job with an up link on this switch, or a parent's result of a closed
+    #: round: deadline rounds are a single switch's (docs/protocol.md, "Closing a round at a deadline").
+    CLOSE_REFUSED = 18
+    #: A new contribution to a round that was closed without it: not added; the sender gets the stored result
+    #: (``FLAG_CLOSE``, the contributors in ``members``), which tells it that it missed the round.
+    LATE_FOR_CLOSED_ROUND = 19
 
 
 class Level(IntEnum):

@@ -5,7 +5,8 @@ switch exactly (the P4 program stays the reference; the PTF suite checks the mod
 Per slot: an owner tag (``SlotOwner``) and the current round of each pool
 (``RoundCheck``); per (slot, pool): the round's expected members (``MemberCheck``), the
 bitmap of contributors (``BitmapCheck``), the missing-contribution count (``WorkerCount``),
-the round's collective (``ExchangeCheck``) and flags (``RoundFlags``), the exponent maximum
+the round's collective (``ExchangeCheck``) and flags (``RoundFlags``; they also say whether the round was
+closed at a deadline, ``CloseCheck``), the exponent maximum
 (``ExponentMax``) and the int32 sums (``ValueSum``): a slot here is a *cell* of ``wire.K`` values, and a
 wide packet's slot is its first cell, its value chunk c summed in cell ``slot + c``. See
 docs/protocol.md. ``SlotRegisters.aggregate`` is what ``NetaggIngress.apply`` does with a
@@ -45,6 +46,11 @@ class SlotDecision:
     members_mismatch: bool = False  #: the packet's members differ from the round's (dropped, nothing changed)
     #: A new contribution naming another collective than the round's (not added; the round goes OUT_OF_STEP).
     exchange_mismatch: bool = False
+    #: The round had been closed at a deadline (``CloseCheck``): no register changed; the packet is answered from
+    #: storage (``late``: its sender is not in the sum).
+    closed: bool = False
+    #: This packet's close request closed the round (it was incomplete): its result goes to the group.
+    closes: bool = False
 
     @property
     def delivers(self) -> bool:
@@ -80,6 +86,12 @@ class Verdict:
     #: A new contribution of another collective: counted as an EXCHANGE_MISMATCH drop and a job reject (not a
     #: contribution), though it counts towards completion and may leave as the (OUT_OF_STEP) result.
     exchange_mismatch: bool = False
+    #: The ``members`` field the packet leaves with: None keeps its own; a closed round's result carries the
+    #: bitmap of the contributions in its sum.
+    members: int | None = None
+    #: A new contribution to a round closed without it: not added, answered from storage; counted as a
+    #: LATE_FOR_CLOSED_ROUND drop (not a job reject).
+    late_for_close: bool = False
 
 
 _CONTRIBUTION = ("contributions",)
@@ -148,7 +160,7 @@ class SlotRegisters:
         return RoundState.OLD
 
     def decide(self, slot: int, pool: int, round_: int, worker_mask: int, num_workers: int,
-               generation: int, members: int = 0, exchange: int = 0) -> SlotDecision:
+               generation: int, members: int = 0, exchange: int = 0, close: bool = False) -> SlotDecision:
         """SlotOwner, RoundCheck, MemberCheck, BitmapCheck and WorkerCount for one packet, and the value op.
 
         ``members`` (the packet's field) is 0 for a round of every worker (``num_workers``
@@ -157,7 +169,9 @@ class SlotRegisters:
         number completes it. The caller has checked that the sender is one of them
         (``WorkerLookup``). ``exchange``: the packet's collective; a new round stores it, and a new
         contribution of the same round with another one is not added (``exchange_mismatch``; op NONE, or
-        READ when it completes the round) but counts towards completion.
+        READ when it completes the round) but counts towards completion. ``close``: the packet asks to close the
+        round (``wire.FLAG_CLOSE``): if the round is still incomplete after the packet, it completes now with the
+        contributions it has (``closes``). A packet for a round that was closed (``closed``) changes nothing.
         """
         stale = self.owner[slot] != generation
         if stale:
@@ -175,6 +189,10 @@ class SlotRegisters:
             mismatch = False
         else:
             mismatch = self.exchanges[index] != exchange
+            if self.flags[index] & wire.FLAG_CLOSE:  # CloseCheck: closed at a deadline; answered from storage
+                fresh = (self.bitmaps[index] & worker_mask) == 0
+                return SlotDecision(ValueOp.READ, state, False, fresh, True, fresh, closed=True,
+                                    exchange_mismatch=mismatch and fresh)
         before = 0 if state == RoundState.NEW else self.bitmaps[index]
         self.bitmaps[index] = before | worker_mask
         first = state == RoundState.NEW
@@ -190,6 +208,10 @@ class SlotRegisters:
             else:
                 count = self.counts[index] = count - 1
         complete = count == 0 and not late
+        closes = close and not complete and not late
+        if closes:  # the close request completes the round with what it has
+            self.counts[index] = 0
+            complete = True
         mismatch = mismatch and fresh and not late
         if mismatch:
             op = ValueOp.READ if complete else ValueOp.NONE
@@ -199,7 +221,7 @@ class SlotRegisters:
             op = ValueOp.READ
         else:
             op = ValueOp.NONE
-        return SlotDecision(op, state, first, fresh, complete, late, exchange_mismatch=mismatch)
+        return SlotDecision(op, state, first, fresh, complete, late, exchange_mismatch=mismatch, closes=closes)
 
     def aggregate(self, slot: int, pool: int, round_: int, worker_mask: int, num_workers: int, generation: int,
                   members: int, exponent: int, values: np.ndarray, has_up: bool = False, flags: int = 0,
@@ -213,12 +235,21 @@ class SlotRegisters:
         ``has_up``: the job has an up link on this switch (``up_links``, docs/hierarchy.md). ``flags`` and
         ``exchange``: the packet's; ``RoundFlags`` keeps the OR of the round's ``wire.ROUND_FLAGS``.
         """
-        decision = self.decide(slot, pool, round_, worker_mask, num_workers, generation, members, exchange)
+        close = bool(flags & wire.FLAG_CLOSE)
+        if close and has_up:  # deadline rounds are one switch's: refused before any register changes
+            return Verdict(DropReason.CLOSE_REFUSED, (), Delivery.NONE, exponent, values)
+        decision = self.decide(slot, pool, round_, worker_mask, num_workers, generation, members, exchange, close)
         if decision.members_mismatch:
             return Verdict(DropReason.MEMBERS_MISMATCH, (), Delivery.NONE, exponent, values)
         if decision.round_state == RoundState.OLD:
             return Verdict(DropReason.NONE, _DUPLICATE, Delivery.NONE, exponent, values)
         index = self.pool_index(slot, pool)
+        if decision.closed:  # the stored result of a round closed at a deadline, to the sender alone
+            # A late contribution of another collective learns that too (the register keeps the round's flags).
+            answer_flags = self.flags[index] | (wire.FLAG_OUT_OF_STEP if decision.exchange_mismatch else 0)
+            return Verdict(DropReason.NONE, _RETRANSMIT_RESULT, Delivery.SENDER, self.exponent(index, ValueOp.READ, 0),
+                           self.sums(index, ValueOp.READ, values), resend=True, round_flags=answer_flags,
+                           members=self.bitmaps[index], late_for_close=decision.late)
         level = self.level_state(index, decision.first, has_up and decision.complete and not decision.late)
         op = decision.op
         delivery = Delivery.NONE
@@ -234,12 +265,22 @@ class SlotRegisters:
         else:
             counts = _DUPLICATE
         round_flags = self.round_flags(index, op, flags, decision.exchange_mismatch)
+        members_out = None
+        if decision.closes:
+            # A resend's close request is a result, not a retransmission's answer.
+            counts = _COMPLETION if decision.fresh and not decision.exchange_mismatch else _RESULT
+            delivery = Delivery.GROUP
+            if op == ValueOp.NONE:
+                op = ValueOp.READ
+            self.flags[index] |= wire.FLAG_CLOSE
+            round_flags = self.flags[index]
+            members_out = self.bitmaps[index]
         if op != ValueOp.NONE:
             exponent = self.exponent(index, op, exponent)
             values = self.sums(index, op, values)
         return Verdict(DropReason.NONE, counts, delivery, exponent, values,
-                       resend=op == ValueOp.READ and not decision.exchange_mismatch, round_flags=round_flags,
-                       exchange_mismatch=decision.exchange_mismatch)
+                       resend=op == ValueOp.READ and not decision.exchange_mismatch and not decision.closes,
+                       round_flags=round_flags, exchange_mismatch=decision.exchange_mismatch, members=members_out)
 
     def accept_down(self, slot: int, pool: int, round_: int, generation: int, exponent: int,
                     values: np.ndarray, flags: int = 0) -> Verdict:
@@ -251,6 +292,8 @@ class SlotRegisters:
         written), the round becomes FINAL and the result goes to the local group; otherwise (not sent
         up yet, already final) it is a duplicate and changes nothing.
         """
+        if flags & wire.FLAG_CLOSE:  # a closed round's bitmap names the parent's ranks, not this segment's
+            return Verdict(DropReason.CLOSE_REFUSED, (), Delivery.NONE, exponent, values)
         if self.owner[slot] != generation or self.rounds[pool][slot] != round_ & 0xFFFF:
             return Verdict(DropReason.NONE, _DUPLICATE, Delivery.NONE, exponent, values)
         index = self.pool_index(slot, pool)

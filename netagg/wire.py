@@ -23,7 +23,9 @@ import numpy as np
 #: 2: the header gained ``members`` (subset rounds), 16 -> 20 bytes.
 #: 3: ``exchange`` (which collective a contribution belongs to), ``width`` (values per packet: reserved for
 #: wide packets), the non-finite and out-of-step flags; 20 -> 24 bytes.
-VERSION = 3
+#: 4: the ``CLOSE`` flag (deadline rounds: a member closes a round with the contributions that arrived; the
+#: result says so and carries their bitmap in ``members``). Same header.
+VERSION = 4
 #: UDP destination port that marks a packet as netagg (below Linux's ephemeral range).
 NETAGG_UDP_PORT = 28900
 #: A tree of switches (docs/hierarchy.md): a switch's partials leave for its parent from this port, and the
@@ -54,11 +56,18 @@ FLAG_NEG_INF = 0x20
 #: Result: the round's contributions named different collectives (``exchange``), or a host aborted it
 #: (an *abort contribution*, sent with this flag). No sum of such a round is ever used.
 FLAG_OUT_OF_STEP = 0x40
+#: Deadline rounds (docs/protocol.md, "Closing a round at a deadline"). On a contribution: close the round
+#: with the contributions that have arrived (this one included). On a result: the round was closed before every
+#: expected contribution arrived; its ``members`` field holds the bitmap of those in the sum.
+FLAG_CLOSE = 0x80
 #: The non-finite flags of a block (a host's contribution describes its own values).
 NONFINITE_FLAGS = FLAG_NAN | FLAG_POS_INF | FLAG_NEG_INF
 #: The flags a switch ORs over a round's contributions and returns in its result (``round_flags``).
 ROUND_FLAGS = NONFINITE_FLAGS | FLAG_OUT_OF_STEP
-KNOWN_FLAGS = FLAG_RESULT | FLAG_RETRANSMIT | FLAG_PS_FORWARDED | ROUND_FLAGS
+#: What a switch keeps per round beside its exponent and sums, and sets on every packet that leaves with the
+#: round's state (the ``round_flags`` register): the round flags and whether the round was closed.
+STORED_FLAGS = ROUND_FLAGS | FLAG_CLOSE
+KNOWN_FLAGS = FLAG_RESULT | FLAG_RETRANSMIT | FLAG_PS_FORWARDED | STORED_FLAGS
 #: ``width`` codes: values per packet. Any other code is MALFORMED; a packet whose width is not its job's
 #: is refused (``WRONG_WIDTH``).
 WIDTHS = {0: K, 1: WIDE_K}

@@ -33,7 +33,7 @@ from netagg.softswitch.fastpath_defs import (
     LEVEL_UP,
     MEMBERS,
     NETAGG_PORT,
-    NOT_ROUND_FLAGS,
+    NOT_STORED_FLAGS,
     OP_MERGE,
     OP_WRITE,
     POOL,
@@ -62,7 +62,7 @@ from netagg.softswitch.fastpath_defs import (
     _u32,
 )
 
-wire.check_compiled_layout(__name__, "v3 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,"
+wire.check_compiled_layout(__name__, "v4 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,"
                                      "exponent:8s,width:8,round:16,seq:32,members:32,exchange:32")
 
 # --------------------------------------------------------------------------- the controls, in the program's order
@@ -238,14 +238,14 @@ def exchange_check(regs_exchanges, index, round_state, exchange):
 @njit(cache=True, inline="always")
 def round_flags(b, regs_flags, index, op, mismatch):
     """RoundFlags: write / OR the packet's round flags (a contribution of another collective: OUT_OF_STEP
-    instead); the packet leaves with the round's flags in place of its own."""
+    instead); the packet leaves with the round's stored flags (its ``FLAG_CLOSE`` too) in place of its own."""
     if mismatch:
         regs_flags[index] |= FLAG_OUT_OF_STEP
     elif op == OP_WRITE:
         regs_flags[index] = b[FLAGS] & ROUND_FLAGS
     elif op == OP_MERGE:
         regs_flags[index] |= b[FLAGS] & ROUND_FLAGS
-    b[FLAGS] = (b[FLAGS] & NOT_ROUND_FLAGS) | regs_flags[index]
+    b[FLAGS] = (b[FLAGS] & NOT_STORED_FLAGS) | regs_flags[index]
 
 
 @njit(cache=True, inline="always")

@@ -12,7 +12,7 @@ from netagg import layout, wire
 from netagg.dataplane import DropReason, Level, ValueOp
 from netagg.slots import RoundState
 
-wire.check_compiled_layout(__name__, "v3 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,"
+wire.check_compiled_layout(__name__, "v4 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,"
                                      "exponent:8s,width:8,round:16,seq:32,members:32,exchange:32")
 
 K = wire.K
@@ -30,6 +30,8 @@ FLAG_RESULT = wire.FLAG_RESULT
 FLAG_OUT_OF_STEP = wire.FLAG_OUT_OF_STEP
 ROUND_FLAGS = wire.ROUND_FLAGS
 NOT_ROUND_FLAGS = 0xFF & ~wire.ROUND_FLAGS
+FLAG_CLOSE = wire.FLAG_CLOSE
+NOT_STORED_FLAGS = 0xFF & ~wire.STORED_FLAGS
 VERSION = wire.VERSION
 DROP_PORT = dp.DROP_PORT
 POOLS = wire.NUM_POOLS
@@ -76,6 +78,8 @@ D_NOT_MEMBER = int(DropReason.NOT_A_MEMBER)
 D_MEMBERS = int(DropReason.MEMBERS_MISMATCH)
 D_EXCHANGE = int(DropReason.EXCHANGE_MISMATCH)
 D_WRONG_WIDTH = int(DropReason.WRONG_WIDTH)
+D_CLOSE_REFUSED = int(DropReason.CLOSE_REFUSED)
+D_LATE_CLOSED = int(DropReason.LATE_FOR_CLOSED_ROUND)
 LEVEL_OPEN, LEVEL_UP, LEVEL_FINAL = int(Level.OPEN), int(Level.UP), int(Level.FINAL)
 FLAG_RETRANSMIT = wire.FLAG_RETRANSMIT
 OP_NONE, OP_WRITE, OP_MERGE, OP_READ = int(ValueOp.NONE), int(ValueOp.WRITE), int(ValueOp.MERGE), int(ValueOp.READ)

@@ -53,7 +53,9 @@ from netagg.softswitch.fastpath_defs import (
     B_RESULTS,
     B_RETX,
     D_BAD_VERSION,
+    D_CLOSE_REFUSED,
     D_EXCHANGE,
+    D_LATE_CLOSED,
     D_MALFORMED,
     D_NO_REPLICA,
     D_NONE,
@@ -62,6 +64,8 @@ from netagg.softswitch.fastpath_defs import (
     D_UNKNOWN_JOB,
     DROP_PORT,
     EXCHANGE,
+    FLAG_CLOSE,
+    FLAG_OUT_OF_STEP,
     FLAG_RESULT,
     FLAGS,
     IP,
@@ -71,6 +75,7 @@ from netagg.softswitch.fastpath_defs import (
     LEVEL_UP,
     MEMBERS,
     NA_VERSION,
+    NOT_STORED_FLAGS,
     OP_MERGE,
     OP_NONE,
     OP_READ,
@@ -105,7 +110,7 @@ from netagg.softswitch.fastpath_defs import (
     _u32,
 )
 
-wire.check_compiled_layout(__name__, "v3 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,"
+wire.check_compiled_layout(__name__, "v4 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,"
                                      "exponent:8s,width:8,round:16,seq:32,members:32,exchange:32")
 
 @njit(cache=True, inline="always")
@@ -119,6 +124,8 @@ def _down(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals, coun
     regs_flags = regs[9]
     job = _u16(b, JOB)
     drop, _, slot_index, mgid, generation, _ = worker_lookup(b, ingress, job_valid, job_params, w_keys, w_vals, True)
+    if drop == D_NONE and b[FLAGS] & FLAG_CLOSE:  # a closed round's bitmap names the parent's ranks
+        drop = D_CLOSE_REFUSED
     if drop != D_NONE:
         if drop != D_UNKNOWN_JOB:
             _bump(counters[P_REJECTS], counters[B_REJECTS], job, length)
@@ -156,6 +163,10 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
     round_state = ROUND_SAME
     index = np.int64(0)
     members = _u32(b, MEMBERS)
+    close = (b[FLAGS] & FLAG_CLOSE) != 0
+    has_up = up_valid[job]
+    if drop == D_NONE and close and has_up:  # deadline rounds are one switch's: refused before any register
+        drop = D_CLOSE_REFUSED
     if drop == D_NONE:
         if slot_index + _cells(b) > regs_owner.shape[0]:  # the controller never installs such a range
             return DROP_PORT, False, mgid
@@ -176,9 +187,15 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
     if round_state == ROUND_OLD:  # a copy of a superseded round
         _bump(counters[P_DUPS], counters[B_DUPS], job, length)
         return DROP_PORT, False, mgid
+    if round_state == ROUND_SAME and regs_flags[index] & FLAG_CLOSE:  # CloseCheck: closed at a deadline
+        return _closed_answer(b, frame, length, ingress, job, index, worker_mask, mismatch, counters, regs), \
+            False, mgid
     first, fresh = bitmap_check(regs_bitmaps, index, round_state, worker_mask)
     complete, late = worker_count(regs_counts, index, first, fresh, members, num_workers)
-    has_up = up_valid[job]
+    closes = close and not complete and not late
+    if closes:  # the close request completes the round with the contributions it has
+        regs_counts[index] = 0
+        complete = True
     level = level_state(regs_levels, index, first, has_up and complete and not late)
     op = OP_NONE
     to_group = False
@@ -198,6 +215,10 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
             else:
                 to_group = True
                 _bump(counters[P_RESULTS], counters[B_RESULTS], job, length)
+    elif closes:  # a resend's close request: the round's result, to the group
+        op = OP_READ
+        to_group = True
+        _bump(counters[P_RESULTS], counters[B_RESULTS], job, length)
     elif not fresh and complete:
         op = OP_READ
         _bump(counters[P_RETX], counters[B_RETX], job, length)
@@ -205,6 +226,10 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
     else:
         _bump(counters[P_DUPS], counters[B_DUPS], job, length)
     round_flags(b, regs_flags, index, op, mismatch)
+    if closes:  # the result says the round was closed, and who is in its sum
+        regs_flags[index] |= FLAG_CLOSE
+        b[FLAGS] |= FLAG_CLOSE
+        _put32(b, MEMBERS, np.int64(regs_bitmaps[index]))
     if op != OP_NONE:
         exponent_max(b, regs_exps, index, op)
         value_sum(b, regs_values, index, op)
@@ -213,6 +238,28 @@ def _aggregate(b, frame, length, ingress, job_valid, job_params, w_keys, w_vals,
     if not (complete and not late):  # absorbed into the slot, or a duplicate
         return DROP_PORT, False, mgid
     return result_delivery(b, frame, ingress, to_group), to_group, mgid
+
+
+@njit(cache=True, inline="always")
+def _closed_answer(b, frame, length, ingress, job, index, worker_mask, mismatch, counters, regs):
+    """A packet for a round closed at a deadline (CloseCheck): no register changes; the stored result (its flags,
+    the contributors' bitmap in ``members``) back to the sender alone. A new contribution is late: not added,
+    counted as LATE_FOR_CLOSED_ROUND; one of another collective also learns OUT_OF_STEP.
+
+    Returns egress_spec (the ingress port)."""
+    regs_bitmaps, regs_exps, regs_values, regs_flags = regs[3], regs[5], regs[6], regs[9]
+    bitmap = np.int64(regs_bitmaps[index])
+    fresh = (bitmap & worker_mask) == 0
+    _bump(counters[P_RETX], counters[B_RETX], job, length)
+    if fresh:
+        _bump(counters[P_DROPS], counters[B_DROPS], D_LATE_CLOSED, length)
+    b[FLAGS] = (b[FLAGS] & NOT_STORED_FLAGS) | regs_flags[index]
+    if mismatch and fresh:
+        b[FLAGS] |= FLAG_OUT_OF_STEP
+    _put32(b, MEMBERS, bitmap)
+    exponent_max(b, regs_exps, index, OP_READ)
+    value_sum(b, regs_values, index, OP_READ)
+    return result_delivery(b, frame, ingress, False)
 
 
 @njit(cache=True, inline="always")

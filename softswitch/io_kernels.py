@@ -27,7 +27,7 @@ from netagg.softswitch.fastpath_defs import (
 )
 from netagg.udpgso_kernels import gso_header
 
-wire.check_compiled_layout(__name__, "v3 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,"
+wire.check_compiled_layout(__name__, "v4 K=64 widths=64,256 version:8,flags:8,job_id:16,slot:16,pool:8,rank:8,"
                                      "exponent:8s,width:8,round:16,seq:32,members:32,exchange:32")
 
 @njit(cache=True, nogil=True)

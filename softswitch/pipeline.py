@@ -301,6 +301,8 @@ class NetaggPipeline:
         if verdict.exchange_mismatch:  # not added, but it still counts towards completion (RoundFlags)
             self.state.count(dp.COUNTER_JOB_REJECTS, job, length)
             self.state.count(dp.COUNTER_DROP_REASONS, DropReason.EXCHANGE_MISMATCH, length)
+        if verdict.late_for_close:  # its values are not added; it gets the closed round's result
+            self.state.count(dp.COUNTER_DROP_REASONS, DropReason.LATE_FOR_CLOSED_ROUND, length)
         for name in verdict.counts:
             self.state.count(dp.JOB_COUNTERS[name], job, length)
         hdr[_EXP], pkt.values = verdict.exponent, verdict.values
@@ -308,7 +310,9 @@ class NetaggPipeline:
             return None
         if verdict.delivery == Delivery.UP:
             return self._up_delivery(pkt, up, verdict.resend, verdict.round_flags)
-        hdr[_FLAGS] = (hdr[_FLAGS] & ~wire.ROUND_FLAGS) | verdict.round_flags
+        hdr[_FLAGS] = (hdr[_FLAGS] & ~wire.STORED_FLAGS) | verdict.round_flags
+        if verdict.members is not None:  # a closed round: who is in its sum
+            hdr[_MEMBERS] = verdict.members
         meta.to_group = verdict.delivery == Delivery.GROUP
         return self._result_delivery(pkt, meta, ingress_port)
 
@@ -326,7 +330,7 @@ class NetaggPipeline:
         udp[1] = wire.NETAGG_UDP_PORT
         udp[3] = 0
         hdr[_JOB], hdr[_RANK], hdr[_MEMBERS] = parent_job, parent_rank, 0
-        hdr[_FLAGS] = (wire.FLAG_RETRANSMIT if resend else 0) | round_flags
+        hdr[_FLAGS] = (wire.FLAG_RETRANSMIT if resend else 0) | (round_flags & wire.ROUND_FLAGS)
         return port
 
     def _result_delivery(self, pkt: ParsedPacket, meta: _Meta, ingress_port: int) -> int:

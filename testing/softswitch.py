@@ -17,6 +17,7 @@ from netagg.controller.config import parse_config
 from netagg.controller.p4runtime_client import P4RuntimeClient
 from netagg.controller.store import JobRecord, PsEndpoint, WorkerEndpoint
 from netagg.controller.switch_programmer import SwitchProgrammer, read_job_counters
+from netagg.dataplane import DropReason
 from netagg.jobconfig import Endpoint, WorkerConfig
 from netagg.localports import free_ports
 from netagg.softswitch.target import LOOPBACK_PORT_NUMBER, Faults, SoftwareTarget
@@ -106,6 +107,12 @@ class LoopbackSwitch:
 
     def counters(self, job_id: int) -> dict[str, int]:
         return read_job_counters(self.programmer.client, job_id)
+
+    def drop_reasons(self) -> dict[str, int]:
+        """Packets counted per ``drop_reasons`` index so far, by ``DropReason`` name (those counted only)."""
+        counted = self.programmer.client.read_counters(dp.COUNTER_DROP_REASONS)
+        return {DropReason(index).name: packets for index, (packets, _) in counted.items()
+                if packets and index in DropReason._value2member_map_}
 
     @property
     def fault_stats(self) -> dict[str, int]:

@@ -52,6 +52,8 @@ class Scenario:
     def __init__(self, rng: np.random.Generator, used: int = 16, num_blocks: int = 100, count: int = 64,
                  slot_base: int = 0, k: int = wire.K) -> None:
         self.used, self.num_blocks, self.window = used, num_blocks, used
+        #: Whether the exchange accepts rounds closed at a deadline (else a CLOSE result raises alarm 2).
+        self.closable = int(rng.random() < 0.5)
         #: The job's width, its packets' dtype and bytes.
         self.k, self.dtype, self.nbytes = k, packet_dtype(k), wire.netagg_bytes(k)
         #: The transport's first slot (a host thread's share of the job's slots, hoststack/threads.py).
@@ -97,7 +99,7 @@ class Scenario:
         hdr = data.view(self.dtype)["hdr"]
         source = PEERS[int(rng.integers(0, len(PEERS)))]
         length = self.nbytes
-        fault = rng.integers(0, 14)
+        fault = rng.integers(0, 15)
         if fault == 0:
             source = STRANGERS[int(rng.integers(0, len(STRANGERS)))]
         elif fault == 1:
@@ -128,6 +130,9 @@ class Scenario:
         elif fault == 13:  # a block that met NaN or inf: accepted, its flags recorded
             hdr["flags"] |= int(rng.choice([wire.FLAG_NAN, wire.FLAG_POS_INF, wire.FLAG_NEG_INF,
                                             wire.FLAG_POS_INF | wire.FLAG_NEG_INF]))
+        elif fault == 14:  # a round closed at a deadline: who is in its sum in members
+            hdr["flags"] |= wire.FLAG_CLOSE
+            hdr["members"] = int(rng.integers(1, 2**32))
         elif fault == 9 and self.count:  # a second copy of an earlier datagram of the batch
             i = int(rng.integers(0, self.count))
             self._put(self.buf[i, :self.nbytes].copy(), self.names[i].copy(), int(self.lengths[i]))
@@ -148,16 +153,19 @@ class Scenario:
 
     def run(self, accept) -> tuple:
         state = [a.copy() for a in (self.expect, self.retries, self.sent_at, self.next_pool, self.sums,
-                                    self.global_exp, np.zeros(self.num_blocks, np.uint8), np.zeros(3, np.int64))]
-        expect, retries, sent_at, next_pool, sums, global_exp, result_flags, alarm = state
+                                    self.global_exp, np.zeros(self.num_blocks, np.uint8), np.zeros(3, np.int64),
+                                    np.zeros(self.num_blocks, np.uint32))]
+        expect, retries, sent_at, next_pool, sums, global_exp, result_flags, alarm, result_members = state
         acc_slots = np.full(mmsg.BATCH, -7, np.int64)
         following = np.full(mmsg.BATCH, -7, np.int64)
         rtts = np.full(mmsg.BATCH, -7.0)
+        missed = np.full(mmsg.BATCH, 7, np.uint8)
         out = accept(self.buf, self.lengths, self.names, self.count, self.allowed, JOB, self.slot_base, self.seq0,
                      self.window,
                      self.num_blocks, expect, retries, sent_at, next_pool, 2.5, sums, global_exp, EXCHANGE,
-                     result_flags, alarm, acc_slots, following, rtts)
+                     self.closable, 1 << 3, result_flags, result_members, alarm, acc_slots, following, missed, rtts)
         n_acc, n_rtt = out[0], out[1]
+        state.append(missed[:n_acc])
         return tuple(int(v) for v in out), state, acc_slots[:n_acc], following[:n_acc], rtts[:n_rtt]
 
 
@@ -175,10 +183,11 @@ def _same(a: tuple, b: tuple) -> None:
 def test_numpy_reference_applies_the_per_datagram_rules(k):
     for seed in range(50):
         s = Scenario(np.random.default_rng(seed), slot_base=64 * (seed % 3), k=k)
+        s.closable = 0  # closed rounds (no round trip sample) are test_a_closed_round_is_accepted_only_...'s
         (n_acc, n_rtt, foreign, malformed, stale, done), state, acc, following, rtts = s.run(reference.accept_results)
         assert n_acc + foreign + malformed + stale == s.count
         assert len(set(acc.tolist())) == n_acc  # at most one result per slot and batch
-        expect, retries, _, next_pool, _, _, _, alarm = state
+        expect, retries, _, next_pool, _, _, _, alarm, _, _ = state
         assert (expect[acc] == -1).all() and (retries[acc] == 0).all()
         np.testing.assert_array_equal(next_pool[acc], s.next_pool[acc] ^ 1)
         assert n_rtt == int((s.retries[acc] == 0).sum())
@@ -210,6 +219,31 @@ def test_results_out_of_step_raise_the_alarm_and_are_never_accepted():
             assert counts[0] == 0 and counts[4] == 1 and acc.size == 0
             assert state[0][slot] == s.expect[slot]  # still outstanding
             assert state[7].tolist() == [1, int(hdr["exchange"][0]), slot]
+
+
+def test_a_closed_round_is_accepted_only_by_an_exchange_that_allows_it():
+    implementations = [reference.accept_results] + ([kernels.accept_results] if kernels else [])
+    for closable in (0, 1):
+        s = Scenario(np.random.default_rng(5), count=0)
+        s.closable = closable
+        slot = int(np.flatnonzero((s.expect != -1) & ((s.seqs & PROBE_SEQ_BIT) == 0))[0])
+        data = s._datagram(np.random.default_rng(6), slot)
+        hdr = data.view(s.dtype)["hdr"]
+        hdr["flags"] |= wire.FLAG_CLOSE
+        hdr["members"] = 0b0011  # rank 3 (the scenario's) is not in the sum: it missed the round
+        name = np.zeros(mmsg.NAME_BYTES, np.uint8)
+        name[:16] = mmsg.sockaddr_in(*PEERS[0])
+        s._put(data, name, s.nbytes)
+        block = (int(s.seqs[slot]) - s.seq0) & SEQ_MASK
+        for accept in implementations:
+            counts, state, acc, _, _ = s.run(accept)
+            if closable:
+                assert counts[0] == 1 and acc.tolist() == [slot] and state[7][0] == 0
+                assert state[6][block] & wire.FLAG_CLOSE and state[8][block] == 0b0011 and state[9].tolist() == [1]
+                assert counts[1] == 0  # no round trip sample: its wait measured the deadline
+            else:  # never used: the exchange raises ClosedEarly
+                assert counts[0] == 0 and counts[4] == 1 and state[7].tolist() == [2, EXCHANGE, slot]
+                assert state[0][slot] == s.expect[slot]
 
 
 def test_two_copies_of_a_result_in_one_batch_count_once_and_once_as_stale():

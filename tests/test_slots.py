@@ -174,3 +174,71 @@ def test_after_a_register_reset_the_round_a_worker_lost_and_the_next_one_both_co
             d = regs.decide(1, q, r - 1, 0b100, n, generation)
             assert d.op == ValueOp.READ and d.delivers
             assert regs.decide(1, p, r - 2, 0b100, n, generation).round_state == RoundState.OLD
+
+
+def _agg(regs: SlotRegisters, mask: int, value: int, *, round_: int = 1, close: bool = False, members: int = 0,
+         workers: int = 3, exchange: int = 0, has_up: bool = False):
+    flags = wire.FLAG_CLOSE if close else 0
+    return regs.aggregate(0, 0, round_, mask, workers, 1, members, 0, _values(value), has_up=has_up, flags=flags,
+                          exchange=exchange)
+
+
+def test_a_close_request_releases_the_partial_sum_once_with_its_contributors():
+    from netagg.slots import Delivery
+    regs = SlotRegisters(1)
+    assert _agg(regs, 0b001, 5).delivery == Delivery.NONE  # rank 0 contributes
+    v = _agg(regs, 0b010, 7, close=True)  # rank 1 contributes and closes: rank 2 is missing
+    assert v.delivery == Delivery.GROUP and v.members == 0b011 and v.round_flags & wire.FLAG_CLOSE
+    assert v.counts == ("contributions", "results")
+    np.testing.assert_array_equal(v.values, _values(12))
+    late = _agg(regs, 0b100, 100)  # rank 2 arrives late: not added, answered alone with who is in
+    assert late.delivery == Delivery.SENDER and late.late_for_close and late.members == 0b011
+    np.testing.assert_array_equal(late.values, _values(12))
+    assert regs.bitmaps[0] == 0b011  # the late bit is not set: the round's contributors stay those of the sum
+    again = _agg(regs, 0b010, 7, close=True)  # the closer's resend: answered, not a second release
+    assert again.delivery == Delivery.SENDER and not again.late_for_close and again.counts == ("retransmit_results",)
+    np.testing.assert_array_equal(_agg(regs, 0b100, 100).values, _values(12))  # the late one again: still 12
+    nxt = _agg(regs, 0b001, 1, round_=3)  # the pool's next round opens: no longer closed
+    assert nxt.delivery == Delivery.NONE and not regs.flags[0] & wire.FLAG_CLOSE
+
+
+def test_a_close_to_a_complete_round_changes_nothing_and_a_resend_can_close():
+    from netagg.slots import Delivery
+    regs = SlotRegisters(1)
+    _agg(regs, 0b01, 1, workers=2)
+    full = _agg(regs, 0b10, 2, workers=2, close=True)  # the last contribution: complete, not closed
+    assert full.delivery == Delivery.GROUP and full.members is None and not full.round_flags & wire.FLAG_CLOSE
+    regs = SlotRegisters(1)
+    _agg(regs, 0b01, 1)
+    resend = _agg(regs, 0b01, 1, close=True)  # rank 0's resend closes: its values are in once
+    assert resend.delivery == Delivery.GROUP and resend.members == 0b01 and resend.counts == ("results",)
+    np.testing.assert_array_equal(resend.values, _values(1))
+
+
+def test_a_close_on_a_segment_with_an_up_link_is_refused_before_any_register_changes():
+    from netagg.dataplane import DropReason
+    regs = SlotRegisters(1)
+    v = _agg(regs, 0b01, 1, close=True, has_up=True)
+    assert v.drop == DropReason.CLOSE_REFUSED and regs.rounds[0][0] == 0 and regs.owner[0] == 0
+    down = regs.accept_down(0, 0, 1, 1, 0, _values(1), wire.FLAG_RESULT | wire.FLAG_CLOSE)
+    assert down.drop == DropReason.CLOSE_REFUSED
+
+
+def test_a_closed_subset_round_still_refuses_outsiders_and_other_members():
+    from netagg.dataplane import DropReason
+    from netagg.slots import Delivery
+    regs = SlotRegisters(1)
+    _agg(regs, 0b001, 3, members=0b011)
+    closed = _agg(regs, 0b001, 3, members=0b011, close=True)
+    assert closed.delivery == Delivery.GROUP and closed.members == 0b001
+    assert _agg(regs, 0b010, 3, members=0b111).drop == DropReason.MEMBERS_MISMATCH
+    late = _agg(regs, 0b010, 3, members=0b011)
+    assert late.late_for_close and late.members == 0b001
+
+
+def test_a_late_contribution_of_another_collective_learns_it_is_out_of_step():
+    regs = SlotRegisters(1)
+    _agg(regs, 0b01, 1, exchange=9, close=True)
+    late = _agg(regs, 0b10, 1, exchange=8)
+    assert late.late_for_close and late.round_flags & wire.FLAG_OUT_OF_STEP
+    assert not regs.flags[0] & wire.FLAG_OUT_OF_STEP  # the round's own result is unchanged

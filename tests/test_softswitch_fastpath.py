@@ -284,14 +284,19 @@ def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int
             exponent = int(rng.integers(-128, 128))
             if members and rng.random() < 0.2:  # a PS in the group (MLfabric's ps_members): zeros, no magnitude
                 values, exponent = np.zeros(k, np.int32), -128
+            close = wire.FLAG_CLOSE if rng.random() < 0.06 else 0  # a member closes the round at a deadline
             pkt = (contribution(job, rank, ip, udp, slot, pool, round_, round_ * 100 + slot, values, exponent,
-                                _round_flags(rng), members, _exchange(rng, round_)), port)
+                                _round_flags(rng) | close, members, _exchange(rng, round_)), port)
             if rng.random() > 0.1:  # 10 % lost
                 batch.append(pkt)
             if rng.random() < 0.2:  # duplicate
                 batch.append(pkt)
             if rng.random() < 0.1:  # resend of the previous round (round 0: the other pool just after a takeover)
                 batch.append((contribution(job, rank, ip, udp, slot, 1 - pool, round_ - 1, 0, values), port))
+        if rng.random() < 0.05 and batch:  # a member's resend closes the round (or meets it closed)
+            close_frame = bytearray(batch[0][0])
+            close_frame[42 + 1] |= wire.FLAG_CLOSE | wire.FLAG_RETRANSMIT
+            batch.append((bytes(close_frame), batch[0][1]))
         rng.shuffle(batch)
         frames.extend(batch)
         if rng.random() < 0.3 and batch:  # a resend after completion
@@ -341,6 +346,7 @@ def test_random_and_adversarial_sequences_give_identical_frames_counters_and_reg
     assert contributions > 500 and results > 100  # the sequences really aggregate
     drops = twins.ref_state.counter_arrays(dp.COUNTER_DROP_REASONS)[0]
     assert drops[dp.DropReason.NOT_A_MEMBER] > 0 and drops[dp.DropReason.MEMBERS_MISMATCH] > 0
+    assert drops[dp.DropReason.LATE_FOR_CLOSED_ROUND] > 0  # rounds were closed early, and late members answered
 
 
 def _after_restart(rng: np.random.Generator, jobs: dict[int, tuple[list, int]],
@@ -429,9 +435,9 @@ def _add_tree_links(twins: Twins, kind: int = p4rt.Update.INSERT) -> None:
 
 
 def _down(slot: int, pool: int, round_: int, values: np.ndarray, exponent: int = 0, src: str = PARENT_IP,
-          job: int = PARENT_JOB, sport: int = wire.NETAGG_UDP_PORT) -> bytes:
+          job: int = PARENT_JOB, sport: int = wire.NETAGG_UDP_PORT, close: int = 0) -> bytes:
     header = wire.Header(job_id=job, slot=slot, pool=pool, rank=0, seq=round_, exponent=exponent,
-                         flags=wire.FLAG_RESULT | (round_ * 8 & wire.ROUND_FLAGS), round=round_ & 0xFFFF)
+                         flags=wire.FLAG_RESULT | (round_ * 8 & wire.ROUND_FLAGS) | close, round=round_ & 0xFFFF)
     return frame(src, AGGREGATOR, sport, wire.NETAGG_TREE_UDP_PORT, wire.pack(header, values))
 
 
@@ -449,8 +455,9 @@ def _tree_traffic(rng: np.random.Generator, slots: int, n: int, rounds: dict[int
         batch = []
         for rank, ip, udp, port in TENANT_A:
             values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
+            close = wire.FLAG_CLOSE if rng.random() < 0.03 else 0  # refused on a switch with an up link
             pkt = (contribution(1, rank, ip, udp, slot, pool, round_, round_, values, int(rng.integers(-20, 20)),
-                                _round_flags(rng), 0, _exchange(rng, round_)), port)
+                                _round_flags(rng) | close, 0, _exchange(rng, round_)), port)
             if rng.random() > 0.1:
                 batch.append(pkt)
             if rng.random() < 0.3:  # a resend, perhaps after completion: up again, or the final result
@@ -467,6 +474,7 @@ def _tree_traffic(rng: np.random.Generator, slots: int, n: int, rounds: dict[int
                       (_down(slot, pool, round_, total, job=PARENT_JOB + 1), UP_PORT),
                       (_down(slot, pool, round_, total, src=TENANT_A[1][1], sport=5555), TENANT_A[1][3]),
                       (_down(slot, pool, round_, total)[:-8], UP_PORT),
+                      (_down(slot, pool, round_, total, close=wire.FLAG_CLOSE), UP_PORT),
                       (_down(slots + 3, pool, round_, total), UP_PORT)]
             batch.append(forged[int(rng.integers(len(forged)))])
         rng.shuffle(batch)
@@ -501,3 +509,4 @@ def test_tree_paths_give_identical_frames_counters_and_registers(seed, shards):
     twins.assert_same_state()
     levels = twins.ref.registers.snapshot()["levels"]
     assert ups > 300 and {1, 2} <= set(levels.tolist())  # rounds went up, and results came down
+    assert twins.ref_state.counter_arrays(dp.COUNTER_DROP_REASONS)[0][dp.DropReason.CLOSE_REFUSED] > 0

@@ -37,7 +37,7 @@ def test_value_count_is_k_everywhere():
 
 def test_protocol_constants_agree():
     defines = _defines()
-    assert defines["NETAGG_VERSION"] == wire.VERSION
+    assert defines["NETAGG_VERSION"] == wire.VERSION == 4
     assert defines["NETAGG_UDP_PORT"] == wire.NETAGG_UDP_PORT
     assert defines["NETAGG_TREE_UDP_PORT"] == wire.NETAGG_TREE_UDP_PORT
     assert defines["MAX_WORKERS"] == wire.MAX_WORKERS
@@ -109,6 +109,9 @@ def test_round_flags_agree():
                                       | defines["FLAG_OUT_OF_STEP"])
     host_flags = defines["FLAG_RESULT"] | defines["FLAG_RETRANSMIT"] | wire.FLAG_PS_FORWARDED
     assert defines["ROUND_FLAGS"] & host_flags == 0
+    assert defines["FLAG_CLOSE"] == wire.FLAG_CLOSE == 0x80
+    assert defines["STORED_FLAGS"] == wire.STORED_FLAGS == defines["ROUND_FLAGS"] | defines["FLAG_CLOSE"]
+    assert defines["FLAG_CLOSE"] & (host_flags | defines["ROUND_FLAGS"]) == 0
 
 
 def test_drop_reasons_and_ops_agree():

@@ -3,7 +3,7 @@
 #ifndef _NETAGG_DEFINES_P4_
 #define _NETAGG_DEFINES_P4_
 
-#define NETAGG_VERSION 3
+#define NETAGG_VERSION 4
 #define NETAGG_UDP_PORT 28900
 /* A tree of switches: up packets leave from it, the parent's results come back to it (docs/hierarchy.md). */
 #define NETAGG_TREE_UDP_PORT 28901
@@ -54,6 +54,13 @@
 #define FLAG_NEG_INF 0x20
 #define FLAG_OUT_OF_STEP 0x40
 #define ROUND_FLAGS 0x78
+/* Deadline rounds (docs/protocol.md, "Closing a round at a deadline"): on a contribution, close the
+ * round with the contributions that have arrived; on a result, the round was closed early and
+ * members holds the bitmap of the contributions in its sum. The round_flags register keeps it
+ * beside the round flags (STORED_FLAGS), and every packet that leaves with the round's state
+ * carries them. */
+#define FLAG_CLOSE 0x80
+#define STORED_FLAGS 0xf8
 
 /* Indices of the drop_reasons counter (see docs/protocol.md). */
 #define DROP_NONE 0
@@ -81,6 +88,12 @@
 #define DROP_EXCHANGE_MISMATCH 16
 /* A packet whose width code is not its job's (jobs table): refused, a job reject. */
 #define DROP_WRONG_WIDTH 17
+/* A close request for a job with an up link on this switch, or a parent's result of a closed
+ * round: deadline rounds are one switch's. Refused before any register changes. */
+#define DROP_CLOSE_REFUSED 18
+/* A new contribution to a round closed without it: not added; the sender gets the stored
+ * result (FLAG_CLOSE, the contributors in members), counted in job_retransmit_results too. */
+#define DROP_LATE_FOR_CLOSED_ROUND 19
 
 /* How a packet's round number compares with its (slot, pool)'s current round. */
 #define ROUND_SAME 0

@@ -10,6 +10,9 @@
  * Each round also keeps the collective its first packet named (exchange_check.p4) and the OR of
  * its contributions' round flags (round_flags.p4): a contribution of another collective is not
  * added but completes the round as usual, which then reaches every member marked OUT_OF_STEP.
+ * A member may close a round at a deadline (FLAG_CLOSE): the round completes with the
+ * contributions it has, its result carries their bitmap, and nothing is added to it afterwards
+ * (round_flags.p4, worker_count.p4).
  * Everything else is IPv4-forwarded. See docs/protocol.md, docs/hierarchy.md and
  * docs/tofino.md. */
 #include <core.p4>
@@ -79,6 +82,8 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
         meta.complete = 0;
         meta.late = 0;
         meta.exchange_mismatch = 0;
+        meta.closed = 0;
+        meta.closes = 0;
         if (standard_metadata.parser_error != error.NoError) {
             meta.drop_reason = DROP_MALFORMED;
         } else if (!hdr.ipv4.isValid()) {
@@ -115,6 +120,15 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                 hdr.netagg.job_id = meta.down_job;
             }
             worker_lookup.apply(hdr, standard_metadata.ingress_port, meta);
+            if (meta.drop_reason == DROP_NONE && meta.down == 0) {
+                up_link.apply(hdr, meta);
+            }
+            if (meta.drop_reason == DROP_NONE && (hdr.netagg.flags & FLAG_CLOSE) != 0
+                    && (meta.has_up == 1 || meta.down == 1)) {
+                /* Deadline rounds are one switch's: a close on a segment with an up link, or a
+                 * parent's result of a closed round, is refused before any register changes. */
+                meta.drop_reason = DROP_CLOSE_REFUSED;
+            }
             if (meta.drop_reason == DROP_NONE) {
                 slot_owner.apply(meta);
                 round_check.apply(hdr, meta);
@@ -132,70 +146,101 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                 mark_to_drop(standard_metadata);
             } else if (meta.drop_reason == DROP_NONE) {
                 if (meta.down == 0) {
-                    bitmap_check.apply(hdr, meta);
-                    worker_count.apply(hdr, meta);
-                    up_link.apply(hdr, meta);
+                    round_flags.apply(hdr, meta, 1);
                 }
-                level_state.apply(meta);
-                if (meta.down == 1) {
-                    if (meta.down_accepted == 1) {
-                        /* The parent's result replaces the partial and goes to the local group. */
-                        meta.value_op = OP_WRITE;
+                if (meta.closed == 1) {
+                    /* CloseCheck: the round was closed at a deadline. Nothing changes; the stored
+                     * result, with the bitmap of its contributors, goes back to the sender alone. A
+                     * sender not among them is late: its values are not added. */
+                    bitmap_check.apply(hdr, meta, 1);
+                    job_retransmit_results.count((bit<32>)hdr.netagg.job_id);
+                    if (meta.fresh == 1) {
+                        drop_reasons.count((bit<32>)DROP_LATE_FOR_CLOSED_ROUND);
+                    }
+                    meta.value_op = OP_READ;
+                    exponent_max.apply(hdr, meta);
+                    value_sum.apply(hdr, meta);
+                    hdr.netagg.flags = (hdr.netagg.flags & ~((bit<8>)STORED_FLAGS)) | meta.stored_flags;
+                    if (meta.exchange_mismatch == 1 && meta.fresh == 1) {
+                        hdr.netagg.flags = hdr.netagg.flags | FLAG_OUT_OF_STEP;
+                    }
+                    hdr.netagg.members = meta.bitmap_before;
+                    result_delivery.apply(hdr, meta, standard_metadata);
+                } else {
+                    if (meta.down == 0) {
+                        bitmap_check.apply(hdr, meta, 0);
+                        worker_count.apply(hdr, meta);
+                    }
+                    level_state.apply(meta);
+                    if (meta.down == 1) {
+                        if (meta.down_accepted == 1) {
+                            /* The parent's result replaces the partial and goes to the local group. */
+                            meta.value_op = OP_WRITE;
+                            meta.to_group = 1;
+                            job_results.count((bit<32>)hdr.netagg.job_id);
+                        } else {
+                            job_duplicates.count((bit<32>)hdr.netagg.job_id);
+                        }
+                    } else if (meta.fresh == 1 && meta.late == 0) {
+                        if (meta.exchange_mismatch == 1) {
+                            /* Another collective's contribution: not added (RoundFlags marks the round
+                             * OUT_OF_STEP), but its bit is set and it counts towards completion; if it
+                             * completes the round it leaves with the stored sums and exponent. */
+                            drop_reasons.count((bit<32>)DROP_EXCHANGE_MISMATCH);
+                            job_rejects.count((bit<32>)hdr.netagg.job_id);
+                            if (meta.complete == 1) {
+                                meta.value_op = OP_READ;
+                            }
+                        } else {
+                            job_contributions.count((bit<32>)hdr.netagg.job_id);
+                            if (meta.first == 1) {
+                                meta.value_op = OP_WRITE;
+                            } else {
+                                meta.value_op = OP_MERGE;
+                            }
+                        }
+                        if (meta.complete == 1) {
+                            if (meta.has_up == 1) {
+                                meta.to_up = 1;
+                            } else {
+                                meta.to_group = 1;
+                                job_results.count((bit<32>)hdr.netagg.job_id);
+                            }
+                        }
+                    } else if (meta.closes == 1) {
+                        /* A resend's close request: the round's result, to the group. */
+                        meta.value_op = OP_READ;
                         meta.to_group = 1;
                         job_results.count((bit<32>)hdr.netagg.job_id);
+                    } else if (meta.fresh == 0 && meta.complete == 1) {
+                        /* A resend to a complete round: the stored result back to the sender, or,
+                         * while the parent's result is outstanding, the partial to the parent again. */
+                        meta.value_op = OP_READ;
+                        job_retransmit_results.count((bit<32>)hdr.netagg.job_id);
+                        if (meta.has_up == 1 && meta.level != LEVEL_FINAL) {
+                            meta.to_up = 1;
+                        }
                     } else {
                         job_duplicates.count((bit<32>)hdr.netagg.job_id);
                     }
-                } else if (meta.fresh == 1 && meta.late == 0) {
-                    if (meta.exchange_mismatch == 1) {
-                        /* Another collective's contribution: not added (RoundFlags marks the round
-                         * OUT_OF_STEP), but its bit is set and it counts towards completion; if it
-                         * completes the round it leaves with the stored sums and exponent. */
-                        drop_reasons.count((bit<32>)DROP_EXCHANGE_MISMATCH);
-                        job_rejects.count((bit<32>)hdr.netagg.job_id);
-                        if (meta.complete == 1) {
-                            meta.value_op = OP_READ;
-                        }
+                    if (meta.value_op != OP_NONE) {
+                        exponent_max.apply(hdr, meta);
+                        value_sum.apply(hdr, meta);
+                    }
+                    /* Also without a value operation: a mismatched contribution marks the round. */
+                    round_flags.apply(hdr, meta, 0);
+                    if (meta.closes == 1) {
+                        /* Who is in the closed round's sum. */
+                        hdr.netagg.members = meta.bitmap_before | meta.worker_mask;
+                    }
+                    if (meta.to_up == 1) {
+                        up_delivery.apply(hdr, meta, standard_metadata);
+                    } else if (meta.to_group == 1 || (meta.complete == 1 && meta.late == 0)) {
+                        result_delivery.apply(hdr, meta, standard_metadata);
                     } else {
-                        job_contributions.count((bit<32>)hdr.netagg.job_id);
-                        if (meta.first == 1) {
-                            meta.value_op = OP_WRITE;
-                        } else {
-                            meta.value_op = OP_MERGE;
-                        }
+                        /* Absorbed into the slot, or a duplicate: nothing leaves. */
+                        mark_to_drop(standard_metadata);
                     }
-                    if (meta.complete == 1) {
-                        if (meta.has_up == 1) {
-                            meta.to_up = 1;
-                        } else {
-                            meta.to_group = 1;
-                            job_results.count((bit<32>)hdr.netagg.job_id);
-                        }
-                    }
-                } else if (meta.fresh == 0 && meta.complete == 1) {
-                    /* A resend to a complete round: the stored result back to the sender, or,
-                     * while the parent's result is outstanding, the partial to the parent again. */
-                    meta.value_op = OP_READ;
-                    job_retransmit_results.count((bit<32>)hdr.netagg.job_id);
-                    if (meta.has_up == 1 && meta.level != LEVEL_FINAL) {
-                        meta.to_up = 1;
-                    }
-                } else {
-                    job_duplicates.count((bit<32>)hdr.netagg.job_id);
-                }
-                if (meta.value_op != OP_NONE) {
-                    exponent_max.apply(hdr, meta);
-                    value_sum.apply(hdr, meta);
-                }
-                /* Also without a value operation: a mismatched contribution marks the round. */
-                round_flags.apply(hdr, meta);
-                if (meta.to_up == 1) {
-                    up_delivery.apply(hdr, meta, standard_metadata);
-                } else if (meta.to_group == 1 || (meta.complete == 1 && meta.late == 0)) {
-                    result_delivery.apply(hdr, meta, standard_metadata);
-                } else {
-                    /* Absorbed into the slot, or a duplicate: nothing leaves. */
-                    mark_to_drop(standard_metadata);
                 }
             } else if (meta.drop_reason != DROP_UNKNOWN_JOB) {
                 job_rejects.count((bit<32>)hdr.netagg.job_id);

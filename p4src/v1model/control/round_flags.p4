@@ -1,25 +1,38 @@
 /* netagg: the round flags of a slot's round (ROUND_FLAGS: NaN, +inf, -inf, out of step), the OR
- * over its contributions, returned with its state (docs/protocol.md, "Round flags").
- * With the value operation (meta.value_op), like ExponentMax:
+ * over its contributions, returned with its state (docs/protocol.md, "Round flags"), and
+ * FLAG_CLOSE once the round was closed at a deadline (docs/protocol.md, "Closing a round at a
+ * deadline"). Applied twice: first with check = 1 (CloseCheck, before BitmapCheck: only reads;
+ * meta.closed says whether the packet's SAME round was closed), then with check = 0, with the
+ * value operation (meta.value_op), like ExponentMax:
  *   write: the round's first contribution, or a parent's accepted result coming down, stores its
  *          flags & ROUND_FLAGS;
  *   merge: a new contribution ORs its flags & ROUND_FLAGS in;
  *   read / none: the register only reads.
  * A new contribution of another collective (meta.exchange_mismatch, fresh and not late; its value
  * operation is none, or read if it completes the round) ORs FLAG_OUT_OF_STEP in instead of its own
- * flags. Every packet leaves with flags = (flags & ~ROUND_FLAGS) | the register's new value, so
- * that a result to the group or to a sender, a partial up to the parent and its resend carry the
- * round's flags (UpDelivery keeps them). */
+ * flags. A close request that completes the round (meta.closes) adds FLAG_CLOSE (a new round's
+ * write clears it). Every packet leaves with flags = (flags & ~STORED_FLAGS) | the register's new
+ * value, so that a result to the group or to a sender, a partial up to the parent and its resend
+ * carry the round's flags (UpDelivery keeps the ROUND_FLAGS). */
 #ifndef _NETAGG_ROUND_FLAGS_P4_
 #define _NETAGG_ROUND_FLAGS_P4_
 
-control RoundFlags(inout headers_t hdr, in metadata_t meta) {
+control RoundFlags(inout headers_t hdr, inout metadata_t meta, in bit<1> check) {
     @id(0x1600000a)
     register<bit<8>>(NUM_POOL_SLOTS) round_flags;
 
     apply {
         bit<8> stored;
         round_flags.read(stored, meta.pool_index);
+        if (check == 1) {
+            meta.stored_flags = stored;
+            if (meta.round_state == ROUND_SAME && (stored & FLAG_CLOSE) != 0) {
+                meta.closed = 1;
+            } else {
+                meta.closed = 0;
+            }
+            return;
+        }
         if (meta.exchange_mismatch == 1 && meta.fresh == 1 && meta.late == 0) {
             stored = stored | FLAG_OUT_OF_STEP;
             round_flags.write(meta.pool_index, stored);
@@ -30,7 +43,11 @@ control RoundFlags(inout headers_t hdr, in metadata_t meta) {
             stored = stored | (hdr.netagg.flags & ROUND_FLAGS);
             round_flags.write(meta.pool_index, stored);
         }
-        hdr.netagg.flags = (hdr.netagg.flags & ~((bit<8>)ROUND_FLAGS)) | stored;
+        if (meta.closes == 1) {
+            stored = stored | FLAG_CLOSE;
+            round_flags.write(meta.pool_index, stored);
+        }
+        hdr.netagg.flags = (hdr.netagg.flags & ~((bit<8>)STORED_FLAGS)) | stored;
     }
 }
 

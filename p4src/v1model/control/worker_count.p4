@@ -4,7 +4,9 @@
  * The round's first contribution sets the count to that number - 1 (so nothing
  * ever needs zeroing), each further new contribution decrements it, and 0 means
  * complete. A new contribution that finds the count already 0 belongs to a round
- * that has completed (a late copy) and is marked late. Duplicates only read. */
+ * that has completed (a late copy) and is marked late. Duplicates only read.
+ * A close request (FLAG_CLOSE) that leaves the round incomplete completes it: the count
+ * becomes 0 and meta.closes is set (RoundFlags then marks the round closed). */
 #ifndef _NETAGG_WORKER_COUNT_P4_
 #define _NETAGG_WORKER_COUNT_P4_
 
@@ -34,10 +36,17 @@ control WorkerCount(in headers_t hdr, inout metadata_t meta) {
                 worker_count.write(meta.pool_index, count);
             }
         }
+        meta.closes = 0;
         if (count == 0 && meta.late == 0) {
             meta.complete = 1;
         } else {
             meta.complete = 0;
+            if ((hdr.netagg.flags & FLAG_CLOSE) != 0 && meta.late == 0) {
+                count = 0;
+                worker_count.write(meta.pool_index, count);
+                meta.closes = 1;
+                meta.complete = 1;
+            }
         }
     }
 }

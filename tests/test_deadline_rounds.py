@@ -1,0 +1,140 @@
+"""Deadline rounds end to end (docs/protocol.md, "Closing a round at a deadline"): a member closes a subset
+exchange's rounds with the members that arrived, through the software switch on loopback, with seeded faults."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from netagg import wire
+from netagg.hoststack.transport import ClosedEarly, SubsetRound, TransportError, TransportTimeout
+from netagg.testing.hoststack import run_workers
+
+testing = pytest.importorskip("netagg.testing.softswitch")
+
+N = 3
+SIZE = 3_000
+SLOTS = 16
+BLOCKS = -(-SIZE // wire.K)
+
+
+def _inputs() -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    return [rng.normal(0, 1, SIZE).astype(np.float32) * (rank + 1) for rank in range(N)]
+
+
+def _check_partial_sums(inputs, results, members_of_blocks, present) -> None:
+    """Each member's blocks: either a result it received, whose sum is the sum of the ranks the result names
+    (within quantization; ranks that sent, and the same bits and members on every member that knows the block),
+    or none (members 0, values 0): the member left the block's slot after a round there closed without it,
+    and then no sum of that block holds it."""
+    for rank in present:
+        members = members_of_blocks[rank]
+        for block in range(BLOCKS):
+            span = slice(block * wire.K, min(SIZE, (block + 1) * wire.K))
+            if members[block] == 0:
+                assert not results[rank][span].any()
+                assert all(not members_of_blocks[other][block] >> rank & 1 for other in present)
+                continue
+            ranks = [r for r in range(N) if members[block] >> r & 1]
+            assert set(ranks) <= set(present), (block, ranks)
+            expected = sum(inputs[r][span].astype(np.float64) for r in ranks)
+            np.testing.assert_allclose(results[rank][span], expected, rtol=0,
+                                       atol=1e-4 * max(1.0, np.abs(expected).max()))
+            for other in present:
+                if members_of_blocks[other][block]:
+                    assert members_of_blocks[other][block] == members[block]
+                    np.testing.assert_array_equal(results[other][span], results[rank][span])
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+def test_a_member_closes_the_rounds_a_silent_member_holds_up(loss):
+    """Rank 2 never sends: rank 0 closes at 0.3 s; ranks 0 and 1 both return the sums of whoever is in each
+    block's round, identical bits, each round released once."""
+    inputs = _inputs()
+    faults = {"drop": loss, "duplicate": loss / 2, "reorder": loss / 2, "seed": 13} if loss else {}
+    everyone = wire.members_of(range(N))
+    with testing.LoopbackSwitch(**faults) as switch:
+        configs = switch.add_job(N, slot_count=SLOTS)
+
+        def job(worker, rank):
+            if rank == 2:
+                return None
+            subset = SubsetRound(everyone, 0, close_after=0.3) if rank == 0 else SubsetRound(everyone, 0, partial=True)
+            began = time.monotonic()
+            total = worker.allreduce_subset(inputs[rank], subset)
+            return total, worker.transport.last_members.copy(), worker.transport.last_closes, \
+                time.monotonic() - began
+
+        out = run_workers(configs, job, rto_initial=0.01)
+        counters = switch.counters(configs[0].job_id)
+    results = {r: out[r][0] for r in (0, 1)}
+    members = {r: out[r][1] for r in (0, 1)}
+    _check_partial_sums(inputs, results, members, [0, 1])
+    assert out[0][2] > 0 and out[1][2] == 0  # only the closer sent close requests
+    assert all(out[r][3] < 3.0 for r in (0, 1))  # no rank waited for the silent one past the deadline's effect
+    assert (members[0] & 0b100 == 0).all()  # the silent rank is in no sum
+    assert (members[0] == 0b011).mean() > 0.5  # mostly both arrived before their rounds closed
+    assert counters["results"] == BLOCKS + SLOTS  # every round (probes included) released exactly once
+
+
+@pytest.mark.parametrize("late", [0.25, 2.0])
+def test_a_late_member_learns_it_missed_and_its_values_are_never_added(late):
+    """Rank 2 starts after rank 0 closed rounds (during the exchange, or after it ended): it learns from the closed
+    results (the switch's answers to its packets, or the group's copies its socket kept) that it is not in those
+    sums, takes the sums it learned, and never waits past its own deadline; no sum ever holds its values."""
+    inputs = _inputs()
+    everyone = wire.members_of(range(N))
+    with testing.LoopbackSwitch() as switch:
+        configs = switch.add_job(N, slot_count=SLOTS)
+
+        def job(worker, rank):
+            if rank == 2:
+                time.sleep(late)
+                began = time.monotonic()
+                subset = SubsetRound(everyone, 0, partial=True, give_up_after=0.5)
+                try:
+                    total = worker.allreduce_subset(inputs[rank], subset)
+                except TransportTimeout as err:
+                    assert "deadline passed" in str(err)
+                    return None, None, time.monotonic() - began
+                return total, worker.transport.last_members.copy(), time.monotonic() - began
+            subset = SubsetRound(everyone, 0, close_after=0.2 if rank == 0 else None, partial=True)
+            total = worker.allreduce_subset(inputs[rank], subset)
+            return total, worker.transport.last_members.copy()
+
+        out = run_workers(configs, job, rto_initial=0.01)
+        counters = switch.counters(configs[0].job_id)
+    results = {r: out[r][0] for r in (0, 1)}
+    members = {r: out[r][1] for r in (0, 1)}
+    if out[2][0] is not None:
+        results[2], members[2] = out[2][0], out[2][1]
+        assert not (members[2] & 0b100).any()
+    _check_partial_sums(inputs, results, members, sorted(results))
+    assert not any((members[r] & 0b100).any() for r in (0, 1))  # no sum holds the late rank's values
+    assert out[2][2] < 0.5 + 0.5  # never waited past its deadline
+    assert counters["results"] == BLOCKS + SLOTS  # every round released once
+
+
+def test_an_exchange_that_takes_every_contribution_fails_loudly_on_a_closed_round():
+    """A member without ``partial`` never returns a partial sum: another rank's close fails its exchange."""
+    inputs = _inputs()
+    everyone = wire.members_of(range(N))
+    with testing.LoopbackSwitch() as switch:
+        configs = switch.add_job(N, slot_count=SLOTS)
+
+        def job(worker, rank):
+            if rank == 2:
+                return None
+            if rank == 0:
+                return worker.allreduce_subset(inputs[rank], SubsetRound(everyone, 0, close_after=0.2))
+            with pytest.raises(ClosedEarly, match="closed at a deadline"):
+                worker.allreduce_subset(inputs[rank], SubsetRound(everyone, 0))
+            with pytest.raises(TransportError, match="unusable"):
+                worker.allreduce_subset(inputs[rank], SubsetRound(everyone, 100))
+            return "raised"
+
+        out = run_workers(configs, job, rto_initial=0.01)
+    assert out[1] == "raised"
