@@ -57,7 +57,7 @@ from netagg.framed_server import Frame, FramedServer, Handler, Reply, Session, d
 from netagg.jobconfig import ConfigError, WorkerConfig, resolve
 from netagg.mlfabric.chain_node import ChainNode
 from netagg.mlfabric.distribution import ModelSender
-from netagg.mlfabric.grants import GrantService
+from netagg.mlfabric.grants import SWITCH_DEADLINE, GrantService
 from netagg.mlfabric.model_updates import LogEntry, ModelUpdates
 from netagg.mlfabric.outcome_window import OutcomeWindow
 from netagg.mlfabric.replication import Endpoint
@@ -108,6 +108,13 @@ class ServerStats:
     #: and those whose exchange failed or whose sum it could not apply (their members push their own).
     switch_sums: int = 0
     switch_sum_failures: int = 0
+    #: Deadline rounds: updates of a switch group closed at its deadline that were in none of its sum's blocks
+    #: (their members push them), in only some (the rest, ``remainders``, applied from the member's push as an
+    #: update of its own), and such rests applied and dropped (delay bound).
+    switch_left_out: int = 0
+    switch_partial: int = 0
+    remainders_applied: int = 0
+    remainders_dropped: int = 0
     applied_by_rank: Counter = field(default_factory=Counter)
     dropped_by_rank: Counter = field(default_factory=Counter)
     last_error: str = ""
@@ -124,7 +131,8 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                  joining: bool = False, chain_members: Sequence[tuple[str, int]] | None = None,
                  distribution: ModelSender | None = None, gang: bool | None = None,
                  peer_timeout: float = 0.0, probe_timeout: float = 1.0,
-                 switch_member: WorkerConfig | None = None, **member_options: Any) -> None:
+                 switch_member: WorkerConfig | None = None, switch_deadline: float = SWITCH_DEADLINE,
+                 **member_options: Any) -> None:
         """``gang``: plan gang rounds (scheduler item 6); default: when this node sends versions (``distribution``).
 
         ``peer_timeout`` > 0 makes the chain keep itself (docs/mlfabric.md, "Replication"): a successor
@@ -134,6 +142,8 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
         ``switch_member``: this node's own rank config in the job's switch groups (a job whose PS chain has ranks
         on the switch, ``ps_members``): the node takes part in every switch group it plans and applies the sum it
         receives from the switch; no member pushes it (``member_options`` go to its transport).
+        ``switch_deadline``: such groups close their rounds at this factor times their planned transfer
+        (``GrantService``; 0: wait for every member).
         """
         if config.ps is None:
             raise ConfigError("ps: an MLfabric job needs the parameter server's endpoint")
@@ -194,6 +204,9 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
         #: Update ids of switch groups whose sum this node did not apply (its exchange failed): their
         #: members' ``outcome`` says so at once, and they push their own updates.
         self._switch_failed: OrderedDict[str, str] = OrderedDict()
+        #: Update ids of switch-group parts whose sum held only some of their values (a deadline closed rounds
+        #: without them): the mask of values still to apply from the member's own push of the update.
+        self._remainders: OrderedDict[str, np.ndarray] = OrderedDict()
         self.grants: GrantService | None = None
         if config.schedule == "mlfabric":
             self.grants = GrantService(scheduler or Scheduler(self.delay_bound, default_bandwidth=default_bandwidth),
@@ -204,7 +217,7 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                                        # multicast versions: one switch group per batch serves every worker
                                        gang=distribution is not None if gang is None else gang,
                                        ps_member=None if self.switch_member is None else self.switch_member.rank,
-                                       on_switch_group=self._take_part)
+                                       on_switch_group=self._take_part, switch_deadline=switch_deadline)
         #: Past the subset rounds of the primary's switch groups, as of the last update it applied (replicated).
         self.switch_floor = 0
         self.model: np.ndarray | None = None
@@ -272,15 +285,34 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
         if self.switch_member is not None and self.role == "primary":
             self.switch_member.submit(grant, size // 4)
 
-    def _apply_switch_sum(self, grant: dict, total: np.ndarray) -> None:
-        """The group's sum arrived from the switch: applied as the leader's push of it would be (once, by ids)."""
-        checked = [(str(i), int(r), int(v)) for i, r, v in grant["parts"]]
+    def _apply_switch_sum(self, grant: dict, total: np.ndarray, missing: dict[int, np.ndarray] | None = None) -> None:
+        """The group's sum arrived from the switch: applied as the leader's push of it would be (once, by ids).
+
+        ``missing``: per rank whose update is not in every block of the sum (rounds closed at the group's
+        deadline without it), the values it is missing from. A part in no block is left out of the sum's parts
+        (its member pushes its update); a part in some is applied with the sum, and the rest of its values waits
+        for its member's push (:meth:`_push_async` applies only them)."""
+        missing = missing or {}
+        parts = [(str(i), int(r), int(v)) for i, r, v in grant["parts"]]
+        left_out = [p for p in parts if p[1] in missing and missing[p[1]].all()]
+        checked = [p for p in parts if p not in left_out]
         try:
             with self._cond:
                 if self.model is None or total.size != self.model.size:
                     raise ValueError(f"a sum of {total.size} values for a model of "
                                      f"{None if self.model is None else self.model.size}")
-            self._push_async(checked, total)
+                for update_id, _, _ in left_out:
+                    self._switch_failed[update_id] = "closed at the group's deadline without it"
+                self.stats.switch_left_out += len(left_out)
+                for update_id, rank, _ in checked:
+                    if rank in missing:
+                        self._remainders[update_id] = missing[rank]
+                        self.stats.switch_partial += 1
+                while len(self._remainders) > 1024:
+                    self._remainders.popitem(last=False)
+                self._cond.notify_all()
+            if checked:
+                self._push_async(checked, total)
             with self._cond:
                 self.stats.switch_sums += 1
         finally:

@@ -15,6 +15,7 @@ from netagg.jobconfig import ConfigError, WorkerConfig, endpoint_arg, resolve
 from netagg.mlfabric import chainctl
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.distribution import ModelSender, rate_of
+from netagg.mlfabric.grants import SWITCH_DEADLINE
 from netagg.mlfabric.protocol import FabricError
 from netagg.shutdown import stop_event
 
@@ -69,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="scheduler: how long a batch of requests waits for the others after its first")
     parser.add_argument("--gang", action=argparse.BooleanOptionalAction, default=None,
                         help="scheduler: gang rounds, one switch group per batch (default: with --model-config)")
+    parser.add_argument("--switch-deadline", type=float, default=SWITCH_DEADLINE,
+                        help="with --switch-config: close each switch group's rounds at this factor times its "
+                        f"planned transfer; late members push their updates (default {SWITCH_DEADLINE}; 0: wait for "
+                        "every member)")
     parser.add_argument("--default-bandwidth", type=float, default=1.25e6,
                         help="scheduler: bytes/s assumed for a sender not measured yet")
     args = parser.parse_args(argv)
@@ -89,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               default_bandwidth=args.default_bandwidth, outcome_window=args.outcome_window,
                               batch_window=args.batch_window, gang=args.gang, peer_timeout=args.peer_timeout,
                               log_size=args.log_size, joining=args.join is not None or bool(running),
-                              switch_member=WorkerConfig.load(args.switch_config) if args.switch_config else None)
+                              switch_member=WorkerConfig.load(args.switch_config) if args.switch_config else None,
+                              switch_deadline=args.switch_deadline)
     except (ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

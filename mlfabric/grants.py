@@ -52,6 +52,11 @@ SWITCH_ROUND_MARGIN = 1 << 14
 STALE = "stale"
 #: Updates whose subset exchange would use more rounds per slot than this go direct or to a worker.
 MAX_SWITCH_ROUND_USES = 1 << 12
+#: A switch group with the PS as a member closes its rounds at this factor times its planned transfer (its slowest
+#: member's): a member whose link fell since the plan no longer holds up the others ...
+SWITCH_DEADLINE = 1.25
+#: ... but never sooner than this (seconds): small updates, a busy host's wake-ups.
+SWITCH_DEADLINE_FLOOR = 0.2
 
 
 def switch_round_uses(size: int, slot_count: int, width: int = wire.K) -> int:
@@ -92,10 +97,18 @@ class GrantService:
     def __init__(self, scheduler: Scheduler, version: Callable[[], int], *, batch_window: float = 0.01,
                  grace: float = 2.0, keep_slots: int = 10_000, switch_slots: int = 0, switch_width: int = wire.K,
                  switch_floor: Callable[[], int] = lambda: 0, gang: bool = False, ps_member: int | None = None,
-                 on_switch_group: Callable[[dict, int], None] | None = None) -> None:
+                 on_switch_group: Callable[[dict, int], None] | None = None,
+                 switch_deadline: float = SWITCH_DEADLINE) -> None:
         """``ps_member``: the PS's own rank in the job's switch groups (``ps_members``): every switch group's
         members include it, and ``on_switch_group(grant, size)`` is called (under the lock: it must not block)
-        as each is planned, so that the PS takes part and receives the sum; no member is told to push it."""
+        as each is planned, so that the PS takes part and receives the sum; no member is told to push it.
+        ``switch_deadline``: with a PS member, each group's grant carries ``deadline``: this factor times the
+        group's planned transfer (its slowest member's, at the rates the plan used; at least
+        ``SWITCH_DEADLINE_FLOOR`` s). The PS closes the group's rounds still open then; a member that has not
+        arrived misses them (docs/mlfabric.md, "Deadline rounds"). 0: groups wait for every member."""
+        if switch_deadline < 0:
+            raise ValueError(f"switch_deadline {switch_deadline}: must be >= 0")
+        self.switch_deadline = switch_deadline
         self.scheduler = scheduler
         self.clock = scheduler.clock
         self.version = version
@@ -351,6 +364,11 @@ class GrantService:
                          "round": self._switch_next & 0xFFFF, "leader": group.aggregator, "parts": parts}
                 if self.ps_member is not None:
                     grant["ps"] = self.ps_member
+                    if self.switch_deadline > 0:
+                        planned = max((p.decision.slot.end - p.decision.slot.start for p in batch
+                                       if p.decision is not None and p.decision.group == group.group
+                                       and p.decision.slot is not None), default=0.0)
+                        grant["deadline"] = max(SWITCH_DEADLINE_FLOOR, self.switch_deadline * planned)
                 self._switch_grants[group.group] = grant
                 self._switch_next += switch_round_uses(group.size, self.switch_slots, self.switch_width)
                 if self.ps_member is not None and self._on_switch_group is not None:

@@ -61,6 +61,8 @@ class ModelUpdates:
 
     def _push_async(self, parts: list[tuple[str, int, int]], grad: np.ndarray) -> dict[str, Any]:
         with self._cond:
+            if len(parts) == 1 and (rest := self._remainders.pop(parts[0][0], None)) is not None:
+                return self._push_remainder(parts[0], grad, rest)
             if (previous := self._duplicate(parts)) is not None:
                 return previous
             delays = [self.version - version for _, _, version in parts]
@@ -68,6 +70,24 @@ class ModelUpdates:
                 return self._drop(parts, delays, f"delay {max(delays)} > bound {self.delay_bound}")
             delta = (-self.lr * grad).astype(np.float32)
             return self._apply_update(parts, delays, delta)
+
+    def _push_remainder(self, part: tuple[str, int, int], grad: np.ndarray, rest: np.ndarray) -> dict[str, Any]:
+        """A member's push of an update that a switch group's sum held only in part (its rounds closed at the
+        deadline without it in the others): the values in ``rest`` are applied as an update of their own (its
+        delay checked against the bound; the version moves on by one), the others were applied with the sum."""
+        delay = self.version - part[2]
+        if self.delay_bound is not None and delay > self.delay_bound:
+            self.stats.remainders_dropped += 1
+            return self._drop([part], [delay], f"the rest of a switch group's update: delay {delay} > bound "
+                                               f"{self.delay_bound}")
+        delta = np.where(rest, (-self.lr * grad).astype(np.float32), np.float32(0))
+        try:
+            outcome = self._apply_update([part], [delay], delta)
+        except ValueError:
+            self._remainders[part[0]] = rest  # not applied (not replicated): the member's next push tries again
+            raise
+        self.stats.remainders_applied += 1
+        return {**outcome, "remainder": int(rest.sum())}
 
     def _push_sync(self, rank: int, parts: list[tuple[str, int, int]], grad: np.ndarray) -> dict[str, Any]:
         if len(parts) != 1:

@@ -10,6 +10,12 @@ quiet) raises :class:`SwitchAggregationFailed`; the next exchange starts on a fr
 (``ps_members``): the primary is a member of every switch group, contributes zeros, and receives
 the group's sum from the switch like every other member (a lost result is sent again from the
 switch's stored copy when the PS resends), so no worker has to push the sum to it.
+
+Deadline rounds (docs/protocol.md, "Closing a round at a deadline"): a grant with ``deadline`` (seconds) makes
+the PS close the group's rounds still open that long after its exchange began; a round then completes with the
+members that arrived, and its result says who they are. Members accept such rounds (``partial``) and leave a
+slot whose round closed without them. The PS, in every round, is the authority on who is in which block's sum:
+:class:`SwitchMember` hands ``apply`` the values each part is missing.
 """
 
 from __future__ import annotations
@@ -48,19 +54,46 @@ class SwitchSummer:
         self.failures = 0
         self._worker: KVWorker | None = None
 
-    def sum(self, update: np.ndarray, members: int, round_base: int) -> np.ndarray:
-        """The sum of the members' updates (this one's included), as float32 of ``update``'s shape."""
+    def sum(self, update: np.ndarray, members: int, round_base: int, *, deadline: float | None = None,
+            closer: bool = False) -> np.ndarray:
+        """The sum of the members' updates (this one's included), as float32 of ``update``'s shape.
+
+        ``deadline`` (seconds): the group's rounds may close without their slow members (this worker's own
+        blocks may then be missing from the sum, see :attr:`last_members`); ``closer``: this worker closes them
+        then. A member gives up ``deadline`` + 2 s after it began (:class:`SwitchAggregationFailed`)."""
         if self._worker is None:
             self._worker = KVWorker(self.config, **self.options)
+        if deadline is None:
+            subset = SubsetRound(members, round_base)
+        elif closer:
+            subset = SubsetRound(members, round_base, close_after=deadline)
+        else:
+            subset = SubsetRound(members, round_base, partial=True, give_up_after=deadline + 2.0)
         try:
-            total = self._worker.allreduce_subset(np.ascontiguousarray(update, np.float32),
-                                                  SubsetRound(members, round_base))
+            total = self._worker.allreduce_subset(np.ascontiguousarray(update, np.float32), subset)
         except (TransportError, ValueError) as err:
             self.failures += 1
             self.close()
             raise SwitchAggregationFailed(str(err)) from None
         self.exchanges += 1
         return total
+
+    @property
+    def last_members(self) -> np.ndarray:
+        """Per block of the last exchange: the ranks in its sum (bit r: rank r; 0: no sum here)."""
+        return self._worker.transport.last_members if self._worker is not None else np.zeros(0, np.uint32)
+
+    def missing(self, ranks: list[int], values: int) -> dict[int, np.ndarray]:
+        """For each of ``ranks`` whose update is not in every block of the last exchange's sum: a mask of the
+        ``values`` it is missing from (blocks of the job's width, in order)."""
+        members = self.last_members.astype(np.int64)
+        k = self.config.width
+        out = {}
+        for rank in ranks:
+            absent = (members >> rank) & 1 == 0
+            if absent.any():
+                out[rank] = np.repeat(absent, k)[:values]
+        return out
 
     def close(self) -> None:
         if self._worker is not None:
@@ -74,6 +107,9 @@ class SwitchMemberStats:
 
     groups: int = 0
     failures: int = 0
+    #: Groups some of whose rounds closed at the deadline without a member, and the close requests sent.
+    closed_groups: int = 0
+    closes: int = 0
     #: netagg messages (UDP payloads) the PS sent (its zeros, resends included) and received (results).
     bytes_out: int = 0
     bytes_in: int = 0
@@ -84,10 +120,12 @@ class SwitchMemberStats:
 
 class SwitchMember:
     """The PS as a member of its job's switch groups (``ps_members``): a thread runs each group's subset
-    exchange with zeros, then hands the sum to ``apply(grant, total)``; a failed exchange calls
-    ``fail(grant, reason)`` (the members then push their own updates)."""
+    exchange with zeros (closing its rounds at the grant's ``deadline``), then hands the sum to
+    ``apply(grant, total, missing)`` (``missing``: per part's rank whose update is not in every block, the mask
+    of values it is missing from); a failed exchange calls ``fail(grant, reason)`` (the members then push their
+    own updates)."""
 
-    def __init__(self, config: WorkerConfig, apply: Callable[[dict, np.ndarray], None],
+    def __init__(self, config: WorkerConfig, apply: Callable[[dict, np.ndarray, dict[int, np.ndarray]], None],
                  fail: Callable[[dict, str], None], **options: Any) -> None:
         if not config.ps_members or config.rank < config.training_workers:
             raise ValueError(f"rank {config.rank} of job {config.job_id} is not a PS node's (the job's last "
@@ -110,8 +148,11 @@ class SwitchMember:
             parts = grant["parts"]
             before = self._traffic()
             began = time.monotonic()
+            deadline = grant.get("deadline")
             try:
-                total = self._summer.sum(np.zeros(values, np.float32), int(grant["members"]), int(grant["round"]))
+                total = self._summer.sum(np.zeros(values, np.float32), int(grant["members"]), int(grant["round"]),
+                                         deadline=None if deadline is None else float(deadline), closer=True)
+                missing = self._summer.missing([int(rank) for _, rank, _ in parts], values)
             except SwitchAggregationFailed as err:
                 self._count(before, failed=str(err))
                 log.warning("switch group %s: the PS's exchange failed (%s); its members push their own", parts, err)
@@ -119,8 +160,11 @@ class SwitchMember:
                 continue
             self._count(before)
             self.stats.seconds += time.monotonic() - began
+            closes = self._summer._worker.transport.last_closes if self._summer._worker is not None else 0
+            self.stats.closes += closes
+            self.stats.closed_groups += bool(missing)
             try:
-                self._apply(grant, total)
+                self._apply(grant, total, missing)
             except Exception as err:
                 self.stats.last_error = str(err)
                 log.warning("switch group %s: not applied: %s", parts, err)

@@ -222,11 +222,13 @@ class WorkerOps:
                 if (failed := self._switch_failed.get(update_id)) is not None:
                     return {"ok": True, "known": False, "reason": f"the PS's part in the switch group: {failed}"}, b""
                 self._cond.wait(left)
+            rest = self._remainders.get(update_id)
         if outcome.get("outcome") == APPLIED and "seq" in outcome:
             self._await_safe(outcome["seq"])
         # Where nobody pushes a group's sum (the PS received it from the switch), this is how members learn
-        # that the job was halted.
-        return {"ok": True, "known": True, "duplicate": True, **outcome, "halted": self.halted}, b""
+        # that the job was halted; and a part the sum held only in part, that it pushes its update for the rest.
+        extra = {} if rest is None else {"rest": int(rest.sum())}
+        return {"ok": True, "known": True, "duplicate": True, **outcome, **extra, "halted": self.halted}, b""
 
     def _op_halt(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         with self._cond:

@@ -229,7 +229,7 @@ def test_the_ps_as_a_member_receives_the_groups_sum_from_the_switch_and_applies_
     with testing.LoopbackSwitch(**faults) as switch:
         configs, ps_config = _member_configs(switch, 3)
         server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
-                              rto_initial=0.01).start()
+                              switch_deadline=0, rto_initial=0.01).start()
         summers: list = []
         try:
             summers, grads, reports, outcomes = _start(configs)
@@ -264,7 +264,7 @@ def test_when_the_ps_cannot_take_part_the_members_push_their_own_and_each_is_app
     with testing.LoopbackSwitch() as switch:
         configs, ps_config = _member_configs(switch, 3)
         server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
-                              rto_initial=0.01, progress_timeout=1.0).start()
+                              switch_deadline=0, rto_initial=0.01, progress_timeout=1.0).start()
         summers: list = []
         try:
             summers, grads, reports, outcomes = _start(configs, progress_timeout=1.0)
@@ -291,7 +291,7 @@ def test_a_member_whose_own_exchange_failed_after_the_ps_got_the_sum_is_not_appl
     with testing.LoopbackSwitch() as switch:
         configs, ps_config = _member_configs(switch, 2)
         server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
-                              rto_initial=0.01).start()
+                              switch_deadline=0, rto_initial=0.01).start()
         try:
             boot = FabricClient.from_config(configs[0])
             boot.hello()
@@ -329,5 +329,74 @@ def test_a_member_whose_own_exchange_failed_after_the_ps_got_the_sum_is_not_appl
             assert server.version == 2 and server.stats.applied == 2 and server.stats.switch_sums == 1
             np.testing.assert_allclose(server.model, -(grads[0] + grads[1]), rtol=1e-6)
             assert all(np.array_equal(s, sums[0]) for s in sums)  # every member holds the same sum
+        finally:
+            server.stop()
+
+
+def test_a_group_closes_at_its_deadline_without_a_late_member_and_every_update_is_applied_once():
+    """Rank 1 starts its part 1 s late: the PS closes the group's rounds at the deadline (0.2 s), applies rank 0's
+    update from the switch's sum, and rank 1, in none of its blocks, learns so and pushes its own: each gradient is
+    in the model once, and the group did not wait for the late one."""
+    with testing.LoopbackSwitch() as switch:
+        configs, ps_config = _member_configs(switch, 3)
+        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
+                              rto_initial=0.01).start()
+        summers: list = []
+        try:
+            summers, grads, reports, outcomes = _start(configs)
+            late_sum = summers[1].sum
+
+            def late(*args, **kwargs):
+                time.sleep(1.0)
+                return late_sum(*args, **kwargs)
+
+            summers[1].sum = late
+            _run_group(configs, server, grads, range(3), summers, reports, outcomes)
+            assert all(o is not None and o["outcome"] == "applied" for o in outcomes)
+            assert server.stats.switch_left_out == 1 and server.stats.switch_partial == 0
+            assert reports[1].switch_fallbacks == 1 and reports[0].switch_fallbacks == 0
+            assert server.version == 3 and server.stats.applied == 3
+            np.testing.assert_allclose(server.model, -(grads[0] + grads[1] + grads[2]), rtol=1e-6)
+            member = server.switch_member.stats
+            assert member.groups == 1 and member.closes > 0 and member.closed_groups == 1
+            assert member.seconds < 0.9  # closed at the deadline, not after the late member
+            counters = switch.counters(configs[0].job_id)
+            assert counters["results"] == -(-SIZE // wire.K) + SLOTS  # each round released once
+        finally:
+            server.stop()
+            for s in summers:
+                s.close()
+
+
+def test_a_part_the_closed_sum_holds_in_part_is_completed_from_its_members_push_once():
+    """The PS's bookkeeping of a group closed at its deadline: rank 1's update is in the first half of the sum's
+    values only; its member's push adds exactly the other half (an update of its own), and a second push changes
+    nothing."""
+    with testing.LoopbackSwitch() as switch:
+        configs, ps_config = _member_configs(switch, 2)
+        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
+                              rto_initial=0.01).start()
+        try:
+            boot = FabricClient.from_config(configs[0])
+            boot.hello()
+            boot.init(np.zeros(SIZE, np.float32))
+            boot.close()
+            grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(2)]
+            rest = np.arange(SIZE) >= SIZE // 2
+            total = grads[0] + np.where(rest, 0, grads[1]).astype(np.float32)
+            grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2,
+                     "parts": [["0:0", 0, 0], ["1:0", 1, 0]]}
+            server._apply_switch_sum(grant, total, {1: rest})
+            assert server.version == 2 and server.stats.switch_partial == 1
+            client = FabricClient.from_config(configs[1])
+            outcome = client.call("outcome", {"update_id": "1:0", "timeout": 5.0}, timeout=30.0)[0]
+            assert outcome["known"] and outcome["rest"] == int(rest.sum())
+            pushed = client.push("1:0", 0, grads[1])
+            again = client.push("1:0", 0, grads[1])
+            client.close()
+            assert pushed["outcome"] == "applied" and pushed["remainder"] == int(rest.sum())
+            assert again["duplicate"]
+            assert server.version == 3 and server.stats.remainders_applied == 1
+            np.testing.assert_allclose(server.model, -(grads[0] + grads[1]), rtol=1e-6)
         finally:
             server.stop()
