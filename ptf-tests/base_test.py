@@ -226,16 +226,22 @@ def contribution(job: Job, worker: Worker, values: list[int], slot: int = 0, poo
             / netagg_payload(values, **header))
 
 
-def result_for(sent: Packet, to: Worker, values: list[int], exponent: int, round_flags: int = 0) -> Packet:
+def result_for(sent: Packet, to: Worker, values: list[int], exponent: int, round_flags: int = 0,
+               members: int | None = None) -> Packet:
     """The result the switch makes of ``sent`` (the completing or resent packet) for ``to``.
 
-    ``round_flags``: the round's flags (``wire.ROUND_FLAGS`` bits ORed over its contributions), which replace
-    the sent packet's own round flags; its other flags stay, with RESULT added.
+    ``round_flags``: the round's stored flags (``wire.ROUND_FLAGS`` bits ORed over its contributions, and
+    ``wire.FLAG_CLOSE`` for a round closed at a deadline), which replace the sent packet's own
+    (``wire.STORED_FLAGS``: a close request's CLOSE bit never leaves on its own); its other flags stay, with
+    RESULT added. ``members``: what a closed round's result carries there (the bitmap of the contributions in
+    its sum); None echoes the sent packet's.
     """
     hdr = sent[Netagg]
     header = {f.name: getattr(hdr, f.name) for f in wire.HEADER_FIELDS}
-    flags = (hdr.flags & ~wire.ROUND_FLAGS) | round_flags | wire.FLAG_RESULT
+    flags = (hdr.flags & ~wire.STORED_FLAGS) | round_flags | wire.FLAG_RESULT
     header.update(flags=flags, exponent=exponent)
+    if members is not None:
+        header.update(members=members)
     return (Ether(src=SWITCH_MAC, dst=to.mac)
             / IP(src=AGGREGATOR_IP, dst=to.ip, id=sent[IP].id, flags=sent[IP].flags, ttl=64)
             / UDP(sport=wire.NETAGG_UDP_PORT, dport=to.udp_port, chksum=0)

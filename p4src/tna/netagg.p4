@@ -208,6 +208,14 @@ control NetaggIngress(inout tna_headers_t hdr,
                 meta.drop_reason = DROP_NOT_A_MEMBER;
                 ig_dprsr_md.drop_ctl = 1;
                 meta.reject = 1;
+            } else if ((hdr.netagg.flags & FLAG_CLOSE) != 0) {
+                /* Deadline rounds are not built in this twin (docs/tofino.md, "Deadline rounds on
+                 * Tofino (design)"): every close request, and every parent's result of a closed
+                 * round, is refused before any register changes, so a host never reads an echoed
+                 * CLOSE bit as a closed round. */
+                meta.drop_reason = DROP_CLOSE_REFUSED;
+                ig_dprsr_md.drop_ctl = 1;
+                meta.reject = 1;
             } else {
                 slot_owner.apply(meta);
                 round_check.apply(hdr, meta);

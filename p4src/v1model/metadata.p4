@@ -31,9 +31,13 @@ struct metadata_t {
     bit<1> complete;           /* the round is (now) complete */
     bit<1> late;               /* contribution to a round that already completed */
     bit<1> exchange_mismatch;  /* the packet names another collective than its round (ExchangeCheck) */
-    bit<8> stored_flags;       /* the round's stored flags as the packet found them (RoundFlags, check) */
+    bit<8> stored_flags;       /* the round's stored flags as the packet found them (CloseCheck) */
     bit<1> closed;             /* the round was closed at a deadline before this packet (CloseCheck) */
     bit<1> closes;             /* this packet's close request completes the round (WorkerCount) */
+    /* 1 while CloseCheck runs: RoundFlags and BitmapCheck only read. A field, not a constant argument
+     * of the two controls: p4c-bm2-ss copies meta (and hdr) around a control applied twice with
+     * constant in-arguments, into header instances whose fields BMv2 cannot resolve. */
+    bit<1> close_check;
     bit<8> value_op;
     bit<1> to_group;           /* deliver the result to the job's multicast group */
     /* A tree of switches (tree_links.p4). */

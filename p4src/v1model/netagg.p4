@@ -84,6 +84,7 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
         meta.exchange_mismatch = 0;
         meta.closed = 0;
         meta.closes = 0;
+        meta.close_check = 0;
         if (standard_metadata.parser_error != error.NoError) {
             meta.drop_reason = DROP_MALFORMED;
         } else if (!hdr.ipv4.isValid()) {
@@ -146,13 +147,15 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                 mark_to_drop(standard_metadata);
             } else if (meta.drop_reason == DROP_NONE) {
                 if (meta.down == 0) {
-                    round_flags.apply(hdr, meta, 1);
+                    /* CloseCheck: RoundFlags only reads (meta.closed, meta.stored_flags). */
+                    meta.close_check = 1;
+                    round_flags.apply(hdr, meta);
                 }
                 if (meta.closed == 1) {
                     /* CloseCheck: the round was closed at a deadline. Nothing changes; the stored
                      * result, with the bitmap of its contributors, goes back to the sender alone. A
                      * sender not among them is late: its values are not added. */
-                    bitmap_check.apply(hdr, meta, 1);
+                    bitmap_check.apply(hdr, meta);  /* close_check: only reads */
                     job_retransmit_results.count((bit<32>)hdr.netagg.job_id);
                     if (meta.fresh == 1) {
                         drop_reasons.count((bit<32>)DROP_LATE_FOR_CLOSED_ROUND);
@@ -167,8 +170,9 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                     hdr.netagg.members = meta.bitmap_before;
                     result_delivery.apply(hdr, meta, standard_metadata);
                 } else {
+                    meta.close_check = 0;
                     if (meta.down == 0) {
-                        bitmap_check.apply(hdr, meta, 0);
+                        bitmap_check.apply(hdr, meta);
                         worker_count.apply(hdr, meta);
                     }
                     level_state.apply(meta);
@@ -228,7 +232,7 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                         value_sum.apply(hdr, meta);
                     }
                     /* Also without a value operation: a mismatched contribution marks the round. */
-                    round_flags.apply(hdr, meta, 0);
+                    round_flags.apply(hdr, meta);
                     if (meta.closes == 1) {
                         /* Who is in the closed round's sum. */
                         hdr.netagg.members = meta.bitmap_before | meta.worker_mask;

@@ -1,9 +1,9 @@
 /* netagg: the round flags of a slot's round (ROUND_FLAGS: NaN, +inf, -inf, out of step), the OR
  * over its contributions, returned with its state (docs/protocol.md, "Round flags"), and
  * FLAG_CLOSE once the round was closed at a deadline (docs/protocol.md, "Closing a round at a
- * deadline"). Applied twice: first with check = 1 (CloseCheck, before BitmapCheck: only reads;
- * meta.closed says whether the packet's SAME round was closed), then with check = 0, with the
- * value operation (meta.value_op), like ExponentMax:
+ * deadline"). Applied twice: first with meta.close_check = 1 (CloseCheck, before BitmapCheck:
+ * only reads; meta.closed says whether the packet's SAME round was closed), then with
+ * close_check = 0, with the value operation (meta.value_op), like ExponentMax:
  *   write: the round's first contribution, or a parent's accepted result coming down, stores its
  *          flags & ROUND_FLAGS;
  *   merge: a new contribution ORs its flags & ROUND_FLAGS in;
@@ -17,14 +17,14 @@
 #ifndef _NETAGG_ROUND_FLAGS_P4_
 #define _NETAGG_ROUND_FLAGS_P4_
 
-control RoundFlags(inout headers_t hdr, inout metadata_t meta, in bit<1> check) {
+control RoundFlags(inout headers_t hdr, inout metadata_t meta) {
     @id(0x1600000a)
     register<bit<8>>(NUM_POOL_SLOTS) round_flags;
 
     apply {
         bit<8> stored;
         round_flags.read(stored, meta.pool_index);
-        if (check == 1) {
+        if (meta.close_check == 1) {
             meta.stored_flags = stored;
             if (meta.round_state == ROUND_SAME && (stored & FLAG_CLOSE) != 0) {
                 meta.closed = 1;
