@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -229,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--slots", type=int, default=4, help="the job's switch slots")
     parser.add_argument("--setting", default="", help="a name for the cluster setting, kept with the curves")
+    parser.add_argument("--keep-logs", type=Path, help="copy each run's PS log into this directory")
     parser.add_argument("--curves", type=Path, help="append each run's loss and accuracy over time to this JSON-lines "
                         "file (plot it with benchmarks/plot_curves.py)")
     parser.add_argument("--batch-window", type=float, default=0.01,
@@ -280,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
                            "dropped": 0, "scheduler_dropped": 0, "aggregated_members": 0, "switch_aggregated": 0,
                            "max_delay": None}
                 row["repeat"] = repeat
+                if args.keep_logs is not None:  # the PS's log of every run, for a look at what went wrong
+                    ps_log = cluster.workdir / f"mlfabric-ps-{kind}.log"
+                    if ps_log.exists():
+                        args.keep_logs.mkdir(parents=True, exist_ok=True)
+                        shutil.copy(ps_log, args.keep_logs / f"mlfabric-ps-{kind}-{repeat}.log")
                 curve = row.pop("curve", [])
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -17,9 +17,7 @@ from netagg import layout, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.congestion import RtoEstimator
-from netagg.hoststack.packets import (
-    SEQ_MASK,
-)
+from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK
 
 if TYPE_CHECKING:
     from netagg.hoststack.transport import Transport
@@ -45,6 +43,11 @@ SHADOW_RETRIES = 2
 #: stalled resend after the head's shadow) added 27 % packets at 5 % loss, 3 added 8 %, 4 adds 2 % (0.1 % at
 #: 1 % loss; 2 sweeps per worker per 0.3 s straggler), with the same recovery times after a restart.
 STALL_SWEEP_RETRIES = 4
+#: Past a deadline (``close_at``), a packet is closed once it has been out this many of the path's shortest round
+#: trips (at least CLOSE_GRACE_FLOOR seconds, at most the RTO): members that are there send each round within about
+#: a round trip of each other; the RTO of a worker that waited for members (MLfabric's PS) is the members' lateness.
+CLOSE_GRACE_RTTS = 3
+CLOSE_GRACE_FLOOR = 0.005
 
 
 class TransportError(RuntimeError):
@@ -90,6 +93,9 @@ class TransportStats:
     spurious_timeouts: int = 0
     #: ... and the window cuts such results undid.
     window_undos: int = 0
+    #: Deadline rounds: slots left because the others finished this worker's outstanding round and the next one
+    #: without its result reaching it (the group's copy lost; see Exchange._give_up_superseded).
+    superseded_slots: int = 0
     #: Timeouts with no result since the previous one (a worker not there yet): only the head packet was resent.
     stalled_timeouts: int = 0
     #: Copies of packets whose result this worker already has (a slot's previous packet, see the module
@@ -179,6 +185,11 @@ class Exchange:
         self.in_flight: dict[int, int] = {}
         #: Per used slot: the expected key its close request was sent for (-1: none).
         self.closed_key = np.full(used, -1, np.int64)
+        #: Per used slot: the ``members`` its packets carry (the exchange's; after a round closed at a deadline,
+        #: that round's: see _after_closed).
+        self.slot_members = np.full(used, transport.members, np.int64)
+        #: Per used slot: a result two or more rounds past its outstanding packet arrived (``accept_results``).
+        self.superseded = np.zeros(used, np.uint8)
         #: The batch steps: compiled (transport_kernels) or their numpy reference (transport_reference).
         steps = kernels if kernels is not None else reference
         self.fill, self.accept = steps.fill_packets, steps.accept_results
@@ -197,8 +208,8 @@ class Exchange:
         none_rows = np.zeros(rows, np.int64)
         io = t.io
         r.accept(io.rx_buf, io.rx_lengths, io.rx_names, 0, io.allowed, t.config.job_id, t.slot_base, 0, r.window, 0,
-                 r.expect, r.retries, r.sent_at, t.next_pool, 0.0, r.sums_flat, r.global_exp, 0, 0, 1, r.result_flags,
-                 r.result_members, r.alarm, none_rows, none_rows.copy(), np.zeros(rows, np.uint8), np.zeros(rows))
+                 r.expect, r.retries, r.sent_at, t.next_pool, 0.0, r.sums_flat, r.global_exp, 0, 0, r.result_flags,
+                 r.result_members, r.alarm, none_rows, none_rows.copy(), none_rows.copy(), r.superseded, np.zeros(rows))
         RtoEstimator().sample_all(np.full(1, 0.001))  # one sample: an empty batch returns before the kernel
 
     # -- sending -------------------------------------------------------------
@@ -256,8 +267,8 @@ class Exchange:
         t.shadow[slots] = t.raw[slots]
         t.uses[slots] += 1
         hdr = t.packets["hdr"]
-        if t.members:
-            hdr["members"][slots] = t.members
+        if t.members or self.closable:
+            hdr["members"][slots] = self.slot_members[slots]
         hdr["exchange"][slots] = self.ident
         if self.fill(slots, block_ids, self.blocks, self.local_exp, self.global_exp, self.ahead, self.seq0,
                       self.probe0, self.window, enc_a, enc_b, t.raw, t.words, t.next_pool, t.rounds,
@@ -368,10 +379,12 @@ class Exchange:
 
     def _close_due(self, now: float) -> float:
         """Past ``close_at``: send a close request (the slot's packet again, ``FLAG_CLOSE`` set: the switch completes
-        the round with the contributions it has) for each outstanding packet out for at least the RTO, once per
-        packet. Returns when the next one falls due."""
+        the round with the contributions it has) for each outstanding packet out for at least the grace
+        (``CLOSE_GRACE_RTTS``), once per packet. Returns when the next one falls due."""
         t = self.transport
         grace = t.rto.rto
+        if math.isfinite(t.rto.min_rtt):
+            grace = min(grace, max(CLOSE_GRACE_FLOOR, CLOSE_GRACE_RTTS * t.rto.min_rtt))
         outstanding = self.expect != -1
         pending = outstanding & (self.closed_key != self.expect)
         if not pending.any():
@@ -409,7 +422,8 @@ class Exchange:
         rows = io.rx_capacity
         acc_slots = np.empty(rows, np.int64)
         following = np.empty(rows, np.int64)
-        acc_missed = np.zeros(rows, np.uint8)
+        acc_closed = np.zeros(rows, np.int64)
+        superseded = self.superseded
         rtts = np.empty(rows)
         failover = t.failover if t.failover_armed() else None
         vote_at = last_progress + failover.after if failover is not None else math.inf
@@ -434,14 +448,16 @@ class Exchange:
                     break
                 n_acc, n_rtt, foreign, malformed, stale, done = accept(
                     buf, lengths, names, count, allowed, job_id, slot_base, seq0, window, nb, expect, retries, sent_at,
-                    next_pool, time.monotonic(), sums, global_exp, ident, closable, my_mask, result_flags,
-                    result_members, alarm, acc_slots, following, acc_missed, rtts)
+                    next_pool, time.monotonic(), sums, global_exp, ident, closable, result_flags,
+                    result_members, alarm, acc_slots, following, acc_closed, superseded, rtts)
                 if foreign or malformed or stale:
                     stats.foreign += foreign
                     stats.malformed += malformed
                     stats.stale_results += stale
                     if alarm[0]:
                         self._out_of_step()
+                    if closable and superseded.any():
+                        self._give_up_superseded()
                 if n_acc:
                     accepted += n_acc
                     self.remaining -= done
@@ -455,8 +471,8 @@ class Exchange:
                         t.rto.sample_all(rtts[:n_rtt])
                     nxt = following[:n_acc]
                     ready = nxt < nb
-                    if closable and acc_missed[:n_acc].any():
-                        ready &= self._leave_slots(acc_missed[:n_acc] != 0, nxt) == 0
+                    if closable and (acc_closed[:n_acc] >= 0).any():
+                        ready &= ~self._after_closed(acc_slots[:n_acc], acc_closed[:n_acc], nxt, my_mask)
                     ready_slots += acc_slots[:n_acc][ready].tolist()
                     ready_blocks += nxt[ready].tolist()
                 if calls >= _RECV_CALLS and not (self.timers and self.timers[0][0] <= time.monotonic()):
@@ -488,11 +504,18 @@ class Exchange:
         t.probe_seq = (self.probe0 + self.used_slots) & SEQ_MASK
         stats.blocks += nb
 
-    def _leave_slots(self, missed: np.ndarray, following: np.ndarray) -> np.ndarray:
-        """Slots whose round was closed without this worker: its exponent for the slot's next block was not in the
-        round's maximum, so it cannot quantize that block for the round, and it sends nothing more in the slot. Its
-        blocks left there (from ``following``, a window apart) have no sum here: flags ``FLAG_CLOSE``, members 0,
-        sums 0. Returns ``missed`` (as the release mask of those slots)."""
+    def _after_closed(self, slots: np.ndarray, closed: np.ndarray, following: np.ndarray, my_mask: int) -> np.ndarray:
+        """Accepted results of rounds closed at a deadline (``closed``: their members, -1: not closed). A slot whose
+        round closed with this worker in it goes on as a subset round of those members: the ones that were not there
+        have left the slot (below), so its next rounds complete without them and without another close. A slot whose
+        round closed without this worker: its exponent for the slot's next block was not in the round's maximum, so
+        it cannot quantize that block for the round, and it sends nothing more in the slot. Its blocks left there
+        (from ``following``, a window apart) have no sum here: flags ``FLAG_CLOSE``, members 0, sums 0. Returns the
+        slots this worker left (not to be refilled)."""
+        was_closed = closed >= 0
+        missed = was_closed & ((closed & my_mask) == 0)
+        stay = was_closed & ~missed
+        self.slot_members[slots[stay]] = closed[stay]
         nb, window = self.num_blocks, self.window
         for first in following[missed].tolist():
             if first < nb:
@@ -504,6 +527,25 @@ class Exchange:
                 self.remaining -= skipped.shape[0]
                 self.blocks_left += skipped.shape[0]
         return missed
+
+    def _give_up_superseded(self) -> None:
+        """Slots whose outstanding round the others finished, and the one after it, without this worker's result
+        reaching it (a deadline closed the rounds; the group's copy was lost and the switch holds the slot's later
+        rounds now): whether this worker is in that round's sum cannot be known here. The slot is left: its blocks
+        from the outstanding one on have no sum here (flags ``FLAG_CLOSE``, members 0; see _after_closed)."""
+        slots = np.flatnonzero(self.superseded).astype(np.int64)
+        self.superseded[slots] = 0
+        slots = slots[self.expect[slots] != -1]
+        if not slots.shape[0]:
+            return
+        seqs = self.expect[slots] & 0xFFFFFFFF
+        probe = (seqs & PROBE_SEQ_BIT) != 0
+        first = np.where(probe, slots, (seqs - self.seq0) & SEQ_MASK)
+        self.expect[slots] = -1
+        for slot in slots.tolist():
+            self.in_flight.pop(slot, None)
+        self._after_closed(slots, np.zeros(slots.shape[0], np.int64), first, 1)
+        self.transport.stats.superseded_slots += slots.shape[0]
 
     def _judge_resends(self, slots: np.ndarray, resent: np.ndarray) -> None:
         """Accepted results of ``slots`` whose packets were resent at ``resent`` (0: not resent): those back sooner

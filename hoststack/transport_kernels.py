@@ -45,8 +45,8 @@ def _be(row: np.ndarray, start: int, width: int) -> np.int64:
 
 @njit(cache=True, nogil=True)
 def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0, window, num_blocks, expect, retries,
-                   sent_at, next_pool, now, sums, global_exp, exchange, closable, my_mask, result_flags, result_members,
-                   alarm, acc_slots, following, acc_missed, rtts):  # pragma: no cover
+                   sent_at, next_pool, now, sums, global_exp, exchange, closable, result_flags, result_members,
+                   alarm, acc_slots, following, acc_closed, superseded, rtts):  # pragma: no cover
     """See ``transport_reference.accept_results`` (the reference): same arguments, same effects and result."""
     used = expect.shape[0]
     payload = sums.shape[1]
@@ -83,6 +83,10 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
             stale += 1
             continue
         if outstanding != key:
+            if closable != 0 and outstanding != -1:
+                ahead = (_be(row, _ROUND_AT, 2) - (outstanding >> np.int64(33))) & 0xFFFF
+                if 2 <= ahead < 0x8000:  # a round two or more ahead completed: the outstanding one is gone
+                    superseded[slot] = 1
             stale += 1
             continue
         expect[slot] = -1
@@ -110,7 +114,7 @@ def accept_results(buf, lengths, names, count, allowed, job_id, slot_base, seq0,
             global_exp[nxt] = exponent - 256 if exponent >= 128 else exponent
         acc_slots[n_acc] = slot
         following[n_acc] = nxt
-        acc_missed[n_acc] = 1 if (row[_FLAGS_AT] & _CLOSE) != 0 and (_be(row, _MEMBERS_AT, 4) & my_mask) == 0 else 0
+        acc_closed[n_acc] = _be(row, _MEMBERS_AT, 4) if (row[_FLAGS_AT] & _CLOSE) != 0 else np.int64(-1)
         n_acc += 1
     return n_acc, n_rtt, foreign, malformed, stale, done
 

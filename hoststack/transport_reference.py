@@ -21,9 +21,10 @@ _HEADER_BYTES = wire.HEADER_BYTES
 def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, count: int, allowed: np.ndarray,
                           job_id: int, slot_base: int, seq0: int, window: int, num_blocks: int, expect: np.ndarray,
                           retries: np.ndarray, sent_at: np.ndarray, next_pool: np.ndarray, now: float,
-                          sums: np.ndarray, global_exp: np.ndarray, exchange: int, closable: int, my_mask: int,
+                          sums: np.ndarray, global_exp: np.ndarray, exchange: int, closable: int,
                           result_flags: np.ndarray, result_members: np.ndarray, alarm: np.ndarray,
-                          acc_slots: np.ndarray, following: np.ndarray, acc_missed: np.ndarray,
+                          acc_slots: np.ndarray, following: np.ndarray, acc_closed: np.ndarray,
+                          superseded: np.ndarray,
                           rtts: np.ndarray) -> tuple[int, int, int, int, int, int]:
     """Check and apply ``count`` received datagrams (``buf[i, :lengths[i]]`` from sockaddr ``names[i]``).
 
@@ -43,9 +44,10 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
     one of them writes ``alarm`` = [1, its exchange, its slot] (docs/protocol.md, "Collectives out of
     step"); so is one that says CLOSE (a round closed at a deadline) when ``closable`` is 0: alarm
     [2, its exchange, its slot]. Writes the accepted slots and
-    their next blocks into ``acc_slots``/``following``, whether each was a closed round without this worker's
-    bit (``my_mask``: it missed it; its exponent was not in the round's maximum) into ``acc_missed``, and the
-    round trips into ``rtts``; returns
+    their next blocks into ``acc_slots``/``following``, for each a closed round's ``members`` (who is in its sum;
+    -1: not closed) into ``acc_closed``, and the round trips into ``rtts``. With ``closable``, a result for a
+    slot whose round is two or more ahead of the one it has outstanding sets ``superseded[slot]``: the others
+    finished that round and the one after, and the switch no longer holds it. Returns
     (accepted, round trips, foreign, malformed, stale, data blocks done). The compiled
     ``transport_kernels.accept_results`` does the same in one pass.
     """
@@ -79,6 +81,15 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
             if accepted_at.get(int(slot[row]), count) > row:
                 alarm[:] = (1 if refused[row] else 2, theirs[row], slot[row])
                 break
+    if closable:
+        # As the one-pass kernel sees them: a row after the accepted result of its slot finds nothing outstanding.
+        first_accept = dict(zip(slot[accepted].tolist(), accepted.tolist(), strict=True))
+        rounds_ahead = (hdr["round"].astype(np.int64) - (outstanding >> 33)) & 0xFFFF
+        gone = valid & (slot >= 0) & (slot < expect.shape[0]) & (outstanding != -1) & ~out_of_step \
+            & (outstanding != key) & (rounds_ahead >= 2) & (rounds_ahead < 0x8000)
+        for row in np.flatnonzero(gone).tolist():
+            if first_accept.get(int(slot[row]), count) > row:
+                superseded[slot[row]] = 1
     slots = slot[accepted]
     expect[slots] = -1
     next_pool[slots] ^= 1
@@ -100,8 +111,8 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
     n_acc = accepted.shape[0]
     acc_slots[:n_acc] = slots
     following[:n_acc] = nxt
-    acc_missed[:n_acc] = ((hdr["flags"][accepted] & wire.FLAG_CLOSE) != 0) \
-        & ((hdr["members"][accepted].astype(np.int64) & my_mask) == 0)
+    acc_closed[:n_acc] = np.where((hdr["flags"][accepted] & wire.FLAG_CLOSE) != 0,
+                                  hdr["members"][accepted].astype(np.int64), -1)
     n_valid = int(valid.sum())
     return n_acc, n_rtt, count - int(known.sum()), int(known.sum()) - n_valid, n_valid - n_acc, int(data.sum())
 

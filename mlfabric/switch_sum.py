@@ -163,6 +163,11 @@ class SwitchMember:
             closes = self._summer._worker.transport.last_closes if self._summer._worker is not None else 0
             self.stats.closes += closes
             self.stats.closed_groups += bool(missing)
+            if missing:
+                log.info("switch group %s: closed at its deadline (%.3f s; the exchange took %.3f s, %d close "
+                         "requests): ranks %s are missing %s of %d values", parts, deadline,
+                         time.monotonic() - began, closes, sorted(missing),
+                         [int(m.sum()) for _, m in sorted(missing.items())], values)
             try:
                 self._apply(grant, total, missing)
             except Exception as err:

@@ -99,7 +99,7 @@ class Scenario:
         hdr = data.view(self.dtype)["hdr"]
         source = PEERS[int(rng.integers(0, len(PEERS)))]
         length = self.nbytes
-        fault = rng.integers(0, 15)
+        fault = rng.integers(0, 16)
         if fault == 0:
             source = STRANGERS[int(rng.integers(0, len(STRANGERS)))]
         elif fault == 1:
@@ -130,6 +130,9 @@ class Scenario:
         elif fault == 13:  # a block that met NaN or inf: accepted, its flags recorded
             hdr["flags"] |= int(rng.choice([wire.FLAG_NAN, wire.FLAG_POS_INF, wire.FLAG_NEG_INF,
                                             wire.FLAG_POS_INF | wire.FLAG_NEG_INF]))
+        elif fault == 15:  # a later round of the slot (two or more ahead: the outstanding one is superseded)
+            hdr["round"] = (int(hdr["round"][0]) + int(rng.integers(1, 6))) & 0xFFFF
+            hdr["pool"] = int(hdr["pool"][0]) ^ int(rng.integers(0, 2))
         elif fault == 14:  # a round closed at a deadline: who is in its sum in members
             hdr["flags"] |= wire.FLAG_CLOSE
             hdr["members"] = int(rng.integers(1, 2**32))
@@ -159,13 +162,16 @@ class Scenario:
         acc_slots = np.full(mmsg.BATCH, -7, np.int64)
         following = np.full(mmsg.BATCH, -7, np.int64)
         rtts = np.full(mmsg.BATCH, -7.0)
-        missed = np.full(mmsg.BATCH, 7, np.uint8)
+        closed = np.full(mmsg.BATCH, 7, np.int64)
+        superseded = np.zeros(self.used, np.uint8)
         out = accept(self.buf, self.lengths, self.names, self.count, self.allowed, JOB, self.slot_base, self.seq0,
                      self.window,
                      self.num_blocks, expect, retries, sent_at, next_pool, 2.5, sums, global_exp, EXCHANGE,
-                     self.closable, 1 << 3, result_flags, result_members, alarm, acc_slots, following, missed, rtts)
+                     self.closable, result_flags, result_members, alarm, acc_slots, following, closed, superseded,
+                     rtts)
         n_acc, n_rtt = out[0], out[1]
-        state.append(missed[:n_acc])
+        state.append(closed[:n_acc])
+        state.append(superseded)
         return tuple(int(v) for v in out), state, acc_slots[:n_acc], following[:n_acc], rtts[:n_rtt]
 
 
@@ -187,7 +193,7 @@ def test_numpy_reference_applies_the_per_datagram_rules(k):
         (n_acc, n_rtt, foreign, malformed, stale, done), state, acc, following, rtts = s.run(reference.accept_results)
         assert n_acc + foreign + malformed + stale == s.count
         assert len(set(acc.tolist())) == n_acc  # at most one result per slot and batch
-        expect, retries, _, next_pool, _, _, _, alarm, _, _ = state
+        expect, retries, _, next_pool, _, _, _, alarm, _, _, _ = state
         assert (expect[acc] == -1).all() and (retries[acc] == 0).all()
         np.testing.assert_array_equal(next_pool[acc], s.next_pool[acc] ^ 1)
         assert n_rtt == int((s.retries[acc] == 0).sum())
@@ -230,7 +236,7 @@ def test_a_closed_round_is_accepted_only_by_an_exchange_that_allows_it():
         data = s._datagram(np.random.default_rng(6), slot)
         hdr = data.view(s.dtype)["hdr"]
         hdr["flags"] |= wire.FLAG_CLOSE
-        hdr["members"] = 0b0011  # rank 3 (the scenario's) is not in the sum: it missed the round
+        hdr["members"] = 0b0011
         name = np.zeros(mmsg.NAME_BYTES, np.uint8)
         name[:16] = mmsg.sockaddr_in(*PEERS[0])
         s._put(data, name, s.nbytes)
@@ -239,11 +245,29 @@ def test_a_closed_round_is_accepted_only_by_an_exchange_that_allows_it():
             counts, state, acc, _, _ = s.run(accept)
             if closable:
                 assert counts[0] == 1 and acc.tolist() == [slot] and state[7][0] == 0
-                assert state[6][block] & wire.FLAG_CLOSE and state[8][block] == 0b0011 and state[9].tolist() == [1]
+                assert state[6][block] & wire.FLAG_CLOSE and state[8][block] == 0b0011 and state[9].tolist() == [3]
                 assert counts[1] == 0  # no round trip sample: its wait measured the deadline
             else:  # never used: the exchange raises ClosedEarly
                 assert counts[0] == 0 and counts[4] == 1 and state[7].tolist() == [2, EXCHANGE, slot]
                 assert state[0][slot] == s.expect[slot]
+
+
+def test_a_result_two_rounds_past_the_outstanding_one_marks_the_slot_superseded_when_closable():
+    implementations = [reference.accept_results] + ([kernels.accept_results] if kernels else [])
+    for ahead, closable, marked in ((1, 1, 0), (2, 1, 1), (9, 1, 1), (2, 0, 0), (0x8001, 1, 0)):
+        s = Scenario(np.random.default_rng(8), count=0)
+        s.closable = closable
+        slot = int(np.flatnonzero(s.expect != -1)[0])
+        data = s._datagram(np.random.default_rng(9), slot)
+        hdr = data.view(s.dtype)["hdr"]
+        hdr["round"] = (int(hdr["round"][0]) + ahead) & 0xFFFF
+        name = np.zeros(mmsg.NAME_BYTES, np.uint8)
+        name[:16] = mmsg.sockaddr_in(*PEERS[0])
+        s._put(data, name, s.nbytes)
+        for accept in implementations:
+            counts, state, _, _, _ = s.run(accept)
+            assert counts[0] == 0 and counts[4] == 1  # stale either way: never used
+            assert state[10][slot] == marked and state[10].sum() == marked, (ahead, closable)
 
 
 def test_two_copies_of_a_result_in_one_batch_count_once_and_once_as_stale():
