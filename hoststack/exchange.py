@@ -48,6 +48,11 @@ STALL_SWEEP_RETRIES = 4
 #: a round trip of each other; the RTO of a worker that waited for members (MLfabric's PS) is the members' lateness.
 CLOSE_GRACE_RTTS = 3
 CLOSE_GRACE_FLOOR = 0.005
+#: A slot this worker listens to (Exchange._listen) whose next result has not come this many RTOs (at least
+#: LISTEN_FLOOR seconds) after the previous one: its copy was lost (a non-member of the round cannot ask the switch
+#: for it again), and the slot is left.
+LISTEN_RTOS = 4
+LISTEN_FLOOR = 0.05
 
 
 class TransportError(RuntimeError):
@@ -190,6 +195,8 @@ class Exchange:
         self.slot_members = np.full(used, transport.members, np.int64)
         #: Per used slot: a result two or more rounds past its outstanding packet arrived (``accept_results``).
         self.superseded = np.zeros(used, np.uint8)
+        #: Per used slot: this worker left it (a round closed without it) and only receives its results (_listen).
+        self.listening = np.zeros(used, bool)
         #: The batch steps: compiled (transport_kernels) or their numpy reference (transport_reference).
         steps = kernels if kernels is not None else reference
         self.fill, self.accept = steps.fill_packets, steps.accept_results
@@ -385,7 +392,7 @@ class Exchange:
         grace = t.rto.rto
         if math.isfinite(t.rto.min_rtt):
             grace = min(grace, max(CLOSE_GRACE_FLOOR, CLOSE_GRACE_RTTS * t.rto.min_rtt))
-        outstanding = self.expect != -1
+        outstanding = (self.expect != -1) & ~self.listening
         pending = outstanding & (self.closed_key != self.expect)
         if not pending.any():
             return math.inf
@@ -446,19 +453,29 @@ class Exchange:
                     if count < 0:
                         continue  # a socket error (counted): read on
                     break
-                n_acc, n_rtt, foreign, malformed, stale, done = accept(
-                    buf, lengths, names, count, allowed, job_id, slot_base, seq0, window, nb, expect, retries, sent_at,
-                    next_pool, time.monotonic(), sums, global_exp, ident, closable, result_flags,
-                    result_members, alarm, acc_slots, following, acc_closed, superseded, rtts)
-                if foreign or malformed or stale:
-                    stats.foreign += foreign
-                    stats.malformed += malformed
-                    stats.stale_results += stale
-                    if alarm[0]:
-                        self._out_of_step()
+                # A slot this worker listens to may find its next results further on in the same batch: the batch
+                # is applied again while listening slots learn what to expect next (the rows taken before are stale
+                # then, and counted once).
+                first_pass, again = True, True
+                while again:
+                    again = False
+                    n_acc, n_rtt, foreign, malformed, stale, done = accept(
+                        buf, lengths, names, count, allowed, job_id, slot_base, seq0, window, nb, expect, retries,
+                        sent_at, next_pool, time.monotonic(), sums, global_exp, ident, closable, result_flags,
+                        result_members, alarm, acc_slots, following, acc_closed, superseded, rtts)
+                    if not first_pass:
+                        stats.stale_results -= n_acc
+                    elif foreign or malformed or stale:
+                        stats.foreign += foreign
+                        stats.malformed += malformed
+                        stats.stale_results += stale
+                        if alarm[0]:
+                            self._out_of_step()
+                    first_pass = False
                     if closable and superseded.any():
                         self._give_up_superseded()
-                if n_acc:
+                    if not n_acc:
+                        break
                     accepted += n_acc
                     self.remaining -= done
                     resent = self.resent_at[acc_slots[:n_acc]]
@@ -466,13 +483,19 @@ class Exchange:
                         self._judge_resends(acc_slots[:n_acc], resent)
                     in_flight = self.in_flight
                     for slot in acc_slots[:n_acc].tolist():
-                        del in_flight[slot]
+                        in_flight.pop(slot, None)  # (a slot this worker listens to has nothing in flight)
                     if n_rtt:
                         t.rto.sample_all(rtts[:n_rtt])
                     nxt = following[:n_acc]
                     ready = nxt < nb
                     if closable and (acc_closed[:n_acc] >= 0).any():
-                        ready &= ~self._after_closed(acc_slots[:n_acc], acc_closed[:n_acc], nxt, my_mask)
+                        self._after_closed(acc_slots[:n_acc], acc_closed[:n_acc], my_mask)
+                    if closable and self.listening.any():
+                        heard = self.listening[acc_slots[:n_acc]]
+                        if heard.any():
+                            self._listen(acc_slots[:n_acc][heard], nxt[heard])
+                            ready &= ~heard
+                            again = True
                     ready_slots += acc_slots[:n_acc][ready].tolist()
                     ready_blocks += nxt[ready].tolist()
                 if calls >= _RECV_CALLS and not (self.timers and self.timers[0][0] <= time.monotonic()):
@@ -499,25 +522,63 @@ class Exchange:
                 self.release(ready_slots, ready_blocks)
             if now >= self.close_at:
                 close_next = self._close_due(time.monotonic())
+            if self.listening.any():
+                close_next = min(close_next, self._listen_due(time.monotonic()))
             self._retransmit_due(now)
         t.seq = (seq0 + nb) & SEQ_MASK
         t.probe_seq = (self.probe0 + self.used_slots) & SEQ_MASK
         stats.blocks += nb
 
-    def _after_closed(self, slots: np.ndarray, closed: np.ndarray, following: np.ndarray, my_mask: int) -> np.ndarray:
+    def _after_closed(self, slots: np.ndarray, closed: np.ndarray, my_mask: int) -> np.ndarray:
         """Accepted results of rounds closed at a deadline (``closed``: their members, -1: not closed). A slot whose
         round closed with this worker in it goes on as a subset round of those members: the ones that were not there
         have left the slot (below), so its next rounds complete without them and without another close. A slot whose
         round closed without this worker: its exponent for the slot's next block was not in the round's maximum, so
-        it cannot quantize that block for the round, and it sends nothing more in the slot. Its blocks left there
-        (from ``following``, a window apart) have no sum here: flags ``FLAG_CLOSE``, members 0, sums 0. Returns the
-        slots this worker left (not to be refilled)."""
+        it cannot quantize that block for the round; it sends nothing more in the slot and listens to its results
+        (:meth:`_listen`). Returns the slots this worker left."""
         was_closed = closed >= 0
         missed = was_closed & ((closed & my_mask) == 0)
         stay = was_closed & ~missed
         self.slot_members[slots[stay]] = closed[stay]
+        if missed.any():
+            self.listening[slots[missed]] = True
+        return missed
+
+    def _listen(self, slots: np.ndarray, blocks: np.ndarray) -> None:
+        """Slots this worker left (``_after_closed``) still get their rounds' results: every member of the job is in
+        its multicast group. Expect the result of each slot's next round (block ``blocks``) without sending:
+        the others' sum, which holds nothing of this worker's (its members say so). Retries 1: no round-trip
+        sample. A lost copy is noticed when a later round's result arrives (``_give_up_superseded``)."""
+        t = self.transport
+        keep = blocks < self.num_blocks
+        slots, blocks = slots[keep], blocks[keep]
+        if not slots.shape[0]:
+            return
+        rounds = (t.rounds[slots].astype(np.int64) + 1) & 0xFFFF
+        t.rounds[slots] = rounds
+        seqs = (blocks + self.seq0) & SEQ_MASK
+        self.expect[slots] = (rounds << 33) | (t.next_pool[slots].astype(np.int64) << 32) | seqs
+        self.sent_at[slots] = time.monotonic()
+        self.retries[slots] = 1
+
+    def _listen_due(self, now: float) -> float:
+        """Leave the listened slots whose next result is overdue (``LISTEN_RTOS``); returns when the next one is."""
+        waiting = self.listening & (self.expect != -1)
+        if not waiting.any():
+            return math.inf
+        due_at = self.sent_at + max(LISTEN_FLOOR, LISTEN_RTOS * self.transport.rto.rto)
+        overdue = waiting & (due_at <= now)
+        if overdue.any():
+            self.superseded[overdue] = 1
+            self._give_up_superseded()
+            waiting &= ~overdue
+        return float(due_at[waiting].min()) if waiting.any() else math.inf
+
+    def _leave(self, first_blocks: np.ndarray) -> None:
+        """No sum here for each slot's blocks from ``first_blocks`` on (a window apart): flags ``FLAG_CLOSE``,
+        members 0, sums 0."""
         nb, window = self.num_blocks, self.window
-        for first in following[missed].tolist():
+        for first in first_blocks.tolist():
             if first < nb:
                 skipped = np.arange(first, nb, window)
                 self.result_flags[skipped] = wire.FLAG_CLOSE
@@ -526,7 +587,6 @@ class Exchange:
                 self.global_exp[skipped] = qz.EXP_NONE
                 self.remaining -= skipped.shape[0]
                 self.blocks_left += skipped.shape[0]
-        return missed
 
     def _give_up_superseded(self) -> None:
         """Slots whose outstanding round the others finished, and the one after it, without this worker's result
@@ -542,9 +602,10 @@ class Exchange:
         probe = (seqs & PROBE_SEQ_BIT) != 0
         first = np.where(probe, slots, (seqs - self.seq0) & SEQ_MASK)
         self.expect[slots] = -1
+        self.listening[slots] = False
         for slot in slots.tolist():
             self.in_flight.pop(slot, None)
-        self._after_closed(slots, np.zeros(slots.shape[0], np.int64), first, 1)
+        self._leave(first)
         self.transport.stats.superseded_slots += slots.shape[0]
 
     def _judge_resends(self, slots: np.ndarray, resent: np.ndarray) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from netagg import wire
 from netagg.hoststack import blocks as blk
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.envconfig import config_from_env
@@ -36,7 +37,7 @@ from netagg.hoststack.metrics import WorkerExporter, port_from_env
 from netagg.hoststack.packets import SEQ_MASK
 from netagg.hoststack.sparse import SparseTable
 from netagg.hoststack.threads import ThreadedTransport
-from netagg.hoststack.transport import RTO_FLOOR, SubsetRound, Transport
+from netagg.hoststack.transport import RTO_FLOOR, SubsetRound, Transport, TransportError
 from netagg.jobconfig import ConfigError, WorkerConfig, resolve
 from netagg.psproto import PsClient, PsError
 
@@ -110,6 +111,10 @@ class KVWorker:
                 self._ps.close()
             raise
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"netagg-kv{self.config.rank}")
+        #: Deadline allreduces (:meth:`allreduce`): per (tag, shape, dtype), this worker's values that missed their
+        #: rounds, added to the next call's input; and how many blocks were carried so far.
+        self._carry: dict[tuple, np.ndarray] = {}
+        self.deadline_carry = 0
         self._futures: dict[int, Future] = {}
         self._ts = itertools.count()
         self._lock = threading.Lock()
@@ -145,14 +150,36 @@ class KVWorker:
             raise KeyError(f"unknown or already waited-for timestamp {ts}")
         return future.result(timeout)
 
-    def allreduce(self, array: Any, *, tag: int = 0) -> Any:
+    def allreduce(self, array: Any, *, tag: int = 0, deadline: float | None = None) -> Any:
         """The sum of ``array`` over all workers, with its shape and dtype (nothing is stored).
 
         ``tag``: a number naming this collective beside its order and size (``wire.exchange_id``): ranks whose
-        calls differ in it raise ``OutOfStep`` rather than sum (docs/protocol.md, "Collectives out of step")."""
-        layout, blocks, exponents, flags = self._pack([0], [array])
-        future = self._executor.submit(self._aggregate, blocks, exponents, flags, tag)
-        return blk.unpack(layout, future.result())[0]
+        calls differ in it raise ``OutOfStep`` rather than sum (docs/protocol.md, "Collectives out of step").
+
+        ``deadline`` (seconds; every rank passes the same): the collective does not wait for a late worker more
+        than that: its rounds close with the contributions that arrived, and every rank returns the same sums.
+        The values of this worker that missed their round are kept and added to its next ``deadline`` call's
+        input with the same ``tag`` and shape (error feedback): nothing is lost, it arrives a step later
+        (:attr:`deadline_carry`). Raises ``TransportError`` if this worker could not learn some block's sum."""
+        if deadline is None:
+            layout, blocks, exponents, flags = self._pack([0], [array])
+            future = self._executor.submit(self._aggregate, blocks, exponents, flags, tag)
+            return blk.unpack(layout, future.result())[0]
+        if not isinstance(self.transport, Transport):
+            raise ValueError("a deadline allreduce needs the job's slots on one thread (threads: 1)")
+        values = np.asarray(array)
+        key = (tag, values.shape, values.dtype.str)
+        carry = self._carry.pop(key, None)
+        if carry is not None:
+            values = values + carry
+        layout, blocks, exponents, flags = self._pack([0], [values])
+        future = self._executor.submit(self._aggregate_deadline, blocks, exponents, flags, tag, deadline)
+        total, missed = future.result()
+        if missed.any():  # this worker's values of those blocks are in no sum: they join the next call
+            mask = np.repeat(missed, layout.width)[:values.size].reshape(values.shape)
+            self._carry[key] = np.where(mask, values, 0).astype(values.dtype)
+            self.deadline_carry += int(missed.sum())
+        return blk.unpack(layout, total)[0]
 
     def allreduce_subset(self, array: Any, subset: SubsetRound) -> Any:
         """The sum of ``array`` over ``subset.members`` only (a subset round; every member calls it alike).
@@ -244,6 +271,25 @@ class KVWorker:
                    tag: int = 0) -> np.ndarray:
         sums, global_exp, result_flags = self.transport.exchange(blocks, exponents, flags=flags, tag=tag)
         return qz.dequantize(sums, global_exp, self.num_workers, flags=result_flags)
+
+    def _aggregate_deadline(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None, tag: int,
+                            deadline: float) -> tuple[np.ndarray, np.ndarray]:
+        """A deadline allreduce: the sums, and per block whether this worker's values are in none of them."""
+        t = self.transport
+        sums, global_exp, result_flags = t.exchange(blocks, exponents, flags=flags, tag=tag, deadline=deadline)
+        members = t.last_members.astype(np.int64)
+        closed = (result_flags & wire.FLAG_CLOSE) != 0
+        unknown = closed & (members == 0)
+        if unknown.any():  # no rank returns a sum of something else: this one fails, and its abort fails the others
+            reason = (f"job {self.config.job_id} rank {self.config.rank}: the sums of {int(unknown.sum())} of "
+                      f"{blocks.shape[0]} blocks could not be learned (their rounds were closed and superseded while "
+                      "this worker's copy of the result was lost): no sum is returned")
+            t.abort(reason)
+            raise TransportError(reason)
+        # A whole-job round's result names no members (everyone is in); a closed round's, and those of the subset
+        # rounds that follow it in its slot, name who is.
+        missed = (members != 0) & ((members >> self.config.rank) & 1 == 0)
+        return qz.dequantize(sums, global_exp, self.num_workers, flags=result_flags), missed
 
     def _aggregate_subset(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None,
                           subset: SubsetRound) -> np.ndarray:

@@ -116,6 +116,10 @@ log = logging.getLogger(__name__)
 __all__ = ["RTO_FLOOR", "ClosedEarly", "Exchange", "OutOfStep", "RtoEstimator", "SubsetRound", "Transport",
            "TransportError", "TransportStats", "TransportTimeout", "subset_round_uses"]
 
+#: A whole-job exchange with a deadline gives up this many seconds after its deadline.
+DEADLINE_GIVE_UP = 5.0
+
+
 @dataclass(frozen=True)
 class _Mark:
     """A transport's round state where an exchange began (restored to run it again at the PS)."""
@@ -268,7 +272,7 @@ class Transport:
 
     # -- public ------------------------------------------------------------
     def exchange(self, blocks: np.ndarray, exponents: np.ndarray | None = None, *, flags: np.ndarray | None = None,
-                 tag: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 tag: int = 0, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Aggregate ``blocks`` ((n, k) float32, k = ``self.k``) with the job: returns (sums (n, k) '>i4',
         exponents int8, round flags uint8), per block; :func:`quantization.dequantize` with ``flags=`` decodes them.
 
@@ -281,11 +285,23 @@ class Transport:
         when no result comes; either fails the transport for good.
         With failover, ``blocks`` is kept until the next exchange (another worker may need it sent
         again at the PS): do not change it before then.
+        ``deadline`` (seconds; every rank gives the same): deadline rounds (docs/protocol.md, "Closing a round at a
+        deadline"): this worker closes its rounds still open that long after it began; per block,
+        ``result_flags & FLAG_CLOSE`` and :attr:`last_members` say who is in the sum (members 0: this worker
+        could not learn the block's sum). It gives up ``deadline`` + 5 s after it began.
         """
         if self._subset_rounds:
             raise TransportError("this transport runs subset rounds: its round numbers no longer agree with the "
                                  "job's other workers for a whole-job exchange")
-        return self._exchange(blocks, exponents, flags, tag, None)
+        if deadline is None:
+            return self._exchange(blocks, exponents, flags, tag, None)
+        if not deadline > 0:
+            raise ValueError(f"deadline {deadline}: must be > 0 seconds")
+        self._deadline = (True, deadline, deadline + DEADLINE_GIVE_UP)
+        try:
+            return self._exchange(blocks, exponents, flags, tag, None)
+        finally:
+            self._deadline = (False, math.inf, math.inf)
 
     def exchange_subset(self, blocks: np.ndarray, subset: SubsetRound, exponents: np.ndarray | None = None, *,
                         flags: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -3,6 +3,7 @@ exchange's rounds with the members that arrived, through the software switch on 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -137,3 +138,34 @@ def test_an_exchange_that_takes_every_contribution_fails_loudly_on_a_closed_roun
 
         out = run_workers(configs, job, rto_initial=0.01)
     assert out[1] == "raised"
+
+
+def test_a_deadline_allreduce_does_not_wait_for_a_late_rank_and_carries_its_values_to_the_next_call():
+    """Rank 2 reaches the first allreduce 0.5 s late (deadline 0.1 s): ranks 0 and 1 return the sum of their two
+    inputs long before it arrives; rank 2 learns the same sums from the group's copies, and its values join the
+    next call's sum (error feedback): over both calls every input is summed exactly once, the same on every rank."""
+    rng = np.random.default_rng(11)
+    first = [rng.normal(0, 1, SIZE).astype(np.float32) for _ in range(N)]
+    second = [rng.normal(0, 1, SIZE).astype(np.float32) for _ in range(N)]
+    with testing.LoopbackSwitch() as switch:
+        configs = switch.add_job(N, slot_count=SLOTS)
+        between = threading.Barrier(N)
+
+        def job(worker, rank):
+            if rank == 2:
+                time.sleep(0.5)
+            began = time.monotonic()
+            one = worker.allreduce(first[rank], deadline=0.1)
+            took = time.monotonic() - began
+            between.wait(30)
+            two = worker.allreduce(second[rank], deadline=0.1)
+            return one, two, took, worker.deadline_carry
+
+        out = run_workers(configs, job, rto_initial=0.01)
+    for rank in (1, 2):
+        np.testing.assert_array_equal(out[rank][0], out[0][0])
+        np.testing.assert_array_equal(out[rank][1], out[0][1])
+    assert out[0][2] < 0.45 and out[1][2] < 0.45  # did not wait for rank 2
+    assert out[2][3] == BLOCKS and out[0][3] == out[1][3] == 0  # rank 2's blocks all carried
+    np.testing.assert_allclose(out[0][0], first[0] + first[1], atol=1e-4)
+    np.testing.assert_allclose(out[0][1], sum(second) + first[2], atol=1e-4)  # the carry joined the second call
