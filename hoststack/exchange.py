@@ -17,7 +17,7 @@ from netagg import layout, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.congestion import RtoEstimator
-from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK
+from netagg.hoststack.packets import HEADER_DTYPE, PROBE_SEQ_BIT, SEQ_MASK
 
 if TYPE_CHECKING:
     from netagg.hoststack.transport import Transport
@@ -51,8 +51,10 @@ CLOSE_GRACE_FLOOR = 0.005
 #: A slot this worker listens to (Exchange._listen) whose next result has not come this many RTOs (at least
 #: LISTEN_FLOOR seconds) after the previous one: its copy was lost (a non-member of the round cannot ask the switch
 #: for it again), and the slot is left.
-LISTEN_RTOS = 4
-LISTEN_FLOOR = 0.05
+LISTEN_RTOS = 8
+LISTEN_FLOOR = 1.0
+#: Results of rounds ahead of this worker kept for when it gets there (Exchange._stash_ahead).
+STASH_ROWS = 8192
 
 
 class TransportError(RuntimeError):
@@ -197,6 +199,8 @@ class Exchange:
         self.superseded = np.zeros(used, np.uint8)
         #: Per used slot: this worker left it (a round closed without it) and only receives its results (_listen).
         self.listening = np.zeros(used, bool)
+        #: Slots that expect a new result since the kept ones were last looked up (_replay_stash).
+        self.changed: set[int] = set()
         #: The batch steps: compiled (transport_kernels) or their numpy reference (transport_reference).
         steps = kernels if kernels is not None else reference
         self.fill, self.accept = steps.fill_packets, steps.accept_results
@@ -287,6 +291,8 @@ class Exchange:
         t.stats.packets_sent += slots.shape[0] - errors
         t.stats.socket_errors += errors
         self._arm(now + t.rto.rto, slots, keys)
+        if self.closable:
+            self.changed.update(slots.tolist())
 
     def _arm(self, deadline: float, slots: np.ndarray, keys: np.ndarray) -> None:
         self._timer_id += 1
@@ -417,21 +423,17 @@ class Exchange:
             return
         self.release(list(range(self.used_slots)), [-1] * self.used_slots)
         last_progress = time.monotonic()
-        stats, accept, job_id, slot_base = t.stats, self.accept, t.config.job_id, t.slot_base
+        stats = t.stats
         io = t.io
-        buf, names, lengths, allowed = io.rx_buf, io.rx_names, io.rx_lengths, io.allowed
-        expect, retries, sent_at, next_pool = self.expect, self.retries, self.sent_at, t.next_pool
-        window, seq0, sums, global_exp = self.window, self.seq0, self.sums_flat, self.global_exp
-        ident, result_flags, alarm = self.ident, self.result_flags, self.alarm
-        closable, result_members = int(self.closable), self.result_members
-        my_mask = 1 << t.config.rank
+        buf, names, lengths = io.rx_buf, io.rx_names, io.rx_lengths
+        closable = self.closable
         close_next = self.close_at
         rows = io.rx_capacity
-        acc_slots = np.empty(rows, np.int64)
-        following = np.empty(rows, np.int64)
-        acc_closed = np.zeros(rows, np.int64)
-        superseded = self.superseded
-        rtts = np.empty(rows)
+        self._outputs = (np.empty(rows, np.int64), np.empty(rows, np.int64), np.zeros(rows, np.int64),
+                         np.empty(rows))
+        if closable:  # where kept results are applied from (_replay_stash)
+            self._stash_buf = np.zeros((rows, buf.shape[1]), np.uint8)
+            self._stash_names, self._stash_lengths = np.zeros_like(names[:rows]), np.zeros(rows, lengths.dtype)
         failover = t.failover if t.failover_armed() else None
         vote_at = last_progress + failover.after if failover is not None else math.inf
         while self.remaining:
@@ -440,12 +442,19 @@ class Exchange:
             if self.timers:
                 wake = min(wake, self.timers[0][0])
             wake = min(wake, close_next)
+            if closable and self.changed and t.stash:  # kept results to look up first: do not sleep
+                wake = now
             if wake > now and not io.rx_pending():
                 io.poller.poll(math.ceil((wake - now) * 1000))
             ready_slots: list[int] = []
             ready_blocks: list[int] = []
             accepted = 0
             calls = 0
+            if closable and self.changed and t.stash:  # results this worker now expects may be among the kept ones
+                n_acc_total, got_slots, got_blocks = self._replay_stash()
+                accepted += n_acc_total
+                ready_slots += got_slots
+                ready_blocks += got_blocks
             while calls < _RECV_CALLS_MAX:
                 calls += 1
                 count = io.receive()
@@ -453,51 +462,10 @@ class Exchange:
                     if count < 0:
                         continue  # a socket error (counted): read on
                     break
-                # A slot this worker listens to may find its next results further on in the same batch: the batch
-                # is applied again while listening slots learn what to expect next (the rows taken before are stale
-                # then, and counted once).
-                first_pass, again = True, True
-                while again:
-                    again = False
-                    n_acc, n_rtt, foreign, malformed, stale, done = accept(
-                        buf, lengths, names, count, allowed, job_id, slot_base, seq0, window, nb, expect, retries,
-                        sent_at, next_pool, time.monotonic(), sums, global_exp, ident, closable, result_flags,
-                        result_members, alarm, acc_slots, following, acc_closed, superseded, rtts)
-                    if not first_pass:
-                        stats.stale_results -= n_acc
-                    elif foreign or malformed or stale:
-                        stats.foreign += foreign
-                        stats.malformed += malformed
-                        stats.stale_results += stale
-                        if alarm[0]:
-                            self._out_of_step()
-                    first_pass = False
-                    if closable and superseded.any():
-                        self._give_up_superseded()
-                    if not n_acc:
-                        break
-                    accepted += n_acc
-                    self.remaining -= done
-                    resent = self.resent_at[acc_slots[:n_acc]]
-                    if resent.any():
-                        self._judge_resends(acc_slots[:n_acc], resent)
-                    in_flight = self.in_flight
-                    for slot in acc_slots[:n_acc].tolist():
-                        in_flight.pop(slot, None)  # (a slot this worker listens to has nothing in flight)
-                    if n_rtt:
-                        t.rto.sample_all(rtts[:n_rtt])
-                    nxt = following[:n_acc]
-                    ready = nxt < nb
-                    if closable and (acc_closed[:n_acc] >= 0).any():
-                        self._after_closed(acc_slots[:n_acc], acc_closed[:n_acc], my_mask)
-                    if closable and self.listening.any():
-                        heard = self.listening[acc_slots[:n_acc]]
-                        if heard.any():
-                            self._listen(acc_slots[:n_acc][heard], nxt[heard])
-                            ready &= ~heard
-                            again = True
-                    ready_slots += acc_slots[:n_acc][ready].tolist()
-                    ready_blocks += nxt[ready].tolist()
+                n_acc_total, got_slots, got_blocks = self._apply_batch(buf, lengths, names, count)
+                accepted += n_acc_total
+                ready_slots += got_slots
+                ready_blocks += got_blocks
                 if calls >= _RECV_CALLS and not (self.timers and self.timers[0][0] <= time.monotonic()):
                     break  # refill the ready slots first; the rest is read on the next turn
             now = time.monotonic()
@@ -525,9 +493,118 @@ class Exchange:
             if self.listening.any():
                 close_next = min(close_next, self._listen_due(time.monotonic()))
             self._retransmit_due(now)
-        t.seq = (seq0 + nb) & SEQ_MASK
+        t.seq = (self.seq0 + nb) & SEQ_MASK
         t.probe_seq = (self.probe0 + self.used_slots) & SEQ_MASK
         stats.blocks += nb
+
+    def _apply_batch(self, buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, count: int
+                     ) -> tuple[int, list[int], list[int]]:
+        """Apply ``count`` received datagrams (``accept_results`` and what follows from each accepted result);
+        returns (results accepted, slots ready to send, their blocks). With ``closable``, results of rounds ahead
+        of this worker are kept (``_stash_ahead``) and a slot whose round is gone is left (``_give_up_superseded``)."""
+        t = self.transport
+        stats, nb = t.stats, self.num_blocks
+        expect, retries, sent_at, next_pool = self.expect, self.retries, self.sent_at, t.next_pool
+        sums, global_exp, result_flags, result_members = self.sums_flat, self.global_exp, self.result_flags, \
+            self.result_members
+        closable, superseded, alarm = int(self.closable), self.superseded, self.alarm
+        acc_slots, following, acc_closed, rtts = self._outputs
+        accepted = 0
+        ready_slots: list[int] = []
+        ready_blocks: list[int] = []
+        # A slot this worker listens to may find its next results further on in the same batch: the batch
+        # is applied again while listening slots learn what to expect next (the rows taken before are stale
+        # then, and counted once).
+        first_pass, again = True, True
+        while again:
+            again = False
+            if closable:
+                superseded[:] = 0  # judged against the keys of the last pass only (see below)
+            n_acc, n_rtt, foreign, malformed, stale, done = self.accept(
+                buf, lengths, names, count, t.io.allowed, t.config.job_id, t.slot_base, self.seq0, self.window, nb,
+                expect, retries, sent_at, next_pool, time.monotonic(), sums, global_exp, self.ident, closable,
+                result_flags, result_members, alarm, acc_slots, following, acc_closed, superseded, rtts)
+            if not first_pass:
+                stats.stale_results -= n_acc
+            elif foreign or malformed or stale:
+                stats.foreign += foreign
+                stats.malformed += malformed
+                stats.stale_results += stale
+                if alarm[0]:
+                    self._out_of_step()
+            first_pass = False
+            if not n_acc:
+                break
+            accepted += n_acc
+            self.remaining -= done
+            resent = self.resent_at[acc_slots[:n_acc]]
+            if resent.any():
+                self._judge_resends(acc_slots[:n_acc], resent)
+            in_flight = self.in_flight
+            for slot in acc_slots[:n_acc].tolist():
+                in_flight.pop(slot, None)  # (a slot this worker listens to has nothing in flight)
+            if n_rtt:
+                t.rto.sample_all(rtts[:n_rtt])
+            nxt = following[:n_acc]
+            ready = nxt < nb
+            if closable and (acc_closed[:n_acc] >= 0).any():
+                self._after_closed(acc_slots[:n_acc], acc_closed[:n_acc], 1 << t.config.rank)
+            if closable and self.listening.any():
+                heard = self.listening[acc_slots[:n_acc]]
+                if heard.any():
+                    self._listen(acc_slots[:n_acc][heard], nxt[heard])
+                    ready &= ~heard
+                    again = True
+            ready_slots += acc_slots[:n_acc][ready].tolist()
+            ready_blocks += nxt[ready].tolist()
+        if closable:
+            self._stash_ahead(buf, lengths, names, count)
+        if closable and superseded.any():  # a later round's result, and none left for the expected one
+            self._give_up_superseded()
+        return accepted, ready_slots, ready_blocks
+
+    def _stash_ahead(self, buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, count: int) -> None:
+        """Keep the results of this job's rounds ahead of this worker in their slots (a deadline closed them, and the
+        others went on: they may be this exchange's later rounds or a later exchange's), for when it gets there
+        (``_replay_stash``). At most ``STASH_ROWS``; the oldest go first."""
+        t = self.transport
+        payload = self.sums_flat.shape[1]
+        hdr = np.ascontiguousarray(buf[:count, :wire.HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
+        slot = hdr["slot"].astype(np.int64) - t.slot_base
+        inside = (slot >= 0) & (slot < t.slot_count)
+        ahead = np.zeros(count, np.int64)
+        ahead[inside] = (hdr["round"][inside].astype(np.int64) - t.rounds[slot[inside]].astype(np.int64)) & 0xFFFF
+        keep = np.flatnonzero(inside & (ahead >= 1) & (ahead < 0x8000)
+                              & (lengths[:count] == wire.HEADER_BYTES + payload) & (hdr["version"] == wire.VERSION)
+                              & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == t.config.job_id))
+        if not keep.shape[0]:
+            return
+        keys = (hdr["round"][keep].astype(np.int64) << 33) | (hdr["pool"][keep].astype(np.int64) << 32) \
+            | hdr["seq"][keep].astype(np.int64)
+        for row, used_slot, key in zip(keep.tolist(), slot[keep].tolist(), keys.tolist(), strict=True):
+            t.stash[(used_slot, key)] = (buf[row, :lengths[row]].tobytes(), names[row].tobytes(), int(lengths[row]))
+        while len(t.stash) > STASH_ROWS:
+            del t.stash[next(iter(t.stash))]
+
+    def _replay_stash(self) -> tuple[int, list[int], list[int]]:
+        """Apply the kept results (``_stash_ahead``) that the slots whose expectation changed now expect."""
+        t = self.transport
+        capacity = self._outputs[0].shape[0]
+        rows = []
+        for slot in list(self.changed):
+            self.changed.discard(slot)
+            if self.expect[slot] != -1 and (found := t.stash.pop((slot, int(self.expect[slot])), None)) is not None:
+                rows.append(found)
+                if len(rows) == capacity:
+                    break
+        if not rows:
+            return 0, [], []
+        buf, names, lengths = self._stash_buf, self._stash_names, self._stash_lengths
+        for i, (data, name, length) in enumerate(rows):
+            buf[i, :length] = np.frombuffer(data, np.uint8)
+            names[i, :len(name)] = np.frombuffer(name, np.uint8)
+            lengths[i] = length
+        return self._apply_batch(buf, lengths, names, len(rows))
 
     def _after_closed(self, slots: np.ndarray, closed: np.ndarray, my_mask: int) -> np.ndarray:
         """Accepted results of rounds closed at a deadline (``closed``: their members, -1: not closed). A slot whose
@@ -560,6 +637,7 @@ class Exchange:
         self.expect[slots] = (rounds << 33) | (t.next_pool[slots].astype(np.int64) << 32) | seqs
         self.sent_at[slots] = time.monotonic()
         self.retries[slots] = 1
+        self.changed.update(slots.tolist())
 
     def _listen_due(self, now: float) -> float:
         """Leave the listened slots whose next result is overdue (``LISTEN_RTOS``); returns when the next one is."""
@@ -596,6 +674,12 @@ class Exchange:
         slots = np.flatnonzero(self.superseded).astype(np.int64)
         self.superseded[slots] = 0
         slots = slots[self.expect[slots] != -1]
+        if slots.shape[0] and self.transport.stash:  # the expected result may be among the kept ones: not gone
+            kept = self.transport.stash
+            found = np.array([(s, int(self.expect[s])) in kept for s in slots.tolist()], bool)
+            if found.any():
+                self.changed.update(slots[found].tolist())
+                slots = slots[~found]
         if not slots.shape[0]:
             return
         seqs = self.expect[slots] & 0xFFFFFFFF

@@ -242,6 +242,9 @@ class Transport:
         self.members = 0
         #: Deadline rounds of a subset exchange (SubsetRound): (closed rounds accepted, close after, give up after).
         self._deadline: tuple[bool, float, float] = (False, math.inf, math.inf)
+        #: Results of deadline rounds ahead of this worker, kept for the exchange that gets there
+        #: (Exchange._stash_ahead): (used slot, the key its result echoes) -> (bytes, sender name, length).
+        self.stash: dict[tuple[int, int], tuple[bytes, bytes, int]] = {}
         #: The last exchange's ``members`` field per block (a round closed at a deadline: who is in its sum; see
         #: ``result_flags & wire.FLAG_CLOSE``), and how many close requests this worker sent in it.
         self.last_members = np.zeros(0, np.uint32)
