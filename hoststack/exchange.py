@@ -278,8 +278,8 @@ class Exchange:
         t.shadow[slots] = t.raw[slots]
         t.uses[slots] += 1
         hdr = t.packets["hdr"]
-        if t.members or self.closable:
-            hdr["members"][slots] = self.slot_members[slots]
+        # Always written: a row may still hold the members of an earlier exchange's subset round (a deadline).
+        hdr["members"][slots] = self.slot_members[slots]
         hdr["exchange"][slots] = self.ident
         if self.fill(slots, block_ids, self.blocks, self.local_exp, self.global_exp, self.ahead, self.seq0,
                       self.probe0, self.window, enc_a, enc_b, t.raw, t.words, t.next_pool, t.rounds,

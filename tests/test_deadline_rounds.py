@@ -159,7 +159,9 @@ def test_a_deadline_allreduce_does_not_wait_for_a_late_rank_and_carries_its_valu
             took = time.monotonic() - began
             between.wait(30)
             two = worker.allreduce(second[rank], deadline=0.1)
-            return one, two, took, worker.deadline_carry
+            between.wait(30)
+            three = worker.allreduce(second[rank])  # a whole-job call after subset rounds: every packet's members 0
+            return one, two, took, worker.deadline_carry, three
 
         out = run_workers(configs, job, rto_initial=0.01)
     for rank in (1, 2):
@@ -169,3 +171,5 @@ def test_a_deadline_allreduce_does_not_wait_for_a_late_rank_and_carries_its_valu
     assert out[2][3] == BLOCKS and out[0][3] == out[1][3] == 0  # rank 2's blocks all carried
     np.testing.assert_allclose(out[0][0], first[0] + first[1], atol=1e-4)
     np.testing.assert_allclose(out[0][1], sum(second) + first[2], atol=1e-4)  # the carry joined the second call
+    for rank in range(N):
+        np.testing.assert_allclose(out[rank][4], sum(second), atol=1e-4)
