@@ -147,12 +147,10 @@ class Exchange:
         #: Deadline rounds (docs/protocol.md, "Closing a round at a deadline"). ``closable``: results of rounds closed
         #: early are accepted (else they fail the exchange: no rank uses a partial sum it did not ask for); per block,
         #: the result's ``members`` (for a closed one: who is in its sum). ``close_at``: from then on (monotonic),
-        #: this worker closes its outstanding rounds, each once it has been out ``close_grace`` (RTO) seconds.
+        #: this worker closes its outstanding rounds, each once it has been out its grace (``_close_due``).
         self.closable = closable or close_at < math.inf
         self.result_members = np.zeros(nb, np.uint32)
         self.close_at = close_at
-        #: Blocks this worker did not send because a round of their slot was closed without it (``_leave_slots``).
-        self.blocks_left = 0
         #: A member that cannot finish by then stops (``TransportTimeout``): its rounds were closed without it.
         self.give_up_at = give_up_at
         self.closes_sent = 0
@@ -606,20 +604,19 @@ class Exchange:
             lengths[i] = length
         return self._apply_batch(buf, lengths, names, len(rows))
 
-    def _after_closed(self, slots: np.ndarray, closed: np.ndarray, my_mask: int) -> np.ndarray:
+    def _after_closed(self, slots: np.ndarray, closed: np.ndarray, my_mask: int) -> None:
         """Accepted results of rounds closed at a deadline (``closed``: their members, -1: not closed). A slot whose
         round closed with this worker in it goes on as a subset round of those members: the ones that were not there
         have left the slot (below), so its next rounds complete without them and without another close. A slot whose
         round closed without this worker: its exponent for the slot's next block was not in the round's maximum, so
         it cannot quantize that block for the round; it sends nothing more in the slot and listens to its results
-        (:meth:`_listen`). Returns the slots this worker left."""
+        (:meth:`_listen`)."""
         was_closed = closed >= 0
         missed = was_closed & ((closed & my_mask) == 0)
         stay = was_closed & ~missed
         self.slot_members[slots[stay]] = closed[stay]
         if missed.any():
             self.listening[slots[missed]] = True
-        return missed
 
     def _listen(self, slots: np.ndarray, blocks: np.ndarray) -> None:
         """Slots this worker left (``_after_closed``) still get their rounds' results: every member of the job is in
@@ -664,7 +661,6 @@ class Exchange:
                 self.sums[skipped] = 0
                 self.global_exp[skipped] = qz.EXP_NONE
                 self.remaining -= skipped.shape[0]
-                self.blocks_left += skipped.shape[0]
 
     def _give_up_superseded(self) -> None:
         """Slots whose outstanding round the others finished, and the one after it, without this worker's result
