@@ -74,21 +74,19 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
     candidate[candidate] = outstanding[candidate] == key[candidate]
     matching = np.flatnonzero(candidate)
     accepted = np.sort(matching[np.unique(slot[matching], return_index=True)[1]])  # first copy per slot
+    # As the one-pass kernel sees them: a row after the accepted result of its slot finds nothing outstanding.
+    accepted_at = dict(zip(slot[accepted].tolist(), accepted.tolist(), strict=True))
     if out_of_step.any() and alarm[0] == 0:
-        # As the one-pass kernel sees them: a row after the accepted result of its slot finds nothing outstanding.
-        accepted_at = dict(zip(slot[accepted].tolist(), accepted.tolist(), strict=True))
         for row in np.flatnonzero(out_of_step).tolist():
             if accepted_at.get(int(slot[row]), count) > row:
                 alarm[:] = (1 if refused[row] else 2, theirs[row], slot[row])
                 break
     if closable:
-        # As the one-pass kernel sees them: a row after the accepted result of its slot finds nothing outstanding.
-        first_accept = dict(zip(slot[accepted].tolist(), accepted.tolist(), strict=True))
         rounds_ahead = (hdr["round"].astype(np.int64) - (outstanding >> 33)) & 0xFFFF
-        gone = valid & (slot >= 0) & (slot < expect.shape[0]) & (outstanding != -1) & ~out_of_step \
-            & (outstanding != key) & (rounds_ahead >= 2) & (rounds_ahead < 0x8000)
+        gone = (outstanding != -1) & ~out_of_step & (outstanding != key) & (rounds_ahead >= 2) \
+            & (rounds_ahead < 0x8000)
         for row in np.flatnonzero(gone).tolist():
-            if first_accept.get(int(slot[row]), count) > row:
+            if accepted_at.get(int(slot[row]), count) > row:
                 superseded[slot[row]] = 1
     slots = slot[accepted]
     expect[slots] = -1
