@@ -20,7 +20,7 @@ from netagg.controller.config import ControllerConfig
 from netagg.controller.errors import ServiceError
 from netagg.controller.sizing import ASKED, SlotChoice, choose_slots
 from netagg.controller.store import JobRecord, PsEndpoint, WorkerEndpoint
-from netagg.jobconfig import SCHEDULES, UPDATE_MODES
+from netagg.jobconfig import SCHEDULES, UPDATE_MODES, ConfigError, check_deadline_ms
 
 MODES = ("allreduce", "ps", "fallback")
 
@@ -77,6 +77,9 @@ class JobRequest:
     distribution_slots: int | None = None
     switch_ps: Sequence[str] | None = None
     width: int | None = None
+    #: Deadline allreduce (docs/hoststack.md), opt-in: milliseconds after which every rank's gradient allreduce
+    #: closes its rounds (WorkerConfig.deadline_ms); 0: exact. A plain allreduce job on one switch, threads 1.
+    deadline_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("workers", "replica_ps", "distribution", "distribution_ps", "switch_ps"):  # JSON lists: frozen
@@ -114,6 +117,14 @@ class JobRequest:
             raise _bad(f"threads must be an integer in 1..64, got {threads!r}")
         if threads > 1 and (self.mode != "allreduce" or senders or self.switch_aggregation):
             raise _bad("--threads above 1 needs --mode allreduce (not a one-way job, not --switch-aggregation)")
+        try:
+            check_deadline_ms(self.deadline_ms, "deadline_ms")
+        except ConfigError as err:
+            raise _bad(str(err)) from None
+        if self.deadline_ms and (self.mode != "allreduce" or threads > 1 or senders or self.switch_aggregation
+                                 or config.topology is not None):
+            raise _bad("--deadline-ms needs a plain allreduce job on one switch (--mode allreduce, --threads 1, not "
+                       "one-way, not --switch-aggregation, no topology: a round with an up link cannot be closed)")
         if self.switch_aggregation and (self.schedule != "mlfabric" or self.mode != "allreduce"):
             raise _bad("--switch-aggregation needs --schedule mlfabric and --mode allreduce (the group's sums "
                        "go back to its members)")

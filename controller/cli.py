@@ -98,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--threads", type=int, default=1,
                         help="mode allreduce: processes per worker, each over its share of the job's slots "
                         "(every worker's config says so; docs/hoststack.md)")
+    create.add_argument("--deadline-ms", type=float, default=0.0, metavar="MS",
+                        help="mode allreduce, opt-in: the job's gradient allreduces (the DDP hook's buckets) do not "
+                        "wait for a late worker more than MS; its values join the next step's sum (docs/hoststack.md, "
+                        "'Deadline allreduce'). Default 0: exact")
     create.add_argument("--replicas", type=int, help="PS replicas (chain replication); default: as many as named")
     create.add_argument("--replica-ps", help="comma-separated replica endpoints: configured names or HOST:UDP_PORT "
                         "(default: the first configured parameter servers other than --ps)")
@@ -152,6 +156,8 @@ def _format_job(job: dict[str, Any]) -> str:
     chosen_by = job.get("slots_chosen_by", "asked")  # a controller from before the choice: asked
     if chosen_by != "asked":
         lines.append(f"  slots chosen by the controller: {chosen_by}")
+    if job.get("deadline_ms"):
+        lines.append(f"  deadline allreduce: rounds close {job['deadline_ms']:g} ms after a rank began its call")
     lines.append(f"  workers {workers}")
     if job.get("ps"):
         lines.append(f"  ps {job['ps']['ip']}:{job['ps']['udp_port']}")
@@ -341,7 +347,8 @@ def _job_command(args: argparse.Namespace) -> int:
             distribution=None if args.distribution is None else _split(args.distribution),
             distribution_ps=None if args.distribution_ps is None else _split(args.distribution_ps),
             distribution_slots=args.distribution_slots,
-            switch_ps=None if args.switch_ps is None else _split(args.switch_ps), width=args.width)
+            switch_ps=None if args.switch_ps is None else _split(args.switch_ps), width=args.width,
+            deadline_ms=args.deadline_ms)
         # Only what is not the default is sent, so an older controller still accepts a plain create.
         result = client.call("create", **request.to_args())
     elif args.action == "list":

@@ -61,6 +61,8 @@ MIGRATIONS = (
     ("width", f"INTEGER NOT NULL DEFAULT {wire.K}"),
     # How the job's slots were chosen (controller/sizing.py); the jobs of a database from before it asked.
     ("slots_chosen_by", "TEXT NOT NULL DEFAULT 'asked'"),
+    # The job's deadline allreduce (WorkerConfig.deadline_ms); the jobs of a database from before it are exact.
+    ("deadline_ms", "REAL NOT NULL DEFAULT 0"),
 )
 
 
@@ -141,6 +143,9 @@ class JobRecord:
     #: How ``slots_wanted`` was chosen: ``asked`` (the create named it), or by the controller from the links
     #: of the job's hosts (``link R Mbit/s x T ms``) or without a known rate (``default ...``): sizing.py.
     slots_chosen_by: str = "asked"
+    #: Deadline allreduce (WorkerConfig.deadline_ms): ms after which its ranks' gradient allreduces close their
+    #: rounds; 0: exact.
+    deadline_ms: float = 0.0
 
     @property
     def uses_switch(self) -> bool:
@@ -179,7 +184,7 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
         distribution=row["distribution"], distribution_of=row["distribution_of"], threads=row["threads"],
         ps_members=row["ps_members"],
         segments={switch: (base, count) for switch, (base, count) in json.loads(row["segments"]).items()},
-        width=row["width"], slots_chosen_by=row["slots_chosen_by"],
+        width=row["width"], slots_chosen_by=row["slots_chosen_by"], deadline_ms=row["deadline_ms"],
     )
 
 
@@ -228,15 +233,16 @@ class JobStore:
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
             " workers, ps, lease_seconds, lease_expires, created, counter_base, note,"
             " update_mode, delay_bound, schedule, replicas, secret, switch_aggregation, senders, distribution,"
-            " distribution_of, threads, ps_members, segments, width, slots_chosen_by)"
-            f" VALUES ({', '.join('?' * 30)})",
+            " distribution_of, threads, ps_members, segments, width, slots_chosen_by, deadline_ms)"
+            f" VALUES ({', '.join('?' * 31)})",
             (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
              job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
              json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
              job.created, json.dumps(job.counter_base), job.note, job.update_mode, job.delay_bound, job.schedule,
              json.dumps([asdict(r) for r in job.replicas]), job.secret, int(job.switch_aggregation), job.senders,
              job.distribution, job.distribution_of, job.threads, job.ps_members,
-             json.dumps({switch: list(r) for switch, r in job.segments.items()}), job.width, job.slots_chosen_by),
+             json.dumps({switch: list(r) for switch, r in job.segments.items()}), job.width, job.slots_chosen_by,
+             job.deadline_ms),
         )
 
     def set_state(self, job_id: int, state: str, *more: int) -> None:

@@ -11,6 +11,11 @@ world size as DDP's default hook does::
 
 DDP still uses its process group for what is not gradient traffic (the initial
 parameter broadcast), so ``torch.distributed.init_process_group`` is called as usual.
+
+A job created with ``--deadline-ms`` sums its buckets as deadline allreduces (docs/hoststack.md,
+"Deadline allreduce"): a step does not wait for a late worker more than the deadline, and the late
+worker's gradient values join the same bucket's sum in the next step (each bucket is its own collective,
+tagged by its index).
 torch is an optional dependency (``pip install torch==2.13.0``).
 """
 
@@ -36,7 +41,8 @@ def netagg_allreduce_hook(state: NetaggHookState, bucket: dist.GradBucket) -> to
     """Average the bucket over the job's workers through netagg (sum in the network, then / N)."""
     buffer = bucket.buffer()
     gradients = buffer.detach().to(torch.float32).cpu().numpy()
-    total = state.worker.allreduce(np.ascontiguousarray(gradients))
+    total = state.worker.allreduce(np.ascontiguousarray(gradients), tag=bucket.index(),
+                                   deadline=state.worker.job_deadline)
     averaged = torch.from_numpy(np.asarray(total, dtype=np.float32) / state.worker.num_workers)
     state.buckets += 1
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -18,6 +18,8 @@
                        requests without it when it has one)
 ``NETAGG_FAILOVER_AFTER`` seconds without a result before the workers move the job's
                        exchanges to the PS (default 5; 0: never; needs a PS)
+``NETAGG_DEADLINE_MS`` the job's deadline allreduce: every ``allreduce`` closes its rounds this many
+                       ms after it began (default 0: exact; the same on every worker of the job)
 =====================  ==========================================================
 """
 
@@ -97,6 +99,12 @@ def config_from_env(environ: Mapping[str, str] | None = None, role: str | None =
             values["failover_after"] = float(failover)
         except ValueError:
             raise ConfigError(f"NETAGG_FAILOVER_AFTER: expected seconds, got {failover!r}") from None
+    deadline = env.get("NETAGG_DEADLINE_MS", "").strip()
+    if deadline:
+        try:
+            values["deadline_ms"] = float(deadline)
+        except ValueError:
+            raise ConfigError(f"NETAGG_DEADLINE_MS: expected milliseconds, got {deadline!r}") from None
     try:
         return WorkerConfig(mode=mode, aggregator=aggregator, bind=bind, ps=ps,
                             secret=env.get("NETAGG_JOB_SECRET", "").strip(), **values)
@@ -104,6 +112,6 @@ def config_from_env(environ: Mapping[str, str] | None = None, role: str | None =
         names = {"job_id": "NETAGG_JOB_ID", "num_workers": "DMLC_NUM_WORKER", "rank": "NETAGG_RANK",
                  "slot_count": "NETAGG_SLOTS", "mode": "NETAGG_MODE", "ps": "DMLC_PS_ROOT_URI",
                  "secret": "NETAGG_JOB_SECRET", "failover_after": "NETAGG_FAILOVER_AFTER",
-                 "threads": "NETAGG_THREADS", "width": "NETAGG_WIDTH"}
+                 "threads": "NETAGG_THREADS", "width": "NETAGG_WIDTH", "deadline_ms": "NETAGG_DEADLINE_MS"}
         field_name = str(err).split(":", 1)[0]
         raise ConfigError(f"{names.get(field_name, field_name)}: {str(err).split(':', 1)[-1].strip()}") from None

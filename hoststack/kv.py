@@ -160,11 +160,15 @@ class KVWorker:
         than that: its rounds close with the contributions that arrived, and every rank returns the same sums.
         The values of this worker that missed their round are kept and added to its next ``deadline`` call's
         input with the same ``tag`` and shape (error feedback): nothing is lost, it arrives a step later
-        (:attr:`deadline_carry`). Raises ``TransportError`` if this worker could not learn some block's sum."""
+        (:attr:`deadline_carry`). Raises ``TransportError`` if this worker could not learn some block's sum.
+        A job that opted in (``deadline_ms``) passes :attr:`job_deadline` where its gradients are summed (the DDP
+        hook does, per bucket); never for values that must be exact (a loss, a count, a flag)."""
         if deadline is None:
             layout, blocks, exponents, flags = self._pack([0], [array])
             future = self._executor.submit(self._aggregate, blocks, exponents, flags, tag)
             return blk.unpack(layout, future.result())[0]
+        if not deadline > 0:
+            raise ValueError(f"deadline: expected seconds > 0, got {deadline!r}")
         if not isinstance(self.transport, Transport):
             raise ValueError("a deadline allreduce needs the job's slots on one thread (threads: 1)")
         values = np.asarray(array)
@@ -180,6 +184,12 @@ class KVWorker:
             self._carry[key] = np.where(mask, values, 0).astype(values.dtype)
             self.deadline_carry += int(missed.sum())
         return blk.unpack(layout, total)[0]
+
+    @property
+    def job_deadline(self) -> float | None:
+        """The job's deadline for its gradient allreduces in seconds (its config's ``deadline_ms``), None if the
+        job did not opt in."""
+        return self.config.deadline_ms / 1000.0 if self.config.deadline_ms else None
 
     def allreduce_subset(self, array: Any, subset: SubsetRound) -> Any:
         """The sum of ``array`` over ``subset.members`` only (a subset round; every member calls it alike).

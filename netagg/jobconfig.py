@@ -111,6 +111,11 @@ class WorkerConfig:
     #: every worker sends packets of it (the switch refuses another width as WRONG_WIDTH); a fallback job's PS
     #: aggregates either. ``NETAGG_WIDTH`` in the environment.
     width: int = wire.K
+    #: Deadline allreduce (docs/hoststack.md, "Deadline allreduce"), opt-in for the whole job: every rank's
+    #: ``allreduce`` closes its rounds this many milliseconds after it began the call, and a late rank's values
+    #: join its next call's sum (error feedback). 0: exact (every call waits for every rank). A job setting like
+    #: ``slot_count``: every rank must use the same value. ``NETAGG_DEADLINE_MS`` in the environment.
+    deadline_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -181,6 +186,12 @@ class WorkerConfig:
             if self.mode != "allreduce" or self.update_mode != "sync" or self.senders or self.ps_members:
                 raise ConfigError("job_workers: a job over a tree of switches is a plain allreduce job (mode "
                                   "allreduce, sync, every rank both sends and receives)")
+        check_deadline_ms(self.deadline_ms)
+        if self.deadline_ms and (self.mode not in ("allreduce", "fallback") or self.threads > 1 or self.senders
+                                 or self.switch_aggregation or self.job_workers):
+            raise ConfigError("deadline_ms: a deadline allreduce needs a plain allreduce job on one switch (mode "
+                              "allreduce, or fallback to its PS), threads 1, every rank both sending and receiving, "
+                              "not MLfabric's switch aggregation")
         if self.ps_members and self.ps_members != 1 + len(self.replicas):
             raise ConfigError(f"ps_members: {self.ps_members}, but the job's PS chain has {1 + len(self.replicas)} "
                               "node(s) (the primary and its replicas)")
@@ -245,6 +256,19 @@ class WorkerConfig:
     @classmethod
     def load(cls, path: Path | str) -> WorkerConfig:
         return cls.from_dict(read_yaml(path), str(path))
+
+
+#: The largest deadline a job may set (ms): a minute; a collective late by more is a failure, not a straggler.
+MAX_DEADLINE_MS = 60_000.0
+
+
+def check_deadline_ms(value: object, key: str = "deadline_ms") -> float:
+    """``value`` if it is a deadline in milliseconds (0: none, else in (0, MAX_DEADLINE_MS]); ConfigError naming
+    ``key`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_DEADLINE_MS \
+            or value != value:
+        raise ConfigError(f"{key}: expected milliseconds in [0, {MAX_DEADLINE_MS:.0f}] (0: exact), got {value!r}")
+    return float(value)
 
 
 def check_width(width: object, key: str = "width") -> int:
