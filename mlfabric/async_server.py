@@ -301,6 +301,7 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                 if self.model is None or total.size != self.model.size:
                     raise ValueError(f"a sum of {total.size} values for a model of "
                                      f"{None if self.model is None else self.model.size}")
+                self.stats.switch_sums += 1  # received (before the apply tells the members: counters first)
                 for update_id, _, _ in left_out:
                     self._switch_failed[update_id] = "closed at the group's deadline without it"
                 self.stats.switch_left_out += len(left_out)
@@ -313,8 +314,6 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                 self._cond.notify_all()
             if checked:
                 self._push_async(checked, total)
-            with self._cond:
-                self.stats.switch_sums += 1
         finally:
             if self.grants is not None:
                 self.grants.settled([p[0] for p in checked])

@@ -52,7 +52,10 @@ class SwitchSummer:
         self.options = {"progress_timeout": progress_timeout, **options}
         self.exchanges = 0
         self.failures = 0
-        self._worker: KVWorker | None = None
+        # Made now, not at the first group: a fresh process loads its transport's compiled kernels here (0.5 s
+        # idle, more on a busy host), and a member that pays that when its first group begins holds up the
+        # group (the PS began its part when the group was planned). After a failure the next one is made lazily.
+        self._worker: KVWorker | None = KVWorker(config, **self.options)
 
     def sum(self, update: np.ndarray, members: int, round_base: int, *, deadline: float | None = None,
             closer: bool = False) -> np.ndarray:

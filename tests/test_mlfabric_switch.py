@@ -339,20 +339,22 @@ def test_a_member_whose_own_exchange_failed_after_the_ps_got_the_sum_is_not_appl
 
 
 def test_a_group_closes_at_its_deadline_without_a_late_member_and_every_update_is_applied_once():
-    """Rank 1 starts its part 1 s late: the PS closes the group's rounds at the deadline (0.2 s), applies rank 0's
+    """Rank 1 starts its part 2 s late: the PS closes the group's rounds at the deadline (0.5 s), applies rank 0's
     update from the switch's sum, and rank 1, in none of its blocks, learns so and pushes its own: each gradient is
     in the model once, and the group did not wait for the late one."""
     with testing.LoopbackSwitch() as switch:
         configs, ps_config = _member_configs(switch, 3)
+        # 5 x the planned 0.1 s: rank 0's 40 blocks are all in before it, also on a loaded host (at the 0.2 s
+        # floor, 1 run in 6 beside two busy processes found rank 0 in only some blocks: a partial part).
         server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
-                              rto_initial=0.01).start()
+                              switch_deadline=5.0, rto_initial=0.01).start()
         summers: list = []
         try:
             summers, grads, reports, outcomes = _start(configs)
             late_sum = summers[1].sum
 
             def late(*args, **kwargs):
-                time.sleep(1.0)
+                time.sleep(2.0)
                 return late_sum(*args, **kwargs)
 
             summers[1].sum = late
@@ -364,7 +366,7 @@ def test_a_group_closes_at_its_deadline_without_a_late_member_and_every_update_i
             np.testing.assert_allclose(server.model, -(grads[0] + grads[1] + grads[2]), rtol=1e-6)
             member = server.switch_member.stats
             assert member.groups == 1 and member.closes > 0 and member.closed_groups == 1
-            assert member.seconds < 0.9  # closed at the deadline, not after the late member
+            assert member.seconds < 1.5  # closed at the deadline, not after the late member
             counters = switch.counters(configs[0].job_id)
             assert counters["results"] == -(-SIZE // wire.K) + SLOTS  # each round released once
         finally:
