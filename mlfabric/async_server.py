@@ -113,6 +113,8 @@ class ServerStats:
     #: update of its own), and such rests applied and dropped (delay bound).
     switch_left_out: int = 0
     switch_partial: int = 0
+    #: Rates the scheduler took from groups closed at their deadline (one per member missing from some blocks).
+    switch_rate_samples: int = 0
     remainders_applied: int = 0
     remainders_dropped: int = 0
     applied_by_rank: Counter = field(default_factory=Counter)
@@ -312,11 +314,27 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                 while len(self._remainders) > 1024:
                     self._remainders.popitem(last=False)
                 self._cond.notify_all()
+            self._observe_closed(grant, missing)
             if checked:
                 self._push_async(checked, total)
         finally:
             if self.grants is not None:
                 self.grants.settled([p[0] for p in checked])
+
+    def _observe_closed(self, grant: dict, missing: dict[int, np.ndarray]) -> None:
+        """What a group closed at its deadline measured: each member missing from some blocks got the others in
+        by the deadline (its exchange began with the PS's), a rate the scheduler plans its next transfers with
+        (a member in none: less than one block in that time). Members in every block measured nothing of their
+        own (the group's pace was its slowest member's)."""
+        deadline = grant.get("deadline")
+        if not deadline or not missing or self.grants is None or self.switch_member is None:
+            return
+        width = self.switch_member.width
+        for rank, mask in missing.items():
+            arrived = int(mask.size - np.count_nonzero(mask))
+            self.grants.observe(rank, 4 * max(arrived, width), float(deadline))
+        with self._cond:
+            self.stats.switch_rate_samples += len(missing)
 
     def _switch_group_failed(self, grant: dict, reason: str) -> None:
         parts = grant["parts"]

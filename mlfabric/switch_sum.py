@@ -134,6 +134,8 @@ class SwitchMember:
             raise ValueError(f"rank {config.rank} of job {config.job_id} is not a PS node's (the job's last "
                              f"{config.ps_members} ranks are)")
         self.rank = config.rank
+        #: Values per block of the job (its packets' width).
+        self.width = config.width
         self.stats = SwitchMemberStats()
         # No congestion window: the PS's zeros go out when a round's slot is free and come back when its slowest
         # member arrived, so its timeouts measure the members' lateness, not its path; each one halved its window

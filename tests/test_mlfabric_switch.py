@@ -392,9 +392,17 @@ def test_a_part_the_closed_sum_holds_in_part_is_completed_from_its_members_push_
             rest = np.arange(SIZE) >= SIZE // 2
             total = grads[0] + np.where(rest, 0, grads[1]).astype(np.float32)
             grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2,
-                     "parts": [["0:0", 0, 0], ["1:0", 1, 0]]}
+                     "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
+            server.grants.observe(0, 400_000, 1.0)
+            server.grants.observe(1, 400_000, 1.0)
             server._apply_switch_sum(grant, total, {1: rest})
             assert server.version == 2 and server.stats.switch_partial == 1
+            # What the closed group measured: rank 1 got half its values (5 kB) in by the 0.25 s deadline, 20 kB/s,
+            # a sample of the scheduler's rate (an exponentially weighted mean); rank 0, in every block, none.
+            rates = server.grants.bandwidth.snapshot()
+            assert server.stats.switch_rate_samples == 1
+            assert rates[0] == 400_000
+            assert rates[1] == pytest.approx(0.7 * 400_000 + 0.3 * 4 * int((~rest).sum()) / 0.25)
             client = FabricClient.from_config(configs[1])
             outcome = client.call("outcome", {"update_id": "1:0", "timeout": 5.0}, timeout=30.0)[0]
             assert outcome["known"] and outcome["rest"] == int(rest.sum())
