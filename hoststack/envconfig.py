@@ -45,6 +45,17 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         raise ConfigError(f"{name}: expected an integer, got {text!r}") from None
 
 
+def _float(env: Mapping[str, str], name: str, unit: str) -> float | None:
+    """``name``'s number (None when unset or empty); ConfigError naming it and ``unit`` otherwise."""
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{name}: expected {unit}, got {text!r}") from None
+
+
 def _endpoint(env: Mapping[str, str], name: str) -> Endpoint | None:
     text = env.get(name, "").strip()
     if not text:
@@ -93,18 +104,10 @@ def config_from_env(environ: Mapping[str, str] | None = None, role: str | None =
         values["threads"] = _int(env, "NETAGG_THREADS")
     if env.get("NETAGG_WIDTH", "").strip():
         values["width"] = _int(env, "NETAGG_WIDTH")
-    failover = env.get("NETAGG_FAILOVER_AFTER", "").strip()
-    if failover:
-        try:
-            values["failover_after"] = float(failover)
-        except ValueError:
-            raise ConfigError(f"NETAGG_FAILOVER_AFTER: expected seconds, got {failover!r}") from None
-    deadline = env.get("NETAGG_DEADLINE_MS", "").strip()
-    if deadline:
-        try:
-            values["deadline_ms"] = float(deadline)
-        except ValueError:
-            raise ConfigError(f"NETAGG_DEADLINE_MS: expected milliseconds, got {deadline!r}") from None
+    for key, name, unit in (("failover_after", "NETAGG_FAILOVER_AFTER", "seconds"),
+                            ("deadline_ms", "NETAGG_DEADLINE_MS", "milliseconds")):
+        if (number := _float(env, name, unit)) is not None:
+            values[key] = number
     try:
         return WorkerConfig(mode=mode, aggregator=aggregator, bind=bind, ps=ps,
                             secret=env.get("NETAGG_JOB_SECRET", "").strip(), **values)
