@@ -16,6 +16,7 @@ A job created with ``--deadline-ms`` sums its buckets as deadline allreduces (do
 "Deadline allreduce"): a step does not wait for a late worker more than the deadline, and the late
 worker's gradient values join the same bucket's sum in the next step (each bucket is its own collective,
 tagged by its index).
+
 torch is an optional dependency (``pip install torch==2.13.0``).
 """
 

@@ -18,8 +18,9 @@
                        requests without it when it has one)
 ``NETAGG_FAILOVER_AFTER`` seconds without a result before the workers move the job's
                        exchanges to the PS (default 5; 0: never; needs a PS)
-``NETAGG_DEADLINE_MS`` the job's deadline allreduce: every ``allreduce`` closes its rounds this many
-                       ms after it began (default 0: exact; the same on every worker of the job)
+``NETAGG_DEADLINE_MS`` the job's deadline allreduce: its gradient allreduces (the DDP hook's) close
+                       their rounds this many ms after they began (default 0: exact; the same on
+                       every worker of the job; mode allreduce)
 =====================  ==========================================================
 """
 

@@ -171,6 +171,9 @@ class KVWorker:
             raise ValueError(f"deadline: expected seconds > 0, got {deadline!r}")
         if not isinstance(self.transport, Transport):
             raise ValueError("a deadline allreduce needs the job's slots on one thread (threads: 1)")
+        if self.config.mode != "allreduce":
+            raise ValueError(f"a deadline allreduce needs the switch (mode allreduce, not {self.config.mode}): the "
+                             "PS's aggregator does not hand a late rank the sums it missed")
         values = np.asarray(array)
         key = (tag, values.shape, values.dtype.str)
         carry = self._carry.pop(key, None)

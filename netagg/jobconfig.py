@@ -111,10 +111,10 @@ class WorkerConfig:
     #: every worker sends packets of it (the switch refuses another width as WRONG_WIDTH); a fallback job's PS
     #: aggregates either. ``NETAGG_WIDTH`` in the environment.
     width: int = wire.K
-    #: Deadline allreduce (docs/hoststack.md, "Deadline allreduce"), opt-in for the whole job: every rank's
-    #: ``allreduce`` closes its rounds this many milliseconds after it began the call, and a late rank's values
-    #: join its next call's sum (error feedback). 0: exact (every call waits for every rank). A job setting like
-    #: ``slot_count``: every rank must use the same value. ``NETAGG_DEADLINE_MS`` in the environment.
+    #: Deadline allreduce (docs/hoststack.md, "Deadline allreduce"), opt-in for the whole job: its gradient
+    #: allreduces (``KVWorker.job_deadline``: the DDP hook's buckets) close their rounds this many milliseconds
+    #: after a rank began the call, and a late rank's values join its next call's sum (error feedback). 0: exact.
+    #: A job setting like ``slot_count``: every rank must use the same value. ``NETAGG_DEADLINE_MS`` (env).
     deadline_ms: float = 0.0
 
     def __post_init__(self) -> None:
@@ -187,11 +187,11 @@ class WorkerConfig:
                 raise ConfigError("job_workers: a job over a tree of switches is a plain allreduce job (mode "
                                   "allreduce, sync, every rank both sends and receives)")
         check_deadline_ms(self.deadline_ms)
-        if self.deadline_ms and (self.mode not in ("allreduce", "fallback") or self.threads > 1 or self.senders
+        if self.deadline_ms and (self.mode != "allreduce" or self.threads > 1 or self.senders
                                  or self.switch_aggregation or self.job_workers):
             raise ConfigError("deadline_ms: a deadline allreduce needs a plain allreduce job on one switch (mode "
-                              "allreduce, or fallback to its PS), threads 1, every rank both sending and receiving, "
-                              "not MLfabric's switch aggregation")
+                              "allreduce), threads 1, every rank both sending and receiving, not MLfabric's switch "
+                              "aggregation")
         if self.ps_members and self.ps_members != 1 + len(self.replicas):
             raise ConfigError(f"ps_members: {self.ps_members}, but the job's PS chain has {1 + len(self.replicas)} "
                               "node(s) (the primary and its replicas)")

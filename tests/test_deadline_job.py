@@ -33,13 +33,11 @@ def test_deadline_ms_is_a_checked_job_setting():
     for bad in (-1, 60_001, True, "50", float("nan")):
         with pytest.raises(ConfigError, match="deadline_ms"):
             WorkerConfig(**BASE, deadline_ms=bad)
-    for other in ({"threads": 2}, {"senders": 1}, {"mode": "ps", "ps": Endpoint("127.0.0.1", 3)},
-                  {"job_workers": 4, "job_rank": 0}):
+    ps = Endpoint("127.0.0.1", 3)
+    for other in ({"threads": 2}, {"senders": 1}, {"mode": "ps", "ps": ps}, {"job_workers": 4, "job_rank": 0},
+                  {"mode": "fallback", "ps": ps, "aggregator": ps}):
         with pytest.raises(ConfigError, match="deadline_ms"):
             WorkerConfig(**{**BASE, **other}, deadline_ms=50)
-    # A job admitted in fallback mode keeps it: the PS's aggregator closes rounds too (docs/protocol.md).
-    ps = Endpoint("127.0.0.1", 3)
-    assert WorkerConfig(**{**BASE, "mode": "fallback", "ps": ps, "aggregator": ps}, deadline_ms=50).deadline_ms == 50
     env = {"NETAGG_JOB_ID": "1", "DMLC_NUM_WORKER": "2", "NETAGG_RANK": "0", "NETAGG_SLOTS": "16",
            "NETAGG_AGGREGATOR": "127.0.0.1:28900", "NETAGG_BIND": "127.0.0.1:40000"}
     assert config_from_env(env).deadline_ms == 0
@@ -166,3 +164,19 @@ def test_the_ddp_hook_sums_each_bucket_as_a_deadline_allreduce_of_its_own():
         # Step 1: every rank's step-1 values and rank 2's step-0 values of this very bucket.
         expected = sum(grads[1, bucket, r] for r in range(n)) + grads[0, bucket, 2]
         np.testing.assert_allclose(results[0][0][1, bucket] * n, expected, atol=1e-4)
+
+
+def test_a_deadline_allreduce_through_the_ps_is_refused_at_once():
+    """Fallback mode (the PS's aggregator): a call with a deadline raises before sending anything (a late rank
+    could not learn the sums it missed there); the same call without one sums exactly."""
+    from netagg.testing.hoststack import fallback_job
+
+    with fallback_job(2, slot_count=16) as (_, configs):
+        def job(worker, rank):
+            with pytest.raises(ValueError, match="needs the switch"):
+                worker.allreduce(np.ones(300, np.float32), deadline=0.1)
+            return worker.allreduce(np.full(300, rank + 1, np.float32))
+
+        out = run_workers(configs, job)
+    for total in out:
+        np.testing.assert_array_equal(total, np.full(300, 3, np.float32))
