@@ -107,6 +107,8 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         member = cluster.workdir / f"mlfabric-job{job_id}-ps-member.yaml"
         cluster.cli("job", "config", str(job_id), "--ps-node", "0", "-o", str(member))
         member_args = ["--switch-config", str(member)]
+        if args.switch_deadline is not None:
+            member_args += ["--switch-deadline", str(args.switch_deadline)]
     dist_paths: list[Path] = []
     if kind in MULTICAST:  # each worker's rank, then the PS's (the last rank)
         for rank in range(len(hosts) + 1):
@@ -231,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slots", type=int, default=4, help="the job's switch slots")
     parser.add_argument("--setting", default="", help="a name for the cluster setting, kept with the curves")
     parser.add_argument("--keep-logs", type=Path, help="copy each run's PS log into this directory")
+    parser.add_argument("--switch-deadline", type=float, help="-ps kinds: the PS's --switch-deadline (its switch "
+                        "groups close at this times their planned transfer; 0: they wait for every member; default: "
+                        "the PS's own default)")
     parser.add_argument("--curves", type=Path, help="append each run's loss and accuracy over time to this JSON-lines "
                         "file (plot it with benchmarks/plot_curves.py)")
     parser.add_argument("--batch-window", type=float, default=0.01,
