@@ -238,6 +238,12 @@ def test_the_ps_as_a_member_receives_the_groups_sum_from_the_switch_and_applies_
         summers: list = []
         try:
             summers, grads, reports, outcomes = _start(configs, progress_timeout=patience)
+            # Each transport is there before the group (a member loading its kernels at its first group held the
+            # PS up), and the PS's has no congestion window (its timeouts measure the members' lateness).
+            assert all(s._worker is not None for s in summers)
+            member_transport = server.switch_member._summer._worker.transport
+            assert not member_transport.congestion_control and member_transport.window == SLOTS
+            assert summers[0]._worker.transport.congestion_control
             _run_group(configs, server, grads, range(3), summers, reports, outcomes)
             assert server.grants.stats.groups == 1 and server.grants.stats.sent == 1
             assert all(o is not None and o["outcome"] == "applied" for o in outcomes)
