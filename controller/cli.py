@@ -257,7 +257,8 @@ def _switch_drops(args: argparse.Namespace) -> dict[tuple[str, int], int] | None
 
 def _render_top(jobs: list[dict[str, Any]], previous: dict[int, dict[str, int]], elapsed: float | None,
                 drops: dict[tuple[str, int], int] | None) -> str:
-    """The `netagg top` screen: one line per job (counters and per-second rates), then drops by reason."""
+    """The `netagg top` screen: one line per job (counters and per-second rates), what each tenant holds of switch
+    memory against its quota or fair share, then drops by reason."""
     from netagg.controller.metrics import drop_reason_name
 
     lines = [f"netagg top  {time.strftime('%H:%M:%S')}  {len(jobs)} job(s)",
@@ -275,6 +276,14 @@ def _render_top(jobs: list[dict[str, Any]], previous: dict[int, dict[str, int]],
         lines.append(f"{job['job_id']:>4} {job['tenant'][:10]:<10} {job['name'][:12]:<12} {job['mode']:<9} "
                      f"{job['slot_count']:>5} {len(job['workers']):>3} {shown[0]:>10} {shown[1]:>10} {rate:>8} "
                      f"{shown[2]:>7} {shown[3]:>8} {shown[4]:>7} {lease:.0f}s")
+    held: dict[str, str] = {}  # per tenant: the cells its jobs hold against its limit (job show's view)
+    for job in jobs:
+        if "tenant_cells" in job and job["tenant"] not in held:
+            limit = job.get("tenant_limit_cells")
+            held[job["tenant"]] = (f"{job['tenant_cells']} cells" if limit is None else
+                                   f"{job['tenant_cells']} of {limit} cells ({job.get('tenant_limit')})")
+    if held:
+        lines.append("tenants: " + ", ".join(f"{tenant} {text}" for tenant, text in sorted(held.items())))
     if drops is None:
         lines.append("switch drops: switch unreachable")
     else:

@@ -140,6 +140,7 @@ def test_controller_and_worker_metrics_during_a_real_job(capsys, metrics_control
     line = next(row for row in screen.splitlines() if row.split()[:2] == [str(job_id), "alice"])
     assert "bert" in line and str(shown["contributions"]) in line.split()
     assert "switch drops:" in screen and "unreachable" not in screen
+    assert f"tenants: alice {cells} cells" in screen.splitlines()  # no quota configured for alice
 
     # With the switch gone a scrape still answers: switch down, the job table still there.
     soft_switch.stop()
@@ -206,3 +207,19 @@ def test_metrics_port_in_use_is_a_clear_start_up_error(tmp_path, soft_switch):
         path.write_text(yaml.safe_dump(config))
         with pytest.raises(RuntimeError, match=r"exited 2:[\s\S]*controller\.metrics_address: cannot listen"):
             start_controller(path, tmp_path / "controller.log")
+
+
+def test_top_shows_what_each_tenant_holds_against_its_limit():
+    from netagg.controller.cli import _render_top
+
+    def job(job_id: int, tenant: str, cells: int, limit: int | None, kind: str | None) -> dict:
+        return {"job_id": job_id, "tenant": tenant, "name": f"j{job_id}", "mode": "allreduce", "slot_count": 8,
+                "workers": [{}], "counters": {}, "tenant_cells": cells, "tenant_limit_cells": limit,
+                "tenant_limit": kind}
+
+    screen = _render_top([job(1, "bob", 8, None, None), job(2, "alice", 40, 64, "fair share"),
+                          job(3, "alice", 40, 64, "fair share")], {}, None, {})
+    assert "tenants: alice 40 of 64 cells (fair share), bob 8 cells" in screen.splitlines()
+    # A job listed without its view (the switch away: no show) says nothing of its tenant.
+    assert "tenants:" not in _render_top([{"job_id": 4, "tenant": "carol", "name": "x", "mode": "allreduce",
+                                           "slot_count": 8, "workers": []}], {}, None, None)
