@@ -203,7 +203,7 @@ class SwitchMember:
             self.stats.last_error = failed
         else:
             self.stats.groups += 1
-        message = wire.netagg_bytes(self._summer.config.width)
+        message = wire.netagg_bytes(self.width)
         self.stats.bytes_out += max(0, sent - before[0]) * message
         self.stats.bytes_in += max(0, received - before[1]) * message
 
