@@ -288,9 +288,19 @@ class Exchange:
         errors = t.io.transmit(slots)
         t.stats.packets_sent += slots.shape[0] - errors
         t.stats.socket_errors += errors
-        self._arm(now + t.rto.rto, slots, keys)
+        self._arm(now + t.rto.rto + self._drain_time(slots.shape[0]), slots, keys)
         if self.closable:
             self.changed.update(slots.tolist())
+
+    def _drain_time(self, count: int) -> float:
+        """How long a burst of ``count`` packets takes to leave the path's bottleneck at the rate the window holds
+        (``count x srtt / window``): its last packet's round trip is that much longer than the estimate's, so its
+        timer waits that much more (a window refilled at once, such as an exchange's first, times out spuriously
+        otherwise)."""
+        t = self.transport
+        if t.rto.srtt is None or count <= 1:
+            return 0.0
+        return count * t.rto.srtt / max(1.0, t.window)
 
     def _arm(self, deadline: float, slots: np.ndarray, keys: np.ndarray) -> None:
         self._timer_id += 1
@@ -518,9 +528,10 @@ class Exchange:
             again = False
             if closable:
                 superseded[:] = 0  # judged against the keys of the last pass only (see below)
+            now = time.monotonic()
             n_acc, n_rtt, foreign, malformed, stale, done = self.accept(
                 buf, lengths, names, count, t.io.allowed, t.config.job_id, t.slot_base, self.seq0, self.window, nb,
-                expect, retries, sent_at, next_pool, time.monotonic(), sums, global_exp, self.ident, closable,
+                expect, retries, sent_at, next_pool, now, sums, global_exp, self.ident, closable,
                 result_flags, result_members, alarm, acc_slots, following, acc_closed, superseded, rtts)
             if not first_pass:
                 stats.stale_results -= n_acc

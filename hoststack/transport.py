@@ -25,7 +25,9 @@ Lost packets are retransmitted (same bytes, ``FLAG_RETRANSMIT``) after a per-slo
 :data:`RTO_FLOOR`: a worker or switch process on a busy machine is descheduled for several
 milliseconds at a time, and a timer shorter than that takes the pause for a loss and floods
 the links with copies just when the process is back; results waiting in the socket are read
-before any timer is taken as expired); a result is
+before any timer is taken as expired; a group of packets sent at once gets its timer later by the time the
+group takes to leave the bottleneck at the rate the window holds, ``count x SRTT / window``, else a whole
+window sent at once, as an exchange's first is, times out at its tail); a result is
 accepted only if its (slot, pool, round, seq) equal what the slot has outstanding, so
 neither a late copy nor a forged result naming another round or block can complete a
 block (it is counted in ``stale_results``). No accepted

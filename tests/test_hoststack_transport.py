@@ -224,6 +224,30 @@ def test_congestion_window_halves_once_per_round_trip_and_grows_back_to_the_slot
         assert t.window == 8 and t.stats.window_decreases == 0
 
 
+def test_a_burst_s_timer_waits_for_the_burst_to_leave_the_bottleneck():
+    def newest(r: Exchange) -> tuple:
+        return max(r.timers, key=lambda timer: timer[1])  # (a heap: the last armed has the largest id)
+
+    with lone_transport(64) as (t, _):
+        blocks = np.ones((256, wire.K), np.float32)
+        round_ = Exchange(t, blocks, qz.block_exponents(blocks))
+        round_.global_exp[:] = round_.local_exp
+        before = time.monotonic()
+        round_.release([0], [-1])  # no round trip measured yet: the plain timeout
+        assert newest(round_)[0] - before == pytest.approx(t.rto.rto, abs=0.002)
+        for _ in range(20):
+            t.rto.sample(0.004)
+        t.window = 33.0  # slot 0's probe and 32 more
+        before = time.monotonic()
+        round_.release(list(range(1, 33)), [-1] * 32)  # at once: 32 x 4 ms / 33 on the bottleneck
+        deadline, _, slots, _ = newest(round_)
+        assert slots.shape[0] == 32
+        assert deadline - before == pytest.approx(t.rto.rto + 32 * 0.004 / 33, abs=0.001)
+        t.window = 64.0
+        round_.release([33], [-1])  # one packet: no drain beyond its own
+        assert newest(round_)[0] - time.monotonic() == pytest.approx(t.rto.rto, abs=0.002)
+
+
 def test_a_full_window_holds_packets_back_lowest_block_first_but_never_the_head_of_the_line():
     with lone_transport(8) as (t, sink):
         blocks = np.ones((32, wire.K), np.float32)
