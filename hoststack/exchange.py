@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from netagg import layout, wire
+from netagg import wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.congestion import RtoEstimator
@@ -115,14 +115,6 @@ class TransportStats:
     replayed_exchanges: int = 0
 
 
-class _FailedOver(Exception):
-    """Raised out of an exchange by a failover decision: exchanges from ``start`` on run at the PS."""
-
-    def __init__(self, start: int) -> None:
-        super().__init__(start)
-        self.start = start
-
-
 class Exchange:
     """One exchange (one :meth:`Transport.exchange` call): per-slot outstanding packet, timers, received sums."""
 
@@ -167,8 +159,9 @@ class Exchange:
         self.sums = np.empty((nb, k), qz.WIRE_DTYPE)
         #: The sums as one row of bytes per block (what ``accept_results`` copies payloads into).
         self.sums_flat = self.sums.view(np.uint8).reshape(nb, 4 * k)
-        self.seq0 = transport.seq
-        self.probe0 = transport.probe_seq
+        self.rows = rows = transport.rows
+        self.seq0 = rows.seq
+        self.probe0 = rows.probe_seq
         # Per used slot: expected (round << 33 | pool << 32 | seq) of the outstanding packet or -1,
         # when it was sent, and how often it was resent (Karn: no round trip sample then).
         self.expect = np.full(used, -1, np.int64)
@@ -192,7 +185,7 @@ class Exchange:
         self.closed_key = np.full(used, -1, np.int64)
         #: Per used slot: the ``members`` its packets carry (the exchange's; after a round closed at a deadline,
         #: that round's: see _after_closed).
-        self.slot_members = np.full(used, transport.members, np.int64)
+        self.slot_members = np.full(used, rows.members, np.int64)
         #: Per used slot: a result two or more rounds past its outstanding packet arrived (``accept_results``).
         self.superseded = np.zeros(used, np.uint8)
         #: Per used slot: this worker left it (a round closed without it) and only receives its results (_listen).
@@ -211,14 +204,16 @@ class Exchange:
             return
         r = cls(t, np.zeros((0, t.k), np.float32), np.zeros(0, np.int8))
         none = np.zeros(0, np.int64)
-        r.fill(none, none, r.blocks, r.local_exp, r.global_exp, r.ahead, 0, 0, r.window, *t.encode, t.raw, t.words,
-               t.next_pool, t.rounds, r.expect, r.sent_at, 0.0, none.copy())
+        slot_rows = r.rows
+        r.fill(none, none, r.blocks, r.local_exp, r.global_exp, r.ahead, 0, 0, r.window, *t.encode, slot_rows.raw,
+               slot_rows.words, slot_rows.next_pool, slot_rows.rounds, r.expect, r.sent_at, 0.0, none.copy())
         rows = t.io.rx_capacity
         none_rows = np.zeros(rows, np.int64)
         io = t.io
         r.accept(io.rx_buf, io.rx_lengths, io.rx_names, 0, io.allowed, t.config.job_id, t.slot_base, 0, r.window, 0,
-                 r.expect, r.retries, r.sent_at, t.next_pool, 0.0, r.sums_flat, r.global_exp, 0, 0, r.result_flags,
-                 r.result_members, r.alarm, none_rows, none_rows.copy(), none_rows.copy(), r.superseded, np.zeros(rows))
+                 r.expect, r.retries, r.sent_at, slot_rows.next_pool, 0.0, r.sums_flat, r.global_exp, 0, 0,
+                 r.result_flags, r.result_members, r.alarm, none_rows, none_rows.copy(), none_rows.copy(), r.superseded,
+                 np.zeros(rows))
         RtoEstimator().sample_all(np.full(1, 0.001))  # one sample: an empty batch returns before the kernel
 
     # -- sending -------------------------------------------------------------
@@ -271,20 +266,16 @@ class Exchange:
         keys = np.empty(slots.shape[0], np.int64)
         now = time.monotonic()
         enc_a, enc_b = t.encode
+        rows = self.rows
         # Each row still holds the slot's latest packet, as it was sent (FLAG_RETRANSMIT aside): it becomes
         # the slot's shadow (the same for both fill implementations: the copy is made here, before either).
-        t.shadow[slots] = t.raw[slots]
-        t.uses[slots] += 1
-        hdr = t.packets["hdr"]
-        # Always written: a row may still hold the members of an earlier exchange's subset round (a deadline).
-        hdr["members"][slots] = self.slot_members[slots]
-        hdr["exchange"][slots] = self.ident
+        rows.prepare(slots, self.slot_members[slots], self.ident)
         if self.fill(slots, block_ids, self.blocks, self.local_exp, self.global_exp, self.ahead, self.seq0,
-                      self.probe0, self.window, enc_a, enc_b, t.raw, t.words, t.next_pool, t.rounds,
+                      self.probe0, self.window, enc_a, enc_b, rows.raw, rows.words, rows.next_pool, rows.rounds,
                       self.expect, self.sent_at, now, keys) < 0:
             raise TransportError("aggregator returned an exponent below this worker's: protocol violation")
         if self.block_flags is not None:  # fill wrote flags 0: a block's non-finite flags go with it
-            hdr["flags"][slots] = np.where(block_ids >= 0, self.block_flags[np.maximum(block_ids, 0)], 0)
+            rows.set_block_flags(slots, np.where(block_ids >= 0, self.block_flags[np.maximum(block_ids, 0)], 0))
         errors = t.io.transmit(slots)
         t.stats.packets_sent += slots.shape[0] - errors
         t.stats.socket_errors += errors
@@ -346,7 +337,7 @@ class Exchange:
             count = int(retries[slot]) + 1
             retries[slot] = count
             by_retries.setdefault(count, []).append(i)
-        t.raw[slots, layout.FLAGS_AT] |= wire.FLAG_RETRANSMIT  # cleared when the row is next filled
+        self.rows.set_flags(slots, wire.FLAG_RETRANSMIT)
         errors = t.io.transmit(slots)
         self.resent_at[slots] = now
         t.stats.packets_sent += slots.shape[0] - errors
@@ -380,19 +371,13 @@ class Exchange:
         (previous packet) of a slot with a packet outstanding, else the slot's row (its last packet);
         ``FLAG_RETRANSMIT`` set, the same bytes otherwise. Slots without such a packet are skipped."""
         t = self.transport
-        uses = t.uses[slots]
         outstanding = np.zeros(slots.shape[0], bool)
         inside = slots < self.used_slots
         outstanding[inside] = self.expect[slots[inside]] != -1
-        keep = uses >= np.where(outstanding, 2, 1)
-        if not keep.all():
-            slots, outstanding = slots[keep], outstanding[keep]
+        slots = self.rows.answered_copies(slots, outstanding)
         n = slots.shape[0]
         if not n:
             return
-        rows = t.resend[:n]
-        rows[:] = np.where(outstanding[:, None], t.shadow[slots], t.raw[slots])
-        rows[:, layout.FLAGS_AT] |= wire.FLAG_RETRANSMIT
         errors = t.io.transmit(np.arange(n, dtype=np.int64), resend_buffer=True, blocks=t.io.blocks_of(slots))
         t.stats.packets_sent += n - errors
         t.stats.socket_errors += errors
@@ -415,7 +400,7 @@ class Exchange:
         if due.any():
             slots = np.flatnonzero(due).astype(np.int64)
             self.closed_key[slots] = self.expect[slots]
-            t.raw[slots, layout.FLAGS_AT] |= wire.FLAG_CLOSE  # cleared when the row is next filled
+            self.rows.set_flags(slots, wire.FLAG_CLOSE)
             errors = t.io.transmit(slots)
             t.stats.packets_sent += slots.shape[0] - errors
             t.stats.socket_errors += errors
@@ -424,11 +409,14 @@ class Exchange:
         return float(due_at[pending].min()) if pending.any() else math.inf
 
     # -- receiving -----------------------------------------------------------
-    def run(self) -> None:
+    def run(self) -> int | None:
+        """Send the blocks and gather their sums: None once every block has its sum (in ``sums``, ``global_exp``,
+        ``result_flags``). A failover decision ends it early (a stalled exchange votes for the PS: ``transport.py``'s
+        ``_run``): returns the exchange the job's failover starts from, and this exchange is abandoned."""
         t = self.transport
         nb = self.num_blocks
         if nb == 0:
-            return
+            return None
         self.release(list(range(self.used_slots)), [-1] * self.used_slots)
         last_progress = time.monotonic()
         stats = t.stats
@@ -486,7 +474,9 @@ class Exchange:
                 if failover is not None:
                     vote_at = now + failover.after
             elif now >= vote_at:
-                t.vote()  # the switch may be away: raises _FailedOver once every worker voted
+                failover_from = t.vote()  # the switch may be away: a decision once every worker voted for the PS
+                if failover_from is not None:
+                    return failover_from  # this exchange is abandoned here: the transport runs it at the PS
                 vote_at = time.monotonic() + failover.after  # no decision: ride on, vote again later
                 if time.monotonic() - last_progress >= t.progress_timeout:
                     self._timeout(time.monotonic() - last_progress)
@@ -501,9 +491,9 @@ class Exchange:
             if self.listening.any():
                 close_next = min(close_next, self._listen_due(time.monotonic()))
             self._retransmit_due(now)
-        t.seq = (self.seq0 + nb) & SEQ_MASK
-        t.probe_seq = (self.probe0 + self.used_slots) & SEQ_MASK
+        self.rows.advance(nb, self.used_slots)
         stats.blocks += nb
+        return None
 
     def _apply_batch(self, buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, count: int
                      ) -> tuple[int, list[int], list[int]]:
@@ -512,7 +502,7 @@ class Exchange:
         of this worker are kept (``_stash_ahead``) and a slot whose round is gone is left (``_give_up_superseded``)."""
         t = self.transport
         stats, nb = t.stats, self.num_blocks
-        expect, retries, sent_at, next_pool = self.expect, self.retries, self.sent_at, t.next_pool
+        expect, retries, sent_at, next_pool = self.expect, self.retries, self.sent_at, self.rows.next_pool
         sums, global_exp, result_flags, result_members = self.sums_flat, self.global_exp, self.result_flags, \
             self.result_members
         closable, superseded, alarm = int(self.closable), self.superseded, self.alarm
@@ -582,7 +572,8 @@ class Exchange:
         slot = hdr["slot"].astype(np.int64) - t.slot_base
         inside = (slot >= 0) & (slot < t.slot_count)
         ahead = np.zeros(count, np.int64)
-        ahead[inside] = (hdr["round"][inside].astype(np.int64) - t.rounds[slot[inside]].astype(np.int64)) & 0xFFFF
+        ahead[inside] = (hdr["round"][inside].astype(np.int64) - self.rows.rounds[slot[inside]].astype(np.int64)) \
+            & 0xFFFF
         keep = np.flatnonzero(inside & (ahead >= 1) & (ahead < 0x8000)
                               & (lengths[:count] == wire.HEADER_BYTES + payload) & (hdr["version"] == wire.VERSION)
                               & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == t.config.job_id))
@@ -634,15 +625,15 @@ class Exchange:
         its multicast group. Expect the result of each slot's next round (block ``blocks``) without sending:
         the others' sum, which holds nothing of this worker's (its members say so). Retries 1: no round-trip
         sample. A lost copy is noticed when a later round's result arrives (``_give_up_superseded``)."""
-        t = self.transport
         keep = blocks < self.num_blocks
         slots, blocks = slots[keep], blocks[keep]
         if not slots.shape[0]:
             return
-        rounds = (t.rounds[slots].astype(np.int64) + 1) & 0xFFFF
-        t.rounds[slots] = rounds
+        rows = self.rows
+        rounds = (rows.rounds[slots].astype(np.int64) + 1) & 0xFFFF
+        rows.rounds[slots] = rounds
         seqs = (blocks + self.seq0) & SEQ_MASK
-        self.expect[slots] = (rounds << 33) | (t.next_pool[slots].astype(np.int64) << 32) | seqs
+        self.expect[slots] = (rounds << 33) | (rows.next_pool[slots].astype(np.int64) << 32) | seqs
         self.sent_at[slots] = time.monotonic()
         self.retries[slots] = 1
         self.changed.update(slots.tolist())

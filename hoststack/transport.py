@@ -101,7 +101,6 @@ from netagg.hoststack.exchange import (
     TransportError,
     TransportStats,
     TransportTimeout,
-    _FailedOver,
 )
 from netagg.hoststack.failover import FailoverClient
 from netagg.hoststack.packets import (
@@ -109,6 +108,7 @@ from netagg.hoststack.packets import (
     packet_dtype,
     slot_count_of,
 )
+from netagg.hoststack.slot_rows import RoundMark, SlotRows
 from netagg.hoststack.transport_io import SlotSocket
 from netagg.jobconfig import WorkerConfig, resolve
 
@@ -120,16 +120,6 @@ __all__ = ["RTO_FLOOR", "ClosedEarly", "Exchange", "OutOfStep", "RtoEstimator", 
 
 #: A whole-job exchange with a deadline gives up this many seconds after its deadline.
 DEADLINE_GIVE_UP = 5.0
-
-
-@dataclass(frozen=True)
-class _Mark:
-    """A transport's round state where an exchange began (restored to run it again at the PS)."""
-
-    seq: int
-    probe_seq: int
-    rounds: np.ndarray
-    next_pool: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -195,7 +185,7 @@ class Transport:
         self.num_workers = config.num_workers
         #: Values per packet (the job's width) and the bytes of one message.
         self.k = config.width
-        self.netagg_bytes = nbytes = wire.netagg_bytes(self.k)
+        self.netagg_bytes = wire.netagg_bytes(self.k)
         #: The job-relative slot of row 0 and the rows (slots) of this transport.
         self.slot_base, self.slot_count = slot_range if slot_range is not None else (0, slot_count_of(config))
         if self.slot_count < 1 or self.slot_base < 0 or self.slot_base + self.slot_count > 0x10000:
@@ -217,31 +207,16 @@ class Transport:
         self._index = 0
         #: ... and the last one's inputs, flags, collective id and the state it began from (run again at the PS
         #: after a failover).
-        self._prev: tuple[np.ndarray, np.ndarray, np.ndarray | None, int, _Mark] | None = None
+        self._prev: tuple[np.ndarray, np.ndarray, np.ndarray | None, int, RoundMark] | None = None
         self.rto = RtoEstimator(rto_initial, rto_min, rto_max, max_backoff=max_backoff)
         self.stats = TransportStats()
         #: Congestion window (packets outstanding), kept across exchanges; fixed at S without control.
         self.congestion_control = congestion_control
         self.cwnd = CongestionWindow(self.slot_count, congestion_control)
         self.stats.smallest_window = self.cwnd.value
-        # One preallocated packet per slot; row s is always slot s.
-        self.packets = np.zeros(self.slot_count, packet_dtype(self.k))
-        hdr = self.packets["hdr"]
-        hdr["version"] = wire.VERSION
-        hdr["width"] = wire.width_code(self.k)
-        hdr["job_id"] = config.job_id
-        hdr["rank"] = config.rank
-        hdr["slot"] = self.slot_base + np.arange(self.slot_count)
-        self.raw = self.packets.view(np.uint8).reshape(self.slot_count, nbytes)
-        self.words = self.raw.view(np.uint32)
-        # Per slot: the exact bytes of the packet sent in it before the current one (row s of ``_raw``), kept
-        # across exchanges, and how many packets the slot has carried (a shadow exists from 2 on).
-        self.shadow = np.zeros((self.slot_count, nbytes), np.uint8)
-        self.uses = np.zeros(self.slot_count, np.int64)
-        # What the recovery resends are copied into and sent from (module docstring).
-        self.resend = np.zeros((self.slot_count, nbytes), np.uint8)
-        #: The members a subset exchange writes into each row it fills (0: the whole job).
-        self.members = 0
+        #: One preallocated packet per slot (row s is slot ``slot_base + s``), the copies kept for recovery and the
+        #: round state (slot_rows.py): what the exchanges fill, send and advance.
+        self.rows = SlotRows(self.k, config.job_id, config.rank, self.slot_base, self.slot_count)
         #: Deadline rounds of a subset exchange (SubsetRound): (closed rounds accepted, close after, give up after).
         self._deadline: tuple[bool, float, float] = (False, math.inf, math.inf)
         #: Results of deadline rounds ahead of this worker, kept for the exchange that gets there
@@ -251,16 +226,10 @@ class Transport:
         #: ``result_flags & wire.FLAG_CLOSE``), and how many close requests this worker sent in it.
         self.last_members = np.zeros(0, np.uint32)
         self.last_closes = 0
-        self.next_pool = np.zeros(self.slot_count, np.uint8)
-        # Per slot: the round number of its latest use (+1 per new packet, mod 2**16), which
-        # lets the switch tell a delayed copy of an earlier round from a new one. Every worker
-        # of the job uses each slot the same number of times, so their numbers agree.
-        self.rounds = np.zeros(self.slot_count, np.uint16)
-        self.seq = 0
-        self.probe_seq = 0
         self.encode = qz.factor_tables(config.total_workers)[:2]  # the whole job's (a tree: more than its leaf's)
         #: The socket and its batched I/O (transport_io.py), sending the rows above.
-        self.io = SlotSocket(resolve(config.bind), self.raw, self.resend, self.slot_base, self.stats, sock, connect)
+        self.io = SlotSocket(resolve(config.bind), self.rows.raw, self.rows.resend, self.slot_base, self.stats, sock,
+                             connect)
         self.address = self.io.address
         self._set_destination(self._switch_address)
         #: On the PS: the most rounds a slot has run there since the switch last saw the job (``failover_route``).
@@ -323,19 +292,16 @@ class Transport:
         if uses >= 0x8000:
             raise ValueError(f"{blocks.shape[0]} blocks use {uses} rounds per slot: more than the switch tells apart")
         self._subset_rounds = True
-        self.rounds[:] = subset.round_base & 0xFFFF
-        self.next_pool[:] = subset.round_base & 1  # round r in pool (r - 1) % 2 (SubsetRound)
-        self.seq = self.probe_seq = 0  # rounds are unique per exchange, so block ids may start over
-        # Written into each row as it is filled (Exchange._launch), so that every row keeps the bytes it was sent
-        # with (a shadow copy of it must be the same packet).
-        self.members = members
+        # Round r in pool (r - 1) % 2 (SubsetRound). The members are written into each row as it is filled
+        # (Exchange._launch), so that every row keeps the bytes it was sent with (a shadow copy must be the same).
+        self.rows.start_subset(subset.round_base, members)
         self._deadline = (subset.partial or subset.close_after is not None,
                           math.inf if subset.close_after is None else subset.close_after,
                           math.inf if subset.give_up_after is None else subset.give_up_after)
         try:
             return self._exchange(blocks, exponents, flags, members, subset.round_base)
         finally:
-            self.members = 0
+            self.rows.members = 0
             self._deadline = (False, math.inf, math.inf)
 
     def abort(self, reason: str) -> None:
@@ -353,9 +319,9 @@ class Transport:
         hdr["width"] = wire.width_code(self.k)
         hdr["version"], hdr["flags"], hdr["job_id"], hdr["slot"] = wire.VERSION, wire.FLAG_OUT_OF_STEP, \
             self.config.job_id, 0
-        hdr["pool"], hdr["rank"], hdr["exponent"] = self.next_pool[0], self.config.rank, qz.EXP_NONE
-        hdr["round"] = (int(self.rounds[0]) + 1) & 0xFFFF
-        hdr["seq"] = PROBE_SEQ_BIT | self.probe_seq
+        hdr["pool"], hdr["rank"], hdr["exponent"] = self.rows.next_pool[0], self.config.rank, qz.EXP_NONE
+        hdr["round"] = (int(self.rows.rounds[0]) + 1) & 0xFFFF
+        hdr["seq"] = PROBE_SEQ_BIT | self.rows.probe_seq
         hdr["exchange"] = wire.exchange_id(self._index, 0xFFFFFFFF)
         data = packet.tobytes()
         for _ in range(3):
@@ -380,7 +346,7 @@ class Transport:
                 assert self.failover is not None
                 if not self.failover.on_ps(self._index, self._rounds_away):
                     self._back_to_switch()
-            mark = self._mark()
+            mark = self.rows.mark()
             sums, global_exp, result_flags = self._run(blocks, exponents, flags, ident, mark)
         except TransportTimeout as err:
             self._failed = str(err)
@@ -399,62 +365,54 @@ class Transport:
         return sums, global_exp, result_flags
 
     def _run(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None, ident: int,
-             mark: _Mark) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             mark: RoundMark) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Run one exchange; after a failover decision, again at the PS from where the decision says."""
         closable, close_after, give_up_after = self._deadline
         while True:
             began = time.monotonic()
             exchange = Exchange(self, blocks, exponents, flags, ident, closable=closable, close_at=began + close_after,
                                 give_up_at=began + give_up_after)
-            try:
-                self._run_exchange(exchange)
+            failover_from = self._run_exchange(exchange)
+            if failover_from is None:
                 self.last_members = exchange.result_members
                 self.last_closes = exchange.closes_sent
                 return exchange.sums, exchange.global_exp, exchange.result_flags
-            except _FailedOver as decision:
-                self._to_ps()
-                if decision.start == self._index - 1 and self._prev is not None:
-                    # Another worker had not finished the previous exchange: send it again (same sums).
-                    prev_blocks, prev_exponents, prev_flags, prev_ident, prev_mark = self._prev
-                    self._restore(prev_mark)
-                    self._run_exchange(Exchange(self, prev_blocks, prev_exponents, prev_flags, prev_ident))
-                    self.stats.replayed_exchanges += 1
-                elif decision.start != self._index:
-                    raise TransportError(f"failover decision starts at exchange {decision.start}; this worker is at "
-                                         f"{self._index}: the job's workers do not run the same exchanges") from None
-                self._restore(mark)
+            # The job's workers decided to fail over: exchanges from ``failover_from`` on run at the PS.
+            self._to_ps()
+            if failover_from == self._index - 1 and self._prev is not None:
+                # Another worker had not finished the previous exchange: send it again (same sums).
+                prev_blocks, prev_exponents, prev_flags, prev_ident, prev_mark = self._prev
+                self.rows.restore(prev_mark)
+                self._run_exchange(Exchange(self, prev_blocks, prev_exponents, prev_flags, prev_ident))
+                self.stats.replayed_exchanges += 1
+            elif failover_from != self._index:
+                raise TransportError(f"failover decision starts at exchange {failover_from}; this worker is at "
+                                     f"{self._index}: the job's workers do not run the same exchanges")
+            self.rows.restore(mark)
 
-    def _run_exchange(self, exchange: Exchange) -> None:
-        exchange.run()
-        if self._on_ps:  # a slot's rounds per exchange: exactly subset_round_uses, wherever they ran
+    def _run_exchange(self, exchange: Exchange) -> int | None:
+        """Run ``exchange``: None when it has every sum, else the exchange a failover decision starts from."""
+        failover_from = exchange.run()
+        if failover_from is None and self._on_ps:  # a slot's rounds per exchange: subset_round_uses, wherever run
             self._rounds_away += subset_round_uses(exchange.num_blocks, self.slot_count)
-
-    def _mark(self) -> _Mark:
-        return _Mark(self.seq, self.probe_seq, self.rounds.copy(), self.next_pool.copy())
-
-    def _restore(self, mark: _Mark) -> None:
-        self.seq, self.probe_seq = mark.seq, mark.probe_seq
-        self.rounds[:] = mark.rounds
-        self.next_pool[:] = mark.next_pool
+        return failover_from
 
     def failover_armed(self) -> bool:
         """Whether a stalled exchange votes for the PS (a whole-job exchange on the switch, with a PS)."""
         return self.failover is not None and not self._on_ps and not self._subset_rounds
 
-    def vote(self) -> None:
-        """A stalled exchange votes at the PS; raises _FailedOver with the decision, or returns (no decision:
-        keep waiting for the switch)."""
+    def vote(self) -> int | None:
+        """A stalled exchange votes at the PS: the exchange the job's failover starts from once every worker voted
+        (the stalled one or the one before it), or None (no decision: keep waiting for the switch)."""
         assert self.failover is not None
-        start = self.failover.vote(self._index, self.address)
-        if start is not None:
-            raise _FailedOver(start)
+        return self.failover.vote(self._index, self.address)
 
     def _to_ps(self) -> None:
         assert self._ps_address is not None
         self._rounds_away = 0  # the switch saw (at most) every round sent so far
         self._on_ps = True
         self._set_destination(self._ps_address)
-        self.uses[:] = 0  # no shadow resends of packets sent to the switch
+        self.rows.forget_shadows()  # no shadow resends of packets sent to the switch
         self.stats.failovers += 1
         log.warning("job %d rank %d: switch %s:%d away; exchanges from %d run at the PS %s:%d",
                     self.config.job_id, self.config.rank, *self._switch_address, self._index, *self._ps_address)
@@ -462,7 +420,7 @@ class Transport:
     def _back_to_switch(self) -> None:
         self._on_ps = False
         self._set_destination(self._switch_address)
-        self.uses[:] = 0
+        self.rows.forget_shadows()
         self.stats.failover_returns += 1
         log.info("job %d rank %d: exchanges from %d go to the switch %s:%d again", self.config.job_id,
                  self.config.rank, self._index, *self._switch_address)
@@ -499,7 +457,7 @@ class Transport:
     @property
     def next_seq(self) -> int:
         """``seq`` of the next exchange's first data block."""
-        return self.seq
+        return self.rows.seq
 
     def close(self) -> None:
         self.io.close()
@@ -510,9 +468,7 @@ class Transport:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- used by Exchange (one exchange's state and loop; it also reads and writes the per-slot rows and round
-    # state above: ``packets``/``raw``/``words``, ``shadow``/``uses``/``resend``, ``rounds``/``next_pool``/
-    # ``seq``/``probe_seq``, ``members``; its I/O goes through ``io``) --
+    # -- used by Exchange (one exchange's state and loop; it fills and sends ``rows`` through ``io``) --
     @property
     def window(self) -> float:
         """Packets this transport keeps outstanding at most (``cwnd``; its slots without congestion control)."""

@@ -451,7 +451,7 @@ def test_every_path_resends_a_slots_previous_or_last_answered_packet_byte_for_by
 
             def answered(slot: int) -> None:  # as accept_results does for a matching result
                 r.expect[slot] = -1
-                t.next_pool[slot] ^= 1
+                t.rows.next_pool[slot] ^= 1
 
             def flagged(data: bytes) -> bytes:
                 return data[:1] + bytes([data[1] | wire.FLAG_RETRANSMIT]) + data[2:]
@@ -463,7 +463,8 @@ def test_every_path_resends_a_slots_previous_or_last_answered_packet_byte_for_by
                 answered(slot)
             r.emit([0, 1], [0, 1])
             data = received(2)
-            np.testing.assert_array_equal(t.shadow[:2], np.frombuffer(probes[0] + probes[1], np.uint8).reshape(2, -1))
+            np.testing.assert_array_equal(t.rows.shadow[:2],
+                                          np.frombuffer(probes[0] + probes[1], np.uint8).reshape(2, -1))
             r._resend_answered(np.arange(4))  # slots 0 and 1: their probes; 2 and 3 have no previous packet
             assert received(2) == {0: flagged(probes[0]), 1: flagged(probes[1])}
             answered(0)  # slot 0's block 0 is answered: its last packet is what another worker may lack
