@@ -72,7 +72,7 @@ def _netagg(config_path: str, size: int, iterations: int,
     extra = {"packets_sent": stats.packets_sent, "retransmissions": stats.retransmissions,
              "window_decreases": stats.window_decreases, "smallest_window": stats.smallest_window,
              "stalled_timeouts": stats.stalled_timeouts, "spurious_timeouts": stats.spurious_timeouts,
-             "window_undos": stats.window_undos, "timed_cpu_share": share}
+             "window_undos": stats.window_undos, "peer_timeouts": stats.peer_timeouts, "timed_cpu_share": share}
     return times, result, extra
 
 

@@ -18,6 +18,7 @@ from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.congestion import RtoEstimator
 from netagg.hoststack.deadline_rounds import DeadlineRounds
+from netagg.hoststack.packets import HEADER_DTYPE
 
 if TYPE_CHECKING:
     from netagg.hoststack.transport import Transport
@@ -84,7 +85,10 @@ class TransportStats:
     #: Results that came back sooner after their packet's resend than the path's shortest round trip: the
     #: original made it, the timeout was spurious (hoststack/congestion.py) ...
     spurious_timeouts: int = 0
-    #: ... and the window cuts such results undid.
+    #: Results of resent packets that another rank's contribution completed: the round waited for that rank (its
+    #: packet late or lost), so the timeout said nothing of this worker's path (the window cut is undone) ...
+    peer_timeouts: int = 0
+    #: ... and the window cuts such results (and spurious ones) undid.
     window_undos: int = 0
     #: Deadline rounds: slots left because the others finished this worker's outstanding round and the next one
     #: without its result reaching it (the group's copy lost; see Exchange._give_up_superseded).
@@ -500,7 +504,7 @@ class Exchange(DeadlineRounds):
             self.remaining -= done
             resent = self.resent_at[acc_slots[:n_acc]]
             if resent.any():
-                self._judge_resends(acc_slots[:n_acc], resent)
+                self._judge_resends(acc_slots[:n_acc], resent, buf, count)
             in_flight = self.in_flight
             for slot in acc_slots[:n_acc].tolist():
                 in_flight.pop(slot, None)  # (a slot this worker listens to has nothing in flight)
@@ -524,10 +528,12 @@ class Exchange(DeadlineRounds):
             self._give_up_superseded()
         return accepted, ready_slots, ready_blocks
 
-    def _judge_resends(self, slots: np.ndarray, resent: np.ndarray) -> None:
-        """Accepted results of ``slots`` whose packets were resent at ``resent`` (0: not resent): those back sooner
-        than the path's shortest round trip answer the originals (the timeout was spurious: the originals' round
-        trips are samples); the others may answer the resends (hoststack/congestion.py)."""
+    def _judge_resends(self, slots: np.ndarray, resent: np.ndarray, buf: np.ndarray, count: int) -> None:
+        """Accepted results (in ``buf[:count]``) of ``slots`` whose packets were resent at ``resent`` (0: not resent):
+        those back sooner than the path's shortest round trip answer the originals (the timeout was spurious: the
+        originals' round trips are samples); of the others, those another rank's contribution completed were
+        waiting for that rank (its packet was late or lost, not this worker's: ``_completed_by``); the rest answer
+        this worker's resends, so its packet or result was lost (hoststack/congestion.py)."""
         t = self.transport
         now = time.monotonic()
         was = resent > 0
@@ -537,7 +543,26 @@ class Exchange(DeadlineRounds):
         n = int(spurious.sum())
         if n:
             t.rto.sample_all(now - self.sent_at[slots[spurious]])
-        t.on_resends_answered(n, slots.shape[0] - n)
+        completer = self._completed_by(slots[~spurious], buf, count)
+        peer = int(((completer >= 0) & (completer != t.config.rank)).sum())
+        t.on_resends_answered(n, peer, slots.shape[0] - n - peer)
+
+    def _completed_by(self, slots: np.ndarray, buf: np.ndarray, count: int) -> np.ndarray:
+        """Per slot of ``slots``: the rank whose contribution completed the round of its result in ``buf[:count]``
+        (a result carries the completing packet's rank: docs/protocol.md, step 4), or -1 where that cannot be told:
+        no such result in the batch, or a tree (a parent's result carries a switch's rank at the parent)."""
+        out = np.full(slots.shape[0], -1, np.int64)
+        t = self.transport
+        if not slots.shape[0] or t.config.total_workers != t.config.num_workers:
+            return out
+        hdr = np.ascontiguousarray(buf[:count, :wire.HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
+        result = (hdr["flags"] & wire.FLAG_RESULT) != 0
+        row_slot = hdr["slot"].astype(np.int64) - t.slot_base
+        for i, slot in enumerate(slots.tolist()):
+            rows = np.flatnonzero(result & (row_slot == slot) & (hdr["round"] == self.rows.rounds[slot]))
+            if rows.shape[0]:
+                out[i] = int(hdr["rank"][rows[0]])
+        return out
 
     def _out_of_step(self) -> None:
         t = self.transport

@@ -488,11 +488,13 @@ class Transport:
             self.stats.window_decreases = self.cwnd.stats.decreases
             self.stats.smallest_window = self.cwnd.stats.smallest
 
-    def on_resends_answered(self, spurious: int, confirmed: int) -> None:
-        """Results for resent packets: ``spurious`` answered their originals (undo the cut their timeouts made,
-        unless another was a loss), ``confirmed`` may have answered the resends (the cut stands)."""
+    def on_resends_answered(self, spurious: int, peer: int, confirmed: int) -> None:
+        """Results for resent packets: ``spurious`` answered their originals, ``peer`` were completed by another
+        rank's contribution (the round waited for that rank, not for this worker's packet): both undo the cut their
+        timeouts made, unless another was a loss; ``confirmed`` answered the resends (the cut stands)."""
         self.stats.spurious_timeouts += spurious
+        self.stats.peer_timeouts += peer
         if confirmed:
             self.cwnd.on_loss_confirmed()
-        elif spurious and self.cwnd.on_spurious():
+        elif (spurious or peer) and self.cwnd.on_spurious():
             self.stats.window_undos = self.cwnd.stats.undone

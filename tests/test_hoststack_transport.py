@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from netagg import wire
+from netagg import layout, wire
 from netagg.hoststack import quantization as qz
 from netagg.hoststack.kv import KVWorker
 from netagg.hoststack.transport import Exchange, RtoEstimator, Transport, TransportError, TransportTimeout
@@ -246,6 +246,34 @@ def test_a_burst_s_timer_waits_for_the_burst_to_leave_the_bottleneck():
         t.window = 64.0
         round_.release([33], [-1])  # one packet: no drain beyond its own
         assert newest(round_)[0] - time.monotonic() == pytest.approx(t.rto.rto, abs=0.002)
+
+
+@pytest.mark.parametrize("completer", [0, 1])
+def test_a_resent_packet_s_result_is_judged_by_the_rank_that_completed_its_round(completer):
+    with lone_transport(8) as (t, sink):  # this transport is rank 0 of 2
+        blocks = np.ones((16, wire.K), np.float32)
+        round_ = Exchange(t, blocks, qz.block_exponents(blocks))
+        round_.release(list(range(8)), [-1] * 8)
+        t.rto.sample(0.004)
+        t.on_timeout(time.monotonic())  # slot 3's timer fired: the window is cut and the packet resent
+        assert t.window == 4
+        round_.resent_at[3] = time.monotonic() - 0.010  # long enough ago: not an answer to the original
+        result = bytearray(sink.recv(2048))
+        while wire.HEADER_STRUCT.unpack_from(result, 0)[3] != 3:
+            result = bytearray(sink.recv(2048))
+        result[layout.FLAGS_AT] |= wire.FLAG_RESULT
+        result[layout.RANK_AT] = completer
+        other = bytearray(result)
+        other[layout.ROUND_AT:layout.ROUND_AT + 2] = (0x7777).to_bytes(2, "big")  # another round's: not this one
+        other[layout.RANK_AT] = 1 - completer
+        buf = np.zeros((2, 2048), np.uint8)
+        for row, data in enumerate((other, result)):
+            buf[row, :len(data)] = np.frombuffer(bytes(data), np.uint8)
+        round_._judge_resends(np.array([3, 4]), np.array([round_.resent_at[3], 0.0]), buf, 2)
+        if completer == 1:  # the round waited for rank 1: this worker's path lost nothing
+            assert t.stats.peer_timeouts == 1 and t.window == 8 and t.stats.window_undos == 1
+        else:  # this worker's resend completed it: its packet was lost, the cut stands
+            assert t.stats.peer_timeouts == 0 and t.window == 4 and t.stats.window_undos == 0
 
 
 def test_a_full_window_holds_packets_back_lowest_block_first_but_never_the_head_of_the_line():
