@@ -102,7 +102,7 @@ class ControllerConfig:
     target: str = "soft"
     #: ``slots.target_rtt_ms``: the round trip a job's window must cover when the controller chooses its slots
     #: (the path's round trip plus queueing and a busy host's scheduling delays; ``sizing.py``).
-    target_rtt_ms: float = 10.0
+    target_rtt_ms: float = 7.5
     #: Per tenant (by name): its quotas and weight (``tenants.<name>``: max_jobs, max_cells, weight).
     tenant_limits: dict[str, TenantLimits] = field(default_factory=dict)
     #: ``slots.fair_share``: no tenant's jobs hold more than its weighted share of the switch's cells.
@@ -278,7 +278,7 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         raise r.fail("slots.capacity", "must be >= 1")
     if not 1 <= min_slots <= capacity:
         raise r.fail("slots.min_per_job", f"must be in 1..{capacity}")
-    target_rtt_ms = r.value("slots.target_rtt_ms", float, 10.0)
+    target_rtt_ms = r.value("slots.target_rtt_ms", float, 7.5)
     if not (math.isfinite(target_rtt_ms) and target_rtt_ms > 0):
         raise r.fail("slots.target_rtt_ms", f"must be a number of milliseconds > 0, got {target_rtt_ms!r}")
     lease = r.value("jobs.lease_seconds", float, 600.0)

@@ -112,7 +112,7 @@ def _config_data(tmp_path: Path, capacity: int = 4096, min_slots: int = 4, **slo
     data["hosts"] = copy.deepcopy(HOSTS)
     data["parameter_servers"] = [{"name": "ps0", "host": "local", "udp_port": 29001},
                                  {"name": "ps1", "host": "pshost", "udp_port": 29001}]
-    # The examples below are worked at 5 ms; target_rtt_ms=None leaves it out (the default, 10 ms).
+    # The examples below are worked at 5 ms; target_rtt_ms=None leaves it out (the default, 7.5 ms).
     data["slots"].update({"target_rtt_ms": 5, **slots})
     if data["slots"]["target_rtt_ms"] is None:
         del data["slots"]["target_rtt_ms"]
@@ -131,8 +131,8 @@ def test_the_config_reads_link_rates_and_the_target_round_trip(tmp_path):
     assert config.target_rtt_ms == 5.0
     assert _config(tmp_path, target_rtt_ms=2).target_rtt_ms == 2.0
     default = _config(tmp_path, target_rtt_ms=None)
-    assert default.target_rtt_ms == 10.0  # the default: room beside a TCP flow's queue (docs/controller.md)
-    assert _valid(default, workers=["local:5000"]).slots_chosen_by == "link 400 Mbit/s x 10 ms"
+    assert default.target_rtt_ms == 7.5  # the default: room beside a TCP flow's queue (docs/controller.md)
+    assert _valid(default, workers=["local:5000"]).slots_chosen_by == "link 400 Mbit/s x 7.5 ms"
 
 
 @pytest.mark.parametrize(("where", "value", "key", "problem"), [
