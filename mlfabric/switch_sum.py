@@ -32,7 +32,8 @@ import numpy as np
 
 from netagg import wire
 from netagg.hoststack.kv import KVWorker
-from netagg.hoststack.transport import SubsetRound, TransportError
+from netagg.hoststack.threads import ThreadedTransport
+from netagg.hoststack.transport import SubsetRound, Transport, TransportError
 from netagg.jobconfig import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,16 @@ class SwitchSummer:
         return total
 
     @property
+    def transport(self) -> Transport | ThreadedTransport | None:
+        """The worker's transport (None after a failure, until the next sum makes one): its counters and the last
+        exchange's members and close requests."""
+        return self._worker.transport if self._worker is not None else None
+
+    @property
     def last_members(self) -> np.ndarray:
         """Per block of the last exchange: the ranks in its sum (bit r: rank r; 0: no sum here)."""
-        return self._worker.transport.last_members if self._worker is not None else np.zeros(0, np.uint32)
+        t = self.transport
+        return t.last_members if t is not None else np.zeros(0, np.uint32)
 
     def missing(self, ranks: list[int], values: int) -> dict[int, np.ndarray]:
         """For each of ``ranks`` whose update is not in every block of the last exchange's sum: a mask of the
@@ -169,11 +177,11 @@ class SwitchMember:
                 continue
             self._count(before)
             self.stats.seconds += time.monotonic() - began
-            closes = self._summer._worker.transport.last_closes if self._summer._worker is not None else 0
+            t = self._summer.transport
+            closes = t.last_closes if t is not None else 0
             self.stats.closes += closes
             self.stats.closed_groups += bool(missing)
-            if missing:
-                t = self._summer._worker.transport
+            if missing and t is not None:
                 log.info("switch group %s: closed at its deadline (%.3f s; the exchange took %.3f s, %d close "
                          "requests): ranks %s are missing %s of %d values (window %.1f, smallest %.1f, %d cuts, "
                          "%d undone, %d retransmissions so far)", parts, deadline,
@@ -189,10 +197,10 @@ class SwitchMember:
                 self._fail(grant, str(err))
 
     def _traffic(self) -> tuple[int, int]:
-        worker = self._summer._worker
-        if worker is None:
+        t = self._summer.transport
+        if t is None:
             return 0, 0
-        stats = worker.transport.stats
+        stats = t.stats
         return stats.packets_sent, stats.results_accepted + stats.stale_results
 
     def _count(self, before: tuple[int, int], failed: str = "") -> None:
