@@ -15,7 +15,7 @@ import numpy as np
 
 from netagg import wire
 from netagg.hoststack import quantization as qz
-from netagg.hoststack.packets import HEADER_DTYPE, PROBE_SEQ_BIT, SEQ_MASK
+from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, headers
 
 if TYPE_CHECKING:
     from netagg.hoststack.slot_rows import SlotRows
@@ -96,7 +96,7 @@ class DeadlineRounds:
         (``_replay_stash``). At most ``STASH_ROWS``; the oldest go first."""
         t = self.transport
         payload = self.sums_flat.shape[1]
-        hdr = np.ascontiguousarray(buf[:count, :wire.HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
+        hdr = headers(buf[:count])
         slot = hdr["slot"].astype(np.int64) - t.slot_base
         inside = (slot >= 0) & (slot < t.slot_count)
         ahead = np.zeros(count, np.int64)

@@ -18,7 +18,7 @@ from netagg.hoststack import quantization as qz
 from netagg.hoststack import transport_reference as reference
 from netagg.hoststack.congestion import RtoEstimator
 from netagg.hoststack.deadline_rounds import DeadlineRounds
-from netagg.hoststack.packets import HEADER_DTYPE
+from netagg.hoststack.packets import headers
 
 if TYPE_CHECKING:
     from netagg.hoststack.transport import Transport
@@ -555,7 +555,7 @@ class Exchange(DeadlineRounds):
         t = self.transport
         if not slots.shape[0] or t.config.total_workers != t.config.num_workers:
             return out
-        hdr = np.ascontiguousarray(buf[:count, :wire.HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
+        hdr = headers(buf[:count])
         result = (hdr["flags"] & wire.FLAG_RESULT) != 0
         row_slot = hdr["slot"].astype(np.int64) - t.slot_base
         for i, slot in enumerate(slots.tolist()):

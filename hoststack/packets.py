@@ -26,6 +26,11 @@ def packet_dtype(k: int) -> np.dtype:
     return np.dtype([("hdr", HEADER_DTYPE), ("values", wire.WIRE_VALUE_DTYPE, (k,))])
 
 
+def headers(rows: np.ndarray) -> np.ndarray:
+    """The netagg headers of received rows (``(n, >= HEADER_BYTES)`` uint8) as :data:`HEADER_DTYPE` records."""
+    return np.ascontiguousarray(rows[:, :wire.HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
+
+
 #: A narrow message (``wire.K`` values).
 PACKET_DTYPE = packet_dtype(wire.K)
 assert HEADER_DTYPE.itemsize == wire.HEADER_BYTES and PACKET_DTYPE.itemsize == wire.NETAGG_BYTES

@@ -13,7 +13,7 @@ import numpy as np
 
 from netagg import wire
 from netagg.hoststack import quantization as qz
-from netagg.hoststack.packets import HEADER_DTYPE, PROBE_SEQ_BIT, SEQ_MASK, packet_dtype
+from netagg.hoststack.packets import PROBE_SEQ_BIT, SEQ_MASK, headers, packet_dtype
 
 _HEADER_BYTES = wire.HEADER_BYTES
 
@@ -56,7 +56,7 @@ def accept_results(buf: np.ndarray, lengths: np.ndarray, names: np.ndarray, coun
         | (name[:, 2] << 8) | name[:, 3]
     known = np.isin(source, allowed)
     rows = buf[:count]
-    hdr = np.ascontiguousarray(rows[:, :_HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
+    hdr = headers(rows)
     payload = sums.shape[1]
     valid = known & (lengths[:count] == _HEADER_BYTES + payload) & (hdr["version"] == wire.VERSION) \
         & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == job_id)

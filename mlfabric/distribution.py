@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from netagg import mmsg, wire
-from netagg.hoststack.packets import HEADER_DTYPE, RECV_ROW_BYTES, packet_dtype, udp_socket
+from netagg.hoststack.packets import RECV_ROW_BYTES, headers, packet_dtype, udp_socket
 from netagg.jobconfig import WorkerConfig, resolve
 
 #: Versions kept for repairs at the PS, and assembled at once at a worker.
@@ -344,7 +344,7 @@ class ModelCache:
 
     def _accept(self, rows: np.ndarray, lengths: np.ndarray, from_switch: np.ndarray) -> None:
         layout = self.layout
-        hdr = np.ascontiguousarray(rows[:, :wire.HEADER_BYTES]).view(HEADER_DTYPE)[:, 0]
+        hdr = headers(rows)
         valid = from_switch & (lengths == layout.message_bytes) & (hdr["version"] == wire.VERSION) \
             & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == self.config.job_id) \
             & ((hdr["members"] & ~np.uint32(self.sender_members)) == 0) & (hdr["members"] != 0) \
