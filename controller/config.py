@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from netagg import dataplane as dp
 from netagg import wire
-from netagg.jobconfig import ConfigError, read_yaml
+from netagg.jobconfig import ConfigError, Endpoint, read_yaml
 
 if TYPE_CHECKING:
     from netagg.controller.topology import Topology
@@ -107,6 +107,11 @@ class ControllerConfig:
     tenant_limits: dict[str, TenantLimits] = field(default_factory=dict)
     #: ``slots.fair_share``: no tenant's jobs hold more than its weighted share of the switch's cells.
     fair_share: bool = False
+    #: ``controller.worker_address`` (host:port): the endpoint the jobs' workers reach the controller at to follow
+    #: moves of their slots (controller/moves.py); its port 0: any free one. None: no job's slots ever move.
+    worker_address: Endpoint | None = None
+    #: ``slots.move_wait_seconds``: how long a new job's create waits for running jobs to shrink to make room.
+    move_wait_seconds: float = 10.0
 
     def tenant_share(self, tenant: str) -> int:
         """The cells ``tenant``'s jobs may hold together under ``fair_share``: the capacity split among the
@@ -129,9 +134,9 @@ _SCHEMA: dict[str, set[str]] = {
     "switch": {"grpc_address", "device_id", "election_id", "p4info", "bmv2_json", "aggregator",
                "startup_wait_seconds", "target"},
     "switch.aggregator": {"ip", "mac", "udp_port"},
-    "slots": {"capacity", "min_per_job", "target_rtt_ms", "fair_share"},
+    "slots": {"capacity", "min_per_job", "target_rtt_ms", "fair_share", "move_wait_seconds"},
     "jobs": {"lease_seconds"},
-    "controller": {"database", "api_socket", "admin_token", "metrics_address"},
+    "controller": {"database", "api_socket", "admin_token", "metrics_address", "worker_address"},
     "hosts.*": {"name", "ip", "mac", "port", "link_mbit"},
     "parameter_servers.*": {"name", "host", "udp_port"},
 }
@@ -297,6 +302,17 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         if not (sep and re.match(r"^[\w.\-\[\]:]*$", host) and port.isdigit() and int(port) < 65536):
             raise r.fail("controller.metrics_address", f"{metrics_address!r} is not host:port (port 0..65535)")
 
+    worker_text = r.value("controller.worker_address", str, None)
+    worker_address = None
+    if worker_text is not None:
+        host, sep, port = worker_text.rpartition(":")
+        if not (sep and host and port.isdigit() and int(port) < 65536):
+            raise r.fail("controller.worker_address", f"{worker_text!r} is not host:port (port 0..65535)")
+        worker_address = Endpoint(_ip(r, "controller.worker_address", host), int(port))
+    move_wait = r.value("slots.move_wait_seconds", float, 10.0)
+    if not (math.isfinite(move_wait) and move_wait >= 0):
+        raise r.fail("slots.move_wait_seconds", f"must be seconds >= 0, got {move_wait!r}")
+
     tenants: dict[str, str] = {}
     limits: dict[str, TenantLimits] = {}
     for tenant, spec in r.section("tenants", required=False).items():
@@ -348,7 +364,7 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         default_lease_seconds=lease, database=database, api_socket=api_socket, admin_token=admin_token,
         tenants=tenants, hosts=hosts, parameter_servers=servers, metrics_address=metrics_address,
         startup_wait_seconds=startup_wait, topology=topology, target=target, target_rtt_ms=target_rtt_ms,
-        tenant_limits=limits, fair_share=fair_share,
+        tenant_limits=limits, fair_share=fair_share, worker_address=worker_address, move_wait_seconds=move_wait,
     )
 
 

@@ -23,6 +23,8 @@ from netagg.controller.metrics import ControllerCollector
 from netagg.controller.service import JobService
 from netagg.controller.store import JobStore
 from netagg.controller.switch_watch import SwitchWatch
+from netagg.controller.worker_api import WorkerApi
+from netagg.jobconfig import Endpoint
 from netagg.metrics_http import MetricsServer
 
 log = logging.getLogger("netagg.controller")
@@ -49,6 +51,7 @@ class ControllerDaemon:
         self.watches = [SwitchWatch(self.service, name) for name in self.service.sessions]
         self._started = time.monotonic()
         self.api: ApiServer | None = None
+        self.worker_api: WorkerApi | None = None
         self.metrics: MetricsServer | None = None
         #: Jobs reclaimed because their lease ran out (``netagg_lease_expiries_total``).
         self.lease_expiries = 0
@@ -79,6 +82,14 @@ class ControllerDaemon:
                 raise ServiceError("invalid_argument", f"{self.config.source}: controller.metrics_address: cannot "
                                    f"listen on {self.config.metrics_address}: {err.strerror}") from None
             log.info("metrics on http://%s:%d/metrics", *self.metrics.address)
+        if self.config.worker_address is not None:
+            try:
+                self.worker_api = WorkerApi(self.service, self.config.worker_address).start()
+            except OSError as err:
+                raise ServiceError("invalid_argument", f"{self.config.source}: controller.worker_address: cannot "
+                                   f"listen on {self.config.worker_address.host}:{self.config.worker_address.port}: "
+                                   f"{err.strerror}") from None
+            self.service.worker_endpoint = Endpoint(*self.worker_api.address)
         self.api = ApiServer(self.config.api_socket, self.service, self.config.tenants, self.config.admin_token)
         self.api.start()
         for watch in self.watches:
@@ -98,6 +109,9 @@ class ControllerDaemon:
             for job_id in self.service.reap_expired():
                 self.lease_expiries += 1
                 log.info("job %d reclaimed: lease expired", job_id)
+            self.service.moves.expire()
+            if self.service.switch_available():
+                self.service.moves.rebalance()
 
     def stop(self) -> None:
         self._stop.set()
@@ -109,6 +123,8 @@ class ControllerDaemon:
             self.metrics.stop()
         if self.api is not None:
             self.api.stop()
+        if self.worker_api is not None:
+            self.worker_api.stop()
         self.service.fabric.close()
         self.store.close()
 

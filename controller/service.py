@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from p4.config.v1 import p4info_pb2
 
@@ -34,6 +34,7 @@ from netagg.controller import worker_configs
 from netagg.controller.admission import (
     Admission,
     JobRequest,
+    TenantCap,
     ValidJob,
     admit,
     tenant_cap,
@@ -51,11 +52,12 @@ from netagg.controller.allocator import (
 from netagg.controller.config import ControllerConfig
 from netagg.controller.errors import P4RuntimeError, ServiceError
 from netagg.controller.fabric import Fabric, SwitchSession
+from netagg.controller.moves import Moves, newcomer_weight
 from netagg.controller.sizing import ASKED
 from netagg.controller.store import JobRecord, JobStore
 from netagg.controller.switch_programmer import ReconcileReport
 from netagg.controller.topology import TreeWorker, plan_tree
-from netagg.jobconfig import ConfigError, WorkerConfig
+from netagg.jobconfig import ConfigError, Endpoint, WorkerConfig
 from netagg.p4info import P4InfoIndex, load_p4info, p4info_differences
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,15 @@ class JobService:
         self._pending_warned: set[int] = set()
         #: The cookie this controller pushes its pipeline with (from the program: the same across restarts).
         self.pipeline_cookie = 0
+        #: Moves of running jobs' slots toward their fair shares (moves.py), and the endpoint the workers follow
+        #: them at (the worker API's bound address; None: not serving one).
+        self.moves = Moves(self)
+        self.worker_endpoint: Endpoint | None = None
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every change of the database, the allocator and the switches is made under."""
+        return self._lock
 
     @property
     def sessions(self) -> dict[str, SwitchSession]:
@@ -162,6 +173,8 @@ class JobService:
                         raise ServiceError("invalid_argument", f"{self.config.source}: {err}") from None
                 else:
                     self.allocator.reserve(SlotRange(job.slot_base, job.cell_count))
+            if not isinstance(self.allocator, FabricAllocator):
+                self.moves.reserve_all()
             self._loaded = True
 
     def connect_switch(self, timeout: float | None = None, switch: str | None = None) -> str:
@@ -324,6 +337,7 @@ class JobService:
         """
         job = request.validated(self.config, caller.tenant)
         switches = self._tree_of(job)
+        share = self._make_room(job) if switches is None else None
         with self._lock:
             self._require_switch("create a job", switches)
             job_id = self._free_job_id()
@@ -331,6 +345,8 @@ class JobService:
             allocator = self.allocator if switches is None else TreeAllocator(self.allocator, switches)
             try:
                 cap = tenant_cap(self.config, job.owner, self.store.all(), 1 if job.distribution is None else 2)
+                if share is not None and (cap is None or share.cells < cap.cells):
+                    cap = share
                 admitted = admit(job, allocator, self.config.min_slots, cap)
             except ServiceError:
                 self.admissions["refused"] += 1
@@ -352,6 +368,15 @@ class JobService:
                 self.admissions[grant.admission] += 1
                 answers.append({"job": self._view(one), "admission": grant.admission, "reason": grant.reason})
             return {**answers[0], **({"distribution": answers[1]} if len(answers) > 1 else {})}
+
+    def _make_room(self, job: ValidJob) -> TenantCap | None:
+        """Where running jobs move (moves.py): the new job's fair share, after the running jobs above theirs were
+        asked to shrink toward it (waiting up to ``slots.move_wait_seconds``); None: no cap from it."""
+        if not self.moves.enabled or job.request.mode != "allreduce" or job.distribution is not None:
+            return None
+        want = job.slots * job.cells
+        share = self.moves.make_room(want, job.cells, newcomer_weight(self, job.owner), self.config.move_wait_seconds)
+        return TenantCap(share, f"its fair share of the switch ({share} cells)") if share < want else None
 
     def _tree_of(self, job: ValidJob) -> list[str] | None:
         """Under a topology, the switches of the job's tree, root first (None: one switch)."""
@@ -475,8 +500,11 @@ class JobService:
                       ps_node: int | None = None) -> WorkerConfig:
         """Rank ``rank``'s config of the job, or its distribution job's, or a PS node's (``worker_configs.py``)."""
         job = self._owned(caller, job_id)
-        return worker_configs.requested(self.config, self.fabric, job, self._distribution_job(job),
-                                        self._served_job(job), rank, distribution, ps_node)
+        config = worker_configs.requested(self.config, self.fabric, job, self._distribution_job(job),
+                                          self._served_job(job), rank, distribution, ps_node)
+        if self.worker_endpoint is not None and config.job_id == job.job_id and self.moves.why_not(job) is None:
+            config = replace(config, controller=self.worker_endpoint)  # its workers follow the job's moves
+        return config
 
     def reap_expired(self, now: float | None = None) -> list[int]:
         """Delete every job whose lease ran out; returns their ids.
@@ -539,6 +567,7 @@ class JobService:
             self.fabric.remove(job, self._others(job))
         except (P4RuntimeError, OSError) as err:
             log.warning("cleanup after failed create of job %d: %s", job.job_id, err)
+        self.moves.forget(job)
         self.store.remove(job.job_id)
         self._release_slots(job)
 
@@ -550,6 +579,7 @@ class JobService:
             raise ServiceError("switch_error", f"cannot remove job {job.job_id} from the switch "
                                f"(it stays marked deleting and is retried when the switch is back and on restart): "
                                f"{err}") from None
+        self.moves.forget(job)
         self.store.remove(job.job_id)
         self._release_slots(job)
 
@@ -592,6 +622,8 @@ class JobService:
         view["tenant_cells"] = tenant_cells(job.tenant, self.store.all())
         view["tenant_limit_cells"] = None if limit is None else limit[0]
         view["tenant_limit"] = None if limit is None else limit[1]
+        if self.moves.enabled and job.uses_switch:
+            view.update(self.moves.describe(job))
         return view
 
 

@@ -40,6 +40,16 @@ CREATE TABLE IF NOT EXISTS jobs (
     note          TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS moves (
+    job_id      INTEGER PRIMARY KEY,
+    generation  INTEGER NOT NULL UNIQUE,
+    slot_base   INTEGER NOT NULL,
+    slot_count  INTEGER NOT NULL,
+    reason      TEXT NOT NULL,
+    created     REAL NOT NULL,
+    switch_at   INTEGER,
+    answered    INTEGER NOT NULL DEFAULT -1
+);
 INSERT OR IGNORE INTO meta (key, value) VALUES ('next_generation', 1);
 """
 
@@ -188,6 +198,25 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
     )
 
 
+@dataclass
+class MoveRecord:
+    """A running job's move to a new slot range (controller/moves.py), from its start until every worker switched.
+
+    ``generation`` is the job's after the move (a fresh one); ``slot_base``/``slot_count`` its new range.
+    ``switch_at``: the exchange every worker switches at (None: not decided yet); ``answered``: the largest
+    exchange a worker was told to run on the old range (the decision comes after it).
+    """
+
+    job_id: int
+    generation: int
+    slot_base: int
+    slot_count: int
+    reason: str
+    created: float
+    switch_at: int | None = None
+    answered: int = -1
+
+
 class JobStore:
     """Thread-safe access to the jobs database."""
 
@@ -266,6 +295,40 @@ class JobStore:
     def remove(self, job_id: int) -> None:
         with self.transaction() as conn:
             conn.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+            conn.execute("DELETE FROM moves WHERE job_id = ?", (job_id,))
+
+    # -- moves (controller/moves.py) ---------------------------------------------
+    def moves(self) -> list[MoveRecord]:
+        with self._lock:
+            rows = self._conn.execute("SELECT * FROM moves ORDER BY job_id").fetchall()
+        return [MoveRecord(**dict(row)) for row in rows]
+
+    def move(self, job_id: int) -> MoveRecord | None:
+        with self._lock:
+            row = self._conn.execute("SELECT * FROM moves WHERE job_id = ?", (job_id,)).fetchone()
+        return MoveRecord(**dict(row)) if row else None
+
+    def insert_move(self, conn: sqlite3.Connection, move: MoveRecord) -> None:
+        conn.execute("INSERT INTO moves (job_id, generation, slot_base, slot_count, reason, created, switch_at,"
+                     " answered) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                     (move.job_id, move.generation, move.slot_base, move.slot_count, move.reason, move.created,
+                      move.switch_at, move.answered))
+
+    def set_move_progress(self, job_id: int, answered: int, switch_at: int | None) -> None:
+        with self.transaction() as conn:
+            conn.execute("UPDATE moves SET answered = ?, switch_at = ? WHERE job_id = ?",
+                         (answered, switch_at, job_id))
+
+    def delete_move(self, job_id: int) -> None:
+        with self.transaction() as conn:
+            conn.execute("DELETE FROM moves WHERE job_id = ?", (job_id,))
+
+    def commit_move(self, move: MoveRecord) -> None:
+        """The job takes the move's range and generation, and the move is gone: one transaction."""
+        with self.transaction() as conn:
+            conn.execute("UPDATE jobs SET slot_base = ?, slot_count = ?, generation = ? WHERE job_id = ?",
+                         (move.slot_base, move.slot_count, move.generation, move.job_id))
+            conn.execute("DELETE FROM moves WHERE job_id = ?", (move.job_id,))
 
     def get(self, job_id: int) -> JobRecord | None:
         with self._lock:

@@ -81,4 +81,5 @@ def config_of(config: ControllerConfig, fabric: Fabric, job: JobRecord, rank: in
                         update_mode=job.update_mode, delay_bound=job.delay_bound, schedule=job.schedule,
                         replicas=tuple(Endpoint(r.ip, r.udp_port) for r in job.replicas), secret=job.secret,
                         switch_aggregation=job.switch_aggregation, senders=job.senders, threads=job.threads,
-                        ps_members=job.ps_members, width=job.width, deadline_ms=job.deadline_ms)
+                        ps_members=job.ps_members, width=job.width, deadline_ms=job.deadline_ms,
+                        generation=job.generation)

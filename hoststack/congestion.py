@@ -124,6 +124,12 @@ class CongestionWindow:
         #: The value before the last cut and when the cut happened (None: nothing to undo).
         self._before_cut: float | None = None
 
+    def resize(self, limit: int) -> None:
+        """A new limit (the transport's slots after a move): the window keeps its value up to it."""
+        self.limit = float(limit)
+        self.value = self.limit if not self.enabled else min(self.value, self.limit)
+        self._before_cut = None if self._before_cut is None else min(self._before_cut, self.limit)
+
     def on_results(self, count: int) -> None:
         """Additive increase: one packet per window of ``count`` accepted results, up to the limit."""
         if self.enabled and self.value < self.limit:

@@ -103,6 +103,8 @@ class TransportStats:
     failovers: int = 0
     failover_returns: int = 0
     replayed_exchanges: int = 0
+    #: Moves (hoststack/moves.py): times the job's slots changed under this transport at an exchange boundary.
+    moves: int = 0
 
 
 class Exchange(DeadlineRounds):

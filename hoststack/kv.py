@@ -34,6 +34,7 @@ from netagg.hoststack import quantization as qz
 from netagg.hoststack.envconfig import config_from_env
 from netagg.hoststack.failover import FailoverClient
 from netagg.hoststack.metrics import WorkerExporter, port_from_env
+from netagg.hoststack.moves import MoveClient, MoveError
 from netagg.hoststack.packets import SEQ_MASK
 from netagg.hoststack.sparse import SparseTable
 from netagg.hoststack.threads import ThreadedTransport
@@ -85,6 +86,10 @@ class KVWorker:
         else:
             self.transport = Transport(self.config, sock=sock, failover=self._failover, **options)
         self.ps_timeout = ps_timeout
+        #: The controller's moves of the job's slots (hoststack/moves.py): followed where the config names the
+        #: controller and the job's slots are one range on one switch, on one thread.
+        self._moves = MoveClient(config) if config.controller is not None and isinstance(self.transport, Transport) \
+            and config.mode == "allreduce" and config.total_workers == config.num_workers else None
         self._ps: PsClient | None = None
         self._exporter: WorkerExporter | None = None
         #: ps mode: the PS keeps the values (pull asks it); otherwise this worker keeps the aggregates.
@@ -239,6 +244,8 @@ class KVWorker:
     def close(self) -> None:
         """Finish queued operations, then release the sockets (and stop the exporter)."""
         self._executor.shutdown(wait=True)
+        if self._moves is not None:
+            self._moves.close()
         if self._exporter is not None:
             self._exporter.stop()
         self.transport.close()
@@ -280,14 +287,36 @@ class KVWorker:
             self._futures[ts] = future
         return ts
 
+    def _follow_moves(self) -> None:
+        """Before a whole-job exchange: switch to the job's new slots where the controller moved them here."""
+        if self._moves is None:
+            return
+        transport = self.transport
+        assert isinstance(transport, Transport)
+        try:
+            moved = self._moves.before_exchange(transport.exchange_index, transport.on_ps)
+        except MoveError as err:  # the others must not wait for this rank: they raise OutOfStep
+            transport.abort(str(err))
+            raise TransportError(str(err)) from None
+        if moved is not None:
+            transport.resize(moved)
+            self.config = moved
+
+    @property
+    def moves(self) -> int:
+        """Moves of the job's slots this worker followed."""
+        return self._moves.moves if self._moves is not None else 0
+
     def _aggregate(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None,
                    tag: int = 0) -> np.ndarray:
+        self._follow_moves()
         sums, global_exp, result_flags = self.transport.exchange(blocks, exponents, flags=flags, tag=tag)
         return qz.dequantize(sums, global_exp, self.num_workers, flags=result_flags)
 
     def _aggregate_deadline(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None, tag: int,
                             deadline: float) -> tuple[np.ndarray, np.ndarray]:
         """A deadline allreduce: the sums, and per block whether this worker's values are in none of them."""
+        self._follow_moves()
         t = self.transport
         sums, global_exp, result_flags = t.exchange(blocks, exponents, flags=flags, tag=tag, deadline=deadline)
         members = t.last_members.astype(np.int64)
@@ -311,6 +340,7 @@ class KVWorker:
 
     def _push(self, layout: blk.Layout, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None,
               keep: bool) -> list | None:
+        self._follow_moves()
         seq_start = self.transport.next_seq
         sums, global_exp, result_flags = self.transport.exchange(blocks, exponents, flags=flags)
         aggregate = qz.dequantize(sums, global_exp, self.num_workers, flags=result_flags).reshape(-1)

@@ -37,6 +37,7 @@ _COUNTERS = (
     ("failovers", "failovers", "Failover decisions applied: the job's exchanges moved to its PS (switch away)"),
     ("failover_returns", "failover_returns", "Returns of the job's exchanges from the PS to the switch"),
     ("replayed_exchanges", "replayed_exchanges", "Finished exchanges sent again at the PS after a failover"),
+    ("moves", "slot_moves", "Times the controller moved the job's slots (a new range at an exchange boundary)"),
 )
 
 

@@ -397,6 +397,36 @@ class Transport:
             self._rounds_away += subset_round_uses(exchange.num_blocks, self.slot_count)
         return failover_from
 
+    @property
+    def exchange_index(self) -> int:
+        """Whole-job exchanges so far: the next one's index (the same on every worker of the job)."""
+        return self._index
+
+    def resize(self, config: WorkerConfig) -> None:
+        """Take the job's slots after a move (``config``: its new ``slot_count`` and ``generation``), between two
+        exchanges at which every worker of the job switches (hoststack/moves.py). The switch holds the new range
+        under a fresh generation, so every slot starts afresh there: so do the rows here."""
+        if self._failed is not None:
+            raise TransportError(f"transport unusable after an earlier failure: {self._failed}")
+        if self.slot_base != 0 or self._subset_rounds or self._on_ps:
+            raise TransportError("a move needs the job's whole slot range on the switch (not a thread's share, subset "
+                                 "rounds or the PS)")
+        if (config.job_id, config.rank, config.num_workers, config.width) != \
+                (self.config.job_id, self.config.rank, self.num_workers, self.k):
+            raise ValueError("a move changes the job's slots and generation only")
+        seq, probe_seq = self.rows.seq, self.rows.probe_seq
+        self.config = config
+        self.slot_count = slot_count_of(config)
+        self.rows = SlotRows(self.k, config.job_id, config.rank, 0, self.slot_count)
+        self.rows.seq, self.rows.probe_seq = seq, probe_seq
+        self.io.set_rows(self.rows.raw, self.rows.resend)
+        self.cwnd.resize(self.slot_count)
+        self.stash.clear()
+        self._prev = None  # a failover never restarts an exchange from before a move (every worker finished it)
+        self.stats.moves += 1
+        log.info("job %d rank %d: from exchange %d on, %d slots (generation %d)", config.job_id, config.rank,
+                 self._index, self.slot_count, config.generation)
+
     def failover_armed(self) -> bool:
         """Whether a stalled exchange votes for the PS (a whole-job exchange on the switch, with a PS)."""
         return self.failover is not None and not self._on_ps and not self._subset_rounds

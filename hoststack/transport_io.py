@@ -52,9 +52,6 @@ class SlotSocket:
         self._fd = self.sock.fileno()
         self._connect = connect
         self.slot_base = slot_base
-        self.row_bytes = packets.shape[1]
-        self.rows = [memoryview(row) for row in packets]
-        self.resend_rows = [memoryview(row) for row in resend]
         #: Where socket errors are counted (``socket_errors``: full buffers, ICMP errors from earlier sends).
         self._stats = stats
         self.poller = select.poll()
@@ -70,12 +67,6 @@ class SlotSocket:
             else:
                 self._rx = mmsg.MsgBatch(RECV_BATCH, RECV_STRIDE)
             self.rx_buf, self.rx_names, self.rx_lengths = self._rx.buf, self._rx.names, self._rx.lengths
-            self._tx = udpgso.GsoBatch(packets.shape[0])
-            if self._tx.refused is not None:
-                log.info("transport %s: one datagram per message (%s)", self.address, self._tx.refused)
-            step = np.arange(packets.shape[0], dtype=np.uint64) * np.uint64(self.row_bytes)
-            self._row_addr = np.uint64(packets.ctypes.data) + step
-            self._resend_addr = np.uint64(resend.ctypes.data) + step
         else:
             self.rx_buf = np.zeros((RECV_BATCH, RECV_STRIDE), np.uint8)
             self.rx_names = np.zeros((RECV_BATCH, mmsg.NAME_BYTES), np.uint8)
@@ -85,6 +76,21 @@ class SlotSocket:
         self.destination: tuple[str, int] = ("", 0)
         self.sources: frozenset[tuple[str, int]] = frozenset()
         self.allowed = np.zeros(0, np.int64)
+        self.set_rows(packets, resend)
+
+    def set_rows(self, packets: np.ndarray, resend: np.ndarray) -> None:
+        """Send from ``packets`` and ``resend`` (a transport's slot rows; again when a move resized them)."""
+        self.row_bytes = packets.shape[1]
+        self.rows = [memoryview(row) for row in packets]
+        self.resend_rows = [memoryview(row) for row in resend]
+        if self.batched:
+            refused_before = self._tx.refused if self._tx is not None else None
+            self._tx = udpgso.GsoBatch(packets.shape[0])
+            if self._tx.refused is not None and self._tx.refused != refused_before:
+                log.info("transport %s: one datagram per message (%s)", self.address, self._tx.refused)
+            step = np.arange(packets.shape[0], dtype=np.uint64) * np.uint64(self.row_bytes)
+            self._row_addr = np.uint64(packets.ctypes.data) + step
+            self._resend_addr = np.uint64(resend.ctypes.data) + step
 
     def set_destination(self, destination: tuple[str, int], also_from: frozenset[tuple[str, int]] = frozenset(),
                         ) -> None:

@@ -116,6 +116,13 @@ class WorkerConfig:
     #: after a rank began the call, and a late rank's values join its next call's sum (error feedback). 0: exact.
     #: A job setting like ``slot_count``: every rank must use the same value. ``NETAGG_DEADLINE_MS`` (env).
     deadline_ms: float = 0.0
+    #: The job's generation on the switch (its slots' owner tag), rendered by the controller; a move gives the
+    #: job a new one with its new slots.
+    generation: int = 0
+    #: The controller's endpoint for the job's workers (``controller.worker_address``): where a worker learns
+    #: that the controller moves the job's slots, and agrees with the others on the exchange they switch at
+    #: (hoststack/moves.py, docs/controller.md "Moving a running job"). None: the job's slots never move.
+    controller: Endpoint | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -235,7 +242,7 @@ class WorkerConfig:
             raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}")
         try:
             values = dict(data)
-            for key in ("aggregator", "bind", "ps"):
+            for key in ("aggregator", "bind", "ps", "controller"):
                 if values.get(key) is not None:
                     values[key] = _endpoint(values[key], f"{source}: {key}")
             if "replicas" in values:

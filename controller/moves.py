@@ -1,0 +1,400 @@
+"""Moving running jobs' slots: fair shares that follow the jobs on the switch (docs/controller.md, "Fair shares
+that move").
+
+A **move** gives a running job a new slot range (smaller, larger in place, or elsewhere) under a fresh generation,
+without stopping it. Its steps, each written to the database before it is acted on:
+
+1. **Start** (:meth:`Moves.start`): the move's row (new range, new generation) is written and the cells the new
+   range needs beyond the old one are reserved; the job keeps its old range on the switch meanwhile.
+2. **Agree** (:meth:`Moves.ask`, ``ready`` false): every worker asks before each exchange it starts while the
+   move is pending (hoststack/moves.py). Until every rank has asked, the answer is "run it on the old slots", and
+   the largest such exchange is recorded (``answered``). When the last rank asks, the switch point is one past
+   it (``switch_at``): no worker can have started an exchange past ``answered`` without asking.
+3. **Switch** (``ready`` true): a worker at the switch point has every result of the exchanges before it. When every
+   rank is there nothing is in flight in the old range: the job's row takes the new range and generation (one
+   transaction, which also frees the cells left behind), the switch gets the job's new entry, and each worker is
+   answered ``go``. Every slot of the new range is taken over afresh at its first packet (the generation check).
+
+A move not decided within :data:`DECIDE_SECONDS` (a worker that does not follow moves), or not switched within
+:data:`SWITCH_SECONDS` (a rank that died), or a worker that is on its PS after a failover, gives the move up:
+its reserved cells go back, and every worker stays on, or returns to, the old range (an answer ``aborted`` at the
+switch point, or no move at all). A job whose workers never asked is not moved again until the controller restarts.
+
+A controller restart at any step finds the row: the reserved cells are reserved again (``reserve_all``); a
+decided switch point stands; the ranks at the switch point ask again until every one is counted; a move already
+committed answers ``go`` once the switch holds the job's new entry.
+
+**Fair shares** (:meth:`Moves.rebalance`, every second from the daemon, and for a newcomer in
+:meth:`Moves.make_room`): each job's share is its weighted max-min share (``shares.py``); a job well above its share
+while another is below shrinks, and a job below its share grows into free cells.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from netagg.controller.allocator import AllocationError, SlotAllocator, SlotRange
+from netagg.controller.errors import P4RuntimeError, ServiceError
+from netagg.controller.shares import Claim, fair_cells
+from netagg.controller.store import JobRecord, MoveRecord
+
+if TYPE_CHECKING:
+    from netagg.controller.service import JobService
+
+log = logging.getLogger("netagg.controller")
+
+#: A move whose switch point is not decided this long after it started is given up (a worker not following).
+DECIDE_SECONDS = 20.0
+#: A decided move whose ranks are not all at the switch point this long after it started is given up.
+SWITCH_SECONDS = 60.0
+
+
+def move_threshold(held: int, unit: int) -> int:
+    """The least change of a job's cells worth a move: one slot, and an eighth of what it holds."""
+    return max(unit, held // 8 // unit * unit)
+
+
+class Moves:
+    """The moves of one controller's jobs (see the module docstring). Every method takes the service's lock."""
+
+    def __init__(self, service: JobService) -> None:
+        self.service = service
+        self.store = service.store
+        self.config = service.config
+        #: Per job with a move pending: the ranks that asked (the decision needs all), and those at the switch point.
+        self._asked: dict[int, set[int]] = {}
+        self._ready: dict[int, set[int]] = {}
+        #: (job, generation) whose new entry this controller wrote to the switch since it started.
+        self._installed: set[tuple[int, int]] = set()
+        #: Jobs not moved again (their workers did not follow a move), with why.
+        self.pinned: dict[int, str] = {}
+        #: Newcomers waiting for room (make_room): their claims count in every share computed meanwhile.
+        self._newcomers: dict[int, Claim] = {}
+        self._newcomer_ids = iter(range(-1, -(1 << 30), -1))
+        #: started / committed / aborted, for the metrics; and per job its last move's description.
+        self.counts: Counter[str] = Counter()
+        self.last: dict[int, str] = {}
+
+    @property
+    def enabled(self) -> bool:
+        """Whether jobs move: the controller has an endpoint for workers and drives one switch."""
+        return self.config.worker_address is not None and self.config.topology is None
+
+    @property
+    def _lock(self) -> threading.RLock:
+        return self.service.lock
+
+    @property
+    def _allocator(self) -> SlotAllocator:
+        allocator = self.service.allocator
+        assert isinstance(allocator, SlotAllocator)
+        return allocator
+
+    def why_not(self, job: JobRecord) -> str | None:
+        """Why ``job``'s slots cannot move (None: they can)."""
+        if not self.enabled:
+            return "the controller moves no jobs (no controller.worker_address, or a tree of switches)"
+        if job.mode != "allreduce":
+            return f"mode {job.mode}"
+        if job.threads != 1 or job.switch_aggregation or job.senders or job.distribution is not None \
+                or job.distribution_of is not None:
+            return "its slots are split among threads, switch groups or a model distribution"
+        if not job.secret:
+            return "it has no job secret (made before secrets)"
+        if job.state != "active":
+            return f"it is {job.state}"
+        return self.pinned.get(job.job_id)
+
+    # -- the allocator's view ------------------------------------------------
+    @staticmethod
+    def extra_cells(job: JobRecord, move: MoveRecord) -> SlotRange | None:
+        """The cells ``move`` holds beyond ``job``'s range: the tail it grows into, or the whole range it moves to."""
+        old, new = SlotRange(job.slot_base, job.cell_count), SlotRange(move.slot_base, move.slot_count * job.cells)
+        if new.base == old.base:
+            return SlotRange(old.end, new.end - old.end) if new.end > old.end else None
+        return new
+
+    @staticmethod
+    def left_cells(job: JobRecord, move: MoveRecord) -> SlotRange | None:
+        """The cells of ``job``'s range that ``move`` leaves (freed when it commits)."""
+        old, new = SlotRange(job.slot_base, job.cell_count), SlotRange(move.slot_base, move.slot_count * job.cells)
+        if new.base == old.base:
+            return SlotRange(new.end, old.end - new.end) if old.end > new.end else None
+        return old
+
+    def reserve_all(self) -> None:
+        """Reserve the extra cells of every move in the database (at start, after the jobs' own ranges)."""
+        for move in self.store.moves():
+            job = self.store.get(move.job_id)
+            extra = None if job is None else self.extra_cells(job, move)
+            if extra is not None:
+                self._allocator.reserve(extra)
+
+    def forget(self, job: JobRecord) -> None:
+        """``job`` is being deleted: give its move's extra cells back (the row goes with the job's)."""
+        with self._lock:
+            move = self.store.move(job.job_id)
+            if move is not None:
+                extra = self.extra_cells(job, move)
+                if extra is not None:
+                    self._allocator.release(extra)
+            self._asked.pop(job.job_id, None)
+            self._ready.pop(job.job_id, None)
+
+    # -- starting and giving up ---------------------------------------------
+    def start(self, job: JobRecord, cells: int, reason: str) -> MoveRecord | None:
+        """Start moving ``job`` to ``cells`` cells (a whole number of its slots): in place where it shrinks or the
+        cells after it are free, else to the first free range that holds them (or the most a free range holds,
+        if that is still more than it has). None: no move (no room, or already moving)."""
+        with self._lock:
+            if self.store.move(job.job_id) is not None or self.why_not(job) is not None:
+                return None
+            unit, held = job.cells, job.cell_count
+            cells = cells // unit * unit
+            if cells == held or cells < unit:
+                return None
+            if cells < held:
+                target: SlotRange | None = SlotRange(job.slot_base, cells)
+            else:
+                target = None
+                tail = SlotRange(job.slot_base + held, cells - held)
+                try:
+                    self._allocator.reserve(tail)
+                    target = SlotRange(job.slot_base, cells)
+                except AllocationError:
+                    taken = self._allocator.allocate(cells, min(cells, held + unit), unit=unit)
+                    target = taken
+                if target is None:
+                    return None
+            move = MoveRecord(job.job_id, 0, target.base, target.count // unit, reason, time.time())
+            try:
+                with self.store.transaction() as conn:
+                    move.generation = self.store.next_generation(conn)
+                    self.store.insert_move(conn, move)
+            except BaseException:
+                extra = self.extra_cells(job, move)
+                if extra is not None:
+                    self._allocator.release(extra)
+                raise
+            self._asked[job.job_id], self._ready[job.job_id] = set(), set()
+            self.counts["started"] += 1
+            self.last[job.job_id] = (f"{'shrink' if cells < held else 'grow'} {job.slot_count} -> {move.slot_count} "
+                                     f"slots ({reason})")
+            log.info("job %d (%s): moving its slots: %d -> %d (cells %d..%d, generation %d): %s", job.job_id,
+                     job.tenant, job.slot_count, move.slot_count, move.slot_base,
+                     move.slot_base + move.slot_count * unit - 1, move.generation, reason)
+            return move
+
+    def abort(self, job_id: int, why: str) -> None:
+        """Give the job's move up (before it commits): its extra cells go back; every worker stays on the old range."""
+        with self._lock:
+            move, job = self.store.move(job_id), self.store.get(job_id)
+            if move is None or job is None:
+                return
+            self.store.delete_move(job_id)
+            extra = self.extra_cells(job, move)
+            if extra is not None:
+                self._allocator.release(extra)
+            self._asked.pop(job_id, None)
+            self._ready.pop(job_id, None)
+            self.counts["aborted"] += 1
+            self.last[job_id] = f"move to {move.slot_count} slots given up: {why}"
+            log.warning("job %d: move to %d slots given up: %s", job_id, move.slot_count, why)
+
+    def expire(self, now: float | None = None) -> None:
+        """Give up the moves that took too long (module docstring)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            for move in self.store.moves():
+                age = now - move.created
+                if move.switch_at is None and age > DECIDE_SECONDS:
+                    silent = self._asked.get(move.job_id) == set()
+                    self.abort(move.job_id, f"not every rank asked within {DECIDE_SECONDS:g} s")
+                    if silent:
+                        self.pinned[move.job_id] = "its workers do not follow moves (none asked)"
+                elif move.switch_at is not None and age > SWITCH_SECONDS:
+                    self.abort(move.job_id, f"not every rank reached the switch point within {SWITCH_SECONDS:g} s")
+
+    # -- the workers' requests ---------------------------------------------------
+    def poll(self, job: JobRecord, generation: int) -> dict:
+        """Whether the job (as a worker of ``generation`` knows it) has a move pending: its new generation, or None."""
+        move = self.store.move(job.job_id)
+        return {"move": move.generation if move is not None and generation == job.generation else None}
+
+    def ask(self, job: JobRecord, rank: int, generation: int, exchange: int, ready: bool, on_ps: bool) -> dict:
+        """A worker's ``move`` request before exchange ``exchange`` (module docstring); ValueError when it breaks
+        the rules."""
+        if not (0 <= rank < len(job.workers)) or exchange < 0:
+            raise ValueError(f"rank {rank} or exchange {exchange} out of range")
+        with self._lock:
+            job = self.store.get(job.job_id) or job
+            move = self.store.move(job.job_id)
+            if generation != job.generation:
+                if move is None and ready and self._newer(job, generation):
+                    return self._go(job)  # committed while this rank waited (or before a restart)
+                raise ValueError(f"job {job.job_id} is at generation {job.generation}, not {generation}")
+            if move is None:
+                return {"move": None, "state": "aborted"}
+            ranks = set(range(len(job.workers)))
+            if not ready:
+                if move.switch_at is not None and exchange >= move.switch_at:
+                    raise ValueError(f"exchange {exchange} is at or past the switch point {move.switch_at}")
+                asked = self._asked.setdefault(job.job_id, set())
+                asked.add(rank)
+                answered = max(move.answered, exchange)
+                switch_at = move.switch_at
+                if switch_at is None and asked >= ranks:
+                    switch_at = answered + 1
+                if (answered, switch_at) != (move.answered, move.switch_at):
+                    self.store.set_move_progress(job.job_id, answered, switch_at)
+                return {"move": move.generation, "switch_at": switch_at}
+            if move.switch_at is None or exchange != move.switch_at:
+                raise ValueError(f"exchange {exchange} is not the switch point ({move.switch_at})")
+            if on_ps:
+                self.abort(job.job_id, f"rank {rank} runs its exchanges at the PS (failover)")
+                return {"move": None, "state": "aborted"}
+            here = self._ready.setdefault(job.job_id, set())
+            here.add(rank)
+            if not here >= ranks:
+                return {"state": "wait"}
+            return self._commit(job, move)
+
+    def _newer(self, job: JobRecord, generation: int) -> bool:
+        """Whether ``job``'s generation came after ``generation`` (a move committed since that worker's config)."""
+        return job.generation > generation
+
+    def _commit(self, job: JobRecord, move: MoveRecord) -> dict:
+        left = self.left_cells(job, move)
+        self.store.commit_move(move)
+        if left is not None:
+            self._allocator.release(left)
+        self._asked.pop(job.job_id, None)
+        self._ready.pop(job.job_id, None)
+        self.counts["committed"] += 1
+        self.last[job.job_id] = f"{job.slot_count} -> {move.slot_count} slots ({move.reason})"
+        moved = self.store.get(job.job_id)
+        assert moved is not None
+        log.info("job %d: its workers switched to %d slots (generation %d)", job.job_id, move.slot_count,
+                 move.generation)
+        return self._go(moved)
+
+    def _go(self, job: JobRecord) -> dict:
+        """``go`` once the switch holds the job's entry of its current generation (written here if not yet)."""
+        if (job.job_id, job.generation) not in self._installed:
+            try:
+                self.service.fabric.install(job, [j for j in self.store.all() if j.job_id != job.job_id])
+            except (P4RuntimeError, OSError) as err:
+                log.warning("job %d: cannot write its moved slots to the switch yet: %s", job.job_id, err)
+                return {"state": "wait"}
+            self._installed.add((job.job_id, job.generation))
+        return {"state": "go", "slot_count": job.slot_count, "generation": job.generation}
+
+    # -- fair shares ---------------------------------------------------------------
+    def claims(self, jobs: list[JobRecord]) -> list[Claim]:
+        """Every job's claim on the switch (a job with a move pending counts what the move gives it, unmoved)."""
+        capacity, per_tenant = self.config.slot_capacity, Counter(j.tenant for j in jobs if j.uses_switch)
+        claims = []
+        for job in jobs:
+            if not job.uses_switch:
+                continue
+            limits = self.config.tenant_limits.get(job.tenant)
+            weight = (limits.weight if limits is not None else 1.0) / per_tenant[job.tenant]
+            move = self.store.move(job.job_id)
+            held = job.cell_count if move is None else move.slot_count * job.cells
+            want = min(job.slots_wanted * job.cells, capacity // job.cells * job.cells)
+            claims.append(Claim(job.job_id, want, job.cells, min(self.config.min_slots * job.cells, want), weight,
+                                held, movable=move is None and self.why_not(job) is None))
+        return claims
+
+    def shares(self) -> dict[int, int]:
+        """Each job's fair share in cells now (newcomers waiting for room included, under negative ids)."""
+        with self._lock:
+            claims = self.claims(self.store.all()) + list(self._newcomers.values())
+            return fair_cells(self.config.slot_capacity, claims)
+
+    def rebalance(self) -> list[MoveRecord]:
+        """Start the moves that bring jobs toward their fair shares (module docstring); returns them."""
+        if not self.enabled:
+            return []
+        started = []
+        with self._lock:
+            jobs = {j.job_id: j for j in self.store.all()}
+            claims = self.claims(list(jobs.values()))
+            shares = fair_cells(self.config.slot_capacity, claims + list(self._newcomers.values()))
+            needy = any(shares[c.job_id] > c.held for c in claims) or bool(self._newcomers)
+            for c in claims:  # shrinks first: they free what the grows take
+                if c.movable and needy and c.held - shares[c.job_id] >= move_threshold(c.held, c.unit):
+                    move = self.start(jobs[c.job_id], shares[c.job_id], f"fair share {shares[c.job_id]} cells")
+                    started += [move] if move else []
+            for c in claims:
+                if c.movable and shares[c.job_id] - c.held >= move_threshold(c.held, c.unit) \
+                        and self._allocator.largest_free() >= c.unit:
+                    move = self.start(jobs[c.job_id], shares[c.job_id], f"fair share {shares[c.job_id]} cells")
+                    started += [move] if move else []
+        return started
+
+    def make_room(self, want: int, unit: int, weight: float, wait: float) -> int:
+        """A newcomer of ``want`` cells (whole ``unit``s, ``weight``) arrives: start the shrinks its fair share
+        needs, wait up to ``wait`` seconds for them to free the cells, and return its share in cells."""
+        key = next(self._newcomer_ids)
+        claim = Claim(key, want, unit, min(self.config.min_slots * unit, want), weight, 0)
+        with self._lock:
+            self._newcomers[key] = claim
+        try:
+            self.rebalance()
+            deadline = time.monotonic() + wait
+            while True:
+                with self._lock:
+                    share = self.shares()[key]
+                    if self._allocator.largest_free() >= share or not self.store.moves() \
+                            or time.monotonic() >= deadline:
+                        return share
+                time.sleep(0.02)
+        finally:
+            with self._lock:
+                self._newcomers.pop(key, None)
+
+    def describe(self, job: JobRecord) -> dict:
+        """What ``job show`` and ``top`` print about the job's share and moves."""
+        move = self.store.move(job.job_id)
+        shares = self.shares() if self.enabled else {}
+        return {
+            "fair_share_cells": shares.get(job.job_id),
+            "moving": None if move is None else {
+                "slot_count": move.slot_count, "generation": move.generation, "switch_at": move.switch_at,
+                "reason": move.reason},
+            "last_move": self.last.get(job.job_id),
+            "movable": self.why_not(job) or "yes",
+        }
+
+
+def newcomer_weight(service: JobService, tenant: str) -> float:
+    """A new job's weight: its tenant's, shared with the tenant's running jobs."""
+    limits = service.config.tenant_limits.get(tenant)
+    mine = sum(1 for j in service.store.all() if j.tenant == tenant and j.uses_switch)
+    return (limits.weight if limits is not None else 1.0) / (mine + 1)
+
+
+def check_request(header: dict) -> tuple[int, int, int, bool, bool]:
+    """A ``move`` request's rank, generation, exchange, ready and on_ps (ValueError when malformed)."""
+    values = []
+    for key in ("rank", "generation", "exchange"):
+        value = header.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{key}: expected an integer >= 0, got {value!r}")
+        values.append(value)
+    flags = []
+    for key in ("ready", "on_ps"):
+        value = header.get(key, False)
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: expected true or false, got {value!r}")
+        flags.append(value)
+    return values[0], values[1], values[2], flags[0], flags[1]
+
+
+__all__ = ["DECIDE_SECONDS", "SWITCH_SECONDS", "Moves", "ServiceError", "check_request", "move_threshold",
+           "newcomer_weight"]

@@ -1,0 +1,82 @@
+"""The controller's endpoint for the jobs' workers (``controller.worker_address``): how they follow moves of their
+job's slots (``moves.py``; the worker's side is hoststack/moves.py).
+
+Requests are :mod:`netagg.psproto` frames over TCP, each carrying the job id and the job's secret; a request for a
+job that does not exist or without its secret is refused alike (and counted), so another tenant learns nothing.
+``poll`` (rank, generation) answers whether a move is pending; ``move`` (rank, generation, exchange, ready,
+on_ps) is a step of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from netagg import jobsecret
+from netagg.controller.moves import check_request
+from netagg.framed_server import Frame, FramedServer, Reply, Session, listen
+from netagg.jobconfig import Endpoint
+
+if TYPE_CHECKING:
+    from netagg.controller.service import JobService
+
+log = logging.getLogger("netagg.controller")
+
+#: The answer to a request naming a job that does not exist or without the job's secret.
+REFUSAL = "no such job, or wrong or missing job secret"
+
+
+class WorkerApi:
+    """Serves the workers' requests on ``address`` until :meth:`stop`."""
+
+    def __init__(self, service: JobService, address: Endpoint) -> None:
+        self.service = service
+        #: Refused requests (unknown job or wrong secret), malformed frames, bad requests; requests answered.
+        self.counts: Counter[str] = Counter()
+        self._count_lock = threading.Lock()
+        self.server = FramedServer(listen(address.as_tuple()), self._session, name="netagg-worker-api",
+                                   frame_timeout=10.0, on_malformed=lambda _: self._count("malformed"),
+                                   on_error=lambda _: self._count("bad_request"))
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.address
+
+    def start(self) -> WorkerApi:
+        self.server.start()
+        log.info("worker endpoint on %s:%d", *self.address)
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def _count(self, what: str) -> None:
+        with self._count_lock:
+            self.counts[what] += 1
+
+    def _session(self) -> Session:
+        return self._handle, None
+
+    def _handle(self, frame: Frame) -> Reply:
+        header = frame.header
+        job_id = header.get("job_id")
+        job = self.service.store.get(job_id) if isinstance(job_id, int) and not isinstance(job_id, bool) else None
+        if job is None or not job.secret or not jobsecret.matches(job.secret, header):
+            self._count("refused")
+            raise ValueError(REFUSAL)
+        op = header.get("op")
+        moves = self.service.moves
+        if op == "poll":
+            generation = header.get("generation")
+            if not isinstance(generation, int) or isinstance(generation, bool):
+                raise ValueError(f"generation: expected an integer, got {generation!r}")
+            answer = moves.poll(job, generation)
+        elif op == "move":
+            rank, generation, exchange, ready, on_ps = check_request(header)
+            answer = moves.ask(job, rank, generation, exchange, ready, on_ps)
+        else:
+            raise ValueError(f"unknown op {op!r} (poll, move)")
+        self._count("answered")
+        return {"ok": True, **answer}, b""

@@ -1,0 +1,258 @@
+"""Moves of running jobs' slots toward their fair shares (controller/moves.py, controller/shares.py; issue 40).
+
+The job service over a stand-in switch (``conftest.FakeFabric``) and a real SQLite file, with the workers' requests
+made by the test: the switch point is decided only once every rank asked, one past the largest exchange let run on
+the old slots; the job switches only when every rank is there; the cells a move needs are reserved and those it
+leaves are freed; a restart at any step finds the move where it was; a move that is not followed is given up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from netagg.controller import moves as moves_module
+from netagg.controller.admission import JobRequest
+from netagg.controller.config import load_config
+from netagg.controller.service import Caller, JobService
+from netagg.controller.shares import Claim, fair_cells
+from netagg.controller.store import JobStore
+from netagg.jobconfig import Endpoint
+
+from conftest import FakeFabric, controller_config
+
+ALICE, BOB = Caller("alice"), Caller("bob")
+_PORT = [43000]
+
+
+def _config_path(tmp_path: Path, capacity: int = 64, move_wait: float = 5.0, **tenants: dict) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = controller_config(tmp_path, "127.0.0.1:1", aggregator_port=28900, capacity=capacity, min_slots=4)
+    data = yaml.safe_load(path.read_text())
+    data["controller"]["worker_address"] = "127.0.0.1:0"
+    data["slots"]["move_wait_seconds"] = move_wait
+    for name, limits in tenants.items():
+        data["tenants"][name].update(limits)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _service(path: Path, fabric: FakeFabric | None = None) -> JobService:
+    config = load_config(path)
+    service = JobService(config, JobStore(config.database), fabric or FakeFabric())  # type: ignore[arg-type]
+    service.load()
+    service.worker_endpoint = Endpoint("127.0.0.1", 1)
+    return service
+
+
+def _create(service: JobService, caller: Caller, slots: int, workers: int = 2) -> dict:
+    _PORT[0] += workers
+    return service.create_job(caller, JobRequest(name="j", workers=[f"local:{_PORT[0] + i}" for i in range(workers)],
+                                                 slots=slots, width=64))
+
+
+def _ask(service: JobService, job_id: int, rank: int, exchange: int, ready: bool = False, generation: int | None = None,
+         on_ps: bool = False) -> dict:
+    job = service.store.get(job_id)
+    assert job is not None
+    return service.moves.ask(job, rank, job.generation if generation is None else generation, exchange, ready, on_ps)
+
+
+# -- the shares -----------------------------------------------------------------------
+def test_fair_cells_is_weighted_max_min_within_wants_minimums_and_whole_slots() -> None:
+    def claim(job_id: int, want: int, weight: float = 1.0, unit: int = 1, held: int = 0, movable: bool = True,
+              minimum: int = 4) -> Claim:
+        return Claim(job_id, want, unit, minimum, weight, held, movable)
+
+    assert fair_cells(64, [claim(1, 64), claim(2, 64)]) == {1: 32, 2: 32}
+    assert fair_cells(64, [claim(1, 64, 3.0), claim(2, 64)]) == {1: 48, 2: 16}
+    assert fair_cells(64, [claim(1, 16), claim(2, 64)]) == {1: 16, 2: 48}  # a small claim leaves the rest
+    assert fair_cells(64, [claim(1, 64, held=40, movable=False), claim(2, 64)]) == {1: 40, 2: 24}
+    shares = fair_cells(64, [claim(1, 64), claim(2, 64), claim(3, 64)])
+    assert sorted(shares.values()) == [21, 21, 22] and sum(shares.values()) == 64
+    wide = fair_cells(64, [claim(1, 64, unit=4), claim(2, 64, unit=4), claim(3, 64)])
+    assert wide[1] % 4 == 0 and wide[2] % 4 == 0 and sum(wide.values()) <= 64 and wide[3] >= 20
+    assert fair_cells(8, [claim(1, 64), claim(2, 64), claim(3, 64)]) == {1: 4, 2: 4, 3: 4}  # minimums do not fit
+
+
+# -- one move, step by step -------------------------------------------------------------
+def test_a_shrink_switches_one_past_the_last_exchange_let_run_and_only_when_every_rank_is_there(tmp_path) -> None:
+    fabric = FakeFabric()
+    service = _service(_config_path(tmp_path), fabric)
+    job = service.store.get(_create(service, ALICE, 64)["job"]["job_id"])
+    old_generation = job.generation
+    move = service.moves.start(job, 32, "test")
+    assert move is not None and move.slot_base == job.slot_base and move.generation > old_generation
+    assert service.moves.poll(job, old_generation) == {"move": move.generation}
+    assert service.moves.start(job, 16, "again") is None  # one move at a time
+
+    assert _ask(service, job.job_id, 0, 7) == {"move": move.generation, "switch_at": None}
+    assert _ask(service, job.job_id, 0, 8) == {"move": move.generation, "switch_at": None}  # runs 8 on the old slots
+    assert _ask(service, job.job_id, 1, 7) == {"move": move.generation, "switch_at": 9}  # past every answered one
+    assert _ask(service, job.job_id, 1, 8) == {"move": move.generation, "switch_at": 9}
+    with pytest.raises(ValueError, match="switch point"):
+        _ask(service, job.job_id, 0, 9)  # an exchange at the switch point is not run on the old slots
+    with pytest.raises(ValueError, match="switch point"):
+        _ask(service, job.job_id, 0, 8, ready=True)
+
+    assert _ask(service, job.job_id, 0, 9, ready=True) == {"state": "wait"}
+    assert service.store.get(job.job_id).slot_count == 64  # nothing changes before every rank is there
+    assert fabric.installed[job.job_id].generation == old_generation
+    go = _ask(service, job.job_id, 1, 9, ready=True)
+    assert go == {"state": "go", "slot_count": 32, "generation": move.generation}
+    # Rank 0 asks again with its old generation: the same go.
+    assert _ask(service, job.job_id, 0, 9, ready=True, generation=old_generation) == go
+    moved = service.store.get(job.job_id)
+    assert (moved.slot_base, moved.slot_count, moved.generation) == (job.slot_base, 32, move.generation)
+    assert fabric.installed[job.job_id].generation == move.generation
+    assert service.store.move(job.job_id) is None
+    assert service.allocator.free_cells == 32
+    assert service.moves.counts == {"started": 1, "committed": 1}
+    with pytest.raises(ValueError, match="generation"):  # a stale config is not followed anywhere else
+        _ask(service, job.job_id, 0, 10, generation=old_generation)
+
+
+def test_a_grow_moves_elsewhere_when_the_cells_after_it_are_taken_and_frees_the_old_range(tmp_path) -> None:
+    service = _service(_config_path(tmp_path))
+    a = service.store.get(_create(service, ALICE, 16)["job"]["job_id"])
+    b = service.store.get(_create(service, BOB, 16)["job"]["job_id"])
+    assert (a.slot_base, b.slot_base) == (0, 16)
+    move = service.moves.start(a, 32, "test")
+    assert move is not None and move.slot_base == 32  # cells 16.. are b's: a moves to a free range
+    assert service.allocator.free_cells == 0  # both ranges held while it moves
+    for rank in (0, 1):
+        _ask(service, a.job_id, rank, 0)
+    for rank in (0, 1):
+        answer = _ask(service, a.job_id, rank, 1, ready=True)
+    assert answer["state"] == "go" and answer["slot_count"] == 32
+    assert service.allocator.free_cells == 16 and service.allocator.free_ranges[0].base == 0
+    # b (16..31) cannot grow: the cells after it are a's, and no free range holds more than it has.
+    assert service.moves.start(b, 32, "test") is None and service.allocator.free_cells == 16
+
+
+def test_a_restart_finds_a_move_at_every_step(tmp_path) -> None:
+    path = _config_path(tmp_path)
+    service = _service(path)
+    a = service.store.get(_create(service, ALICE, 16)["job"]["job_id"])
+    move = service.moves.start(a, 48, "test")  # grows in place: cells 16..47 reserved
+    assert move is not None and move.slot_base == 0 and service.allocator.free_cells == 16
+    _ask(service, a.job_id, 0, 3)
+    service.store.close()
+
+    service = _service(path)  # the controller restarted: the reservation is back, the asks were forgotten
+    assert service.allocator.free_cells == 16
+    assert _ask(service, a.job_id, 1, 3) == {"move": move.generation, "switch_at": None}
+    assert _ask(service, a.job_id, 0, 4) == {"move": move.generation, "switch_at": 5}
+    service.store.close()
+
+    service = _service(path)  # restarted after the decision: the switch point stands
+    assert service.store.move(a.job_id).switch_at == 5
+    assert _ask(service, a.job_id, 1, 4) == {"move": move.generation, "switch_at": 5}
+    assert _ask(service, a.job_id, 0, 5, ready=True) == {"state": "wait"}
+    service.store.close()
+
+    fabric = FakeFabric()
+    service = _service(path, fabric)  # restarted with rank 0 at the switch point: it asks again
+    assert _ask(service, a.job_id, 1, 5, ready=True) == {"state": "wait"}
+    go = _ask(service, a.job_id, 0, 5, ready=True)
+    assert go == {"state": "go", "slot_count": 48, "generation": move.generation}
+    assert fabric.installed[a.job_id].slot_count == 48 and service.allocator.free_cells == 16
+    service.store.close()
+
+    fabric = FakeFabric()
+    service = _service(path, fabric)  # restarted after the commit: the late rank's go writes the switch again
+    assert _ask(service, a.job_id, 1, 5, ready=True, generation=a.generation) == go
+    assert fabric.installed[a.job_id].generation == move.generation
+
+
+def test_a_move_nobody_follows_is_given_up_and_the_job_pinned(tmp_path, monkeypatch) -> None:
+    service = _service(_config_path(tmp_path))
+    a = service.store.get(_create(service, ALICE, 16)["job"]["job_id"])
+    move = service.moves.start(a, 48, "test")
+    assert move is not None and service.allocator.free_cells == 16
+    service.moves.expire(time.time() + moves_module.DECIDE_SECONDS + 1)
+    assert service.store.move(a.job_id) is None and service.allocator.free_cells == 48
+    assert service.moves.counts["aborted"] == 1 and a.job_id in service.moves.pinned
+    assert service.moves.start(a, 48, "again") is None  # not moved again
+    assert _ask(service, a.job_id, 0, 0) == {"move": None, "state": "aborted"}  # a late worker stays
+
+
+def test_a_worker_on_its_ps_gives_the_move_up_at_the_switch_point(tmp_path) -> None:
+    service = _service(_config_path(tmp_path))
+    a = service.store.get(_create(service, ALICE, 64)["job"]["job_id"])
+    move = service.moves.start(a, 32, "test")
+    assert move is not None
+    for rank in (0, 1):
+        _ask(service, a.job_id, rank, 0)
+    assert _ask(service, a.job_id, 0, 1, ready=True) == {"state": "wait"}
+    assert _ask(service, a.job_id, 1, 1, ready=True, on_ps=True)["state"] == "aborted"
+    assert _ask(service, a.job_id, 0, 1, ready=True)["state"] == "aborted"  # the waiting rank stays too
+    assert service.store.get(a.job_id).slot_count == 64 and service.allocator.free_cells == 0
+
+
+def test_deleting_a_moving_job_frees_both_ranges(tmp_path) -> None:
+    service = _service(_config_path(tmp_path))
+    a = service.store.get(_create(service, ALICE, 16)["job"]["job_id"])
+    assert service.moves.start(a, 48, "test") is not None
+    service.delete_job(ALICE, a.job_id)
+    assert service.allocator.free_cells == 64 and service.store.moves() == []
+
+
+# -- fair shares ---------------------------------------------------------------------
+def _follow(service: JobService, job_id: int, stop: threading.Event, workers: int = 2) -> threading.Thread:
+    """Stand-in workers of ``job_id``: each rank runs an exchange every 10 ms and asks before it, as
+    hoststack/moves.py does, switching when told."""
+    def run() -> None:
+        index, generation = 0, service.store.get(job_id).generation
+        while not stop.is_set():
+            job = service.store.get(job_id)
+            if job is None:
+                return
+            if service.moves.poll(job, generation)["move"] is not None:
+                answers = [service.moves.ask(job, r, generation, index, False, False) for r in range(workers)]
+                switch_at = answers[-1]["switch_at"]
+                if switch_at is not None and index + 1 == switch_at:
+                    for r in range(workers):
+                        answer = service.moves.ask(job, r, generation, switch_at, True, False)
+                    assert answer["state"] == "go"
+                    generation = answer["generation"]
+            index += 1
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_newcomer_gets_its_fair_share_from_a_job_that_holds_the_switch_and_it_grows_back(tmp_path) -> None:
+    service = _service(_config_path(tmp_path))
+    first = _create(service, ALICE, 64)
+    assert first["admission"] == "full"
+    stop = threading.Event()
+    follower = _follow(service, first["job"]["job_id"], stop)
+    try:
+        second = _create(service, BOB, 64)  # waits while alice's job shrinks to its share
+        assert second["admission"] == "partial" and second["job"]["slot_count"] == 32
+        assert "fair share" in second["reason"]
+        assert service.store.get(first["job"]["job_id"]).slot_count == 32
+        assert service.show_job(ALICE, first["job"]["job_id"])["fair_share_cells"] == 32
+        service.delete_job(BOB, second["job"]["job_id"])
+        assert service.moves.rebalance()  # alice's job grows back into the freed cells
+        deadline = time.monotonic() + 5
+        while service.store.get(first["job"]["job_id"]).slot_count != 64 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert service.store.get(first["job"]["job_id"]).slot_count == 64
+    finally:
+        stop.set()
+        follower.join(5)
+
+
+def test_a_newcomer_whose_running_jobs_do_not_follow_gets_what_is_free_after_the_wait(tmp_path) -> None:
+    service = _service(_config_path(tmp_path, move_wait=0.3))
+    _create(service, ALICE, 48)
+    second = _create(service, BOB, 64)  # alice's workers never ask: the shrink is not decided in the wait
+    assert second["admission"] == "partial" and second["job"]["slot_count"] == 16
