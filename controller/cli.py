@@ -153,6 +153,7 @@ def _format_job(job: dict[str, Any]) -> str:
     if job.get("tenant_limit_cells") is not None:
         lines.append(f"  tenant {job['tenant']} holds {job['tenant_cells']} of its {job['tenant_limit_cells']} cells "
                      f"({job['tenant_limit']})")
+    lines += _format_moves(job)
     chosen_by = job.get("slots_chosen_by", "asked")  # a controller from before the choice: asked
     if chosen_by != "asked":
         lines.append(f"  slots chosen by the controller: {chosen_by}")
@@ -225,6 +226,12 @@ def _print(result: Any, args: argparse.Namespace) -> None:
 _TOP_COUNTERS = ("contributions", "results", "duplicates", "retransmit_results", "rejects")
 
 
+def _share(job: dict[str, Any]) -> str:
+    """The job's fair share in its slots (``-``: the controller moves no jobs, or none is computed)."""
+    share = job.get("fair_share_cells")
+    return "-" if share is None else str(share // (job.get("width", wire.K) // wire.K))
+
+
 def _switch_drops(args: argparse.Namespace) -> dict[tuple[str, int], int] | None:
     """The switch's drop counters (under a topology, every switch's, summed), read over P4Runtime (read only, no
     arbitration); None if one is unreachable."""
@@ -255,6 +262,26 @@ def _switch_drops(args: argparse.Namespace) -> dict[tuple[str, int], int] | None
     return total
 
 
+def _format_moves(job: dict[str, Any]) -> list[str]:
+    """Where the controller moves jobs (docs/controller.md, "Fair shares that move"): the job's fair share in cells,
+    a move under way and the last one."""
+    if "fair_share_cells" not in job:
+        return []
+    share = job["fair_share_cells"]
+    movable = job.get("movable", "yes")
+    lines = [f"  fair share {'-' if share is None else share} cells; "
+             + ("moves with its share" if movable == "yes" else f"not moved: {movable}")]
+    moving = job.get("moving")
+    if moving:
+        at = moving["switch_at"]
+        lines.append(f"  moving to {moving['slot_count']} slots (generation {moving['generation']}), "
+                     + ("waiting for every rank to ask" if at is None else f"switching at exchange {at}")
+                     + f": {moving['reason']}")
+    if job.get("last_move"):
+        lines.append(f"  last move: {job['last_move']}")
+    return lines
+
+
 def _render_top(jobs: list[dict[str, Any]], previous: dict[int, dict[str, int]], elapsed: float | None,
                 drops: dict[tuple[str, int], int] | None) -> str:
     """The `netagg top` screen: one line per job (counters and per-second rates), what each tenant holds of switch
@@ -262,7 +289,7 @@ def _render_top(jobs: list[dict[str, Any]], previous: dict[int, dict[str, int]],
     from netagg.controller.metrics import drop_reason_name
 
     lines = [f"netagg top  {time.strftime('%H:%M:%S')}  {len(jobs)} job(s)",
-             f"{'JOB':>4} {'TENANT':<10} {'NAME':<12} {'MODE':<9} {'SLOTS':>5} {'WKR':>3} "
+             f"{'JOB':>4} {'TENANT':<10} {'NAME':<12} {'MODE':<9} {'SLOTS':>5} {'SHARE':>5} {'WKR':>3} "
              f"{'CONTRIB':>10} {'RESULTS':>10} {'RES/S':>8} {'DUPS':>7} {'RETX-RES':>8} {'REJECTS':>7} LEASE"]
     now = time.time()
     for job in jobs:
@@ -274,7 +301,8 @@ def _render_top(jobs: list[dict[str, Any]], previous: dict[int, dict[str, int]],
         shown = [str(counters.get(k, "-")) for k in _TOP_COUNTERS]
         lease = max(0.0, job.get("lease_expires", now) - now)
         lines.append(f"{job['job_id']:>4} {job['tenant'][:10]:<10} {job['name'][:12]:<12} {job['mode']:<9} "
-                     f"{job['slot_count']:>5} {len(job['workers']):>3} {shown[0]:>10} {shown[1]:>10} {rate:>8} "
+                     f"{job['slot_count']:>5} {_share(job):>5} {len(job['workers']):>3} {shown[0]:>10} {shown[1]:>10} "
+                     f"{rate:>8} "
                      f"{shown[2]:>7} {shown[3]:>8} {shown[4]:>7} {lease:.0f}s")
     held: dict[str, str] = {}  # per tenant: the cells its jobs hold against its limit (job show's view)
     for job in jobs:
@@ -282,6 +310,10 @@ def _render_top(jobs: list[dict[str, Any]], previous: dict[int, dict[str, int]],
             limit = job.get("tenant_limit_cells")
             held[job["tenant"]] = (f"{job['tenant_cells']} cells" if limit is None else
                                    f"{job['tenant_cells']} of {limit} cells ({job.get('tenant_limit')})")
+    moving = [f"{job['job_id']} {job['slot_count']}->{job['moving']['slot_count']}" for job in jobs
+              if job.get("moving")]
+    if moving:
+        lines.append("moving (job slots): " + ", ".join(moving))
     if held:
         lines.append("tenants: " + ", ".join(f"{tenant} {text}" for tenant, text in sorted(held.items())))
     if drops is None:

@@ -110,7 +110,7 @@ class ControllerDaemon:
                 self.lease_expiries += 1
                 log.info("job %d reclaimed: lease expired", job_id)
             self.service.moves.expire()
-            if self.service.switch_available():
+            if self.service.switch_available:
                 self.service.moves.rebalance()
 
     def stop(self) -> None:

@@ -131,6 +131,27 @@ class ControllerCollector(Collector):
                 limit.add_metric([tenant], found[0])
         yield from (held, limit)
 
+    def _moves(self, jobs: list) -> Iterator[object]:
+        """Moves of running jobs' slots (controller/moves.py): each job's fair share, the moves under way, and the
+        moves started, committed and given up."""
+        moves = self.service.moves
+        if not moves.enabled:
+            return
+        shares = moves.shares()
+        share = GaugeMetricFamily("netagg_job_fair_share_cells", "The job's weighted max-min fair share of the "
+                                  "switch's cells (what the controller moves it toward)", labels=JOB_LABELS)
+        for job in jobs:
+            if job.job_id in shares:
+                share.add_metric([str(job.job_id), job.tenant, job.name], shares[job.job_id])
+        yield share
+        yield GaugeMetricFamily("netagg_moves_pending", "Moves of jobs' slots under way",
+                                value=len(self.service.store.moves()))
+        total = CounterMetricFamily("netagg_moves", "Moves of running jobs' slots since the controller started",
+                                    labels=["outcome"])
+        for outcome in ("started", "committed", "aborted"):
+            total.add_metric([outcome], moves.counts.get(outcome, 0))
+        yield total
+
     def collect(self) -> Iterator[object]:
         started = time.monotonic()
         fabric = self.service.fabric
@@ -225,6 +246,7 @@ class ControllerCollector(Collector):
 
         yield from self._slots()
         yield from self._tenants(jobs)
+        yield from self._moves(jobs)
 
         admissions = CounterMetricFamily("netagg_admissions", "Job admission decisions since the controller started",
                                          labels=["decision"])

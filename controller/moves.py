@@ -241,8 +241,10 @@ class Moves:
                 return {"move": None, "state": "aborted"}
             ranks = set(range(len(job.workers)))
             if not ready:
-                if move.switch_at is not None and exchange >= move.switch_at:
-                    raise ValueError(f"exchange {exchange} is at or past the switch point {move.switch_at}")
+                if move.switch_at is not None:  # decided: a rank that ran the last old exchange learns it here
+                    if exchange > move.switch_at:
+                        raise ValueError(f"exchange {exchange} is past the switch point {move.switch_at}")
+                    return {"move": move.generation, "switch_at": move.switch_at}
                 asked = self._asked.setdefault(job.job_id, set())
                 asked.add(rank)
                 answered = max(move.answered, exchange)

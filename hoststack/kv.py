@@ -287,7 +287,7 @@ class KVWorker:
             self._futures[ts] = future
         return ts
 
-    def _follow_moves(self) -> None:
+    def follow_moves(self) -> None:
         """Before a whole-job exchange: switch to the job's new slots where the controller moved them here."""
         if self._moves is None:
             return
@@ -309,14 +309,14 @@ class KVWorker:
 
     def _aggregate(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None,
                    tag: int = 0) -> np.ndarray:
-        self._follow_moves()
+        self.follow_moves()
         sums, global_exp, result_flags = self.transport.exchange(blocks, exponents, flags=flags, tag=tag)
         return qz.dequantize(sums, global_exp, self.num_workers, flags=result_flags)
 
     def _aggregate_deadline(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None, tag: int,
                             deadline: float) -> tuple[np.ndarray, np.ndarray]:
         """A deadline allreduce: the sums, and per block whether this worker's values are in none of them."""
-        self._follow_moves()
+        self.follow_moves()
         t = self.transport
         sums, global_exp, result_flags = t.exchange(blocks, exponents, flags=flags, tag=tag, deadline=deadline)
         members = t.last_members.astype(np.int64)
@@ -340,7 +340,7 @@ class KVWorker:
 
     def _push(self, layout: blk.Layout, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None,
               keep: bool) -> list | None:
-        self._follow_moves()
+        self.follow_moves()
         seq_start = self.transport.next_seq
         sums, global_exp, result_flags = self.transport.exchange(blocks, exponents, flags=flags)
         aggregate = qz.dequantize(sums, global_exp, self.num_workers, flags=result_flags).reshape(-1)

@@ -294,6 +294,7 @@ class SparseTable:
         tag = float(self.hot.version % 4096 + 1)
         blocks[-1, :2] = (tag, tag * tag)
         exponents, flags = qz.inspect(blocks)
+        self.worker.follow_moves()  # a whole-job exchange like any other: where the job's slots moved, here too
         sums, global_exp, result_flags = self.worker.transport.exchange(blocks, exponents, flags=flags)
         values = qz.dequantize(sums, global_exp, n, flags=result_flags)
         total, squares = float(values[-1, 0]), float(values[-1, 1])

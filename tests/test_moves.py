@@ -94,8 +94,10 @@ def test_a_shrink_switches_one_past_the_last_exchange_let_run_and_only_when_ever
     assert _ask(service, job.job_id, 0, 8) == {"move": move.generation, "switch_at": None}  # runs 8 on the old slots
     assert _ask(service, job.job_id, 1, 7) == {"move": move.generation, "switch_at": 9}  # past every answered one
     assert _ask(service, job.job_id, 1, 8) == {"move": move.generation, "switch_at": 9}
+    # Rank 0 ran 8 before the decision: it learns the switch point when it asks before 9; none asks past it.
+    assert _ask(service, job.job_id, 0, 9) == {"move": move.generation, "switch_at": 9}
     with pytest.raises(ValueError, match="switch point"):
-        _ask(service, job.job_id, 0, 9)  # an exchange at the switch point is not run on the old slots
+        _ask(service, job.job_id, 0, 10)
     with pytest.raises(ValueError, match="switch point"):
         _ask(service, job.job_id, 0, 8, ready=True)
 
