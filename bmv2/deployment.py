@@ -89,13 +89,19 @@ class Deployment:
         switch = {"p4info": str(dp.P4INFO_PATH), **({"bmv2_json": str(bmv2_json)} if bmv2_json else {})}
         return {"topology": str(topology), "switch": switch, **self._controller_common(ps_host, ps_port, capacity)}
 
+    #: ``controller.worker_address``: where the deployment's workers reach the controller to follow moves of their
+    #: job's slots (None: the controller moves no jobs; its hosts cannot reach it).
+    WORKER_ADDRESS: str | None = None
+
     def _controller_common(self, ps_host: str, ps_port: int, capacity: int,
                            target_rtt_ms: float | None = None) -> dict:
         rtt = {} if target_rtt_ms is None else {"target_rtt_ms": target_rtt_ms}
+        workers = {} if self.WORKER_ADDRESS is None else {"worker_address": self.WORKER_ADDRESS}
         return {
             "slots": {"capacity": capacity, "min_per_job": 4, **rtt},
             "controller": {"database": str(self.workdir / "controller.db"),
-                           "api_socket": str(self.workdir / "controller.sock"), "admin_token": ADMIN_TOKEN},
+                           "api_socket": str(self.workdir / "controller.sock"), "admin_token": ADMIN_TOKEN,
+                           **workers},
             "tenants": {"demo": {"token": TENANT_TOKEN}},
             "parameter_servers": [{"name": "ps0", "host": ps_host, "udp_port": ps_port}],
         }
@@ -207,6 +213,8 @@ class LocalDeployment(Deployment):
     """The embedded default: software target in loopback UDP mode; every host is 127.0.0.1."""
 
     HOST = "local"
+    #: Every process is on this host: the workers follow moves at any free port (kept across controller restarts).
+    WORKER_ADDRESS = "127.0.0.1:0"
 
     def __init__(self, workdir: Path, capacity: int = 1024, max_workers: int = 32, switch: str = "soft") -> None:
         super().__init__(workdir)

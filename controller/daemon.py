@@ -31,6 +31,8 @@ log = logging.getLogger("netagg.controller")
 
 #: How often expired leases are looked for.
 REAP_INTERVAL_SECONDS = 1.0
+#: The database's key for the worker endpoint's port when the configuration leaves it to the kernel (port 0).
+WORKER_PORT_KEY = "worker_port"
 #: How long the first attempt at start waits for the switch to accept the connection.
 STARTUP_CONNECT_TIMEOUT = 2.0
 
@@ -83,18 +85,32 @@ class ControllerDaemon:
                                    f"listen on {self.config.metrics_address}: {err.strerror}") from None
             log.info("metrics on http://%s:%d/metrics", *self.metrics.address)
         if self.config.worker_address is not None:
-            try:
-                self.worker_api = WorkerApi(self.service, self.config.worker_address).start()
-            except OSError as err:
-                raise ServiceError("invalid_argument", f"{self.config.source}: controller.worker_address: cannot "
-                                   f"listen on {self.config.worker_address.host}:{self.config.worker_address.port}: "
-                                   f"{err.strerror}") from None
-            self.service.worker_endpoint = Endpoint(*self.worker_api.address)
+            self._start_worker_api(self.config.worker_address)
         self.api = ApiServer(self.config.api_socket, self.service, self.config.tenants, self.config.admin_token)
         self.api.start()
         for watch in self.watches:
             watch.start()
         log.info("controller ready: api on %s, %d jobs", self.config.api_socket, len(self.store.all()))
+
+    def _start_worker_api(self, address: Endpoint) -> None:
+        """Serve the workers' endpoint. Port 0: the port the controller had before (kept in its database, so the
+        workers' configs stay right across restarts), else any free one."""
+        kept = self.store.meta(WORKER_PORT_KEY) if address.port == 0 else None
+        if kept is not None:
+            try:
+                self.worker_api = WorkerApi(self.service, Endpoint(address.host, kept)).start()
+            except OSError as err:
+                log.warning("worker endpoint: port %d (kept from before the restart) is taken (%s): the running "
+                            "jobs' workers cannot follow moves until they get new configs", kept, err.strerror)
+        if self.worker_api is None:
+            try:
+                self.worker_api = WorkerApi(self.service, address).start()
+            except OSError as err:
+                raise ServiceError("invalid_argument", f"{self.config.source}: controller.worker_address: cannot "
+                                   f"listen on {address.host}:{address.port}: {err.strerror}") from None
+        self.service.worker_endpoint = Endpoint(*self.worker_api.address)
+        if address.port == 0:
+            self.store.set_meta(WORKER_PORT_KEY, self.service.worker_endpoint.port)
 
     def serve(self) -> None:
         """Reap expired leases until stopped (SIGINT/SIGTERM); give up on a switch never reached within

@@ -257,6 +257,16 @@ class JobStore:
         conn.execute("UPDATE meta SET value = ? WHERE key = 'next_generation'", (value + 1,))
         return value
 
+    def meta(self, key: str) -> int | None:
+        """A number the controller keeps across restarts (e.g. the worker endpoint's port), None if unset."""
+        with self._lock:
+            row = self._conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else int(row[0])
+
+    def set_meta(self, key: str, value: int) -> None:
+        with self.transaction() as conn:
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
     def insert(self, conn: sqlite3.Connection, job: JobRecord) -> None:
         conn.execute(
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"

@@ -5,6 +5,7 @@ grows it back when the newcomer leaves; every sum exact on every worker, before,
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -123,3 +124,63 @@ def test_a_running_job_shrinks_for_a_newcomer_and_grows_back_with_every_sum_exac
         assert shown["last_move"].startswith("32 -> 64 slots") and shown["moving"] is None
     finally:
         ctl.stop()
+
+
+def test_a_controller_killed_mid_move_comes_back_to_a_consistent_job_and_switch(tmp_path: Path,
+                                                                               soft_switch: TargetProcess) -> None:
+    """The controller dies (SIGKILL) as soon as it has written a shrink for a newcomer; restarted, it finds the move,
+    the running job's workers (which keep asking meanwhile) finish it or it is given up, and the job grows back to
+    its share: every sum exact, and the switch's entry the database's."""
+    path = config_for(tmp_path, soft_switch, capacity=64)
+    data = yaml.safe_load(path.read_text())
+    data["controller"]["worker_address"] = "127.0.0.1:0"
+    path.write_text(yaml.safe_dump(data))
+    ctl = start_controller(path, tmp_path / "controller.log")
+    try:
+        alice, bob = ApiClient(ctl.socket, TOKENS["alice"]), ApiClient(ctl.socket, TOKENS["bob"])
+        ports = free_ports(4)
+        first = alice.call("create", name="a", workers=[f"local:{p}" for p in ports[:2]], slots=64, width=64)
+        a_id = first["job"]["job_id"]
+        a = Job(_configs(alice, a_id, 2), seed=3)
+        _wait_for("job a's first calls", lambda: min(a.done) >= 5)
+        creating = threading.Thread(target=lambda: _ignore_errors(lambda: bob.call(
+            "create", name="b", workers=[f"local:{p}" for p in ports[2:]], slots=64, width=64)), daemon=True)
+        creating.start()
+        database = data["controller"]["database"]
+        _wait_for("the move's row", lambda: _moves_in(database) > 0)
+        ctl.kill()
+        creating.join(10)
+        time.sleep(0.5)  # the workers ask a controller that is not there
+        ctl = start_controller(path, tmp_path / "controller-2.log")
+        alice = ApiClient(ctl.socket, TOKENS["alice"])
+        assert [j["job_id"] for j in ApiClient(ctl.socket, TOKENS["bob"]).call("list")] == []  # b was never made
+        _wait_for("job a back at its share with no move pending", lambda: _settled(alice, a_id, 64), timeout=90)
+        done_then = min(a.done)
+        _wait_for("job a's calls after it settled", lambda: min(a.done) >= done_then + 5)
+        a.stop.set()
+        a.join()
+        assert a.slots == [64, 64]
+        shown = alice.call("show", job_id=a_id)
+        assert shown["counters"]["results"] > 0  # the switch holds the job's entry of its current generation
+    finally:
+        ctl.stop()
+
+
+def _ignore_errors(call) -> None:
+    with contextlib.suppress(Exception):  # the controller is killed under it
+        call()
+
+
+def _moves_in(database: str) -> int:
+    import sqlite3
+
+    with sqlite3.connect(database, timeout=5) as conn:
+        try:
+            return conn.execute("SELECT COUNT(*) FROM moves").fetchone()[0]
+        except sqlite3.OperationalError:
+            return 0
+
+
+def _settled(client: ApiClient, job_id: int, slots: int) -> bool:
+    shown = client.call("show", job_id=job_id)
+    return shown["slot_count"] == slots and shown["moving"] is None
