@@ -258,3 +258,68 @@ def test_a_newcomer_whose_running_jobs_do_not_follow_gets_what_is_free_after_the
     _create(service, ALICE, 48)
     second = _create(service, BOB, 64)  # alice's workers never ask: the shrink is not decided in the wait
     assert second["admission"] == "partial" and second["job"]["slot_count"] == 16
+
+
+# -- the workers' endpoint ------------------------------------------------------------
+def test_the_worker_endpoint_refuses_strangers_alike_and_answers_the_jobs_workers(tmp_path) -> None:
+    from netagg.controller.worker_api import REFUSAL, WorkerApi
+    from netagg.psproto import PsClient, PsRefused
+
+    service = _service(_config_path(tmp_path))
+    a = service.store.get(_create(service, ALICE, 32)["job"]["job_id"])
+    b = service.store.get(_create(service, BOB, 4)["job"]["job_id"])
+    api = WorkerApi(service, Endpoint("127.0.0.1", 0)).start()
+    try:
+        def request(header: dict, secret: str) -> dict:
+            client = PsClient(api.address, timeout=5, secret=secret)
+            try:
+                return client.request(header)[0]
+            finally:
+                client.close()
+
+        poll = {"op": "poll", "job_id": a.job_id, "rank": 0, "generation": a.generation}
+        assert request(poll, a.secret)["move"] is None
+        for header, secret in ((poll, b.secret), (poll, ""), ({**poll, "job_id": 999}, a.secret),
+                               ({**poll, "job_id": "1"}, a.secret)):
+            with pytest.raises(PsRefused, match=REFUSAL):  # another job's secret, none, no such job: alike
+                request(header, secret)
+        assert api.counts["refused"] == 4
+        move = service.moves.start(a, 16, "test")
+        assert request(poll, a.secret)["move"] == move.generation
+        ask = {"op": "move", "job_id": a.job_id, "rank": 0, "generation": a.generation, "exchange": 3,
+               "ready": False, "on_ps": False}
+        for bad in ({"rank": 2}, {"exchange": -1}, {"ready": "yes"}, {"rank": True}, {"op": "commit"}):
+            with pytest.raises(PsRefused):
+                request({**ask, **bad}, a.secret)
+        assert request(ask, a.secret)["switch_at"] is None
+        assert service.store.move(a.job_id).answered == 3  # the bad requests changed nothing
+    finally:
+        api.stop()
+
+
+def test_a_worker_that_loses_the_controller_with_a_move_pending_fails_loudly(tmp_path) -> None:
+    from netagg.controller.worker_api import WorkerApi
+    from netagg.hoststack.moves import MoveClient, MoveError
+    from netagg.jobconfig import WorkerConfig
+
+    service = _service(_config_path(tmp_path))
+    a = service.store.get(_create(service, ALICE, 64)["job"]["job_id"])
+    api = WorkerApi(service, Endpoint("127.0.0.1", 0)).start()
+    service.worker_endpoint = Endpoint(*api.address)
+    config = WorkerConfig.from_dict(yaml.safe_load(service.worker_config(ALICE, a.job_id, 0).to_yaml()))
+    assert config.controller == service.worker_endpoint and config.generation == a.generation
+    client = MoveClient(config, poll_seconds=0.02, barrier_seconds=0.5)
+    try:
+        assert client.before_exchange(0) is None  # nothing pending: no request at all
+        service.moves.start(a, 32, "test")
+        deadline = time.monotonic() + 5
+        while client._pending is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.before_exchange(1) is None  # rank 1 has not asked: run 1 on the old slots
+        api.stop()  # the controller goes away with the move pending
+        started = time.monotonic()
+        with pytest.raises(MoveError, match="no answer from the controller"):
+            client.before_exchange(2)
+        assert 0.4 < time.monotonic() - started < 5
+    finally:
+        client.close()
