@@ -76,7 +76,9 @@ class EmulatedCluster(Deployment):
         self.topology = Topology(self.prefix, spec.num_workers + 1, mtu=spec.mtu,
                                  shape=LinkShape(spec.rate_mbit, spec.delay_ms, spec.queue_packets),
                                  tcp_congestion=spec.tcp_congestion,
-                                 switch_segmentation=spec.target in SOFT_TARGETS)
+                                 switch_segmentation=spec.target in SOFT_TARGETS, management=True)
+        # The hosts reach the controller over the management network: their workers follow moves of their slots.
+        self.worker_address = f"{self.topology.controller_ip}:0"
 
     @property
     def worker_hosts(self) -> list[str]:

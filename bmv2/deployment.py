@@ -47,6 +47,13 @@ class Deployment:
         self.processes: list[subprocess.Popen] = []
         self.switch: TargetProcess | None = None
         self.config_path = workdir / "controller.yaml"
+        #: ``controller.worker_address``: where the deployment's workers reach the controller to follow moves of
+        #: their job's slots (None: the controller moves no jobs; its hosts cannot reach it).
+        self.worker_address: str | None = None
+        #: Parameter servers in the controller's configuration: ps0, ps1, ... on consecutive ports of the PS host.
+        self.parameter_servers = 1
+        #: Tenants besides ``demo`` (name -> token), for jobs of several tenants.
+        self.tenants: dict[str, str] = {}
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "NETAGG_CONFIG": str(self.config_path)}
 
     # -- lifecycle ---------------------------------------------------------
@@ -89,21 +96,18 @@ class Deployment:
         switch = {"p4info": str(dp.P4INFO_PATH), **({"bmv2_json": str(bmv2_json)} if bmv2_json else {})}
         return {"topology": str(topology), "switch": switch, **self._controller_common(ps_host, ps_port, capacity)}
 
-    #: ``controller.worker_address``: where the deployment's workers reach the controller to follow moves of their
-    #: job's slots (None: the controller moves no jobs; its hosts cannot reach it).
-    WORKER_ADDRESS: str | None = None
-
     def _controller_common(self, ps_host: str, ps_port: int, capacity: int,
                            target_rtt_ms: float | None = None) -> dict:
         rtt = {} if target_rtt_ms is None else {"target_rtt_ms": target_rtt_ms}
-        workers = {} if self.WORKER_ADDRESS is None else {"worker_address": self.WORKER_ADDRESS}
+        workers = {} if self.worker_address is None else {"worker_address": self.worker_address}
         return {
             "slots": {"capacity": capacity, "min_per_job": 4, **rtt},
             "controller": {"database": str(self.workdir / "controller.db"),
                            "api_socket": str(self.workdir / "controller.sock"), "admin_token": ADMIN_TOKEN,
                            **workers},
-            "tenants": {"demo": {"token": TENANT_TOKEN}},
-            "parameter_servers": [{"name": "ps0", "host": ps_host, "udp_port": ps_port}],
+            "tenants": {"demo": {"token": TENANT_TOKEN}, **{n: {"token": t} for n, t in self.tenants.items()}},
+            "parameter_servers": [{"name": f"ps{i}", "host": ps_host, "udp_port": ps_port + i}
+                                  for i in range(self.parameter_servers)],
         }
 
     def start_controller(self, config: dict) -> None:
@@ -176,35 +180,38 @@ class Deployment:
         return result.stdout
 
     def create_job(self, hosts: Sequence[str], slots: int | None, mode: str = "allreduce", name: str = "demo",
-                   port_offset: int = 0, options: Sequence[str] = (), ps: str | None = "ps0") -> dict:
+                   port_offset: int = 0, options: Sequence[str] = (), ps: str | None = "ps0",
+                   token: str = TENANT_TOKEN) -> dict:
         """``netagg job create`` for one worker per entry of ``hosts`` (configured host names), of ``slots`` slots
         (None: the controller chooses them from the hosts' links), with the PS ``ps`` (the deployment's; None:
-        none) and ``options`` (more ``job create`` flags); writes every rank's YAML. Jobs sharing hosts need
-        different ``port_offset``s."""
+        none) and ``options`` (more ``job create`` flags), as the tenant of ``token``; writes every rank's YAML.
+        Jobs sharing hosts need different ``port_offset``s."""
         num_workers = len(hosts)
         ports = self.worker_ports(hosts, port_offset)
-        created = json.loads(self.cli("--json", "job", "create", "--name", name,
-                                      *(() if slots is None else ("--slots", str(slots))),
-                                      "--mode", mode, *(("--ps", ps) if ps else ()),
-                                      "--workers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports)), *options))
+        args = ["--json", "job", "create", "--name", name, *(() if slots is None else ("--slots", str(slots))),
+                "--mode", mode, *(("--ps", ps) if ps else ()),
+                "--workers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports)), *options]
+        created = json.loads(self.cli(*args, token=token))
         job_id = created["job"]["job_id"]
         created["config_paths"] = []
         for rank in range(num_workers):
             path = self.workdir / f"job{job_id}-rank{rank}.yaml"
-            self.cli("job", "config", str(job_id), "--rank", str(rank), "-o", str(path))
+            self.cli("job", "config", str(job_id), "--rank", str(rank), "-o", str(path), token=token)
             WorkerConfig.load(path)  # validates what the controller wrote
             created["config_paths"].append(path)
         return created
 
-    def start_ps(self, config_path: Path, ps_host: str, handle: str = "sum", lr: float = 0.1) -> subprocess.Popen:
-        """The job's parameter server on ``ps_host``, on the endpoint in its config; waits until it is up."""
-        ps = self.spawn("ps", self.host_command(ps_host, [
+    def start_ps(self, config_path: Path, ps_host: str, handle: str = "sum", lr: float = 0.1,
+                 name: str = "ps") -> subprocess.Popen:
+        """The job's parameter server on ``ps_host``, on the endpoint in its config; waits until it is up (its log:
+        ``name``.log)."""
+        ps = self.spawn(name, self.host_command(ps_host, [
             sys.executable, "-m", "netagg.hoststack.server", "--config", str(config_path),
             "--handle", handle, "--lr", str(lr)]))
         deadline = time.monotonic() + 30
-        while "netagg PS:" not in self.log_tail("ps"):
+        while "netagg PS:" not in self.log_tail(name):
             if ps.poll() is not None or time.monotonic() > deadline:
-                raise DeploymentError(f"the parameter server did not start:\n{self.log_tail('ps')}")
+                raise DeploymentError(f"the parameter server did not start:\n{self.log_tail(name)}")
             time.sleep(0.05)
         return ps
 
@@ -213,11 +220,11 @@ class LocalDeployment(Deployment):
     """The embedded default: software target in loopback UDP mode; every host is 127.0.0.1."""
 
     HOST = "local"
-    #: Every process is on this host: the workers follow moves at any free port (kept across controller restarts).
-    WORKER_ADDRESS = "127.0.0.1:0"
 
     def __init__(self, workdir: Path, capacity: int = 1024, max_workers: int = 32, switch: str = "soft") -> None:
         super().__init__(workdir)
+        # Every process is on this host: the workers follow moves at any free port (kept across restarts).
+        self.worker_address = "127.0.0.1:0"
         self.capacity = capacity
         self.max_workers = max_workers
         #: ``soft`` (the software target's default engine) or ``soft-ref`` (its reference model).

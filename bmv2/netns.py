@@ -123,7 +123,16 @@ class Topology:
     #: that sends with --udp-segmentation (softswitch/raw_segmentation.py). Frames the switch sends plainly
     #: are untouched; the hosts' interfaces keep every offload off (they send real frames).
     switch_segmentation: bool = False
+    #: A management network: each host also reaches the root namespace (where the controller runs) over a veth
+    #: of its own, unshaped, at :attr:`controller_ip` (as a cluster's hosts reach its control plane off the data
+    #: path). The data links are untouched.
+    management: bool = False
     hosts: list[Host] = field(default_factory=list)
+
+    @property
+    def controller_ip(self) -> str:
+        """The root namespace's address on the management network (on its loopback, routed to from every host)."""
+        return f"10.{self.subnet + 100}.255.1"
 
     @property
     def switch_namespace(self) -> str:
@@ -147,12 +156,32 @@ class Topology:
             self._static_arp(host)
             if self.shape.rate_mbit or self.shape.delay_ms:
                 self._shape(host)
+        if self.management:
+            run(["ip", "addr", "replace", f"{self.controller_ip}/32", "dev", "lo"])
+            for i, host in enumerate(self.hosts):
+                self._add_management(i, host)
         return self
 
     def destroy(self) -> None:
-        """Remove every namespace (their veths go with them)."""
+        """Remove every namespace (their veths go with them) and the management address."""
         remove_stale(self.prefix + "-")
+        if self.management:
+            run(["ip", "addr", "del", f"{self.controller_ip}/32", "dev", "lo"], check=False)
         self.hosts.clear()
+
+    def _add_management(self, i: int, host: Host) -> None:
+        """Host ``i``'s management link: 10.<subnet+100>.<i>.2/30 in the host, .1 in the root namespace."""
+        root_if, host_if = f"{self.prefix}m{i}", f"{self.prefix}n{i}"
+        net = f"10.{self.subnet + 100}.{i}"
+        run(["ip", "link", "del", root_if], check=False)  # a stale one from a run that died
+        run(["ip", "link", "add", root_if, "type", "veth", "peer", "name", host_if])
+        run(["ip", "link", "set", host_if, "netns", host.namespace])
+        run(["ip", "addr", "add", f"{net}.1/30", "dev", root_if])
+        run(["ip", "link", "set", root_if, "up"])
+        run(ns_exec(host.namespace, ["ip", "addr", "add", f"{net}.2/30", "dev", host_if]))
+        run(ns_exec(host.namespace, ["ip", "link", "set", host_if, "up"]))
+        run(ns_exec(host.namespace, ["ip", "route", "add", f"{self.controller_ip}/32", "via", f"{net}.1",
+                                     "dev", host_if]))
 
     def __enter__(self) -> Topology:
         try:
