@@ -15,7 +15,7 @@ cluster:
 A job's completion time runs from its create to its last worker's exit. Prints each job's admission, slots, moves
 and completion time per policy, the mean, and the ratios of the means. Needs root (namespaces).
 
-    python -m benchmarks.cluster_shares --workers 2 --rate-mbit 50 --delay-ms 2 --capacity 256
+    python -m benchmarks.cluster_shares --workers 2 --rate-mbit 100 --capacity 256
 """
 
 from __future__ import annotations
@@ -129,12 +129,14 @@ def _guarded(fn, *args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2, help="workers per job (each on a host of its own)")
-    parser.add_argument("--rate-mbit", type=float, default=50.0)
-    parser.add_argument("--delay-ms", type=float, default=2.0, help="one-way delay of each link")
+    parser.add_argument("--rate-mbit", type=float, default=100.0)
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of each link (needs netem)")
+    parser.add_argument("--target-rtt-ms", type=float, default=None,
+                        help="the controller's slots.target_rtt_ms (default: its own default)")
     parser.add_argument("--capacity", type=int, default=256, help="the switch's cells (slots.capacity)")
     parser.add_argument("--size-mb", type=float, default=2.0)
     parser.add_argument("--allreduces", type=int, default=40, help="allreduces per job")
-    parser.add_argument("--apart", type=float, default=10.0, help="seconds between two jobs' arrivals")
+    parser.add_argument("--apart", type=float, default=5.0, help="seconds between two jobs' arrivals")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     args = parser.parse_args(argv)
     ok, why = can_create_namespaces()
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cluster_shares: the emulated cluster {why}; nothing measured")
         return 2
     spec = ClusterSpec.load(num_workers=len(TENANTS) * args.workers, rate_mbit=args.rate_mbit,
-                            delay_ms=args.delay_ms, slots=args.capacity)
+                            delay_ms=args.delay_ms, slots=args.capacity, target_rtt_ms=args.target_rtt_ms)
     size = int(args.size_mb * 1e6 / 4)
     print(f"emulated cluster: {spec.num_workers} worker hosts ({args.workers} per job) and a PS host, {spec.target} "
           f"switch of {args.capacity} cells, {spec.rate_mbit} Mbit/s and {spec.delay_ms} ms per link; 3 tenants' jobs "

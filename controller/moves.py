@@ -111,83 +111,92 @@ class Moves:
 
     # -- the allocator's view ------------------------------------------------
     @staticmethod
-    def extra_cells(job: JobRecord, move: MoveRecord) -> SlotRange | None:
-        """The cells ``move`` holds beyond ``job``'s range: the tail it grows into, or the whole range it moves to."""
-        old, new = SlotRange(job.slot_base, job.cell_count), SlotRange(move.slot_base, move.slot_count * job.cells)
-        if new.base == old.base:
-            return SlotRange(old.end, new.end - old.end) if new.end > old.end else None
-        return new
+    def extra_cells(job: JobRecord, move: MoveRecord) -> list[SlotRange]:
+        """The cells ``move`` holds beyond ``job``'s range (reserved while it is pending)."""
+        return _minus(SlotRange(move.slot_base, move.slot_count * job.cells), SlotRange(job.slot_base, job.cell_count))
 
     @staticmethod
-    def left_cells(job: JobRecord, move: MoveRecord) -> SlotRange | None:
+    def left_cells(job: JobRecord, move: MoveRecord) -> list[SlotRange]:
         """The cells of ``job``'s range that ``move`` leaves (freed when it commits)."""
-        old, new = SlotRange(job.slot_base, job.cell_count), SlotRange(move.slot_base, move.slot_count * job.cells)
-        if new.base == old.base:
-            return SlotRange(new.end, old.end - new.end) if old.end > new.end else None
-        return old
+        return _minus(SlotRange(job.slot_base, job.cell_count), SlotRange(move.slot_base, move.slot_count * job.cells))
 
     def reserve_all(self) -> None:
         """Reserve the extra cells of every move in the database (at start, after the jobs' own ranges)."""
         for move in self.store.moves():
             job = self.store.get(move.job_id)
-            extra = None if job is None else self.extra_cells(job, move)
-            if extra is not None:
+            for extra in [] if job is None else self.extra_cells(job, move):
                 self._allocator.reserve(extra)
+
+    def _release(self, ranges: list[SlotRange]) -> None:
+        for one in ranges:
+            self._allocator.release(one)
 
     def forget(self, job: JobRecord) -> None:
         """``job`` is being deleted: give its move's extra cells back (the row goes with the job's)."""
         with self._lock:
             move = self.store.move(job.job_id)
             if move is not None:
-                extra = self.extra_cells(job, move)
-                if extra is not None:
-                    self._allocator.release(extra)
+                self._release(self.extra_cells(job, move))
             self._asked.pop(job.job_id, None)
             self._ready.pop(job.job_id, None)
 
     # -- starting and giving up ---------------------------------------------
-    def start(self, job: JobRecord, cells: int, reason: str) -> MoveRecord | None:
-        """Start moving ``job`` to ``cells`` cells (a whole number of its slots): in place where it shrinks or the
-        cells after it are free, else to the first free range that holds them (or the most a free range holds,
-        if that is still more than it has). None: no move (no room, or already moving)."""
+    def start(self, job: JobRecord, cells: int, reason: str, base: int | None = None) -> MoveRecord | None:
+        """Start moving ``job`` to ``cells`` cells (a whole number of its slots): at cell ``base`` when given (its
+        cells there must be free or its own), else in place where it shrinks or the cells after it are free, else
+        to the first free range that holds them (or the most a free range holds, if that is still more than it
+        has). None: no move (no room, or already moving)."""
         with self._lock:
             if self.store.move(job.job_id) is not None or self.why_not(job) is not None:
                 return None
             unit, held = job.cells, job.cell_count
             cells = cells // unit * unit
-            if cells == held or cells < unit:
+            if cells < unit or (cells == held and base in (None, job.slot_base)):
                 return None
-            if cells < held:
-                target: SlotRange | None = SlotRange(job.slot_base, cells)
-            else:
-                target = None
-                tail = SlotRange(job.slot_base + held, cells - held)
-                try:
-                    self._allocator.reserve(tail)
-                    target = SlotRange(job.slot_base, cells)
-                except AllocationError:
-                    taken = self._allocator.allocate(cells, min(cells, held + unit), unit=unit)
-                    target = taken
-                if target is None:
-                    return None
+            target = self._place(job, cells, base)
+            if target is None:
+                return None
             move = MoveRecord(job.job_id, 0, target.base, target.count // unit, reason, time.time())
+            reserved: list[SlotRange] = []
             try:
+                for extra in self.extra_cells(job, move):
+                    self._allocator.reserve(extra)
+                    reserved.append(extra)
                 with self.store.transaction() as conn:
                     move.generation = self.store.next_generation(conn)
                     self.store.insert_move(conn, move)
+            except AllocationError:
+                self._release(reserved)
+                return None
             except BaseException:
-                extra = self.extra_cells(job, move)
-                if extra is not None:
-                    self._allocator.release(extra)
+                self._release(reserved)
                 raise
             self._asked[job.job_id], self._ready[job.job_id] = set(), set()
             self.counts["started"] += 1
-            self.last[job.job_id] = (f"{'shrink' if cells < held else 'grow'} {job.slot_count} -> {move.slot_count} "
-                                     f"slots ({reason})")
+            kind = "shrink" if move.slot_count < job.slot_count else "grow" if move.slot_count > job.slot_count \
+                else "move"
+            self.last[job.job_id] = f"{kind} {job.slot_count} -> {move.slot_count} slots ({reason})"
             log.info("job %d (%s): moving its slots: %d -> %d (cells %d..%d, generation %d): %s", job.job_id,
                      job.tenant, job.slot_count, move.slot_count, move.slot_base,
                      move.slot_base + move.slot_count * unit - 1, move.generation, reason)
             return move
+
+    def _place(self, job: JobRecord, cells: int, base: int | None) -> SlotRange | None:
+        """Where ``job``'s ``cells`` go (see :meth:`start`); nothing is reserved here."""
+        if base is not None:
+            return SlotRange(base, cells)
+        held = job.cell_count
+        if cells <= held or self._is_free(SlotRange(job.slot_base + held, cells - held)):
+            return SlotRange(job.slot_base, cells)
+        for free in self._allocator.free_ranges:  # first fit, else the most a free range holds beyond what it has
+            if free.count >= cells:
+                return SlotRange(free.base, cells)
+        best = max(self._allocator.free_ranges, key=lambda r: r.count, default=None)
+        fits = 0 if best is None else best.count // job.cells * job.cells
+        return SlotRange(best.base, fits) if best is not None and fits > held else None
+
+    def _is_free(self, cells: SlotRange) -> bool:
+        return any(free.base <= cells.base and cells.end <= free.end for free in self._allocator.free_ranges)
 
     def abort(self, job_id: int, why: str) -> None:
         """Give the job's move up (before it commits): its extra cells go back; every worker stays on the old range."""
@@ -196,9 +205,7 @@ class Moves:
             if move is None or job is None:
                 return
             self.store.delete_move(job_id)
-            extra = self.extra_cells(job, move)
-            if extra is not None:
-                self._allocator.release(extra)
+            self._release(self.extra_cells(job, move))
             self._asked.pop(job_id, None)
             self._ready.pop(job_id, None)
             self.counts["aborted"] += 1
@@ -272,8 +279,7 @@ class Moves:
     def _commit(self, job: JobRecord, move: MoveRecord) -> dict:
         left = self.left_cells(job, move)
         self.store.commit_move(move)
-        if left is not None:
-            self._allocator.release(left)
+        self._release(left)
         self._asked.pop(job.job_id, None)
         self._ready.pop(job.job_id, None)
         self.counts["committed"] += 1
@@ -332,12 +338,30 @@ class Moves:
                 if c.movable and needy and c.held - shares[c.job_id] >= move_threshold(c.held, c.unit):
                     move = self.start(jobs[c.job_id], shares[c.job_id], f"fair share {shares[c.job_id]} cells")
                     started += [move] if move else []
+            blocked = [shares[n.job_id] for n in self._newcomers.values()]
             for c in claims:
-                if c.movable and shares[c.job_id] - c.held >= move_threshold(c.held, c.unit) \
-                        and self._allocator.largest_free() >= c.unit:
+                if c.movable and shares[c.job_id] - c.held >= move_threshold(c.held, c.unit):
                     move = self.start(jobs[c.job_id], shares[c.job_id], f"fair share {shares[c.job_id]} cells")
                     started += [move] if move else []
+                    if move is None or move.slot_count * c.unit < shares[c.job_id]:
+                        blocked.append(shares[c.job_id])
+            if blocked and not started and not self.store.moves():
+                move = self._compact(jobs, min(blocked))
+                started += [move] if move else []
         return started
+
+    def _compact(self, jobs: dict[int, JobRecord], need: int) -> MoveRecord | None:
+        """Free cells enough for ``need`` but in pieces: slide the first job after a hole down into it (same size,
+        a fresh generation), so the free cells come together (one slide per call)."""
+        allocator = self._allocator
+        if allocator.largest_free() >= need or allocator.free_cells < need:
+            return None
+        holes = {free.end: free for free in allocator.free_ranges}
+        for job in sorted(jobs.values(), key=lambda j: j.slot_base):
+            hole = holes.get(job.slot_base)
+            if hole is not None and job.uses_switch and self.why_not(job) is None:
+                return self.start(job, job.cell_count, f"compaction: free cells together for {need}", base=hole.base)
+        return None
 
     def make_room(self, want: int, unit: int, weight: float, wait: float) -> int:
         """A newcomer of ``want`` cells (whole ``unit``s, ``weight``) arrives: start the shrinks its fair share
@@ -347,10 +371,10 @@ class Moves:
         with self._lock:
             self._newcomers[key] = claim
         try:
-            self.rebalance()
             deadline = time.monotonic() + wait
             while True:
                 with self._lock:
+                    self.rebalance()
                     share = self.shares()[key]
                     if self._allocator.largest_free() >= share or not self.store.moves() \
                             or time.monotonic() >= deadline:
@@ -372,6 +396,12 @@ class Moves:
             "last_move": self.last.get(job.job_id),
             "movable": self.why_not(job) or "yes",
         }
+
+
+def _minus(a: SlotRange, b: SlotRange) -> list[SlotRange]:
+    """The cells of ``a`` not in ``b`` (none, one or two ranges)."""
+    pieces = [SlotRange(a.base, min(a.end, b.base) - a.base), SlotRange(max(a.base, b.end), a.end - max(a.base, b.end))]
+    return [p for p in pieces if p.count > 0]
 
 
 def newcomer_weight(service: JobService, tenant: str) -> float:

@@ -323,3 +323,24 @@ def test_a_worker_that_loses_the_controller_with_a_move_pending_fails_loudly(tmp
         assert 0.4 < time.monotonic() - started < 5
     finally:
         client.close()
+
+
+def test_free_cells_in_pieces_come_together_by_sliding_a_job_into_a_hole(tmp_path) -> None:
+    fabric = FakeFabric()
+    service = _service(_config_path(tmp_path), fabric)
+    ids = [_create(service, caller, 16)["job"]["job_id"] for caller in (ALICE, BOB, ALICE, BOB)]
+    service.delete_job(ALICE, ids[0])
+    service.delete_job(ALICE, ids[2])  # free: 0..15 and 32..47, 32 cells in two pieces
+    assert service.allocator.largest_free() == 16
+    jobs = {j.job_id: j for j in service.store.all()}
+    move = service.moves._compact(jobs, 32)
+    assert move is not None and move.job_id == ids[1] and (move.slot_base, move.slot_count) == (0, 16)
+    assert service.allocator.free_cells == 16  # the hole it slides into is reserved; its own cells still held
+    for rank in (0, 1):
+        _ask(service, ids[1], rank, 0)
+    for rank in (0, 1):
+        answer = _ask(service, ids[1], rank, 1, ready=True)
+    assert answer == {"state": "go", "slot_count": 16, "generation": move.generation}
+    assert fabric.installed[ids[1]].slot_base == 0
+    assert service.allocator.largest_free() == 32 and service.allocator.free_ranges[0].base == 16
+    assert service.moves._compact({j.job_id: j for j in service.store.all()}, 32) is None  # nothing to do
