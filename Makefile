@@ -7,7 +7,7 @@ DEMO_STAMP := $(VENV)/.demo-stamp
 TARGET ?= soft
 PYTEST_ARGS ?=
 
-.PHONY: setup build build-tofino p4info test check ptf demo demo-tree bench bench-switch bench-tenants bench-sparse bench-tree chaos soak-mlfabric lint clean
+.PHONY: setup build build-tofino p4info test check ptf demo demo-tree bench bench-switch bench-tenants bench-shares bench-sparse bench-tree chaos soak-mlfabric lint clean
 
 $(VENV)/.created:
 	@scripts/setup-system.sh
@@ -86,6 +86,10 @@ bench-sparse: setup
 ## bench-tenants: two tenant jobs sharing the emulated cluster's links, with and without congestion control (root)
 bench-tenants: setup
 	$(BIN)/python -m benchmarks.cluster_tenants --rate-mbit 2
+
+## bench-shares: three tenants arriving on a switch too small for them: fair shares that move vs first come vs all-PS (root)
+bench-shares: setup
+	$(BIN)/python -m benchmarks.cluster_shares
 
 ## chaos: kill -9 the switch (briefly, and past the failover bound), the controller with it, and PS chain nodes
 ## at random times while training (160 s in all); prints every injection and what was lost (nothing), exit 1 if anything was. CHAOS_ARGS: e.g.
