@@ -11,16 +11,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
-from netagg.bmv2.targets import TargetProcess
+from netagg.bmv2.targets import TargetProcess, start_target
 from netagg.controller.api import ApiClient
 from netagg.hoststack.kv import KVWorker
 from netagg.jobconfig import WorkerConfig
 from netagg.localports import free_ports
 from netagg.testing.hoststack import expected_allreduce
 
-from conftest import TOKENS, config_for, start_controller
+from conftest import TOKENS, config_for, free_udp_port, start_controller
 
 SIZE = 12_000  # 188 blocks of 64: several rounds per slot at 32 slots
 DEADLINE = 60.0
@@ -90,9 +91,17 @@ def _wait_for(what: str, condition, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_running_job_shrinks_for_a_newcomer_and_grows_back_with_every_sum_exact(tmp_path: Path,
-                                                                                 soft_switch: TargetProcess) -> None:
-    path = config_for(tmp_path, soft_switch, capacity=64)
+@pytest.mark.parametrize("kind", ["soft", "soft-sharded"])
+def test_a_running_job_shrinks_for_a_newcomer_and_grows_back_with_every_sum_exact(tmp_path: Path, kind: str) -> None:
+    switch = start_target(kind, {}, tmp_path / "switch.log", loopback=f"127.0.0.1:{free_udp_port()}")
+    try:
+        _shrink_and_grow_back(tmp_path, switch)
+    finally:
+        switch.stop()
+
+
+def _shrink_and_grow_back(tmp_path: Path, switch: TargetProcess) -> None:
+    path = config_for(tmp_path, switch, capacity=64)
     data = yaml.safe_load(path.read_text())
     data["controller"]["worker_address"] = "127.0.0.1:0"
     path.write_text(yaml.safe_dump(data))
