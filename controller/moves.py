@@ -218,8 +218,10 @@ class Moves:
         with self._lock:
             for move in self.store.moves():
                 age = now - move.created
-                if move.switch_at is None and age > DECIDE_SECONDS:
-                    silent = self._asked.get(move.job_id) == set()
+                if not self.enabled:  # restarted without a worker endpoint: nobody can follow it
+                    self.abort(move.job_id, "the controller no longer moves jobs (no controller.worker_address)")
+                elif move.switch_at is None and age > DECIDE_SECONDS:
+                    silent = not self._asked.get(move.job_id)
                     self.abort(move.job_id, f"not every rank asked within {DECIDE_SECONDS:g} s")
                     if silent:
                         self.pinned[move.job_id] = "its workers do not follow moves (none asked)"
@@ -230,7 +232,8 @@ class Moves:
     def poll(self, job: JobRecord, generation: int) -> dict:
         """Whether the job (as a worker of ``generation`` knows it) has a move pending: its new generation, or None."""
         move = self.store.move(job.job_id)
-        return {"move": move.generation if move is not None and generation == job.generation else None}
+        return {"move": move.generation if move is not None and generation == job.generation else None,
+                "generation": job.generation}
 
     def ask(self, job: JobRecord, rank: int, generation: int, exchange: int, ready: bool, on_ps: bool) -> dict:
         """A worker's ``move`` request before exchange ``exchange`` (module docstring); ValueError when it breaks

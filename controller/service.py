@@ -374,6 +374,8 @@ class JobService:
         asked to shrink toward it (waiting up to ``slots.move_wait_seconds``); None: no cap from it."""
         if not self.moves.enabled or job.request.mode != "allreduce" or job.distribution is not None:
             return None
+        with self._lock:  # a create its tenant's quota refuses moves nobody
+            tenant_cap(self.config, job.owner, self.store.all())
         want = job.slots * job.cells
         share = self.moves.make_room(want, job.cells, newcomer_weight(self, job.owner), self.config.move_wait_seconds)
         return TenantCap(share, f"its fair share of the switch ({share} cells)") if share < want else None

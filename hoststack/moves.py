@@ -63,6 +63,9 @@ class MoveClient:
         #: exchange everyone switches at.
         self._pending: int | None = None
         self._switch_at: int | None = None
+        #: The job's generation when the controller says this worker's config is older (a worker restarted with
+        #: the config it was launched with, after the job moved): its slots are not the others'.
+        self._stale: int | None = None
         #: Counters: polls that failed (controller away), moves followed, moves the controller gave up.
         self.unreachable = 0
         self.moves = 0
@@ -80,6 +83,10 @@ class MoveClient:
     def before_exchange(self, index: int, on_ps: bool = False) -> WorkerConfig | None:
         """Called before exchange ``index`` starts: the config to run it (and what follows) with when the job
         switches slots here, else None (stay). Raises :class:`MoveError` when the move cannot be followed."""
+        if self._stale is not None:
+            raise MoveError(f"job {self.config.job_id} rank {self.config.rank}: this worker's config is of generation "
+                            f"{self.config.generation}, the job's slots moved since (generation {self._stale}): "
+                            "get a fresh config (netagg job config)")
         if self._pending is None and self._switch_at is None:
             return None
         if self._switch_at is None:
@@ -182,7 +189,9 @@ class MoveClient:
                 log.debug("job %d rank %d: cannot ask the controller for moves: %s", self.config.job_id,
                           self.config.rank, err)
                 continue
-            move = answer.get("move")
+            move, current = answer.get("move"), answer.get("generation")
             if isinstance(move, int) and not isinstance(move, bool):
                 with self._lock:
                     self._pending = move
+            elif isinstance(current, int) and current > self.config.generation and self._switch_at is None:
+                self._stale = current

@@ -87,7 +87,7 @@ def test_a_shrink_switches_one_past_the_last_exchange_let_run_and_only_when_ever
     old_generation = job.generation
     move = service.moves.start(job, 32, "test")
     assert move is not None and move.slot_base == job.slot_base and move.generation > old_generation
-    assert service.moves.poll(job, old_generation) == {"move": move.generation}
+    assert service.moves.poll(job, old_generation) == {"move": move.generation, "generation": old_generation}
     assert service.moves.start(job, 16, "again") is None  # one move at a time
 
     assert _ask(service, job.job_id, 0, 7) == {"move": move.generation, "switch_at": None}
@@ -344,3 +344,31 @@ def test_free_cells_in_pieces_come_together_by_sliding_a_job_into_a_hole(tmp_pat
     assert fabric.installed[ids[1]].slot_base == 0
     assert service.allocator.largest_free() == 32 and service.allocator.free_ranges[0].base == 16
     assert service.moves._compact({j.job_id: j for j in service.store.all()}, 32) is None  # nothing to do
+
+
+def test_a_worker_restarted_with_a_config_from_before_a_move_refuses_to_run(tmp_path) -> None:
+    from netagg.controller.worker_api import WorkerApi
+    from netagg.hoststack.moves import MoveClient, MoveError
+    from netagg.jobconfig import WorkerConfig
+
+    service = _service(_config_path(tmp_path))
+    a = service.store.get(_create(service, ALICE, 64)["job"]["job_id"])
+    api = WorkerApi(service, Endpoint("127.0.0.1", 0)).start()
+    service.worker_endpoint = Endpoint(*api.address)
+    stale = WorkerConfig.from_dict(yaml.safe_load(service.worker_config(ALICE, a.job_id, 0).to_yaml()))
+    move = service.moves.start(a, 32, "test")
+    for rank in (0, 1):
+        _ask(service, a.job_id, rank, 0)
+    for rank in (0, 1):
+        _ask(service, a.job_id, rank, 1, ready=True)
+    assert service.store.get(a.job_id).generation == move.generation
+    client = MoveClient(stale, poll_seconds=0.02)
+    try:
+        deadline = time.monotonic() + 5
+        while client._stale is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(MoveError, match="fresh config"):
+            client.before_exchange(0)
+    finally:
+        client.close()
+        api.stop()
