@@ -305,8 +305,9 @@ class Moves:
         return {"state": "go", "slot_count": job.slot_count, "generation": job.generation}
 
     # -- fair shares ---------------------------------------------------------------
-    def claims(self, jobs: list[JobRecord]) -> list[Claim]:
-        """Every job's claim on the switch (a job with a move pending counts what the move gives it, unmoved)."""
+    def claims(self, jobs: list[JobRecord], pending_fixed: bool = True) -> list[Claim]:
+        """Every job's claim on the switch; ``pending_fixed``: a job with a move pending counts what the move gives
+        it, and is not moved again meanwhile (what the rebalance acts on), else as if it had no move pending."""
         capacity, per_tenant = self.config.slot_capacity, Counter(j.tenant for j in jobs if j.uses_switch)
         claims = []
         for job in jobs:
@@ -314,7 +315,7 @@ class Moves:
                 continue
             limits = self.config.tenant_limits.get(job.tenant)
             weight = (limits.weight if limits is not None else 1.0) / per_tenant[job.tenant]
-            move = self.store.move(job.job_id)
+            move = self.store.move(job.job_id) if pending_fixed else None
             held = job.cell_count if move is None else move.slot_count * job.cells
             want = min(job.slots_wanted * job.cells, capacity // job.cells * job.cells)
             claims.append(Claim(job.job_id, want, job.cells, min(self.config.min_slots * job.cells, want), weight,
@@ -324,7 +325,7 @@ class Moves:
     def shares(self) -> dict[int, int]:
         """Each job's fair share in cells now (newcomers waiting for room included, under negative ids)."""
         with self._lock:
-            claims = self.claims(self.store.all()) + list(self._newcomers.values())
+            claims = self.claims(self.store.all(), pending_fixed=False) + list(self._newcomers.values())
             return fair_cells(self.config.slot_capacity, claims)
 
     def rebalance(self) -> list[MoveRecord]:

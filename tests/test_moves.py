@@ -372,3 +372,29 @@ def test_a_worker_restarted_with_a_config_from_before_a_move_refuses_to_run(tmp_
     finally:
         client.close()
         api.stop()
+
+
+def test_the_metrics_give_each_jobs_fair_share_and_the_moves(tmp_path) -> None:
+    from netagg.controller.metrics import ControllerCollector
+
+    service = _service(_config_path(tmp_path))
+    a = service.store.get(_create(service, ALICE, 64)["job"]["job_id"])
+    move = service.moves.start(a, 32, "test")
+    assert move is not None
+
+    def families() -> dict:
+        return {f.name: f for f in ControllerCollector(service)._moves(service.store.all())}
+
+    found = families()
+    assert [s.value for s in found["netagg_job_fair_share_cells"].samples] == [64]
+    assert found["netagg_moves_pending"].samples[0].value == 1
+    for rank in (0, 1):
+        _ask(service, a.job_id, rank, 0)
+    for rank in (0, 1):
+        _ask(service, a.job_id, rank, 1, ready=True)
+    found = families()
+    assert found["netagg_moves_pending"].samples[0].value == 0
+    outcomes = {s.labels["outcome"]: s.value for s in found["netagg_moves"].samples if s.name.endswith("_total")}
+    assert outcomes == {"started": 1, "committed": 1, "aborted": 0}
+    shown = service.show_job(ALICE, a.job_id)
+    assert shown["last_move"] == "64 -> 32 slots (test)" and shown["movable"] == "yes" and shown["moving"] is None
