@@ -32,7 +32,7 @@ from netagg.psproto import PsClient, PsError, PsRefused
 log = logging.getLogger(__name__)
 
 #: How often the poll thread asks whether a move is pending.
-POLL_SECONDS = 0.2
+POLL_SECONDS = 0.5
 #: The longest a worker waits, with a move pending, for an answer or for the other ranks at the switch point.
 BARRIER_SECONDS = 30.0
 #: Between two asks while waiting at the switch point.

@@ -20,8 +20,11 @@ from netagg.controller.admission import JobRequest
 from netagg.controller.config import load_config
 from netagg.controller.service import Caller, JobService
 from netagg.controller.shares import Claim, fair_cells
-from netagg.controller.store import JobStore
-from netagg.jobconfig import Endpoint
+from netagg.controller.store import JobRecord, JobStore
+from netagg.controller.worker_api import REFUSAL, WorkerApi
+from netagg.hoststack.moves import MoveClient, MoveError
+from netagg.jobconfig import Endpoint, WorkerConfig
+from netagg.psproto import PsClient, PsRefused
 
 from conftest import FakeFabric, controller_config
 
@@ -262,8 +265,6 @@ def test_a_newcomer_whose_running_jobs_do_not_follow_gets_what_is_free_after_the
 
 # -- the workers' endpoint ------------------------------------------------------------
 def test_the_worker_endpoint_refuses_strangers_alike_and_answers_the_jobs_workers(tmp_path) -> None:
-    from netagg.controller.worker_api import REFUSAL, WorkerApi
-    from netagg.psproto import PsClient, PsRefused
 
     service = _service(_config_path(tmp_path))
     a = service.store.get(_create(service, ALICE, 32)["job"]["job_id"])
@@ -297,16 +298,19 @@ def test_the_worker_endpoint_refuses_strangers_alike_and_answers_the_jobs_worker
         api.stop()
 
 
-def test_a_worker_that_loses_the_controller_with_a_move_pending_fails_loudly(tmp_path) -> None:
-    from netagg.controller.worker_api import WorkerApi
-    from netagg.hoststack.moves import MoveClient, MoveError
-    from netagg.jobconfig import WorkerConfig
-
+def _served_job(tmp_path: Path) -> tuple[JobService, JobRecord, WorkerApi, WorkerConfig]:
+    """Alice's job of 64 slots, the worker endpoint serving it, and rank 0's config as a worker reads it."""
     service = _service(_config_path(tmp_path))
-    a = service.store.get(_create(service, ALICE, 64)["job"]["job_id"])
+    job = service.store.get(_create(service, ALICE, 64)["job"]["job_id"])
     api = WorkerApi(service, Endpoint("127.0.0.1", 0)).start()
     service.worker_endpoint = Endpoint(*api.address)
-    config = WorkerConfig.from_dict(yaml.safe_load(service.worker_config(ALICE, a.job_id, 0).to_yaml()))
+    config = WorkerConfig.from_dict(yaml.safe_load(service.worker_config(ALICE, job.job_id, 0).to_yaml()))
+    return service, job, api, config
+
+
+def test_a_worker_that_loses_the_controller_with_a_move_pending_fails_loudly(tmp_path) -> None:
+
+    service, a, api, config = _served_job(tmp_path)
     assert config.controller == service.worker_endpoint and config.generation == a.generation
     client = MoveClient(config, poll_seconds=0.02, barrier_seconds=0.5)
     try:
@@ -347,15 +351,8 @@ def test_free_cells_in_pieces_come_together_by_sliding_a_job_into_a_hole(tmp_pat
 
 
 def test_a_worker_restarted_with_a_config_from_before_a_move_refuses_to_run(tmp_path) -> None:
-    from netagg.controller.worker_api import WorkerApi
-    from netagg.hoststack.moves import MoveClient, MoveError
-    from netagg.jobconfig import WorkerConfig
 
-    service = _service(_config_path(tmp_path))
-    a = service.store.get(_create(service, ALICE, 64)["job"]["job_id"])
-    api = WorkerApi(service, Endpoint("127.0.0.1", 0)).start()
-    service.worker_endpoint = Endpoint(*api.address)
-    stale = WorkerConfig.from_dict(yaml.safe_load(service.worker_config(ALICE, a.job_id, 0).to_yaml()))
+    service, a, api, stale = _served_job(tmp_path)
     move = service.moves.start(a, 32, "test")
     for rank in (0, 1):
         _ask(service, a.job_id, rank, 0)

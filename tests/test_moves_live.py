@@ -21,7 +21,7 @@ from netagg.jobconfig import WorkerConfig
 from netagg.localports import free_ports
 from netagg.testing.hoststack import expected_allreduce
 
-from conftest import TOKENS, config_for, free_udp_port, start_controller
+from conftest import TOKENS, ControllerProcess, config_for, free_udp_port, start_controller
 
 SIZE = 12_000  # 188 blocks of 64: several rounds per slot at 32 slots
 DEADLINE = 60.0
@@ -100,20 +100,31 @@ def test_a_running_job_shrinks_for_a_newcomer_and_grows_back_with_every_sum_exac
         switch.stop()
 
 
-def _shrink_and_grow_back(tmp_path: Path, switch: TargetProcess) -> None:
+def _controller_with_moves(tmp_path: Path, switch: TargetProcess) -> tuple[Path, dict, ControllerProcess]:
+    """A controller of 64 cells on ``switch`` with its worker endpoint: its config's path and data, the process."""
     path = config_for(tmp_path, switch, capacity=64)
     data = yaml.safe_load(path.read_text())
     data["controller"]["worker_address"] = "127.0.0.1:0"
     path.write_text(yaml.safe_dump(data))
-    ctl = start_controller(path, tmp_path / "controller.log")
+    return path, data, start_controller(path, tmp_path / "controller.log")
+
+
+def _first_job(alice: ApiClient, ports: list[int]) -> int:
+    """Alice's job of 64 slots on two workers, admitted in full; its id."""
+    first = alice.call("create", name="a", workers=[f"local:{p}" for p in ports[:2]], slots=64, width=64)
+    assert first["admission"] == "full"
+    return first["job"]["job_id"]
+
+
+def _shrink_and_grow_back(tmp_path: Path, switch: TargetProcess) -> None:
+    _, _, ctl = _controller_with_moves(tmp_path, switch)
     try:
         alice, bob = ApiClient(ctl.socket, TOKENS["alice"]), ApiClient(ctl.socket, TOKENS["bob"])
         ports = free_ports(4)
-        first = alice.call("create", name="a", workers=[f"local:{p}" for p in ports[:2]], slots=64, width=64)
-        assert first["admission"] == "full"
-        a_id = first["job"]["job_id"]
+        a_id = _first_job(alice, ports)
         a_configs = _configs(alice, a_id, 2)
-        assert a_configs[0].controller is not None and a_configs[0].generation == first["job"]["generation"]
+        assert a_configs[0].controller is not None
+        assert a_configs[0].generation == alice.call("show", job_id=a_id)["generation"]
         a = Job(a_configs, seed=1)
         _wait_for("job a's first calls", lambda: min(a.done) >= 5)
 
@@ -140,16 +151,11 @@ def test_a_controller_killed_mid_move_comes_back_to_a_consistent_job_and_switch(
     """The controller dies (SIGKILL) as soon as it has written a shrink for a newcomer; restarted, it finds the move,
     the running job's workers (which keep asking meanwhile) finish it or it is given up, and the job grows back to
     its share: every sum exact, and the switch's entry the database's."""
-    path = config_for(tmp_path, soft_switch, capacity=64)
-    data = yaml.safe_load(path.read_text())
-    data["controller"]["worker_address"] = "127.0.0.1:0"
-    path.write_text(yaml.safe_dump(data))
-    ctl = start_controller(path, tmp_path / "controller.log")
+    path, data, ctl = _controller_with_moves(tmp_path, soft_switch)
     try:
         alice, bob = ApiClient(ctl.socket, TOKENS["alice"]), ApiClient(ctl.socket, TOKENS["bob"])
         ports = free_ports(4)
-        first = alice.call("create", name="a", workers=[f"local:{p}" for p in ports[:2]], slots=64, width=64)
-        a_id = first["job"]["job_id"]
+        a_id = _first_job(alice, ports)
         a = Job(_configs(alice, a_id, 2), seed=3)
         _wait_for("job a's first calls", lambda: min(a.done) >= 5)
         creating = threading.Thread(target=lambda: _ignore_errors(lambda: bob.call(
