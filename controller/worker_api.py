@@ -26,6 +26,8 @@ log = logging.getLogger("netagg.controller")
 
 #: The answer to a request naming a job that does not exist or without the job's secret.
 REFUSAL = "no such job, or wrong or missing job secret"
+#: Connections one host may hold at once (its workers keep one each): no host takes every thread.
+PER_HOST_CONNECTIONS = 256
 
 
 class WorkerApi:
@@ -38,7 +40,8 @@ class WorkerApi:
         self._count_lock = threading.Lock()
         self.server = FramedServer(listen(address.as_tuple()), self._session, name="netagg-worker-api",
                                    frame_timeout=10.0, on_malformed=lambda _: self._count("malformed"),
-                                   on_error=lambda _: self._count("bad_request"))
+                                   on_error=lambda _: self._count("bad_request"), per_source=PER_HOST_CONNECTIONS,
+                                   on_refused=lambda _: self._count("connections_refused"))
 
     @property
     def address(self) -> tuple[str, int]:

@@ -157,7 +157,11 @@ class FramedServer:
     def __init__(self, sock: socket.socket, session: Callable[[], Session], *, name: str,
                  stop: threading.Event | None = None, frame_timeout: float = 30.0,
                  on_malformed: Callable[[str], None] | None = None,
-                 on_error: Callable[[str], None] | None = None) -> None:
+                 on_error: Callable[[str], None] | None = None, per_source: int | None = None,
+                 on_refused: Callable[[str], None] | None = None) -> None:
+        """``per_source``: the most connections one source address may hold at once; a connection beyond it is
+        closed at once (``on_refused`` is told), so one host cannot take every thread of a server shared by
+        tenants. None: no limit."""
         self.sock = sock
         self.address: tuple[str, int] = sock.getsockname()
         self.name = name
@@ -166,6 +170,10 @@ class FramedServer:
         self._serve_options: dict[str, Any] = {"frame_timeout": frame_timeout, "on_malformed": on_malformed,
                                                "on_error": on_error}
         self._thread: threading.Thread | None = None
+        self._per_source = per_source
+        self._on_refused = on_refused
+        self._open: dict[str, int] = {}
+        self._open_lock = threading.Lock()
 
     def start(self) -> FramedServer:
         self._thread = threading.Thread(target=self._accept_loop, name=f"{self.name}-accept", daemon=True)
@@ -182,7 +190,7 @@ class FramedServer:
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self.sock.accept()
+                conn, peer = self.sock.accept()
             except (TimeoutError, BlockingIOError):
                 continue
             except OSError:
@@ -190,7 +198,30 @@ class FramedServer:
                     return
                 time.sleep(_POLL_SECONDS)
                 continue
+            source = peer[0] if isinstance(peer, tuple) else str(peer)
+            if not self._admit(source):
+                conn.close()
+                if self._on_refused is not None:
+                    self._on_refused(f"{source}: more than {self._per_source} connections")
+                continue
             handle, on_close = self._session()
             threading.Thread(target=serve, args=(conn, handle, self._stop),
-                             kwargs={**self._serve_options, "on_close": on_close}, name=self.name,
-                             daemon=True).start()
+                             kwargs={**self._serve_options, "on_close": self._closer(source, on_close)},
+                             name=self.name, daemon=True).start()
+
+    def _admit(self, source: str) -> bool:
+        with self._open_lock:
+            if self._per_source is not None and self._open.get(source, 0) >= self._per_source:
+                return False
+            self._open[source] = self._open.get(source, 0) + 1
+            return True
+
+    def _closer(self, source: str, on_close: Callable[[], None] | None) -> Callable[[], None]:
+        def closed() -> None:
+            with self._open_lock:
+                self._open[source] -= 1
+                if not self._open[source]:
+                    del self._open[source]
+            if on_close is not None:
+                on_close()
+        return closed

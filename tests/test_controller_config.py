@@ -18,6 +18,7 @@ def test_shipped_config_loads():
     assert config.hosts["local"].port == 1
     assert config.parameter_servers["ps0"].udp_port == 29000
     assert set(config.tenants.values()) == {"demo", "alice"}
+    assert config.worker_address == Endpoint("127.0.0.1", 28950) and config.move_wait_seconds == 10.0
 
 
 BASE = yaml.safe_load(SHIPPED.read_text())
@@ -60,6 +61,10 @@ def _with(path: str, value):
     ("slots.target_rtt_ms", 0, "slots.target_rtt_ms", "> 0"),
     ("slots.target_rtt_ms", "5 ms", "slots.target_rtt_ms", "expected float"),
     ("slots.target_rt_ms", 5, "slots.target_rt_ms", "unknown key"),
+    ("controller.worker_address", "127.0.0.1", "controller.worker_address", "host:port"),
+    ("controller.worker_address", "127.0.0.1:70000", "controller.worker_address", "host:port"),
+    ("controller.worker_address", "ctl.example:28950", "controller.worker_address", "not an IPv4"),
+    ("slots.move_wait_seconds", -1, "slots.move_wait_seconds", ">= 0"),
 ])
 def test_each_mistake_names_file_key_and_problem(path, value, key, problem):
     with pytest.raises(ConfigError) as err:

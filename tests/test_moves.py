@@ -395,3 +395,36 @@ def test_the_metrics_give_each_jobs_fair_share_and_the_moves(tmp_path) -> None:
     assert outcomes == {"started": 1, "committed": 1, "aborted": 0}
     shown = service.show_job(ALICE, a.job_id)
     assert shown["last_move"] == "64 -> 32 slots (test)" and shown["movable"] == "yes" and shown["moving"] is None
+
+
+def test_one_host_cannot_take_every_connection_of_the_worker_endpoint(tmp_path, monkeypatch) -> None:
+    from netagg.controller import worker_api
+    from netagg.psproto import PsUnreachable
+
+    monkeypatch.setattr(worker_api, "PER_HOST_CONNECTIONS", 2)
+    service = _service(_config_path(tmp_path))
+    a = service.store.get(_create(service, ALICE, 16)["job"]["job_id"])
+    api = WorkerApi(service, Endpoint("127.0.0.1", 0)).start()
+    poll = {"op": "poll", "job_id": a.job_id, "rank": 0, "generation": a.generation}
+    clients = [PsClient(api.address, timeout=5, secret=a.secret) for _ in range(3)]
+    try:
+        assert [c.request(poll)[0]["move"] for c in clients[:2]] == [None, None]
+        with pytest.raises(PsUnreachable):
+            clients[2].request(poll)  # closed at once: the host holds its two
+        assert api.counts["connections_refused"] == 1
+        clients[0].close()
+        deadline = time.monotonic() + 5
+        while True:  # the server notices the close within its poll interval
+            again = PsClient(api.address, timeout=5, secret=a.secret)
+            try:
+                assert again.request(poll)[0]["move"] is None
+                break
+            except PsUnreachable:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            finally:
+                again.close()
+    finally:
+        for client in clients:
+            client.close()
+        api.stop()
