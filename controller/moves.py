@@ -65,9 +65,12 @@ class Moves:
         self.service = service
         self.store = service.store
         self.config = service.config
-        #: Per job with a move pending: the ranks that asked (the decision needs all), and those at the switch point.
+        #: Per job with a move pending: the ranks that learned of it (a poll), that asked (the decision needs all),
+        #: and that are at the switch point; per job, the generation before its last commit (its late ranks' go).
+        self._polled: dict[int, set[int]] = {}
         self._asked: dict[int, set[int]] = {}
         self._ready: dict[int, set[int]] = {}
+        self._previous: dict[int, int] = {}
         #: (job, generation) whose new entry this controller wrote to the switch since it started.
         self._installed: set[tuple[int, int]] = set()
         #: Jobs not moved again (their workers did not follow a move), with why.
@@ -137,6 +140,7 @@ class Moves:
             move = self.store.move(job.job_id)
             if move is not None:
                 self._release(self.extra_cells(job, move))
+            self._polled.pop(job.job_id, None)
             self._asked.pop(job.job_id, None)
             self._ready.pop(job.job_id, None)
 
@@ -206,6 +210,7 @@ class Moves:
                 return
             self.store.delete_move(job_id)
             self._release(self.extra_cells(job, move))
+            self._polled.pop(job_id, None)
             self._asked.pop(job_id, None)
             self._ready.pop(job_id, None)
             self.counts["aborted"] += 1
@@ -221,7 +226,7 @@ class Moves:
                 if not self.enabled:  # restarted without a worker endpoint: nobody can follow it
                     self.abort(move.job_id, "the controller no longer moves jobs (no controller.worker_address)")
                 elif move.switch_at is None and age > DECIDE_SECONDS:
-                    silent = not self._asked.get(move.job_id)
+                    silent = not self._asked.get(move.job_id) and not self._polled.get(move.job_id)
                     self.abort(move.job_id, f"not every rank asked within {DECIDE_SECONDS:g} s")
                     if silent:
                         self.pinned[move.job_id] = "its workers do not follow moves (none asked)"
@@ -229,11 +234,15 @@ class Moves:
                     self.abort(move.job_id, f"not every rank reached the switch point within {SWITCH_SECONDS:g} s")
 
     # -- the workers' requests ---------------------------------------------------
-    def poll(self, job: JobRecord, generation: int) -> dict:
-        """Whether the job (as a worker of ``generation`` knows it) has a move pending: its new generation, or None."""
+    def poll(self, job: JobRecord, rank: int, generation: int) -> dict:
+        """Whether the job (as its worker of ``generation`` knows it) has a move pending: its new generation, or
+        None; and the job's generation."""
         move = self.store.move(job.job_id)
-        return {"move": move.generation if move is not None and generation == job.generation else None,
-                "generation": job.generation}
+        pending = move is not None and generation == job.generation
+        if pending and 0 <= rank < len(job.workers):
+            with self._lock:
+                self._polled.setdefault(job.job_id, set()).add(rank)
+        return {"move": move.generation if pending else None, "generation": job.generation}
 
     def ask(self, job: JobRecord, rank: int, generation: int, exchange: int, ready: bool, on_ps: bool) -> dict:
         """A worker's ``move`` request before exchange ``exchange`` (module docstring); ValueError when it breaks
@@ -244,7 +253,7 @@ class Moves:
             job = self.store.get(job.job_id) or job
             move = self.store.move(job.job_id)
             if generation != job.generation:
-                if move is None and ready and self._newer(job, generation):
+                if ready and self._newer(job, generation):
                     return self._go(job)  # committed while this rank waited (or before a restart)
                 raise ValueError(f"job {job.job_id} is at generation {job.generation}, not {generation}")
             if move is None:
@@ -276,13 +285,16 @@ class Moves:
             return self._commit(job, move)
 
     def _newer(self, job: JobRecord, generation: int) -> bool:
-        """Whether ``job``'s generation came after ``generation`` (a move committed since that worker's config)."""
-        return job.generation > generation
+        """Whether ``generation`` is the job's before its last commit (a rank that waited at that switch point); after
+        a restart, any older one."""
+        return self._previous.get(job.job_id, generation) == generation and job.generation > generation
 
     def _commit(self, job: JobRecord, move: MoveRecord) -> dict:
         left = self.left_cells(job, move)
         self.store.commit_move(move)
         self._release(left)
+        self._previous[job.job_id] = job.generation
+        self._polled.pop(job.job_id, None)
         self._asked.pop(job.job_id, None)
         self._ready.pop(job.job_id, None)
         self.counts["committed"] += 1

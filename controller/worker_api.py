@@ -72,10 +72,11 @@ class WorkerApi:
         op = header.get("op")
         moves = self.service.moves
         if op == "poll":
-            generation = header.get("generation")
-            if not isinstance(generation, int) or isinstance(generation, bool):
-                raise ValueError(f"generation: expected an integer, got {generation!r}")
-            answer = moves.poll(job, generation)
+            rank, generation = header.get("rank"), header.get("generation")
+            for key, value in (("rank", rank), ("generation", generation)):
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"{key}: expected an integer, got {value!r}")
+            answer = moves.poll(job, rank, generation)
         elif op == "move":
             rank, generation, exchange, ready, on_ps = check_request(header)
             answer = moves.ask(job, rank, generation, exchange, ready, on_ps)

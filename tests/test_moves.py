@@ -90,7 +90,7 @@ def test_a_shrink_switches_one_past_the_last_exchange_let_run_and_only_when_ever
     old_generation = job.generation
     move = service.moves.start(job, 32, "test")
     assert move is not None and move.slot_base == job.slot_base and move.generation > old_generation
-    assert service.moves.poll(job, old_generation) == {"move": move.generation, "generation": old_generation}
+    assert service.moves.poll(job, 0, old_generation) == {"move": move.generation, "generation": old_generation}
     assert service.moves.start(job, 16, "again") is None  # one move at a time
 
     assert _ask(service, job.job_id, 0, 7) == {"move": move.generation, "switch_at": None}
@@ -217,7 +217,7 @@ def _follow(service: JobService, job_id: int, stop: threading.Event, workers: in
             job = service.store.get(job_id)
             if job is None:
                 return
-            if service.moves.poll(job, generation)["move"] is not None:
+            if service.moves.poll(job, 0, generation)["move"] is not None:
                 answers = [service.moves.ask(job, r, generation, index, False, False) for r in range(workers)]
                 switch_at = answers[-1]["switch_at"]
                 if switch_at is not None and index + 1 == switch_at:
@@ -428,3 +428,29 @@ def test_one_host_cannot_take_every_connection_of_the_worker_endpoint(tmp_path, 
         for client in clients:
             client.close()
         api.stop()
+
+
+def test_a_job_whose_workers_learned_of_a_move_but_ran_no_exchange_is_not_pinned(tmp_path) -> None:
+    service = _service(_config_path(tmp_path))
+    a = service.store.get(_create(service, ALICE, 64)["job"]["job_id"])
+    assert service.moves.start(a, 32, "test") is not None
+    service.moves.poll(a, 0, a.generation)  # a rank learned of it, but its next exchange is far off
+    service.moves.expire(time.time() + moves_module.DECIDE_SECONDS + 1)
+    assert service.store.move(a.job_id) is None and a.job_id not in service.moves.pinned
+    assert service.moves.start(a, 32, "again") is not None  # tried again later
+
+
+def test_a_rank_late_at_a_switch_point_gets_its_go_after_the_next_move_started(tmp_path) -> None:
+    service = _service(_config_path(tmp_path))
+    a = service.store.get(_create(service, ALICE, 64)["job"]["job_id"])
+    first = service.moves.start(a, 32, "test")
+    for rank in (0, 1):
+        _ask(service, a.job_id, rank, 0)
+    assert _ask(service, a.job_id, 0, 1, ready=True) == {"state": "wait"}
+    assert _ask(service, a.job_id, 1, 1, ready=True)["state"] == "go"  # committed
+    second = service.moves.start(service.store.get(a.job_id), 48, "next")
+    assert second is not None
+    late = _ask(service, a.job_id, 0, 1, ready=True, generation=a.generation)  # rank 0 asks again, old generation
+    assert late == {"state": "go", "slot_count": 32, "generation": first.generation}
+    with pytest.raises(ValueError, match="generation"):  # an older config than that one is not answered go
+        _ask(service, a.job_id, 0, 1, ready=True, generation=a.generation - 1)
