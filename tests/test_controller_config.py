@@ -18,7 +18,7 @@ def test_shipped_config_loads():
     assert config.hosts["local"].port == 1
     assert config.parameter_servers["ps0"].udp_port == 29000
     assert set(config.tenants.values()) == {"demo", "alice"}
-    assert config.worker_address == Endpoint("127.0.0.1", 28950) and config.move_wait_seconds == 10.0
+    assert config.worker_address == Endpoint("127.0.0.1", 0) and config.move_wait_seconds == 10.0
 
 
 BASE = yaml.safe_load(SHIPPED.read_text())
