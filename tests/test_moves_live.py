@@ -6,6 +6,7 @@ grows it back when the newcomer leaves; every sum exact on every worker, before,
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from pathlib import Path
@@ -177,6 +178,9 @@ def test_a_controller_killed_mid_move_comes_back_to_a_consistent_job_and_switch(
         assert a.slots == [64, 64]
         shown = alice.call("show", job_id=a_id)
         assert shown["counters"]["results"] > 0  # the switch holds the job's entry of its current generation
+        endpoints = [re.findall(r"worker endpoint on (\S+)", (tmp_path / log).read_text())
+                     for log in ("controller.log", "controller-2.log")]
+        assert endpoints[0] and endpoints[0] == endpoints[1]  # port 0 configured: the same port after the restart
     finally:
         ctl.stop()
 
