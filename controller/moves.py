@@ -15,8 +15,11 @@ without stopping it. Its steps, each written to the database before it is acted 
    transaction, which also frees the cells left behind), the switch gets the job's new entry, and each worker is
    answered ``go``. Every slot of the new range is taken over afresh at its first packet (the generation check).
 
-A move not decided within :data:`DECIDE_SECONDS` (a worker that does not follow moves), or not switched within
-:data:`SWITCH_SECONDS` (a rank that died), or a worker that is on its PS after a failover, gives the move up:
+A move not decided within :data:`DECIDE_SECONDS` (a worker that does not follow moves; :data:`SWITCH_SECONDS` once
+every rank learned of it: a job whose exchanges are far apart), or not switched within :data:`SWITCH_SECONDS` (a
+rank that died), or a worker that is on its PS after a failover, gives the move up. A worker names the move it
+follows in each request, so one that reaches the switch point of a move given up meanwhile is told so even when the
+job has another move by then:
 its reserved cells go back, and every worker stays on, or returns to, the old range (an answer ``aborted`` at the
 switch point, or no move at all). A job whose workers never asked is not moved again until the controller restarts.
 
@@ -50,7 +53,7 @@ log = logging.getLogger("netagg.controller")
 #: A move whose switch point is not decided this long after it started is given up (a worker not following).
 DECIDE_SECONDS = 20.0
 #: A decided move whose ranks are not all at the switch point this long after it started is given up.
-SWITCH_SECONDS = 60.0
+SWITCH_SECONDS = 300.0
 
 
 def move_threshold(held: int, unit: int) -> int:
@@ -225,13 +228,18 @@ class Moves:
                 age = now - move.created
                 if not self.enabled:  # restarted without a worker endpoint: nobody can follow it
                     self.abort(move.job_id, "the controller no longer moves jobs (no controller.worker_address)")
-                elif move.switch_at is None and age > DECIDE_SECONDS:
+                elif move.switch_at is None and age > self._decide_seconds(move):
                     silent = not self._asked.get(move.job_id) and not self._polled.get(move.job_id)
-                    self.abort(move.job_id, f"not every rank asked within {DECIDE_SECONDS:g} s")
+                    self.abort(move.job_id, f"not every rank asked within {self._decide_seconds(move):g} s")
                     if silent:
                         self.pinned[move.job_id] = "its workers do not follow moves (none asked)"
                 elif move.switch_at is not None and age > SWITCH_SECONDS:
                     self.abort(move.job_id, f"not every rank reached the switch point within {SWITCH_SECONDS:g} s")
+
+    def _decide_seconds(self, move: MoveRecord) -> float:
+        job = self.store.get(move.job_id)
+        learned = self._polled.get(move.job_id, set()) | self._asked.get(move.job_id, set())
+        return SWITCH_SECONDS if job is not None and len(learned) >= len(job.workers) else DECIDE_SECONDS
 
     # -- the workers' requests ---------------------------------------------------
     def poll(self, job: JobRecord, rank: int, generation: int) -> dict:
@@ -244,9 +252,10 @@ class Moves:
                 self._polled.setdefault(job.job_id, set()).add(rank)
         return {"move": move.generation if pending else None, "generation": job.generation}
 
-    def ask(self, job: JobRecord, rank: int, generation: int, exchange: int, ready: bool, on_ps: bool) -> dict:
-        """A worker's ``move`` request before exchange ``exchange`` (module docstring); ValueError when it breaks
-        the rules."""
+    def ask(self, job: JobRecord, rank: int, generation: int, exchange: int, ready: bool, on_ps: bool,
+            following: int | None = None) -> dict:
+        """A worker's ``move`` request before exchange ``exchange`` (module docstring); ``following``: the
+        generation of the move it follows (None: the current one). ValueError when it breaks the rules."""
         if not (0 <= rank < len(job.workers)) or exchange < 0:
             raise ValueError(f"rank {rank} or exchange {exchange} out of range")
         with self._lock:
@@ -256,8 +265,8 @@ class Moves:
                 if ready and self._newer(job, generation):
                     return self._go(job)  # committed while this rank waited (or before a restart)
                 raise ValueError(f"job {job.job_id} is at generation {job.generation}, not {generation}")
-            if move is None:
-                return {"move": None, "state": "aborted"}
+            if move is None or (ready and following is not None and following != move.generation):
+                return {"move": None, "state": "aborted"}  # the move it followed was given up
             ranks = set(range(len(job.workers)))
             if not ready:
                 if move.switch_at is not None:  # decided: a rank that ran the last old exchange learns it here

@@ -79,7 +79,10 @@ class WorkerApi:
             answer = moves.poll(job, rank, generation)
         elif op == "move":
             rank, generation, exchange, ready, on_ps = check_request(header)
-            answer = moves.ask(job, rank, generation, exchange, ready, on_ps)
+            following = header.get("move")
+            if following is not None and (not isinstance(following, int) or isinstance(following, bool)):
+                raise ValueError(f"move: expected the generation of the move followed, got {following!r}")
+            answer = moves.ask(job, rank, generation, exchange, ready, on_ps, following)
         else:
             raise ValueError(f"unknown op {op!r} (poll, move)")
         self._count("answered")

@@ -94,6 +94,7 @@ class MoveClient:
             if answer.get("move") is None:  # given up before it was decided
                 self._forget()
                 return None
+            self._pending = answer["move"]  # (another than the poll saw, if that one was given up meanwhile)
             self._switch_at = answer.get("switch_at")
             if self._switch_at is None:
                 return None
@@ -150,7 +151,8 @@ class MoveClient:
         start an exchange the controller does not know of)."""
         deadline = self.clock() + self.barrier_seconds if deadline is None else deadline
         header = {"op": "move", "job_id": self.config.job_id, "rank": self.config.rank,
-                  "generation": self.config.generation, "exchange": index, "ready": ready, "on_ps": on_ps}
+                  "generation": self.config.generation, "exchange": index, "ready": ready, "on_ps": on_ps,
+                  "move": self._pending}
         while True:
             try:
                 return self._request(header)

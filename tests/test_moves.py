@@ -454,3 +454,23 @@ def test_a_rank_late_at_a_switch_point_gets_its_go_after_the_next_move_started(t
     assert late == {"state": "go", "slot_count": 32, "generation": first.generation}
     with pytest.raises(ValueError, match="generation"):  # an older config than that one is not answered go
         _ask(service, a.job_id, 0, 1, ready=True, generation=a.generation - 1)
+
+
+def test_a_rank_at_the_switch_point_of_a_move_given_up_meanwhile_stays_even_with_a_next_move(tmp_path) -> None:
+    service = _service(_config_path(tmp_path))
+    a = service.store.get(_create(service, ALICE, 64)["job"]["job_id"])
+    first = service.moves.start(a, 32, "test")
+    for rank in (0, 1):
+        service.moves.poll(a, rank, a.generation)
+    assert _ask(service, a.job_id, 0, 4) == {"move": first.generation, "switch_at": None}
+    assert _ask(service, a.job_id, 1, 4)["switch_at"] == 5
+    # Every rank learned of it: a slow exchange does not give it up at DECIDE_SECONDS ...
+    service.moves.expire(time.time() + moves_module.DECIDE_SECONDS + 1)
+    assert service.store.move(a.job_id) is not None
+    service.moves.expire(time.time() + moves_module.SWITCH_SECONDS + 1)  # ... but a rank that never comes does
+    second = service.moves.start(service.store.get(a.job_id), 16, "next")
+    assert second is not None
+    job = service.store.get(a.job_id)
+    answer = service.moves.ask(job, 0, a.generation, 5, True, False, first.generation)
+    assert answer == {"move": None, "state": "aborted"}  # stays on the old slots; learns the next move by polling
+    assert service.store.get(a.job_id).slot_count == 64
