@@ -64,15 +64,30 @@ class SlotAllocator:
     def allocate(self, want: int, minimum: int | None = None, unit: int = 1) -> SlotRange | None:
         """Reserve up to ``want`` contiguous cells (at least ``minimum``, default ``want``), a whole number of
         ``unit``s (``want`` and ``minimum`` must be multiples of it)."""
+        found = self._find(want, minimum, unit)
+        return None if found is None else self._take(*found)
+
+    def find(self, want: int, minimum: int | None = None, unit: int = 1) -> SlotRange | None:
+        """The range :meth:`allocate` would reserve, reserving nothing."""
+        found = self._find(want, minimum, unit)
+        return None if found is None else SlotRange(self._free[found[0]].base, found[1])
+
+    def is_free(self, cells: SlotRange) -> bool:
+        """Whether every cell of ``cells`` is free."""
+        return any(free.base <= cells.base and cells.end <= free.end for free in self._free)
+
+    def _find(self, want: int, minimum: int | None, unit: int) -> tuple[int, int] | None:
+        """(index of the free range, cells): the first that holds ``want``, else the largest, if its whole
+        ``unit``s reach ``minimum``."""
         minimum = _check_request(want, minimum, unit)
         for i, free in enumerate(self._free):
             if free.count >= want:
-                return self._take(i, want)
+                return i, want
         best = max(range(len(self._free)), key=lambda i: (self._free[i].count, -i), default=None)
         if best is not None:
             fits = self._free[best].count // unit * unit
             if fits >= minimum:
-                return self._take(best, fits)
+                return best, fits
         return None
 
     def _take(self, index: int, count: int) -> SlotRange:

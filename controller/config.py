@@ -214,6 +214,14 @@ def _check_keys(reader: _Reader) -> None:
                     raise reader.fail(where, f"unknown key (allowed: {', '.join(sorted(allowed))})")
 
 
+def _host_port(reader: _Reader, key: str, text: str, host_pattern: str) -> tuple[str, int]:
+    """``text`` as HOST:PORT, its host matching ``host_pattern`` and its port in 0..65535."""
+    host, sep, port = text.rpartition(":")
+    if not (sep and re.match(host_pattern, host) and port.isdigit() and int(port) < 65536):
+        raise reader.fail(key, f"{text!r} is not host:port (port 0..65535)")
+    return host, int(port)
+
+
 def _ip(reader: _Reader, key: str, value: str) -> str:
     try:
         return str(ipaddress.IPv4Address(value))
@@ -298,17 +306,12 @@ def parse_config(data: Any, source: str, base: Path = dp.REPO_ROOT) -> Controlle
         raise r.fail("controller.admin_token", "must be at least 8 characters")
     metrics_address = r.value("controller.metrics_address", str, None)
     if metrics_address is not None:
-        host, sep, port = metrics_address.rpartition(":")
-        if not (sep and re.match(r"^[\w.\-\[\]:]*$", host) and port.isdigit() and int(port) < 65536):
-            raise r.fail("controller.metrics_address", f"{metrics_address!r} is not host:port (port 0..65535)")
-
+        _host_port(r, "controller.metrics_address", metrics_address, r"^[\w.\-\[\]:]*$")
     worker_text = r.value("controller.worker_address", str, None)
     worker_address = None
     if worker_text is not None:
-        host, sep, port = worker_text.rpartition(":")
-        if not (sep and host and port.isdigit() and int(port) < 65536):
-            raise r.fail("controller.worker_address", f"{worker_text!r} is not host:port (port 0..65535)")
-        worker_address = Endpoint(_ip(r, "controller.worker_address", host), int(port))
+        host, port = _host_port(r, "controller.worker_address", worker_text, r".")
+        worker_address = Endpoint(_ip(r, "controller.worker_address", host), port)
     move_wait = r.value("slots.move_wait_seconds", float, 10.0)
     if not (math.isfinite(move_wait) and move_wait >= 0):
         raise r.fail("slots.move_wait_seconds", f"must be seconds >= 0, got {move_wait!r}")

@@ -193,17 +193,10 @@ class Moves:
         if base is not None:
             return SlotRange(base, cells)
         held = job.cell_count
-        if cells <= held or self._is_free(SlotRange(job.slot_base + held, cells - held)):
+        if cells <= held or self._allocator.is_free(SlotRange(job.slot_base + held, cells - held)):
             return SlotRange(job.slot_base, cells)
-        for free in self._allocator.free_ranges:  # first fit, else the most a free range holds beyond what it has
-            if free.count >= cells:
-                return SlotRange(free.base, cells)
-        best = max(self._allocator.free_ranges, key=lambda r: r.count, default=None)
-        fits = 0 if best is None else best.count // job.cells * job.cells
-        return SlotRange(best.base, fits) if best is not None and fits > held else None
-
-    def _is_free(self, cells: SlotRange) -> bool:
-        return any(free.base <= cells.base and cells.end <= free.end for free in self._allocator.free_ranges)
+        # As a new job's cells are chosen, and more than it has.
+        return self._allocator.find(cells, min(cells, held + job.cells), unit=job.cells)
 
     def abort(self, job_id: int, why: str) -> None:
         """Give the job's move up (before it commits): its extra cells go back; every worker stays on the old range."""
@@ -330,13 +323,14 @@ class Moves:
         """Every job's claim on the switch; ``pending_fixed``: a job with a move pending counts what the move gives
         it, and is not moved again meanwhile (what the rebalance acts on), else as if it had no move pending."""
         capacity, per_tenant = self.config.slot_capacity, Counter(j.tenant for j in jobs if j.uses_switch)
+        pending = {m.job_id: m for m in self.store.moves()} if pending_fixed else {}
         claims = []
         for job in jobs:
             if not job.uses_switch:
                 continue
             limits = self.config.tenant_limits.get(job.tenant)
             weight = (limits.weight if limits is not None else 1.0) / per_tenant[job.tenant]
-            move = self.store.move(job.job_id) if pending_fixed else None
+            move = pending.get(job.job_id)
             held = job.cell_count if move is None else move.slot_count * job.cells
             want = min(job.slots_wanted * job.cells, capacity // job.cells * job.cells)
             claims.append(Claim(job.job_id, want, job.cells, min(self.config.min_slots * job.cells, want), weight,
@@ -436,22 +430,4 @@ def newcomer_weight(service: JobService, tenant: str) -> float:
     return (limits.weight if limits is not None else 1.0) / (mine + 1)
 
 
-def check_request(header: dict) -> tuple[int, int, int, bool, bool]:
-    """A ``move`` request's rank, generation, exchange, ready and on_ps (ValueError when malformed)."""
-    values = []
-    for key in ("rank", "generation", "exchange"):
-        value = header.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{key}: expected an integer >= 0, got {value!r}")
-        values.append(value)
-    flags = []
-    for key in ("ready", "on_ps"):
-        value = header.get(key, False)
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}: expected true or false, got {value!r}")
-        flags.append(value)
-    return values[0], values[1], values[2], flags[0], flags[1]
-
-
-__all__ = ["DECIDE_SECONDS", "SWITCH_SECONDS", "Moves", "ServiceError", "check_request", "move_threshold",
-           "newcomer_weight"]
+__all__ = ["DECIDE_SECONDS", "SWITCH_SECONDS", "Moves", "ServiceError", "move_threshold", "newcomer_weight"]

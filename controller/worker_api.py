@@ -15,7 +15,6 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from netagg import jobsecret
-from netagg.controller.moves import check_request
 from netagg.framed_server import Frame, FramedServer, Reply, Session, listen
 from netagg.jobconfig import Endpoint
 
@@ -72,18 +71,31 @@ class WorkerApi:
         op = header.get("op")
         moves = self.service.moves
         if op == "poll":
-            rank, generation = header.get("rank"), header.get("generation")
-            for key, value in (("rank", rank), ("generation", generation)):
-                if not isinstance(value, int) or isinstance(value, bool):
-                    raise ValueError(f"{key}: expected an integer, got {value!r}")
-            answer = moves.poll(job, rank, generation)
+            answer = moves.poll(job, _integer(header, "rank"), _integer(header, "generation"))
         elif op == "move":
-            rank, generation, exchange, ready, on_ps = check_request(header)
-            following = header.get("move")
-            if following is not None and (not isinstance(following, int) or isinstance(following, bool)):
-                raise ValueError(f"move: expected the generation of the move followed, got {following!r}")
-            answer = moves.ask(job, rank, generation, exchange, ready, on_ps, following)
+            answer = moves.ask(job, _integer(header, "rank", 0), _integer(header, "generation", 0),
+                               _integer(header, "exchange", 0), _flag(header, "ready"), _flag(header, "on_ps"),
+                               _integer(header, "move", optional=True))
         else:
             raise ValueError(f"unknown op {op!r} (poll, move)")
         self._count("answered")
         return {"ok": True, **answer}, b""
+
+
+def _integer(header: dict, key: str, minimum: int | None = None, optional: bool = False) -> int | None:
+    """The request's integer ``key`` (at least ``minimum``; None where ``optional`` and absent), else ValueError."""
+    value = header.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{key}: expected an integer{bound}, got {value!r}")
+    return value
+
+
+def _flag(header: dict, key: str) -> bool:
+    """The request's boolean ``key`` (false when absent); ValueError otherwise."""
+    value = header.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}: expected true or false, got {value!r}")
+    return value

@@ -304,8 +304,8 @@ class KVWorker:
 
     @property
     def moves(self) -> int:
-        """Moves of the job's slots this worker followed."""
-        return self._moves.moves if self._moves is not None else 0
+        """Moves of the job's slots this worker followed (its transport took the new slots)."""
+        return self.transport.stats.moves
 
     def _aggregate(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None,
                    tag: int = 0) -> np.ndarray:

@@ -1,5 +1,5 @@
 """A worker's side of a move: the controller gives a running job new slots, and every worker switches at the same
-exchange (docs/controller.md, "Moving a running job").
+exchange (docs/controller.md, "Fair shares that move").
 
 The rules, with the controller's side in ``controller/moves.py``:
 
@@ -66,10 +66,6 @@ class MoveClient:
         #: The job's generation when the controller says this worker's config is older (a worker restarted with
         #: the config it was launched with, after the job moved): its slots are not the others'.
         self._stale: int | None = None
-        #: Counters: polls that failed (controller away), moves followed, moves the controller gave up.
-        self.unreachable = 0
-        self.moves = 0
-        self.aborted = 0
         self._client: PsClient | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -125,11 +121,9 @@ class MoveClient:
                 if not (isinstance(slot_count, int) and slot_count >= 1 and isinstance(generation, int)):
                     raise MoveError(f"job {self.config.job_id}: the controller's go names no slots: {answer!r}")
                 self.config = replace(self.config, slot_count=slot_count, generation=generation)
-                self.moves += 1
                 self._forget()
                 return self.config
             if state == "aborted":
-                self.aborted += 1
                 self._forget()
                 log.warning("job %d rank %d: the controller gave the move up at exchange %d; the job keeps its slots",
                             self.config.job_id, self.config.rank, index)
@@ -160,7 +154,6 @@ class MoveClient:
                 raise MoveError(f"job {self.config.job_id} rank {self.config.rank}: the controller refused the move "
                                 f"request: {err}") from None
             except PsError as err:
-                self.unreachable += 1
                 if self.clock() >= deadline:
                     raise MoveError(f"job {self.config.job_id} rank {self.config.rank}: no answer from the controller "
                                     f"at {self.address[0]}:{self.address[1]} with a move pending: {err}") from None
@@ -187,7 +180,6 @@ class MoveClient:
             try:
                 answer = self._request({**header, "generation": self.config.generation})
             except PsError as err:
-                self.unreachable += 1
                 log.debug("job %d rank %d: cannot ask the controller for moves: %s", self.config.job_id,
                           self.config.rank, err)
                 continue

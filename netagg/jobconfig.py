@@ -121,7 +121,7 @@ class WorkerConfig:
     generation: int = 0
     #: The controller's endpoint for the job's workers (``controller.worker_address``): where a worker learns
     #: that the controller moves the job's slots, and agrees with the others on the exchange they switch at
-    #: (hoststack/moves.py, docs/controller.md "Moving a running job"). None: the job's slots never move.
+    #: (hoststack/moves.py, docs/controller.md "Fair shares that move"). None: the job's slots never move.
     controller: Endpoint | None = None
 
     def __post_init__(self) -> None:
