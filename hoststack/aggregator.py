@@ -157,8 +157,8 @@ class SoftAggregator:
         if verdict.delivery == Delivery.NONE:
             return None
         packet = bytearray(data[:wire.HEADER_BYTES])
-        packet[layout.FLAGS_AT] = (packet[layout.FLAGS_AT] & ~wire.STORED_FLAGS & 0xFF) | verdict.round_flags \
-            | self.result_flags
+        packet[layout.FLAGS_AT] = (packet[layout.FLAGS_AT] & ~wire.STORED_FLAGS & 0xFF) \
+            | (verdict.round_flags & wire.STORED_FLAGS) | self.result_flags
         if verdict.members is not None:  # a round closed at a deadline: who is in its sum
             packet[layout.MEMBERS_AT:layout.MEMBERS_AT + 4] = verdict.members.to_bytes(4, "big")
         packet[layout.EXPONENT_AT] = verdict.exponent & 0xFF

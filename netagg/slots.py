@@ -81,7 +81,8 @@ class Verdict:
     exponent: int  #: the exponent the packet leaves with
     values: np.ndarray  #: the values the packet leaves with (the stored sums, or its own if untouched)
     resend: bool = False  #: a retransmission's answer (an UP packet then carries FLAG_RETRANSMIT)
-    #: The round's flags (``wire.ROUND_FLAGS``) the packet leaves with, in place of its own.
+    #: The round's register bits: its ``wire.STORED_FLAGS`` the packet leaves with in place of its own, and
+    #: ``wire.ROUND_CE`` (some contribution arrived CE-marked: the packet leaves with ECN CE).
     round_flags: int = 0
     #: A new contribution of another collective: counted as an EXCHANGE_MISMATCH drop and a job reject (not a
     #: contribution), though it counts towards completion and may leave as the (OUT_OF_STEP) result.
@@ -225,7 +226,7 @@ class SlotRegisters:
 
     def aggregate(self, slot: int, pool: int, round_: int, worker_mask: int, num_workers: int, generation: int,
                   members: int, exponent: int, values: np.ndarray, has_up: bool = False, flags: int = 0,
-                  exchange: int = 0) -> Verdict:
+                  exchange: int = 0, ce: bool = False) -> Verdict:
         """One packet from ``SlotOwner`` to the delivery decision (``NetaggIngress.apply``).
 
         ``decide``, then ``LevelState`` and the counting (a new contribution; the completing one is a
@@ -233,7 +234,8 @@ class SlotRegisters:
         result or, while the parent's result is outstanding, by the partial sent up again; anything
         else is a duplicate), then ``ExponentMax`` and ``ValueSum`` when the decision's op says so.
         ``has_up``: the job has an up link on this switch (``up_links``, docs/hierarchy.md). ``flags`` and
-        ``exchange``: the packet's; ``RoundFlags`` keeps the OR of the round's ``wire.ROUND_FLAGS``.
+        ``exchange``: the packet's; ``RoundFlags`` keeps the OR of the round's ``wire.ROUND_FLAGS``, and with
+        ``ce`` (the packet arrived with ECN CE) ``wire.ROUND_CE``.
         """
         close = bool(flags & wire.FLAG_CLOSE)
         if close and has_up:  # deadline rounds are one switch's: refused before any register changes
@@ -264,7 +266,7 @@ class SlotRegisters:
             delivery = Delivery.UP if has_up and level != Level.FINAL else Delivery.SENDER
         else:
             counts = _DUPLICATE
-        round_flags = self.round_flags(index, op, flags, decision.exchange_mismatch)
+        round_flags = self.round_flags(index, op, flags, decision.exchange_mismatch, ce)
         members_out = None
         if decision.closes:
             # A resend's close request is a result, not a retransmission's answer.
@@ -283,7 +285,7 @@ class SlotRegisters:
                        round_flags=round_flags, exchange_mismatch=decision.exchange_mismatch, members=members_out)
 
     def accept_down(self, slot: int, pool: int, round_: int, generation: int, exponent: int,
-                    values: np.ndarray, flags: int = 0) -> Verdict:
+                    values: np.ndarray, flags: int = 0, ce: bool = False) -> Verdict:
         """A parent's result for this switch's (slot, pool) (``down_links`` matched; docs/hierarchy.md).
 
         Nothing is taken over or started: a slot of another generation, or a round other than the
@@ -300,7 +302,7 @@ class SlotRegisters:
         if self.levels[index] != Level.UP:
             return Verdict(DropReason.NONE, _DUPLICATE, Delivery.NONE, exponent, values)
         self.levels[index] = Level.FINAL
-        round_flags = self.round_flags(index, ValueOp.WRITE, flags, False)
+        round_flags = self.round_flags(index, ValueOp.WRITE, flags, False, ce)
         exponent = self.exponent(index, ValueOp.WRITE, exponent)
         values = self.sums(index, ValueOp.WRITE, values)
         return Verdict(DropReason.NONE, _RESULT, Delivery.GROUP, exponent, values, round_flags=round_flags)
@@ -312,15 +314,18 @@ class SlotRegisters:
         self.levels[index] = Level.UP if goes_up and level != Level.FINAL else level
         return level
 
-    def round_flags(self, index: int, op: ValueOp, flags: int, mismatch: bool) -> int:
+    def round_flags(self, index: int, op: ValueOp, flags: int, mismatch: bool, ce: bool = False) -> int:
         """RoundFlags: write / OR the packet's round flags, or OUT_OF_STEP for a contribution of another
-        collective (its own flags are not taken); returns the round's flags, which the packet leaves with."""
+        collective (its own flags are not taken), and ``wire.ROUND_CE`` when it arrived CE-marked (any packet
+        that changes the register: a congestion mark is never lost); returns the round's register bits, which
+        the packet leaves with."""
+        mark = wire.ROUND_CE if ce else 0
         if mismatch:
-            self.flags[index] |= wire.FLAG_OUT_OF_STEP
+            self.flags[index] |= wire.FLAG_OUT_OF_STEP | mark
         elif op == ValueOp.WRITE:
-            self.flags[index] = flags & wire.ROUND_FLAGS
+            self.flags[index] = (flags & wire.ROUND_FLAGS) | mark
         elif op == ValueOp.MERGE:
-            self.flags[index] |= flags & wire.ROUND_FLAGS
+            self.flags[index] |= (flags & wire.ROUND_FLAGS) | mark
         return self.flags[index]
 
     def exponent(self, index: int, op: ValueOp, exponent: int) -> int:

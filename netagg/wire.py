@@ -68,6 +68,19 @@ ROUND_FLAGS = NONFINITE_FLAGS | FLAG_OUT_OF_STEP
 #: round's state (the ``round_flags`` register): the round flags and whether the round was closed.
 STORED_FLAGS = ROUND_FLAGS | FLAG_CLOSE
 KNOWN_FLAGS = FLAG_RESULT | FLAG_RETRANSMIT | FLAG_PS_FORWARDED | STORED_FLAGS
+
+# ECN (RFC 3168) in the IPv4 header's two low TOS bits (docs/protocol.md, "Congestion marks").
+ECN_MASK = 0x03
+ECN_NOT_ECT = 0x00
+#: What hosts send: ECN-capable transport; a queue on the way may turn it into CE instead of dropping.
+ECN_ECT0 = 0x02
+#: Congestion experienced: set by a queue on the way, by the aggregation switch on a round's result when any of
+#: its contributions arrived with it, or by the switch's own egress queue.
+ECN_CE = 0x03
+#: Not a header flag: the bit of the switch's ``round_flags`` register that keeps "some contribution to this
+#: round arrived CE-marked" (FLAG_RESULT's position, which the register never stores). A packet leaves with the
+#: register's ``STORED_FLAGS`` in its flags and, with this bit set, ECN CE in its IPv4 header.
+ROUND_CE = 0x01
 #: ``width`` codes: values per packet. Any other code is MALFORMED; a packet whose width is not its job's
 #: is refused (``WRONG_WIDTH``).
 WIDTHS = {0: K, 1: WIDE_K}

@@ -215,26 +215,29 @@ def _mac(text: str) -> int:
 
 
 def contribution(job: Job, worker: Worker, values: list[int], slot: int = 0, pool: int = 0,
-                 exponent: int = 0, seq: int = 0, flags: int = 0, round: int = 1, **overrides: int) -> Packet:
-    """A worker's packet to the aggregator, as its kernel would send it (``round``: the slot's use number)."""
+                 exponent: int = 0, seq: int = 0, flags: int = 0, round: int = 1, tos: int = 0,
+                 **overrides: int) -> Packet:
+    """A worker's packet to the aggregator, as its kernel would send it (``round``: the slot's use number;
+    ``tos``: the IPv4 TOS byte, whose two low bits are ECN)."""
     header = dict(job_id=job.job_id, slot=slot, pool=pool, rank=worker.rank, exponent=exponent,
                   seq=seq, flags=flags, round=round)
     header.update(overrides)
     return (Ether(src=worker.mac, dst=SWITCH_MAC)
-            / IP(src=worker.ip, dst=AGGREGATOR_IP, id=0x1234, flags=0, ttl=64)
+            / IP(src=worker.ip, dst=AGGREGATOR_IP, id=0x1234, flags=0, ttl=64, tos=tos)
             / UDP(sport=worker.udp_port, dport=wire.NETAGG_UDP_PORT)
             / netagg_payload(values, **header))
 
 
 def result_for(sent: Packet, to: Worker, values: list[int], exponent: int, round_flags: int = 0,
-               members: int | None = None) -> Packet:
+               members: int | None = None, ce: bool = False) -> Packet:
     """The result the switch makes of ``sent`` (the completing or resent packet) for ``to``.
 
     ``round_flags``: the round's stored flags (``wire.ROUND_FLAGS`` bits ORed over its contributions, and
     ``wire.FLAG_CLOSE`` for a round closed at a deadline), which replace the sent packet's own
     (``wire.STORED_FLAGS``: a close request's CLOSE bit never leaves on its own); its other flags stay, with
     RESULT added. ``members``: what a closed round's result carries there (the bitmap of the contributions in
-    its sum); None echoes the sent packet's.
+    its sum); None echoes the sent packet's. ``ce``: the round is congestion-marked (some contribution arrived
+    ECN CE), so the result leaves CE; otherwise with the sent packet's TOS.
     """
     hdr = sent[Netagg]
     header = {f.name: getattr(hdr, f.name) for f in wire.HEADER_FIELDS}
@@ -243,7 +246,8 @@ def result_for(sent: Packet, to: Worker, values: list[int], exponent: int, round
     if members is not None:
         header.update(members=members)
     return (Ether(src=SWITCH_MAC, dst=to.mac)
-            / IP(src=AGGREGATOR_IP, dst=to.ip, id=sent[IP].id, flags=sent[IP].flags, ttl=64)
+            / IP(src=AGGREGATOR_IP, dst=to.ip, id=sent[IP].id, flags=sent[IP].flags, ttl=64,
+                 tos=sent[IP].tos | (wire.ECN_CE if ce else 0))
             / UDP(sport=wire.NETAGG_UDP_PORT, dport=to.udp_port, chksum=0)
             / netagg_payload(values, **header))
 

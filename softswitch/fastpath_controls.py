@@ -20,6 +20,8 @@ from netagg.softswitch.fastpath_defs import (
     D_UNKNOWN_JOB,
     D_UNKNOWN_WORKER,
     D_WRONG_WIDTH,
+    ECN_CE,
+    ECN_MASK,
     EXPONENT,
     FLAG_OUT_OF_STEP,
     FLAG_RESULT,
@@ -40,12 +42,14 @@ from netagg.softswitch.fastpath_defs import (
     POOLS,
     RANK,
     RESULT_TTL,
+    ROUND_CE,
     ROUND_FLAGS,
     ROUND_NEW,
     ROUND_OLD,
     ROUND_SAME,
     SLOT,
     SRC_SWITCH_ONLY,
+    STORED_FLAGS,
     TREE_PORT,
     UDP,
     VALUES,
@@ -238,14 +242,24 @@ def exchange_check(regs_exchanges, index, round_state, exchange):
 @njit(cache=True, inline="always")
 def round_flags(b, regs_flags, index, op, mismatch):
     """RoundFlags: write / OR the packet's round flags (a contribution of another collective: OUT_OF_STEP
-    instead); the packet leaves with the round's stored flags (its ``FLAG_CLOSE`` too) in place of its own."""
+    instead), and ROUND_CE when it arrived with ECN CE; the packet leaves with the round's stored flags (its
+    ``FLAG_CLOSE`` too) in place of its own (``leave_with_round``)."""
+    mark = ROUND_CE if (b[IP + 1] & ECN_MASK) == ECN_CE else 0
     if mismatch:
-        regs_flags[index] |= FLAG_OUT_OF_STEP
+        regs_flags[index] |= FLAG_OUT_OF_STEP | mark
     elif op == OP_WRITE:
-        regs_flags[index] = b[FLAGS] & ROUND_FLAGS
+        regs_flags[index] = (b[FLAGS] & ROUND_FLAGS) | mark
     elif op == OP_MERGE:
-        regs_flags[index] |= b[FLAGS] & ROUND_FLAGS
-    b[FLAGS] = (b[FLAGS] & NOT_STORED_FLAGS) | regs_flags[index]
+        regs_flags[index] |= (b[FLAGS] & ROUND_FLAGS) | mark
+    leave_with_round(b, regs_flags[index])
+
+
+@njit(cache=True, inline="always")
+def leave_with_round(b, stored):
+    """The packet's flags take the round's ``STORED_FLAGS``; a round with ``ROUND_CE`` marks it ECN CE."""
+    b[FLAGS] = (b[FLAGS] & NOT_STORED_FLAGS) | (stored & STORED_FLAGS)
+    if stored & ROUND_CE:
+        b[IP + 1] |= ECN_CE
 
 
 @njit(cache=True, inline="always")

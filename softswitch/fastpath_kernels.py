@@ -31,6 +31,7 @@ from netagg.softswitch.fastpath_controls import (
     exchange_check,
     exponent_max,
     ipv4_forward,
+    leave_with_round,
     level_state,
     member_check,
     netagg_parser,
@@ -75,7 +76,6 @@ from netagg.softswitch.fastpath_defs import (
     LEVEL_UP,
     MEMBERS,
     NA_VERSION,
-    NOT_STORED_FLAGS,
     OP_MERGE,
     OP_NONE,
     OP_READ,
@@ -253,7 +253,7 @@ def _closed_answer(b, frame, length, ingress, job, index, worker_mask, mismatch,
     _bump(counters[P_RETX], counters[B_RETX], job, length)
     if fresh:
         _bump(counters[P_DROPS], counters[B_DROPS], D_LATE_CLOSED, length)
-    b[FLAGS] = (b[FLAGS] & NOT_STORED_FLAGS) | regs_flags[index]
+    leave_with_round(b, regs_flags[index])
     if mismatch and fresh:
         b[FLAGS] |= FLAG_OUT_OF_STEP
     _put32(b, MEMBERS, bitmap)

@@ -284,14 +284,15 @@ class NetaggPipeline:
                 return None
             if meta.down:
                 verdict = regs.accept_down(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.generation, hdr[_EXP],
-                                           pkt.values, hdr[_FLAGS])
+                                           pkt.values, hdr[_FLAGS], ce=pkt.ipv4[1] & wire.ECN_MASK == wire.ECN_CE)
                 up = None
             else:
                 action, up = self._up_links.lookup((job,))
                 up = up if action == dp.ACTION_SET_UP_LINK else None
                 verdict = regs.aggregate(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.worker_mask,
                                          meta.num_workers, meta.generation, hdr[_MEMBERS], hdr[_EXP], pkt.values,
-                                         has_up=up is not None, flags=hdr[_FLAGS], exchange=hdr[_EXCHANGE])
+                                         has_up=up is not None, flags=hdr[_FLAGS], exchange=hdr[_EXCHANGE],
+                                         ce=pkt.ipv4[1] & wire.ECN_MASK == wire.ECN_CE)
             meta.drop_reason = verdict.drop
         if meta.drop_reason != DropReason.NONE:
             if meta.drop_reason != DropReason.UNKNOWN_JOB:
@@ -308,9 +309,11 @@ class NetaggPipeline:
         hdr[_EXP], pkt.values = verdict.exponent, verdict.values
         if verdict.delivery == Delivery.NONE:
             return None
+        if verdict.round_flags & wire.ROUND_CE:  # some contribution to the round arrived CE-marked
+            pkt.ipv4[1] |= wire.ECN_CE
         if verdict.delivery == Delivery.UP:
             return self._up_delivery(pkt, up, verdict.resend, verdict.round_flags)
-        hdr[_FLAGS] = (hdr[_FLAGS] & ~wire.STORED_FLAGS) | verdict.round_flags
+        hdr[_FLAGS] = (hdr[_FLAGS] & ~wire.STORED_FLAGS) | (verdict.round_flags & wire.STORED_FLAGS)
         if verdict.members is not None:  # a closed round: who is in its sum
             hdr[_MEMBERS] = verdict.members
         meta.to_group = verdict.delivery == Delivery.GROUP

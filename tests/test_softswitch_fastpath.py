@@ -144,11 +144,11 @@ class Twins:
 
 
 def frame(src_ip: str, dst_ip: str, sport: int, dport: int, payload: bytes, *, src_mac: bytes = b"\x02" * 6,
-          ttl: int = 64, flags_frag: int = 0x4000, ihl: int = 5, proto: int = 17) -> bytes:
+          ttl: int = 64, flags_frag: int = 0x4000, ihl: int = 5, proto: int = 17, tos: int = 0) -> bytes:
     options = bytes(4 * (ihl - 5))
     udp = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload if proto == 17 else payload
     total = 4 * ihl + len(udp)
-    ip = bytearray(struct.pack("!BBHHHBBH4s4s", 0x40 | ihl, 0, total & 0xFFFF, 0x1234, flags_frag, ttl, proto, 0,
+    ip = bytearray(struct.pack("!BBHHHBBH4s4s", 0x40 | ihl, tos, total & 0xFFFF, 0x1234, flags_frag, ttl, proto, 0,
                                socket.inet_aton(src_ip), socket.inet_aton(dst_ip)))
     ip[10:12] = wire.ipv4_checksum(bytes(ip)).to_bytes(2, "big")
     return SWITCH_MAC + src_mac + b"\x08\x00" + bytes(ip) + options + udp
@@ -156,14 +156,20 @@ def frame(src_ip: str, dst_ip: str, sport: int, dport: int, payload: bytes, *, s
 
 def contribution(job: int, rank: int, ip: str, udp: int, slot: int, pool: int, round_: int, seq: int,
                  values: np.ndarray, exponent: int = 0, flags: int = 0, members: int = 0, exchange: int = 0,
-                 width: int | None = None) -> bytes:
+                 width: int | None = None, ecn: int = 0) -> bytes:
     """A contribution carrying ``values``; ``width``: the header's code (default: the one of ``len(values)``;
-    another one makes a malformed packet)."""
+    another one makes a malformed packet); ``ecn``: its IPv4 ECN bits."""
     code = wire.WIDTH_CODES[values.size] if width is None else width
     header = wire.Header(job_id=job, slot=slot, pool=pool, rank=rank, seq=seq, exponent=exponent, flags=flags,
                          round=round_ & 0xFFFF, members=members, exchange=exchange, width=code)
     payload = header.pack() + values.astype(wire.WIRE_VALUE_DTYPE).tobytes()
-    return frame(ip, AGGREGATOR, udp, wire.NETAGG_UDP_PORT, payload)
+    return frame(ip, AGGREGATOR, udp, wire.NETAGG_UDP_PORT, payload, tos=ecn)
+
+
+def _ecn(*keys: int) -> int:
+    """A packet's ECN bits, from its own fields (the traffic's random draws stay as they were): mostly ECT(0),
+    as hosts send; now and then CE (a queue on the way marked it) or not ECN-capable."""
+    return (wire.ECN_ECT0, wire.ECN_ECT0, wire.ECN_CE, wire.ECN_ECT0, wire.ECN_NOT_ECT)[sum(keys) * 7919 % 5]
 
 
 def _mutate(data: bytes, rng: np.random.Generator) -> bytes:
@@ -286,7 +292,7 @@ def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int
                 values, exponent = np.zeros(k, np.int32), -128
             close = wire.FLAG_CLOSE if rng.random() < 0.06 else 0  # a member closes the round at a deadline
             pkt = (contribution(job, rank, ip, udp, slot, pool, round_, round_ * 100 + slot, values, exponent,
-                                _round_flags(rng) | close, members, _exchange(rng, round_)), port)
+                                _round_flags(rng) | close, members, _exchange(rng, round_), ecn=_ecn(slot, rank, round_)), port)
             if rng.random() > 0.1:  # 10 % lost
                 batch.append(pkt)
             if rng.random() < 0.2:  # duplicate
@@ -435,10 +441,10 @@ def _add_tree_links(twins: Twins, kind: int = p4rt.Update.INSERT) -> None:
 
 
 def _down(slot: int, pool: int, round_: int, values: np.ndarray, exponent: int = 0, src: str = PARENT_IP,
-          job: int = PARENT_JOB, sport: int = wire.NETAGG_UDP_PORT, close: int = 0) -> bytes:
+          job: int = PARENT_JOB, sport: int = wire.NETAGG_UDP_PORT, close: int = 0, ecn: int = 0) -> bytes:
     header = wire.Header(job_id=job, slot=slot, pool=pool, rank=0, seq=round_, exponent=exponent,
                          flags=wire.FLAG_RESULT | (round_ * 8 & wire.ROUND_FLAGS) | close, round=round_ & 0xFFFF)
-    return frame(src, AGGREGATOR, sport, wire.NETAGG_TREE_UDP_PORT, wire.pack(header, values))
+    return frame(src, AGGREGATOR, sport, wire.NETAGG_TREE_UDP_PORT, wire.pack(header, values), tos=ecn)
 
 
 def _tree_traffic(rng: np.random.Generator, slots: int, n: int, rounds: dict[int, int]) -> list:
@@ -457,7 +463,7 @@ def _tree_traffic(rng: np.random.Generator, slots: int, n: int, rounds: dict[int
             values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
             close = wire.FLAG_CLOSE if rng.random() < 0.03 else 0  # refused on a switch with an up link
             pkt = (contribution(1, rank, ip, udp, slot, pool, round_, round_, values, int(rng.integers(-20, 20)),
-                                _round_flags(rng) | close, 0, _exchange(rng, round_)), port)
+                                _round_flags(rng) | close, 0, _exchange(rng, round_), ecn=_ecn(slot, rank, round_)), port)
             if rng.random() > 0.1:
                 batch.append(pkt)
             if rng.random() < 0.3:  # a resend, perhaps after completion: up again, or the final result
@@ -465,7 +471,7 @@ def _tree_traffic(rng: np.random.Generator, slots: int, n: int, rounds: dict[int
                                            wire.FLAG_RETRANSMIT), port))
         total = rng.integers(-2**30, 2**30, wire.K).astype(np.int32)
         for _ in range(int(rng.choice([0, 1, 1, 1, 2]))):  # the parent's result: lost, once or twice
-            batch.append((_down(slot, pool, round_, total, int(rng.integers(-30, 30))), UP_PORT))
+            batch.append((_down(slot, pool, round_, total, int(rng.integers(-30, 30)), ecn=_ecn(slot, round_, 1)), UP_PORT))
         if rng.random() < 0.2:  # a late one, for the round before
             batch.append((_down(slot, 1 - pool, round_ - 1, total), UP_PORT))
         if rng.random() < 0.3:  # forgeries
@@ -510,3 +516,37 @@ def test_tree_paths_give_identical_frames_counters_and_registers(seed, shards):
     levels = twins.ref.registers.snapshot()["levels"]
     assert ups > 300 and {1, 2} <= set(levels.tolist())  # rounds went up, and results came down
     assert twins.ref_state.counter_arrays(dp.COUNTER_DROP_REASONS)[0][dp.DropReason.CLOSE_REFUSED] > 0
+
+
+@pytest.mark.parametrize("engine", ["ref", "fast"])
+def test_a_congestion_mark_on_any_contribution_reaches_every_result_of_the_round(engine):
+    """ECN (docs/protocol.md, "Congestion marks"): a round one of whose contributions arrived CE-marked sends its
+    result CE-marked to every member, even when the completing packet was not marked, and a resend's answer from
+    storage keeps the mark; the next round of the slot starts unmarked. The IPv4 checksum stays valid."""
+    twins = Twins()
+    _setup(twins)
+    twins.add_job(1, TENANT_A, base=0, count=4, gen=100)
+    pipeline = twins.ref if engine == "ref" else twins.fast
+    values = np.arange(wire.K, dtype=np.int32)
+
+    def send(rank: int, round_: int, ecn: int, flags: int = 0) -> list[tuple[int, bytes]]:
+        _, ip, udp, port = TENANT_A[rank]
+        return pipeline.process(contribution(1, rank, ip, udp, 0, round_ % 2, round_, round_, values, 0, flags,
+                                             ecn=ecn), port)
+
+    def ecn_of(frames: list[tuple[int, bytes]]) -> set[int]:
+        for _, data in frames:
+            assert wire.ipv4_checksum(data[14:34]) == 0  # a valid header sums to zero
+        return {data[15] & wire.ECN_MASK for _, data in frames}
+
+    assert send(0, 1, wire.ECN_CE) == [] and send(1, 1, wire.ECN_ECT0) == []
+    results = send(2, 1, wire.ECN_ECT0)
+    assert len(results) == 3 and ecn_of(results) == {wire.ECN_CE}
+    assert ecn_of(send(1, 1, wire.ECN_ECT0, wire.FLAG_RETRANSMIT)) == {wire.ECN_CE}  # answered from storage
+    assert all(data[42 + 1] & wire.ROUND_CE == wire.FLAG_RESULT for _, data in results)  # never a header flag
+    for rank in range(2):
+        send(rank, 2, wire.ECN_ECT0)
+    assert ecn_of(send(2, 2, wire.ECN_ECT0)) == {wire.ECN_ECT0}
+    for rank in range(2):
+        send(rank, 3, wire.ECN_NOT_ECT)
+    assert ecn_of(send(2, 3, wire.ECN_CE)) == {wire.ECN_CE}  # the completing packet's own mark

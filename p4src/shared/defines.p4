@@ -61,6 +61,14 @@
  * carries them. */
 #define FLAG_CLOSE 0x80
 #define STORED_FLAGS 0xf8
+/* Congestion marks (docs/protocol.md, "Congestion marks"): ECN in ipv4.diffserv[1:0]. The
+ * round_flags register also keeps ROUND_CE (FLAG_RESULT's position, never stored as a flag): some
+ * contribution to the round arrived CE-marked; every packet that leaves with the round's state then
+ * carries CE. Egress marks an ECN-capable packet CE when it found its queue ECN_MARK_QDEPTH deep. */
+#define ECN_NOT_ECT 0
+#define ECN_CE 3
+#define ROUND_CE 0x01
+#define ECN_MARK_QDEPTH 20
 
 /* Indices of the drop_reasons counter (see docs/protocol.md). */
 #define DROP_NONE 0

@@ -163,7 +163,11 @@ control NetaggIngress(inout headers_t hdr, inout metadata_t meta,
                     meta.value_op = OP_READ;
                     exponent_max.apply(hdr, meta);
                     value_sum.apply(hdr, meta);
-                    hdr.netagg.flags = (hdr.netagg.flags & ~((bit<8>)STORED_FLAGS)) | meta.stored_flags;
+                    hdr.netagg.flags = (hdr.netagg.flags & ~((bit<8>)STORED_FLAGS))
+                                       | (meta.stored_flags & STORED_FLAGS);
+                    if ((meta.stored_flags & ROUND_CE) != 0) {
+                        hdr.ipv4.diffserv[1:0] = ECN_CE;
+                    }
                     if (meta.exchange_mismatch == 1 && meta.fresh == 1) {
                         hdr.netagg.flags = hdr.netagg.flags | FLAG_OUT_OF_STEP;
                     }
@@ -271,6 +275,11 @@ control NetaggEgress(inout headers_t hdr, inout metadata_t meta,
                 egress_drop_reasons.count((bit<32>)meta.drop_reason);
                 mark_to_drop(standard_metadata);
             }
+        }
+        /* Congestion marks: an ECN-capable packet that found its egress queue deep leaves CE. */
+        if (hdr.ipv4.isValid() && hdr.ipv4.diffserv[1:0] != ECN_NOT_ECT
+                && standard_metadata.enq_qdepth >= (bit<19>)ECN_MARK_QDEPTH) {
+            hdr.ipv4.diffserv[1:0] = ECN_CE;
         }
     }
 }

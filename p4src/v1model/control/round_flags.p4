@@ -13,7 +13,9 @@
  * flags. A close request that completes the round (meta.closes) adds FLAG_CLOSE (a new round's
  * write clears it). Every packet leaves with flags = (flags & ~STORED_FLAGS) | the register's new
  * value, so that a result to the group or to a sender, a partial up to the parent and its resend
- * carry the round's flags (UpDelivery keeps the ROUND_FLAGS). */
+ * carry the round's flags (UpDelivery keeps the ROUND_FLAGS). Congestion marks (docs/protocol.md,
+ * "Congestion marks"): a packet that changes the register and arrived ECN CE also stores ROUND_CE,
+ * and every packet that leaves with the round's state leaves CE-marked when it is stored. */
 #ifndef _NETAGG_ROUND_FLAGS_P4_
 #define _NETAGG_ROUND_FLAGS_P4_
 
@@ -33,21 +35,28 @@ control RoundFlags(inout headers_t hdr, inout metadata_t meta) {
             }
             return;
         }
+        bit<8> mark = 0;
+        if (hdr.ipv4.diffserv[1:0] == ECN_CE) {
+            mark = ROUND_CE;
+        }
         if (meta.exchange_mismatch == 1 && meta.fresh == 1 && meta.late == 0) {
-            stored = stored | FLAG_OUT_OF_STEP;
+            stored = stored | FLAG_OUT_OF_STEP | mark;
             round_flags.write(meta.pool_index, stored);
         } else if (meta.value_op == OP_WRITE) {
-            stored = hdr.netagg.flags & ROUND_FLAGS;
+            stored = (hdr.netagg.flags & ROUND_FLAGS) | mark;
             round_flags.write(meta.pool_index, stored);
         } else if (meta.value_op == OP_MERGE) {
-            stored = stored | (hdr.netagg.flags & ROUND_FLAGS);
+            stored = stored | (hdr.netagg.flags & ROUND_FLAGS) | mark;
             round_flags.write(meta.pool_index, stored);
         }
         if (meta.closes == 1) {
             stored = stored | FLAG_CLOSE;
             round_flags.write(meta.pool_index, stored);
         }
-        hdr.netagg.flags = (hdr.netagg.flags & ~((bit<8>)STORED_FLAGS)) | stored;
+        hdr.netagg.flags = (hdr.netagg.flags & ~((bit<8>)STORED_FLAGS)) | (stored & STORED_FLAGS);
+        if ((stored & ROUND_CE) != 0) {
+            hdr.ipv4.diffserv[1:0] = ECN_CE;
+        }
     }
 }
 
