@@ -292,7 +292,8 @@ def _traffic(rng: np.random.Generator, jobs: dict[int, tuple[list, int]], n: int
                 values, exponent = np.zeros(k, np.int32), -128
             close = wire.FLAG_CLOSE if rng.random() < 0.06 else 0  # a member closes the round at a deadline
             pkt = (contribution(job, rank, ip, udp, slot, pool, round_, round_ * 100 + slot, values, exponent,
-                                _round_flags(rng) | close, members, _exchange(rng, round_), ecn=_ecn(slot, rank, round_)), port)
+                                _round_flags(rng) | close, members, _exchange(rng, round_),
+                                ecn=_ecn(slot, rank, round_)), port)
             if rng.random() > 0.1:  # 10 % lost
                 batch.append(pkt)
             if rng.random() < 0.2:  # duplicate
@@ -463,7 +464,8 @@ def _tree_traffic(rng: np.random.Generator, slots: int, n: int, rounds: dict[int
             values = rng.integers(-2**20, 2**20, wire.K).astype(np.int32)
             close = wire.FLAG_CLOSE if rng.random() < 0.03 else 0  # refused on a switch with an up link
             pkt = (contribution(1, rank, ip, udp, slot, pool, round_, round_, values, int(rng.integers(-20, 20)),
-                                _round_flags(rng) | close, 0, _exchange(rng, round_), ecn=_ecn(slot, rank, round_)), port)
+                                _round_flags(rng) | close, 0, _exchange(rng, round_),
+                                ecn=_ecn(slot, rank, round_)), port)
             if rng.random() > 0.1:
                 batch.append(pkt)
             if rng.random() < 0.3:  # a resend, perhaps after completion: up again, or the final result
@@ -471,7 +473,8 @@ def _tree_traffic(rng: np.random.Generator, slots: int, n: int, rounds: dict[int
                                            wire.FLAG_RETRANSMIT), port))
         total = rng.integers(-2**30, 2**30, wire.K).astype(np.int32)
         for _ in range(int(rng.choice([0, 1, 1, 1, 2]))):  # the parent's result: lost, once or twice
-            batch.append((_down(slot, pool, round_, total, int(rng.integers(-30, 30)), ecn=_ecn(slot, round_, 1)), UP_PORT))
+            batch.append((_down(slot, pool, round_, total, int(rng.integers(-30, 30)), ecn=_ecn(slot, round_, 1)),
+                          UP_PORT))
         if rng.random() < 0.2:  # a late one, for the round before
             batch.append((_down(slot, 1 - pool, round_ - 1, total), UP_PORT))
         if rng.random() < 0.3:  # forgeries
