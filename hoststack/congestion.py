@@ -30,6 +30,8 @@ except ImportError:
 RTO_FLOOR = 0.010
 #: A result this soon after a packet's resend (a share of the minimum round trip) answers its original.
 SPURIOUS_SHARE = 0.75
+#: DCTCP's gain: the weight of the last window's share of CE-marked results in the running estimate ``alpha``.
+ECN_GAIN = 1 / 16
 
 
 @dataclass
@@ -108,12 +110,16 @@ class WindowStats:
     decreases: int = 0
     undone: int = 0
     smallest: float = math.inf
+    #: Cuts for congestion marks (ECN CE on results), at most one per round trip; not counted in ``decreases``.
+    ecn_cuts: int = 0
 
 
 class CongestionWindow:
     """Packets a transport keeps outstanding: additive increase per window of results, up to ``limit`` (the
     transport's slots); halved at most once per smoothed round trip on a timeout; a cut undone when the
-    timeout that caused it proves spurious. ``enabled`` False: fixed at ``limit``."""
+    timeout that caused it proves spurious; cut by ``alpha / 2`` at most once per round trip while results come
+    back CE-marked (DCTCP: ``alpha`` follows the share of marked results per window). ``enabled`` False: fixed
+    at ``limit``."""
 
     def __init__(self, limit: int, enabled: bool = True) -> None:
         self.limit = float(limit)
@@ -123,6 +129,11 @@ class CongestionWindow:
         self._last_cut = -math.inf
         #: The value before the last cut and when the cut happened (None: nothing to undo).
         self._before_cut: float | None = None
+        #: DCTCP's estimate of the share of results marked CE (starts at 1: the first mark halves the window).
+        self.alpha = 1.0
+        self._window_results = 0
+        self._window_marked = 0
+        self._last_ecn_cut = -math.inf
 
     def resize(self, limit: int) -> None:
         """A new limit (the transport's slots after a move): the window keeps its value up to it."""
@@ -155,6 +166,29 @@ class CongestionWindow:
         self.value = max(self.value, self._before_cut)
         self._before_cut = None
         self.stats.undone += 1
+        return True
+
+    def on_marks(self, results: int, marked: int, now: float, srtt: float) -> bool:
+        """``results`` received, ``marked`` of them ECN CE (a queue on some member's way is filling: the switch
+        copies a contribution's mark into its round's result). Once per window of results ``alpha`` moves
+        toward the window's marked share; while marks come, the window is cut by ``alpha / 2`` at most once per
+        smoothed round trip ``srtt``. A mark is congestion, not loss: such a cut is never undone. Returns
+        whether it cut."""
+        if not self.enabled or results <= 0:
+            return False
+        self._window_results += results
+        self._window_marked += min(marked, results)
+        if self._window_results >= self.value:
+            share = self._window_marked / self._window_results
+            self.alpha = (1 - ECN_GAIN) * self.alpha + ECN_GAIN * share
+            self._window_results = self._window_marked = 0
+        if marked <= 0 or now - self._last_ecn_cut < srtt:
+            return False
+        self._last_ecn_cut = now
+        self._before_cut = None  # congestion seen: a timeout's cut before it is not undone either
+        self.value = max(1.0, self.value * (1 - self.alpha / 2))
+        self.stats.ecn_cuts += 1
+        self.stats.smallest = min(self.stats.smallest, self.value)
         return True
 
     def on_loss_confirmed(self) -> None:

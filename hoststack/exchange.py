@@ -105,6 +105,10 @@ class TransportStats:
     replayed_exchanges: int = 0
     #: Moves (hoststack/moves.py): times the job's slots changed under this transport at an exchange boundary.
     moves: int = 0
+    #: Congestion marks (docs/protocol.md, "Congestion marks"): datagrams received ECN CE-marked, and the window
+    #: cuts they made (at most one per round trip).
+    ecn_marked: int = 0
+    ecn_cuts: int = 0
 
 
 class Exchange(DeadlineRounds):
@@ -414,6 +418,7 @@ class Exchange(DeadlineRounds):
             ready_blocks: list[int] = []
             accepted = 0
             calls = 0
+            received, marked = io.datagrams_received, io.ce_received
             if closable and self.changed and t.stash:  # results this worker now expects may be among the kept ones
                 n_acc_total, got_slots, got_blocks = self._replay_stash()
                 accepted += n_acc_total
@@ -433,6 +438,8 @@ class Exchange(DeadlineRounds):
                 if calls >= _RECV_CALLS and not (self.timers and self.timers[0][0] <= time.monotonic()):
                     break  # refill the ready slots first; the rest is read on the next turn
             now = time.monotonic()
+            if io.ce_received != marked:
+                t.on_marks(io.datagrams_received - received, io.ce_received - marked, now)
             if accepted:
                 stats.results_accepted += accepted
                 last_progress = now

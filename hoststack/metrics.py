@@ -34,6 +34,8 @@ _COUNTERS = (
     ("foreign", "foreign_packets", "Datagrams from an address that is not the aggregator (or the PS)"),
     ("socket_errors", "socket_errors", "Socket send/receive errors"),
     ("window_decreases", "window_decreases", "Times the congestion window was halved"),
+    ("ecn_marked", "ecn_marked_datagrams", "Datagrams received ECN CE-marked (congestion on some member's path)"),
+    ("ecn_cuts", "ecn_window_cuts", "Times congestion marks cut the window (DCTCP, at most once per round trip)"),
     ("failovers", "failovers", "Failover decisions applied: the job's exchanges moved to its PS (switch away)"),
     ("failover_returns", "failover_returns", "Returns of the job's exchanges from the PS to the switch"),
     ("replayed_exchanges", "replayed_exchanges", "Finished exchanges sent again at the PS after a failover"),

@@ -512,6 +512,13 @@ class Transport:
         """Additive increase: one packet per window of accepted results, up to S."""
         self.cwnd.on_results(count)
 
+    def on_marks(self, received: int, marked: int, now: float) -> None:
+        """``marked`` of the ``received`` datagrams came ECN CE-marked: the window's DCTCP response."""
+        self.stats.ecn_marked += marked
+        if self.cwnd.on_marks(received, marked, now, self.rto.srtt if self.rto.srtt is not None else self.rto.rto):
+            self.stats.ecn_cuts = self.cwnd.stats.ecn_cuts
+            self.stats.smallest_window = self.cwnd.stats.smallest
+
     def on_timeout(self, now: float) -> None:
         """Multiplicative decrease, at most once per smoothed round trip (one loss event)."""
         if self.cwnd.on_timeout(now, self.rto.srtt if self.rto.srtt is not None else self.rto.rto):

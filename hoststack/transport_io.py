@@ -57,6 +57,8 @@ class SlotSocket:
         self.poller = select.poll()
         self.poller.register(self._fd, select.POLLIN)
         self.batched = mmsg.AVAILABLE
+        #: Packets leave ECT(0) and results' ECN marks are counted (``ce_received``; with GRO receives only).
+        self.ecn = udpgso.enable_ecn(self.sock)
         self._tx: udpgso.GsoBatch | None = None
         #: Rows one :meth:`receive` fills at most.
         self.rx_capacity = RECV_BATCH
@@ -121,6 +123,16 @@ class SlotSocket:
         if self._tx is None:
             return "no sendmmsg/recvmmsg on this platform"
         return self._tx.refused
+
+    @property
+    def ce_received(self) -> int:
+        """Datagrams received ECN CE-marked so far (0 without GRO receives: the marks are not read there)."""
+        return self._rx.ce_datagrams if self.gro else 0
+
+    @property
+    def datagrams_received(self) -> int:
+        """Datagrams received so far through coalesced receives (what ``ce_received`` is a share of)."""
+        return self._rx.datagrams if self.gro else 0
 
     @property
     def gro(self) -> bool:

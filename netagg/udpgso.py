@@ -37,7 +37,7 @@ import socket
 
 import numpy as np
 
-from netagg import mmsg
+from netagg import mmsg, wire
 
 try:  # compiled per-batch loops when numba is installed (extra "fast"); same effects, faster
     from netagg import udpgso_kernels as _kernels
@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 SOL_UDP = 17
 UDP_SEGMENT = 103
 UDP_GRO = 104
+SOL_IP = 0
+IP_TOS = 1
+IP_RECVTOS = 13
 #: Segments in one send: the kernel's UDP_MAX_SEGMENTS (64; newer kernels allow 128).
 MAX_SEGMENTS = 64
 #: Bytes of all segments of one send: a UDP datagram's payload limit, less some slack.
@@ -69,6 +72,17 @@ def enable_gro(sock: socket.socket) -> bool:
     """Ask for coalesced receives on ``sock``; False where the kernel does not offer ``UDP_GRO``."""
     try:
         sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+    except OSError:
+        return False
+    return True
+
+
+def enable_ecn(sock: socket.socket, tos: int = wire.ECN_ECT0) -> bool:
+    """Send with ECN bits ``tos`` (ECT(0): a queue on the way may mark CE instead of dropping) and receive each
+    datagram's TOS (``IP_RECVTOS``: :class:`GroBatch` counts CE-marked datagrams); False where refused."""
+    try:
+        sock.setsockopt(SOL_IP, IP_TOS, tos)
+        sock.setsockopt(SOL_IP, IP_RECVTOS, 1)
     except OSError:
         return False
     return True
@@ -269,12 +283,15 @@ class GroBatch:
         # The last recvmmsg's messages (count, segment sizes) and how far they are split: state = (message, offset).
         self._count = 0
         self._sizes = np.zeros(messages, np.int64)
+        self._tos = np.full(messages, -1, np.int64)
         self._state = np.zeros(2, np.int64)
         self._split = _kernels.split if _kernels is not None else _split_reference
         self._segment_sizes = _kernels.segment_sizes if _kernels is not None else _segment_sizes_reference
         #: Datagrams and receive calls so far (datagrams per call = how well coalescing works).
         self.datagrams = 0
         self.calls = 0
+        #: Datagrams received ECN CE-marked so far (counted when their message arrives; needs ``enable_ecn``).
+        self.ce_datagrams = 0
 
     @property
     def pending(self) -> bool:
@@ -311,7 +328,12 @@ class GroBatch:
         self.calls += 1
         self._count = count
         self._state[:] = 0
-        self._segment_sizes(self._ctrl, words, count, self._sizes)
+        self._segment_sizes(self._ctrl, words, count, self._sizes, self._tos)
+        tos = self._tos[:count]
+        marked = (tos >= 0) & ((tos & wire.ECN_MASK) == wire.ECN_CE)
+        if marked.any():  # a coalesced message is one flow's datagrams with one IPv4 header: all marked alike
+            lengths = words[:count, 14].astype(np.int64)
+            self.ce_datagrams += int(np.maximum(1, -(-lengths[marked] // self._sizes[:count][marked])).sum())
         filled = self._split(self._big, words, self._sizes, self._rx_names, count, self._state, self.buf,
                              self.lengths, self.names, first, room, self.headroom)
         self.datagrams += filled
@@ -351,13 +373,16 @@ def _plan_uniform_reference(addresses: np.ndarray, length: int, per: int, name_a
     return headers
 
 
-def _segment_sizes_reference(ctrl: np.ndarray, words32: np.ndarray, count: int, sizes: np.ndarray) -> None:
+def _segment_sizes_reference(ctrl: np.ndarray, words32: np.ndarray, count: int, sizes: np.ndarray,
+                             tos: np.ndarray) -> None:
     """``sizes[m]``: message ``m``'s UDP_GRO segment size from its control messages (``ctrl[m]``, the kernel's
-    ``msg_controllen`` in ``words32[m, 10]``), or its whole length ``words32[m, 14]`` (at least 1) without one."""
+    ``msg_controllen`` in ``words32[m, 10]``), or its whole length ``words32[m, 14]`` (at least 1) without one;
+    ``tos[m]``: its IPv4 TOS byte (``IP_RECVTOS``), or -1 without one."""
     for m in range(count):
         length = int(words32[m, 14])
         used = min(int(words32[m, 10]), ctrl.shape[1])  # never read past the buffer, whatever it says
         size = max(length, 1)
+        tos[m] = -1
         offset = 0
         while offset + 16 <= used:
             cmsg_len = int(ctrl[m, offset:offset + 8].view("<u8")[0])
@@ -366,7 +391,8 @@ def _segment_sizes_reference(ctrl: np.ndarray, words32: np.ndarray, count: int, 
                 value = int(ctrl[m, offset + 16:offset + 20].view("<i4")[0])
                 if value > 0:
                     size = value
-                break
+            elif level == SOL_IP and kind == IP_TOS and 17 <= cmsg_len <= used - offset:
+                tos[m] = int(ctrl[m, offset + 16])
             if cmsg_len < 16 or cmsg_len > used - offset:
                 break
             offset += (cmsg_len + 7) & ~7
@@ -419,6 +445,6 @@ def warm_up() -> None:
     gso = GsoBatch(4)
     gso.plan_uniform(np.zeros(0, np.uint64), 1)
     gro = GroBatch(4, 64)
-    gro._segment_sizes(gro._ctrl, gro._words32, 0, gro._sizes)
+    gro._segment_sizes(gro._ctrl, gro._words32, 0, gro._sizes, gro._tos)
     gro._split(gro._big, gro._words32, gro._sizes, gro._rx_names, 0, gro._state, gro.buf, gro.lengths, gro.names,
                0, 0, 0)

@@ -13,6 +13,8 @@ from numba import njit
 
 _SOL_UDP = 17
 _UDP_GRO = 104
+_SOL_IP = 0
+_IP_TOS = 1
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -55,12 +57,13 @@ def plan_uniform(addresses, length, per, name_addr, name_len, iov_words, hdr_wor
 
 
 @njit(cache=True, nogil=True)
-def segment_sizes(ctrl, words32, count, sizes):  # pragma: no cover - compiled
+def segment_sizes(ctrl, words32, count, sizes, tos):  # pragma: no cover - compiled
     """See ``udpgso._segment_sizes_reference``."""
     for m in range(count):
         length = np.int64(words32[m, 14])
         used = min(np.int64(words32[m, 10]), np.int64(ctrl.shape[1]))
         size = max(length, np.int64(1))
+        tos[m] = -1
         offset = 0
         while offset + 16 <= used:
             c = ctrl[m]
@@ -76,7 +79,8 @@ def segment_sizes(ctrl, words32, count, sizes):  # pragma: no cover - compiled
                     | (np.int64(c[offset + 18]) << 16) | (np.int64(c[offset + 19]) << 24)
                 if 0 < value < 0x80000000:  # the reference reads a signed int: negatives are ignored
                     size = value
-                break
+            elif level == _SOL_IP and kind == _IP_TOS and 17 <= cmsg_len <= used - offset:
+                tos[m] = np.int64(c[offset + 16])
             if cmsg_len < 16 or cmsg_len > used - offset:
                 break
             offset += (cmsg_len + 7) & ~np.int64(7)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import select
 import socket
 import threading
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from netagg import wire
+from netagg import udpgso, wire
 from netagg.faults import FaultInjector
 from netagg.hoststack import blocks as blk
 from netagg.hoststack import quantization as qz
@@ -147,10 +148,12 @@ class LossyRelay:
     ``relay.endpoint(i)`` is the address worker ``i`` should use as its target; the target
     sees each worker as a distinct relay port. Faults are seeded (``FaultInjector``), one
     injector per direction; held-back packets are released after 2 ms without traffic.
+    ``mark``: the share of datagrams toward the workers relayed ECN CE-marked (a congested queue that
+    marks instead of dropping), counted in ``marked``; the others go ECT(0).
     """
 
     def __init__(self, target: tuple[str, int], count: int, drop: float = 0.0, duplicate: float = 0.0,
-                 reorder: float = 0.0, seed: int = 1) -> None:
+                 reorder: float = 0.0, seed: int = 1, mark: float = 0.0) -> None:
         self.target = target
         self.socks = []
         for _ in range(count):
@@ -161,6 +164,9 @@ class LossyRelay:
         self.peers: list[tuple[str, int] | None] = [None] * count
         self.up: FaultInjector = FaultInjector(drop, duplicate, reorder, seed)
         self.down: FaultInjector = FaultInjector(drop, duplicate, reorder, seed + 1)
+        self.mark = mark
+        self.marked = 0
+        self._mark_rng = random.Random(seed + 2)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lossy-relay", daemon=True)
 
@@ -180,6 +186,10 @@ class LossyRelay:
     def _deliver(self, items: list[tuple[socket.socket, bytes, tuple[str, int]]]) -> None:
         for sock, data, dest in items:
             with contextlib.suppress(OSError):
+                if self.mark and dest != self.target:
+                    ce = self._mark_rng.random() < self.mark
+                    self.marked += ce
+                    sock.setsockopt(udpgso.SOL_IP, udpgso.IP_TOS, wire.ECN_CE if ce else wire.ECN_ECT0)
                 sock.sendto(data, dest)
 
     def _run(self) -> None:

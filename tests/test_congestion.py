@@ -80,3 +80,27 @@ def test_the_window_never_leaves_one_to_its_limit_and_is_fixed_when_disabled():
     assert not fixed.on_timeout(1.0, srtt=0.01) and fixed.value == 8
     fixed.on_results(100)
     assert fixed.value == 8
+
+
+def test_congestion_marks_cut_by_alpha_once_per_round_trip_and_are_never_undone():
+    """DCTCP's response to ECN CE on results: the first mark halves the window (alpha starts at 1); more marks
+    within one round trip do not cut again; alpha follows the marked share per window, so a light, steady marking
+    cuts ever less; a timeout's cut followed by marks is not undone by a later spurious verdict."""
+    window = CongestionWindow(64)
+    assert window.on_marks(8, 1, now=0.0, srtt=0.01) and window.value == 32
+    assert not window.on_marks(8, 8, now=0.005, srtt=0.01) and window.value == 32  # same round trip
+    assert not window.on_marks(8, 0, now=0.5, srtt=0.01)  # no mark: no cut
+    for step in range(400):  # 1 result in 32 marked, for many windows: alpha falls toward 1/32
+        window.on_results(32)
+        window.on_marks(32, 1 if step % 2 else 0, now=1.0 + step, srtt=0.01)
+    assert 0.015 < window.alpha < 0.05
+    before = window.value
+    assert window.on_marks(32, 1, now=1000.0, srtt=0.01)
+    assert before * 0.97 < window.value < before  # a cut of alpha / 2, not a halving
+    assert window.stats.ecn_cuts > 2 and window.stats.decreases == 0
+    assert window.on_timeout(now=2000.0, srtt=0.01)
+    cut = window.value
+    window.on_marks(4, 1, now=2000.5, srtt=0.01)
+    assert not window.on_spurious() and window.value <= cut  # congestion was seen: nothing to undo
+    disabled = CongestionWindow(16, enabled=False)
+    assert not disabled.on_marks(16, 16, now=0.0, srtt=0.01) and disabled.value == 16

@@ -81,6 +81,32 @@ def test_loss_duplication_and_reordering_give_bit_identical_results(drop, duplic
     assert sum(s.window_decreases for s in stats) > 0  # losses shrank the congestion windows (differently)
 
 
+def test_congestion_marked_results_shrink_the_window_and_sums_stay_exact():
+    """ECN (docs/protocol.md, "Congestion marks"): a fifth of the results reach the workers CE-marked, as from a
+    queue that marks instead of dropping. Each worker counts them and cuts its window (DCTCP: at most once per
+    round trip, never undone), not a timeout; the sums are exact. Without marks nothing is counted or cut."""
+    n = 3
+    inputs = make_inputs(n, 40_000, seed=5)
+    for mark in (0.0, 0.2):
+        with fallback_job(n, slot_count=32) as (server, configs), \
+                LossyRelay(server.address, n, seed=3, mark=mark) as relay:
+            results = run_workers(through_relay(configs, relay),
+                                  lambda w, rank: (w.allreduce(inputs[rank]), w.transport.stats,
+                                                   w.transport.io.ecn))
+        check([r for r, _, _ in results], inputs)
+        stats = [s for _, s, _ in results]
+        if not all(ecn for _, _, ecn in results) or not results[0][1].packets_sent:
+            pytest.skip("no IP_TOS / IP_RECVTOS here")
+        if mark == 0.0:
+            assert relay.marked == 0
+            assert all(s.ecn_marked == 0 and s.ecn_cuts == 0 for s in stats)
+            continue
+        assert relay.marked > 0 and sum(s.ecn_marked for s in stats) == relay.marked
+        for s in stats:
+            assert s.ecn_marked > 0 and s.ecn_cuts > 0 and s.smallest_window < 32
+            assert s.ecn_cuts > s.window_decreases  # the marks cut it, not timeouts (a busy host may add one)
+
+
 def test_a_dead_worker_makes_the_others_time_out():
     n = 3
     inputs = make_inputs(n, 1_000)

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from netagg import mmsg, udpgso
+from netagg import mmsg, udpgso, wire
 from netagg.testing.hoststack import LOCALHOST, expected_allreduce, fallback_job, run_workers
 
 try:
@@ -150,7 +150,7 @@ def _control_cases(rng: np.random.Generator, count: int):
     pktinfo = _cmsg(0, 8, 28, bytes(12))  # IP_PKTINFO: 32 bytes padded
     for _ in range(count):
         size = int(rng.choice([1, 276, 1400, 9000, 65535, int(rng.integers(1, 70000))]))
-        kind = int(rng.integers(0, 12))
+        kind = int(rng.integers(0, 13))
         if kind == 0:
             raw, used = _gro(size), 24
         elif kind == 1:
@@ -178,6 +178,9 @@ def _control_cases(rng: np.random.Generator, count: int):
         elif kind == 10:
             raw = _cmsg(udpgso.SOL_UDP, 1, 20, bytes(4)) + _gro(size)  # UDP level, another type, first
             used = len(raw)
+        elif kind == 11:
+            raw = _gro(size) + _cmsg(udpgso.SOL_IP, udpgso.IP_TOS, 17, bytes([size & 0xFF]))  # IP_RECVTOS's
+            used = len(raw)
         else:  # garbage, with cmsg_len words below 2**62 (what any kernel could write is far below that)
             raw = rng.integers(0, 256, udpgso.RX_CONTROL_BYTES, dtype=np.uint8)
             raw[7::8] &= 0x3F
@@ -194,26 +197,30 @@ def test_segment_sizes_kernel_matches_reference(seed):
     ctrl = rng.integers(0, 256, (count, udpgso.RX_CONTROL_BYTES), dtype=np.uint8)
     words32 = rng.integers(0, 2**32, (count, 16), dtype=np.uint64).astype(np.uint32)
     expected = {}
+    kinds = {}
     for m, (raw, used, kind, size) in enumerate(_control_cases(rng, count)):
+        kinds[m] = kind
         ctrl[m, :len(raw)] = np.frombuffer(raw, np.uint8)
         words32[m, 10] = used
         words32[m, 14] = int(rng.choice([0, 1, 276, 9000, 65535, int(rng.integers(0, 65536))]))
         whole = max(int(words32[m, 14]), 1)
-        if kind in (0, 2, 4, 10):
+        if kind in (0, 2, 4, 10, 11):
             expected[m] = size
-        elif kind == 11 or (kind == 5 and used >= 16):  # garbage; a header whose value lies past controllen
+        elif kind == 12 or (kind == 5 and used >= 16):  # garbage; a header whose value lies past controllen
             expected[m] = None
         else:
             expected[m] = whole
     ref = np.full(count + 3, -7, np.int64)
-    compiled = ref.copy()
-    udpgso._segment_sizes_reference(ctrl, words32, count, ref)
-    kernels.segment_sizes(ctrl, words32, count, compiled)
+    compiled, ref_tos, compiled_tos = ref.copy(), ref.copy(), ref.copy()
+    udpgso._segment_sizes_reference(ctrl, words32, count, ref, ref_tos)
+    kernels.segment_sizes(ctrl, words32, count, compiled, compiled_tos)
     np.testing.assert_array_equal(ref, compiled)
-    assert ref[count:].tolist() == [-7] * 3
+    np.testing.assert_array_equal(ref_tos, compiled_tos)
+    assert ref[count:].tolist() == ref_tos[count:].tolist() == [-7] * 3
     for m, size in expected.items():
         if size is not None:
             assert ref[m] == size, (m, ctrl[m], words32[m])
+            assert ref_tos[m] == (size & 0xFF if kinds[m] == 11 else -1)
 
 
 def _split_case(rng: np.random.Generator):
@@ -414,6 +421,28 @@ def test_segmented_send_arrives_coalesced_at_a_gro_batch(pair, impl, connected, 
     assert gro.datagrams == n
     if n >= 64:
         assert gro.datagrams / gro.calls > 1  # coalesced: fewer receive calls than datagrams
+
+
+@needs_mmsg
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_gro_batch_counts_ce_marked_datagrams(pair, impl):
+    """ECN: with ``enable_ecn`` on both ends, datagrams sent ECT(0) arrive unmarked and datagrams whose sender set
+    CE are counted in ``ce_datagrams`` (segmented and single sends alike), and their bytes arrive intact."""
+    _require_gso()
+    tx, rx = pair
+    if not udpgso.enable_gro(rx) or not udpgso.enable_ecn(rx) or not udpgso.enable_ecn(tx):
+        pytest.skip("no UDP_GRO or IP_RECVTOS on this kernel")
+    gro = _use(udpgso.GroBatch(512, 512), impl)
+    rows = _segments(100, 276, seed=3)
+    assert _send(_use(udpgso.GsoBatch(300), impl), tx, rows[:70], rx.getsockname(), False) == (70, 0)
+    got, _ = _recv_gro(gro, rx, 70, tx.getsockname())
+    assert got == _rows_bytes(rows[:70]) and gro.ce_datagrams == 0
+    tx.setsockopt(udpgso.SOL_IP, udpgso.IP_TOS, wire.ECN_CE)  # as if a queue on the way had marked them
+    assert _send(_use(udpgso.GsoBatch(300), impl), tx, rows[70:], rx.getsockname(), False) == (30, 0)
+    tx.sendto(b"one more", rx.getsockname())
+    got, _ = _recv_gro(gro, rx, 31, tx.getsockname())
+    assert got == [*_rows_bytes(rows[70:]), b"one more"]
+    assert gro.ce_datagrams == 31
 
 
 @needs_mmsg

@@ -97,6 +97,7 @@ struct ingress_metadata_t {
     bit<8> flags_keep;         /* flags & ~ROUND_FLAGS, taken in stage 0 */
     bit<8> flags_in;           /* what the packet ORs into round_flags */
     bit<8> flags_out;          /* what round_flags' old value is ORed with to make the packet's flags */
+    bit<8> ce_mark;            /* ROUND_CE when the packet arrived ECN CE, else 0 (stage 0) */
     /* A tree of switches (tree_links.p4). */
     bit<16> local_job;         /* the job the packet counts for: its job id, or down_links' local job */
     bit<1> down;               /* a parent's result, for the local job local_job */

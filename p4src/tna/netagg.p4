@@ -135,6 +135,12 @@ control NetaggIngress(inout tna_headers_t hdr,
             meta.round_behind = hdr.netagg.round - 2;
             meta.exponent_key = ((bit<8>)hdr.netagg.exponent) + 8w0x80;
             meta.flags_keep = hdr.netagg.flags & ~((bit<8>)ROUND_FLAGS);
+            /* Congestion marks (docs/protocol.md): a CE-marked packet ORs ROUND_CE into its round. */
+            if (hdr.ipv4.diffserv[1:0] == ECN_CE) {
+                meta.ce_mark = ROUND_CE;
+            } else {
+                meta.ce_mark = 0;
+            }
             /* The lengths of the packet's width; an undefined width code is malformed. (A wide
              * packet of the right shape is refused later, as WRONG_WIDTH: see WorkerLookup.) */
             if (hdr.netagg.width == NETAGG_WIDTH) {
@@ -251,7 +257,7 @@ control NetaggIngress(inout tna_headers_t hdr,
                                  * round flags) and goes to the local group, as the local job's. */
                                 hdr.netagg.job_id = meta.local_job;
                                 meta.value_op = OP_WRITE;
-                                meta.flags_in = hdr.netagg.flags & ROUND_FLAGS;
+                                meta.flags_in = (hdr.netagg.flags & ROUND_FLAGS) | meta.ce_mark;
                                 meta.to_group = 1;
                                 job_results.count(job);
                             } else {
@@ -266,14 +272,14 @@ control NetaggIngress(inout tna_headers_t hdr,
                                  * drop reason without being dropped. */
                                 meta.drop_reason = DROP_EXCHANGE_MISMATCH;
                                 meta.reject = 1;
-                                meta.flags_in = FLAG_OUT_OF_STEP;
+                                meta.flags_in = FLAG_OUT_OF_STEP | meta.ce_mark;
                                 meta.flags_out = meta.flags_keep | FLAG_OUT_OF_STEP;
                                 if (meta.complete == 1) {
                                     meta.value_op = OP_READ;
                                 }
                             } else {
                                 job_contributions.count(job);
-                                meta.flags_in = hdr.netagg.flags & ROUND_FLAGS;
+                                meta.flags_in = (hdr.netagg.flags & ROUND_FLAGS) | meta.ce_mark;
                                 meta.flags_out = hdr.netagg.flags;
                                 if (meta.first == 1) {
                                     meta.value_op = OP_WRITE;
@@ -305,6 +311,12 @@ control NetaggIngress(inout tna_headers_t hdr,
                         }
                         /* Whether or not anything leaves: a mismatched contribution marks the round. */
                         round_flags.apply(hdr, meta);
+                        /* merge_flags returned the round's ROUND_CE in the flags' RESULT position (no
+                         * contribution carries RESULT; a parent's result does, and takes write_flags):
+                         * the packet leaves CE-marked. ResultDelivery sets RESULT there afterwards. */
+                        if (meta.down == 0 && (hdr.netagg.flags & ROUND_CE) != 0) {
+                            hdr.ipv4.diffserv[1:0] = ECN_CE;
+                        }
                         if (meta.value_op == OP_NONE) {
                             /* A duplicate of an incomplete round, or late: nothing leaves. */
                             ig_dprsr_md.drop_ctl = 1;
@@ -346,6 +358,12 @@ control NetaggEgress(inout tna_headers_t hdr,
             if (meta.drop_reason != DROP_NONE) {
                 egress_drop_reasons.count((drop_index_t)meta.drop_reason);
                 eg_dprsr_md.drop_ctl = 1;
+            }
+            /* Congestion marks: a result copy that found its egress queue deep leaves CE (only the
+             * group copies have their IPv4 header parsed in egress; enq_qdepth counts cells). */
+            if (hdr.ipv4.diffserv[1:0] != ECN_NOT_ECT
+                    && eg_intr_md.enq_qdepth >= (bit<19>)ECN_MARK_QDEPTH) {
+                hdr.ipv4.diffserv[1:0] = ECN_CE;
             }
         }
     }
