@@ -121,10 +121,11 @@ class JobRequest:
             check_deadline_ms(self.deadline_ms, "deadline_ms")
         except ConfigError as err:
             raise _bad(str(err)) from None
-        if self.deadline_ms and (self.mode != "allreduce" or threads > 1 or senders or self.switch_aggregation
-                                 or config.topology is not None):
-            raise _bad("--deadline-ms needs a plain allreduce job on one switch (--mode allreduce, --threads 1, not "
-                       "one-way, not --switch-aggregation, no topology: a round with an up link cannot be closed)")
+        if self.deadline_ms and (self.mode not in ("allreduce", "fallback") or threads > 1 or senders
+                                 or self.switch_aggregation or config.topology is not None):
+            raise _bad("--deadline-ms needs a plain allreduce job on one switch or at its PS (--mode allreduce or "
+                       "fallback, --threads 1, not one-way, not --switch-aggregation, no topology: a round with an "
+                       "up link cannot be closed)")
         if self.switch_aggregation and (self.schedule != "mlfabric" or self.mode != "allreduce"):
             raise _bad("--switch-aggregation needs --schedule mlfabric and --mode allreduce (the group's sums "
                        "go back to its members)")

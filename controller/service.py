@@ -411,8 +411,8 @@ class JobService:
                     schedule=request.schedule, replicas=job.replicas, secret=jobsecret.new_secret(),
                     switch_aggregation=admitted.switch_aggregation, senders=request.senders, distribution=dist_id,
                     threads=request.threads if admitted.mode == "allreduce" else 1,
-                    # Through the switch only: a job admitted in fallback mode runs exact (docs/hoststack.md).
-                    deadline_ms=float(request.deadline_ms) if admitted.mode == "allreduce" else 0.0,
+                    # In the switch or, admitted in fallback mode, at the PS (docs/hoststack.md).
+                    deadline_ms=float(request.deadline_ms) if admitted.mode in ("allreduce", "fallback") else 0.0,
                     segments={switch: (r.base, r.count // job.cells) for switch, r in slots.ranges}
                     if isinstance(slots, TreeSlots) else {},
                     width=job.width,

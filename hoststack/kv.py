@@ -176,9 +176,14 @@ class KVWorker:
             raise ValueError(f"deadline: expected seconds > 0, got {deadline!r}")
         if not isinstance(self.transport, Transport):
             raise ValueError("a deadline allreduce needs the job's slots on one thread (threads: 1)")
-        if self.config.mode != "allreduce":
-            raise ValueError(f"a deadline allreduce needs the switch (mode allreduce, not {self.config.mode}): the "
-                             "PS's aggregator does not hand a late rank the sums it missed")
+        if self.config.mode not in ("allreduce", "fallback"):
+            raise ValueError(f"a deadline allreduce needs the switch or the PS's aggregator (mode allreduce or "
+                             f"fallback, not {self.config.mode})")
+        if self.config.mode == "fallback" and not self.config.secret:
+            raise ValueError("a deadline allreduce through the PS needs the job's secret: with it every rank registers "
+                             "its address at start, so the PS sends each closed round's result to the whole job (a "
+                             "late rank learns the sums it missed from them); without it the PS learns addresses "
+                             "only from contributions")
         values = np.asarray(array)
         key = (tag, values.shape, values.dtype.str)
         carry = self._carry.pop(key, None)

@@ -194,11 +194,13 @@ class WorkerConfig:
                 raise ConfigError("job_workers: a job over a tree of switches is a plain allreduce job (mode "
                                   "allreduce, sync, every rank both sends and receives)")
         check_deadline_ms(self.deadline_ms)
-        if self.deadline_ms and (self.mode != "allreduce" or self.threads > 1 or self.senders
-                                 or self.switch_aggregation or self.job_workers):
+        if self.deadline_ms and (self.mode not in ("allreduce", "fallback") or self.threads > 1 or self.senders
+                                 or self.switch_aggregation or self.job_workers
+                                 or (self.mode == "fallback" and not self.secret)):
             raise ConfigError("deadline_ms: a deadline allreduce needs a plain allreduce job on one switch (mode "
-                              "allreduce), threads 1, every rank both sending and receiving, not MLfabric's switch "
-                              "aggregation")
+                              "allreduce), or one admitted at its PS (mode fallback, with the job's secret: every "
+                              "rank registers there), threads 1, every rank both sending and receiving, not "
+                              "MLfabric's switch aggregation")
         if self.ps_members and self.ps_members != 1 + len(self.replicas):
             raise ConfigError(f"ps_members: {self.ps_members}, but the job's PS chain has {1 + len(self.replicas)} "
                               "node(s) (the primary and its replicas)")

@@ -35,9 +35,11 @@ def test_deadline_ms_is_a_checked_job_setting():
             WorkerConfig(**BASE, deadline_ms=bad)
     ps = Endpoint("127.0.0.1", 3)
     for other in ({"threads": 2}, {"senders": 1}, {"mode": "ps", "ps": ps}, {"job_workers": 4, "job_rank": 0},
-                  {"mode": "fallback", "ps": ps, "aggregator": ps}):
+                  {"mode": "fallback", "ps": ps, "aggregator": ps}):  # fallback without the job's secret
         with pytest.raises(ConfigError, match="deadline_ms"):
             WorkerConfig(**{**BASE, **other}, deadline_ms=50)
+    at_ps = WorkerConfig(**{**BASE, "mode": "fallback", "ps": ps, "aggregator": ps}, secret="s" * 32, deadline_ms=50)
+    assert at_ps.deadline_ms == 50
     env = {"NETAGG_JOB_ID": "1", "DMLC_NUM_WORKER": "2", "NETAGG_RANK": "0", "NETAGG_SLOTS": "16",
            "NETAGG_AGGREGATOR": "127.0.0.1:28900", "NETAGG_BIND": "127.0.0.1:40000"}
     assert config_from_env(env).deadline_ms == 0
@@ -74,6 +76,15 @@ def test_the_controller_stores_the_deadline_writes_it_into_every_config_and_refu
     database = yaml.safe_load(soft_controller.config.read_text())["controller"]["database"]
     with sqlite3.connect(database) as db:
         assert db.execute("SELECT deadline_ms FROM jobs WHERE job_id = ?", (job["job_id"],)).fetchone()[0] == 40
+    # A job at its PS (fallback) closes its rounds there: its configs carry the deadline and the job's secret.
+    code, out, err = cli("job", "create", "--workers", f"local:{free_udp_port()},local:{free_udp_port()}",
+                         "--mode", "fallback", "--ps", "ps0", "--deadline-ms", "30")
+    assert code == 0, err
+    at_ps = json.loads(out)["job"]
+    code, out, err = cli("job", "config", str(at_ps["job_id"]), "--rank", "1")
+    assert code == 0, err
+    config = WorkerConfig.from_dict(yaml.safe_load(out))
+    assert (config.mode, config.deadline_ms) == ("fallback", 30) and config.secret
     bad = ((["--deadline-ms", "-1"], "deadline_ms: expected milliseconds"),
            (["--deadline-ms", "10", "--threads", "2"], "--deadline-ms needs a plain allreduce job"),
            (["--deadline-ms", "10", "--mode", "ps", "--ps", "ps0"], "--deadline-ms needs a plain allreduce job"))
@@ -166,17 +177,65 @@ def test_the_ddp_hook_sums_each_bucket_as_a_deadline_allreduce_of_its_own():
         np.testing.assert_allclose(results[0][0][1, bucket] * n, expected, atol=1e-4)
 
 
-def test_a_deadline_allreduce_through_the_ps_is_refused_at_once():
-    """Fallback mode (the PS's aggregator): a call with a deadline raises before sending anything (a late rank
-    could not learn the sums it missed there); the same call without one sums exactly."""
+def test_a_deadline_allreduce_through_a_ps_without_the_jobs_secret_is_refused_at_once():
+    """Fallback mode without the job's secret: the PS learns a rank's address only from its contributions, so a
+    rank late from the start would never get the closed rounds' results; a call with a deadline raises before
+    sending anything, and the same call without one sums exactly."""
     from netagg.testing.hoststack import fallback_job
 
     with fallback_job(2, slot_count=16) as (_, configs):
         def job(worker, rank):
-            with pytest.raises(ValueError, match="needs the switch"):
+            with pytest.raises(ValueError, match="needs the job's secret"):
                 worker.allreduce(np.ones(300, np.float32), deadline=0.1)
             return worker.allreduce(np.full(300, rank + 1, np.float32))
 
         out = run_workers(configs, job)
     for total in out:
         np.testing.assert_array_equal(total, np.full(300, 3, np.float32))
+
+
+@pytest.mark.parametrize("late", [0.5, 1.5])
+def test_a_deadline_allreduce_at_the_ps_closes_without_a_late_rank_and_it_learns_the_sums(late):
+    """A job at its PS (fallback mode, with the job's secret: every rank registered its address at start). Rank 2
+    calls ``late`` seconds after the others' deadline passed: the others return at their deadline without it,
+    every rank returns the same sums, each block exactly the sum of the ranks its result names (past the deadline
+    a round does not wait for ranks 0 and 1 either), none with rank 2's values, and every rank carries the blocks
+    it is not in to its next deadline call; the next exact call sums everyone's values."""
+    from netagg.testing.hoststack import fallback_job
+
+    n, size, deadline = 3, 20_000, 1.0
+    rng = np.random.default_rng(4)
+    first = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+    second = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+    with fallback_job(n, slot_count=16, secret="s3cret-" * 5) as (_, configs):
+        def job(worker, rank):
+            if rank == 2:
+                time.sleep(deadline + late)
+            began = time.monotonic()
+            one = worker.allreduce(first[rank], deadline=deadline)
+            took = time.monotonic() - began
+            carry, members = worker.deadline_carry, worker.transport.last_members.copy()
+            two = worker.allreduce(second[rank])  # exact: no deadline
+            return one, took, carry, two, members
+
+        out = run_workers(configs, job, timeout=60)
+    ones = [o[0] for o in out]
+    for one in ones[1:]:
+        np.testing.assert_array_equal(one, ones[0])  # one sum, whoever learned it how
+    members = out[0][4]
+    for o in out[1:]:
+        np.testing.assert_array_equal(o[4], members)
+    blocks = -(-size // wire.K)
+    assert members.shape == (blocks,) and not (members & 0b100).any() and (members == 0b011).sum() > blocks // 2
+    padded = np.zeros((n, blocks * wire.K))
+    padded[:, :size] = first
+    inside = (members[None, :] >> np.arange(n)[:, None]) & 1  # rank x block
+    expected = (padded.reshape(n, blocks, wire.K) * inside[:, :, None]).sum(axis=0).reshape(-1)[:size]
+    np.testing.assert_allclose(ones[0], expected, rtol=1e-3, atol=1e-3)
+    assert out[0][1] < deadline + 2.0 and out[1][1] < deadline + 2.0  # nobody waited for rank 2
+    for rank in range(n):  # what a rank is not in joins its next deadline call
+        assert out[rank][2] == int((inside[rank] == 0).sum())
+    assert out[2][2] == blocks
+    exact = sum(s.astype(np.float64) for s in second)
+    for o in out:
+        np.testing.assert_allclose(o[3], exact, rtol=1e-3, atol=1e-3)
