@@ -207,7 +207,9 @@ class Transport:
         self._index = 0
         #: ... and the last one's inputs, flags, collective id and the state it began from (run again at the PS
         #: after a failover).
-        self._prev: tuple[np.ndarray, np.ndarray, np.ndarray | None, int, RoundMark] | None = None
+        #: The last whole-job exchange, for a failover that restarts there: blocks, exponents, flags, id, mark, and
+        #: whether it was a deadline exchange (its sums may hold closed rounds, which the PS cannot reproduce).
+        self._prev: tuple[np.ndarray, np.ndarray, np.ndarray | None, int, RoundMark, bool] | None = None
         self.rto = RtoEstimator(rto_initial, rto_min, rto_max, max_backoff=max_backoff)
         self.stats = TransportStats()
         #: Congestion window (packets outstanding), kept across exchanges; fixed at S without control.
@@ -361,7 +363,7 @@ class Transport:
             if whole_job:
                 self._index += 1  # a failed call counts too: the others' next collective must not match this one
         if whole_job and self.failover is not None:  # kept (not copied) for a failover that restarts here
-            self._prev = (blocks, exponents, flags, ident, mark)
+            self._prev = (blocks, exponents, flags, ident, mark, self._deadline[0])
         return sums, global_exp, result_flags
 
     def _run(self, blocks: np.ndarray, exponents: np.ndarray, flags: np.ndarray | None, ident: int,
@@ -379,9 +381,28 @@ class Transport:
                 return exchange.sums, exchange.global_exp, exchange.result_flags
             # The job's workers decided to fail over: exchanges from ``failover_from`` on run at the PS.
             self._to_ps()
+            if closable:
+                # Some of this deadline exchange's rounds may have closed on the switch without a rank, and another
+                # rank may have returned those sums: run again at the PS, the rounds would close anew, with other
+                # members. No rank returns a sum of something else: the job fails, loudly, everywhere.
+                reason = (f"job {self.config.job_id} rank {self.config.rank}: the switch went away during deadline "
+                          f"exchange {self._index}; its rounds cannot be closed again alike at the PS: restart the "
+                          "job (admitted at its PS, its deadline rounds close there)")
+                self.abort(reason)
+                raise TransportError(reason)
             if failover_from == self._index - 1 and self._prev is not None:
                 # Another worker had not finished the previous exchange: send it again (same sums).
-                prev_blocks, prev_exponents, prev_flags, prev_ident, prev_mark = self._prev
+                prev_blocks, prev_exponents, prev_flags, prev_ident, prev_mark, prev_deadline = self._prev
+                if prev_deadline:
+                    # This worker returned the switch's sums of a deadline exchange, perhaps of rounds closed
+                    # without a rank; sent again at the PS its values would make other sums for the rank that had
+                    # not finished. No rank returns a sum of something else: the job fails, loudly, everywhere.
+                    reason = (f"job {self.config.job_id} rank {self.config.rank}: the switch went away while another "
+                              f"rank was still in deadline exchange {failover_from}, whose sums this worker took from "
+                              "the switch (perhaps of rounds closed without a rank); the PS cannot sum them again "
+                              "alike: restart the job")
+                    self.abort(reason)
+                    raise TransportError(reason)
                 self.rows.restore(prev_mark)
                 self._run_exchange(Exchange(self, prev_blocks, prev_exponents, prev_flags, prev_ident))
                 self.stats.replayed_exchanges += 1

@@ -226,7 +226,7 @@ def test_a_deadline_allreduce_at_the_ps_closes_without_a_late_rank_and_it_learns
     for o in out[1:]:
         np.testing.assert_array_equal(o[4], members)
     blocks = -(-size // wire.K)
-    assert members.shape == (blocks,) and not (members & 0b100).any() and (members == 0b011).sum() > blocks // 2
+    assert members.shape == (blocks,) and not (members & 0b100).any() and (members != 0).all()
     padded = np.zeros((n, blocks * wire.K))
     padded[:, :size] = first
     inside = (members[None, :] >> np.arange(n)[:, None]) & 1  # rank x block

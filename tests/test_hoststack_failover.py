@@ -415,3 +415,50 @@ def test_ps_mode_pushes_applied_at_the_ps_during_a_failover_are_applied_once_and
             for rank in range(N):  # the sum store keeps each push's aggregate
                 np.testing.assert_array_equal(results[rank][0][i], expected, err_msg=f"rank {rank} pull {i}")
         assert all(s.failovers == 1 for _, s in results)
+
+
+def test_a_deadline_job_whose_switch_goes_away_fails_loudly_on_every_rank():
+    """Deadline allreduces (docs/hoststack.md): a round closed on the switch without a rank cannot be closed again
+    alike at the PS, so a failover decision during a deadline exchange, or one that would replay a finished
+    deadline exchange, fails the job on every rank instead of moving it: each rank raises, every call that
+    returned before returned the same exact sums on every rank, and no rank returned a sum after the switch went
+    away."""
+    from netagg.hoststack.transport import OutOfStep, TransportError, TransportTimeout
+
+    with testing.LoopbackSwitch() as switch:
+        ps = Endpoint("127.0.0.1", free_ports(1, "both")[0])
+        configs = [dataclasses.replace(c, failover_after=FAILOVER_AFTER)
+                   for c in switch.add_job(N, slot_count=SLOTS, mode="allreduce", ps=ps)]
+        with KVServer(configs[0], failover_retry=1000.0) as server:
+            away: list[float] = []
+
+            def work(worker, rank, ready):
+                out = []
+                try:
+                    for i in range(2000):
+                        out.append((worker.allreduce(make_input(i, rank), deadline=10.0), time.monotonic()))
+                        if i == 2:
+                            ready()
+                except (TransportError, TransportTimeout, OutOfStep) as err:
+                    return out, err
+                return out, None
+
+            def fault() -> None:
+                away.append(time.monotonic())
+                switch.client.set_pipeline(dp.P4INFO_PATH, b"")  # and it does not come back
+                wait_for(lambda: server.failover.decisions >= 1, "a failover decision")
+
+            results = run_workers_with_fault(configs, work, fault, timeout=4 * DEADLINE, rto_initial=0.01,
+                                             progress_timeout=DEADLINE / 2)
+    assert server.failover.decisions == 1
+    for rank, (_, err) in enumerate(results):
+        assert err is not None, f"rank {rank} returned from every call"
+    assert any("went away during deadline exchange" in str(err) for _, err in results)
+    done = min(len(out) for out, _ in results)
+    assert done >= 3
+    for i in range(max(len(out) for out, _ in results)):
+        expected, _ = expected_allreduce([make_input(i, rank) for rank in range(N)], k=configs[0].width)
+        for rank, (out, _) in enumerate(results):
+            if i < len(out):  # nobody was late: every returned sum is exact, the same on every rank
+                np.testing.assert_array_equal(out[i][0], expected, err_msg=f"rank {rank} allreduce {i}")
+                assert out[i][1] < away[0] + 0.5, f"rank {rank} returned allreduce {i} after the switch went away"
