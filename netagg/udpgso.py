@@ -328,12 +328,7 @@ class GroBatch:
         self.calls += 1
         self._count = count
         self._state[:] = 0
-        self._segment_sizes(self._ctrl, words, count, self._sizes, self._tos)
-        tos = self._tos[:count]
-        marked = (tos >= 0) & ((tos & wire.ECN_MASK) == wire.ECN_CE)
-        if marked.any():  # a coalesced message is one flow's datagrams with one IPv4 header: all marked alike
-            lengths = words[:count, 14].astype(np.int64)
-            self.ce_datagrams += int(np.maximum(1, -(-lengths[marked] // self._sizes[:count][marked])).sum())
+        self.ce_datagrams += int(self._segment_sizes(self._ctrl, words, count, self._sizes, self._tos))
         filled = self._split(self._big, words, self._sizes, self._rx_names, count, self._state, self.buf,
                              self.lengths, self.names, first, room, self.headroom)
         self.datagrams += filled
@@ -374,10 +369,13 @@ def _plan_uniform_reference(addresses: np.ndarray, length: int, per: int, name_a
 
 
 def _segment_sizes_reference(ctrl: np.ndarray, words32: np.ndarray, count: int, sizes: np.ndarray,
-                             tos: np.ndarray) -> None:
+                             tos: np.ndarray) -> int:
     """``sizes[m]``: message ``m``'s UDP_GRO segment size from its control messages (``ctrl[m]``, the kernel's
     ``msg_controllen`` in ``words32[m, 10]``), or its whole length ``words32[m, 14]`` (at least 1) without one;
-    ``tos[m]``: its IPv4 TOS byte (``IP_RECVTOS``), or -1 without one."""
+    ``tos[m]``: its IPv4 TOS byte (``IP_RECVTOS``), or -1 without one. Returns the datagrams of the messages
+    that arrived ECN CE-marked (a coalesced message is one flow's datagrams under one IPv4 header: all marked
+    alike)."""
+    marked = 0
     for m in range(count):
         length = int(words32[m, 14])
         used = min(int(words32[m, 10]), ctrl.shape[1])  # never read past the buffer, whatever it says
@@ -397,6 +395,9 @@ def _segment_sizes_reference(ctrl: np.ndarray, words32: np.ndarray, count: int, 
                 break
             offset += (cmsg_len + 7) & ~7
         sizes[m] = size
+        if tos[m] >= 0 and (tos[m] & wire.ECN_MASK) == wire.ECN_CE:
+            marked += max(1, -(-length // size))
+    return marked
 
 
 def _split_reference(big: np.ndarray, words32: np.ndarray, sizes: np.ndarray, rx_names: np.ndarray, count: int,

@@ -11,10 +11,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from netagg import wire
+
 _SOL_UDP = 17
 _UDP_GRO = 104
 _SOL_IP = 0
 _IP_TOS = 1
+_ECN_MASK = wire.ECN_MASK
+_ECN_CE = wire.ECN_CE
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -59,6 +63,7 @@ def plan_uniform(addresses, length, per, name_addr, name_len, iov_words, hdr_wor
 @njit(cache=True, nogil=True)
 def segment_sizes(ctrl, words32, count, sizes, tos):  # pragma: no cover - compiled
     """See ``udpgso._segment_sizes_reference``."""
+    marked = 0
     for m in range(count):
         length = np.int64(words32[m, 14])
         used = min(np.int64(words32[m, 10]), np.int64(ctrl.shape[1]))
@@ -85,6 +90,9 @@ def segment_sizes(ctrl, words32, count, sizes, tos):  # pragma: no cover - compi
                 break
             offset += (cmsg_len + 7) & ~np.int64(7)
         sizes[m] = size
+        if tos[m] >= 0 and (tos[m] & _ECN_MASK) == _ECN_CE:
+            marked += max(np.int64(1), -(-length // size))
+    return marked
 
 
 @njit(cache=True, nogil=True)

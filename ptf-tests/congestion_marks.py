@@ -24,38 +24,33 @@ class CongestionMarkOfOneContributionReachesEveryMember(NetaggTest):
     round of the same pool, all ECT(0), leaves ECT(0); a round whose only mark is on its completing packet
     leaves CE."""
 
-    def runTest(self) -> None:
-        workers = make_workers(3)
-        job = self.add_job(workers)
-        tos = [DSCP | CE, DSCP | ECT0, DSCP | ECT0]
-        packets = [contribution(job, w, [w.rank + 1] * wire.K, seq=3, tos=t) for w, t in zip(workers, tos)]
+    def complete_round(self, workers: list, packets: list, total: int, ce: bool) -> None:
+        """Each worker's packet of one round, the last one completing it: its result reaches every worker, with
+        every value ``total``, CE-marked or with the completing packet's TOS."""
         for w, p in zip(workers[:-1], packets[:-1]):
             self.send(w.port, p)
         self.expect_nothing()
         self.send(workers[-1].port, packets[-1])
-        self.expect_on_ports([(w.port, result_for(packets[-1], w, [6] * wire.K, 0, ce=True)) for w in workers])
+        self.expect_on_ports([(w.port, result_for(packets[-1], w, [total] * wire.K, 0, ce=ce)) for w in workers])
         self.expect_nothing()
+
+    def runTest(self) -> None:
+        workers = make_workers(3)
+        job = self.add_job(workers)
+        tos = [DSCP | CE, DSCP | ECT0, DSCP | ECT0]
+        first = [contribution(job, w, [w.rank + 1] * wire.K, seq=3, tos=t) for w, t in zip(workers, tos)]
+        self.complete_round(workers, first, 6, ce=True)
         resend = contribution(job, workers[1], [2] * wire.K, seq=3, flags=wire.FLAG_RETRANSMIT, tos=ECT0)
         self.send(workers[1].port, resend)
         self.expect(workers[1].port, result_for(resend, workers[1], [6] * wire.K, 0, ce=True))
         self.expect_nothing()
         # Round 3 (pool 0 again): nothing marked.
         third = [contribution(job, w, [1] * wire.K, round=3, seq=4, tos=ECT0) for w in workers]
-        for w, p in zip(workers[:-1], third[:-1]):
-            self.send(w.port, p)
-        self.expect_nothing()
-        self.send(workers[-1].port, third[-1])
-        self.expect_on_ports([(w.port, result_for(third[-1], w, [3] * wire.K, 0)) for w in workers])
-        self.expect_nothing()
+        self.complete_round(workers, third, 3, ce=False)
         # Slot 1: only the completing packet is marked.
         fourth = [contribution(job, w, [2] * wire.K, slot=1, seq=5, tos=CE if w.rank == 2 else ECT0)
                   for w in workers]
-        for w, p in zip(workers[:-1], fourth[:-1]):
-            self.send(w.port, p)
-        self.expect_nothing()
-        self.send(workers[-1].port, fourth[-1])
-        self.expect_on_ports([(w.port, result_for(fourth[-1], w, [6] * wire.K, 0, ce=True)) for w in workers])
-        self.expect_nothing()
+        self.complete_round(workers, fourth, 6, ce=True)
 
 
 class ClosedRoundKeepsItsCongestionMark(NetaggTest):

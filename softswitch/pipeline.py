@@ -282,17 +282,17 @@ class NetaggPipeline:
             if meta.slot_index + pkt.values.size // wire.K > regs.num_slots:
                 # The controller never installs such a range; BMv2 leaves it undefined.
                 return None
+            ce = pkt.ipv4[1] & wire.ECN_MASK == wire.ECN_CE  # RoundFlags keeps it as ROUND_CE
             if meta.down:
                 verdict = regs.accept_down(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.generation, hdr[_EXP],
-                                           pkt.values, hdr[_FLAGS], ce=pkt.ipv4[1] & wire.ECN_MASK == wire.ECN_CE)
+                                           pkt.values, hdr[_FLAGS], ce=ce)
                 up = None
             else:
                 action, up = self._up_links.lookup((job,))
                 up = up if action == dp.ACTION_SET_UP_LINK else None
                 verdict = regs.aggregate(meta.slot_index, hdr[_POOL], hdr[_ROUND], meta.worker_mask,
                                          meta.num_workers, meta.generation, hdr[_MEMBERS], hdr[_EXP], pkt.values,
-                                         has_up=up is not None, flags=hdr[_FLAGS], exchange=hdr[_EXCHANGE],
-                                         ce=pkt.ipv4[1] & wire.ECN_MASK == wire.ECN_CE)
+                                         has_up=up is not None, flags=hdr[_FLAGS], exchange=hdr[_EXCHANGE], ce=ce)
             meta.drop_reason = verdict.drop
         if meta.drop_reason != DropReason.NONE:
             if meta.drop_reason != DropReason.UNKNOWN_JOB:

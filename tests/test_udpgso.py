@@ -212,8 +212,9 @@ def test_segment_sizes_kernel_matches_reference(seed):
             expected[m] = whole
     ref = np.full(count + 3, -7, np.int64)
     compiled, ref_tos, compiled_tos = ref.copy(), ref.copy(), ref.copy()
-    udpgso._segment_sizes_reference(ctrl, words32, count, ref, ref_tos)
-    kernels.segment_sizes(ctrl, words32, count, compiled, compiled_tos)
+    ref_marked = udpgso._segment_sizes_reference(ctrl, words32, count, ref, ref_tos)
+    compiled_marked = kernels.segment_sizes(ctrl, words32, count, compiled, compiled_tos)
+    assert ref_marked == compiled_marked
     np.testing.assert_array_equal(ref, compiled)
     np.testing.assert_array_equal(ref_tos, compiled_tos)
     assert ref[count:].tolist() == ref_tos[count:].tolist() == [-7] * 3
