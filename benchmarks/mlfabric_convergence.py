@@ -32,7 +32,7 @@ from examples.mlp_digits import init_params
 from netagg import dataplane as dp
 from netagg import wire
 from netagg.bmv2.cluster import ClusterSpec, EmulatedCluster
-from netagg.bmv2.deployment import json_result
+from netagg.bmv2.deployment import DeploymentError, json_result
 from netagg.bmv2.dynamics import ClusterDynamics, DynamicsSpec, Plan, make_plan
 from netagg.bmv2.netns import can_create_namespaces
 from netagg.jobconfig import WorkerConfig
@@ -143,19 +143,29 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
             "--max-seconds", str(args.max_seconds), "--interval", "0.1"]),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=dp.REPO_ROOT)
         procs.append(monitor)
+        worker_logs = [open(cluster.workdir / f"mlfabric-worker{rank}-{kind}.log", "w")  # noqa: SIM115
+                       for rank in range(len(hosts))]
         workers = [subprocess.Popen(cluster.host_command(host, [
             *WORKER_COMMAND, "--config", str(path), "--steps", str(args.max_steps), "--hidden", str(args.hidden),
             "--compute-delay", str(plan.compute_delay_ms.get(host, 0.0) / 1e3),
             *(["--model-config", str(dist_paths[rank]), "--local-wait", str(args.local_wait)] if dist_paths else [])]),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                    stdout=subprocess.PIPE, stderr=worker_logs[rank], text=True, env=env,
                                     cwd=dp.REPO_ROOT)
                    for rank, (host, path) in enumerate(zip(hosts, paths))]
         procs.extend(workers)
         final, curve = _monitor_result(monitor, timeout=args.max_seconds + 120)
-        reports = [json_result(proc, f"worker {rank}", timeout=60) for rank, proc in enumerate(workers)]
+        reports = []
+        for rank, proc in enumerate(workers):
+            try:
+                reports.append(json_result(proc, f"worker {rank}", timeout=60))
+            except DeploymentError as err:  # its stderr went to its log: say what it said last
+                tail = (cluster.workdir / f"mlfabric-worker{rank}-{kind}.log").read_text(errors="replace")[-2000:]
+                raise DeploymentError(f"{err}{tail}") from None
     finally:
         for proc in procs:
             stop(proc)
+        for out in locals().get("worker_logs", []):
+            out.close()
         cluster.cli("job", "delete", str(job_id))  # and its distribution job
     stats = final["stats"]
     scheduler = final.get("scheduler") or {}
@@ -183,6 +193,9 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         "link_s": round(-(-_model_values(args.hidden) // width) * wire.frame_bytes(width) * 8 / (args.rate_mbit * 1e6),
                         3),
         "pulls": sum(r.get("pulls", 0) for r in reports),
+        # Receivers that left the distribution's multicast group (their link could not take it) and joined again.
+        "receiver_leaves": sum(r.get("distribution_leaves", 0) for r in reports),
+        "receiver_joins": sum(r.get("distribution_joins", 0) for r in reports),
         # Per worker: seconds getting models, computing, waiting for grants, sending (training.PHASES).
         "phases": [{k: round(v, 1) for k, v in (r.get("phase_seconds") or {}).items()} for r in reports],
         "steps": [r.get("steps", 0) for r in reports],
@@ -232,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--slots", type=int, default=4, help="the job's switch slots")
     parser.add_argument("--setting", default="", help="a name for the cluster setting, kept with the curves")
-    parser.add_argument("--keep-logs", type=Path, help="copy each run's PS log into this directory")
+    parser.add_argument("--keep-logs", type=Path, help="copy each run's PS and worker logs into this directory")
     parser.add_argument("--switch-deadline", type=float, help="-ps kinds: the PS's --switch-deadline (its switch "
                         "groups close at this times their planned transfer; 0: they wait for every member; default: "
                         "the PS's own default)")
@@ -287,11 +300,11 @@ def main(argv: list[str] | None = None) -> int:
                            "dropped": 0, "scheduler_dropped": 0, "aggregated_members": 0, "switch_aggregated": 0,
                            "max_delay": None}
                 row["repeat"] = repeat
-                if args.keep_logs is not None:  # the PS's log of every run, for a look at what went wrong
-                    ps_log = cluster.workdir / f"mlfabric-ps-{kind}.log"
-                    if ps_log.exists():
-                        args.keep_logs.mkdir(parents=True, exist_ok=True)
-                        shutil.copy(ps_log, args.keep_logs / f"mlfabric-ps-{kind}-{repeat}.log")
+                if args.keep_logs is not None:  # the PS's and workers' logs of every run, to see what went wrong
+                    args.keep_logs.mkdir(parents=True, exist_ok=True)
+                    for log in [cluster.workdir / f"mlfabric-ps-{kind}.log",
+                                *cluster.workdir.glob(f"mlfabric-worker*-{kind}.log")]:
+                        shutil.copy(log, args.keep_logs / f"{log.stem}-{repeat}.log")
                 curve = row.pop("curve", [])
                 rows.append(row)
                 print(json.dumps(row), flush=True)

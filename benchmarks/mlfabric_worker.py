@@ -18,6 +18,7 @@ import argparse
 import gzip
 import importlib.util
 import json
+import logging
 import sys
 import time
 from dataclasses import asdict
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_seconds is None:
             args.max_seconds = 120.0
         return monitor(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return train(args)
 
 

@@ -160,6 +160,8 @@ def _format_job(job: dict[str, Any]) -> str:
     if job.get("deadline_ms"):
         lines.append(f"  deadline allreduce: rounds close {job['deadline_ms']:g} ms after a rank began its call")
     lines.append(f"  workers {workers}")
+    if job.get("left_receivers"):
+        lines.append(f"  receivers out of the group (their links cannot take the versions): {job['left_receivers']}")
     if job.get("ps"):
         lines.append(f"  ps {job['ps']['ip']}:{job['ps']['udp_port']}")
     if job.get("update_mode", "sync") != "sync" or job.get("replicas"):

@@ -506,7 +506,39 @@ class JobService:
                                           self._served_job(job), rank, distribution, ps_node)
         if self.worker_endpoint is not None and config.job_id == job.job_id and self.moves.why_not(job) is None:
             config = replace(config, controller=self.worker_endpoint)  # its workers follow the job's moves
+        elif (self.worker_endpoint is not None and distribution and rank is not None and not self.fabric.is_tree):
+            config = replace(config, controller=self.worker_endpoint)  # a receiver may leave and join its group
         return config
+
+    def set_receiving(self, job_id: int, rank: int, receiving: bool) -> dict:
+        """A distribution job's receiver ``rank`` leaves its multicast group (``receiving`` false: the switch copies
+        it no version) or joins it again; kept in the store, so a restarted controller keeps it. Asked by the
+        receiver itself through the worker endpoint (docs/mlfabric.md)."""
+        with self._lock:
+            job = self.store.get(job_id)
+            if job is None or not job.senders or job.distribution_of is None:
+                raise ValueError(f"job {job_id} is no distribution job: only its receivers leave and join")
+            if self.fabric.is_tree:
+                raise ValueError("receivers do not leave a distribution job under a tree of switches")
+            receivers = len(job.workers) - job.senders
+            if not 0 <= rank < receivers:
+                raise ValueError(f"rank {rank} is no receiver of job {job_id} (0..{receivers - 1})")
+            left = set(job.left_receivers)
+            left = left - {rank} if receiving else left | {rank}
+            applied = True
+            if sorted(left) != sorted(job.left_receivers):
+                self.store.set_left_receivers(job_id, sorted(left))
+                job = self.store.get(job_id)
+                assert job is not None
+                try:
+                    self.fabric.install(job, self._others(job))
+                except (P4RuntimeError, OSError) as err:  # the store has it: the next reconcile puts it there
+                    log.warning("job %d: receiver %d %s; the switch is not reachable now: %s", job_id, rank,
+                                "joins" if receiving else "leaves", err)
+                    applied = False
+                log.info("job %d: receiver %d %s its multicast group (left now: %s)", job_id, rank,
+                         "joined" if receiving else "left", sorted(left))
+            return {"receiving": rank not in left, "left": sorted(left), "applied": applied}
 
     def reap_expired(self, now: float | None = None) -> list[int]:
         """Delete every job whose lease ran out; returns their ids.

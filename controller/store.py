@@ -73,6 +73,8 @@ MIGRATIONS = (
     ("slots_chosen_by", "TEXT NOT NULL DEFAULT 'asked'"),
     # The job's deadline allreduce (WorkerConfig.deadline_ms); the jobs of a database from before it are exact.
     ("deadline_ms", "REAL NOT NULL DEFAULT 0"),
+    # A distribution job's receivers that left its multicast group (their links could not take the versions).
+    ("left_receivers", "TEXT NOT NULL DEFAULT '[]'"),
 )
 
 
@@ -156,6 +158,9 @@ class JobRecord:
     #: Deadline allreduce (WorkerConfig.deadline_ms): ms after which its ranks' gradient allreduces close their
     #: rounds; 0: exact.
     deadline_ms: float = 0.0
+    #: A distribution job's receiver ranks that left its multicast group (docs/mlfabric.md, "Receivers whose link
+    #: cannot take the versions"): the switch copies no version to them until they join again.
+    left_receivers: list[int] = field(default_factory=list)
 
     @property
     def uses_switch(self) -> bool:
@@ -195,6 +200,7 @@ def _row_to_job(row: sqlite3.Row) -> JobRecord:
         ps_members=row["ps_members"],
         segments={switch: (base, count) for switch, (base, count) in json.loads(row["segments"]).items()},
         width=row["width"], slots_chosen_by=row["slots_chosen_by"], deadline_ms=row["deadline_ms"],
+        left_receivers=[int(r) for r in json.loads(row["left_receivers"])],
     )
 
 
@@ -272,8 +278,9 @@ class JobStore:
             "INSERT INTO jobs (job_id, tenant, name, mode, state, slot_base, slot_count, slots_wanted, generation,"
             " workers, ps, lease_seconds, lease_expires, created, counter_base, note,"
             " update_mode, delay_bound, schedule, replicas, secret, switch_aggregation, senders, distribution,"
-            " distribution_of, threads, ps_members, segments, width, slots_chosen_by, deadline_ms)"
-            f" VALUES ({', '.join('?' * 31)})",
+            " distribution_of, threads, ps_members, segments, width, slots_chosen_by, deadline_ms,"
+            " left_receivers)"
+            f" VALUES ({', '.join('?' * 32)})",
             (job.job_id, job.tenant, job.name, job.mode, job.state, job.slot_base, job.slot_count,
              job.slots_wanted, job.generation, json.dumps([asdict(w) for w in job.workers]),
              json.dumps(asdict(job.ps)) if job.ps else None, job.lease_seconds, job.lease_expires,
@@ -281,7 +288,7 @@ class JobStore:
              json.dumps([asdict(r) for r in job.replicas]), job.secret, int(job.switch_aggregation), job.senders,
              job.distribution, job.distribution_of, job.threads, job.ps_members,
              json.dumps({switch: list(r) for switch, r in job.segments.items()}), job.width, job.slots_chosen_by,
-             job.deadline_ms),
+             job.deadline_ms, json.dumps(sorted(job.left_receivers))),
         )
 
     def set_state(self, job_id: int, state: str, *more: int) -> None:
@@ -289,6 +296,10 @@ class JobStore:
         with self.transaction() as conn:
             for one in (job_id, *more):
                 conn.execute("UPDATE jobs SET state = ? WHERE job_id = ?", (state, one))
+
+    def set_left_receivers(self, job_id: int, ranks: list[int]) -> None:
+        with self.transaction() as conn:
+            conn.execute("UPDATE jobs SET left_receivers = ? WHERE job_id = ?", (json.dumps(sorted(ranks)), job_id))
 
     def set_counter_base(self, job_id: int, base: dict[str, Any]) -> None:
         with self.transaction() as conn:

@@ -87,7 +87,8 @@ def job_state(config: ControllerConfig, job: JobRecord) -> DesiredState:
     replicas = []
     for rid, host_name, ip, udp_port in receivers:
         host = config.hosts[host_name]
-        replicas.append((host.port, rid))
+        if not (job.senders and rid - 1 in job.left_receivers):  # one that left gets no copies; its entry stays
+            replicas.append((host.port, rid))
         state.add(Entry.make(dp.TABLE_REPLICAS, {"mgid": job.job_id, "rid": rid}, dp.ACTION_SET_DESTINATION,
                              {"dst_mac": mac_to_int(host.mac), "dst_addr": ip_to_int(ip), "dst_port": udp_port}))
     state.groups[job.job_id] = tuple(sorted(replicas))

@@ -4,7 +4,8 @@ job's slots (``moves.py``; the worker's side is hoststack/moves.py).
 Requests are :mod:`netagg.psproto` frames over TCP, each carrying the job id and the job's secret; a request for a
 job that does not exist or without its secret is refused alike (and counted), so another tenant learns nothing.
 ``poll`` (rank, generation) answers whether a move is pending; ``move`` (rank, generation, exchange, ready,
-on_ps) is a step of one.
+on_ps) is a step of one. ``receive`` (rank, receiving) is a distribution job's receiver leaving or joining its
+multicast group (docs/mlfabric.md).
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ class WorkerApi:
             answer = moves.ask(job, _integer(header, "rank", 0), _integer(header, "generation", 0),
                                _integer(header, "exchange", 0), _flag(header, "ready"), _flag(header, "on_ps"),
                                _integer(header, "move", optional=True))
+        elif op == "receive":
+            answer = self.service.set_receiving(job.job_id, _integer(header, "rank", 0), _flag(header, "receiving"))
         else:
-            raise ValueError(f"unknown op {op!r} (poll, move)")
+            raise ValueError(f"unknown op {op!r} (poll, move, receive)")
         self._count("answered")
         return {"ok": True, **answer}, b""
 

@@ -34,6 +34,7 @@ import numpy as np
 from netagg import mmsg, wire
 from netagg.hoststack.packets import RECV_ROW_BYTES, headers, packet_dtype, udp_socket
 from netagg.jobconfig import WorkerConfig, resolve
+from netagg.mlfabric.receivers import ReceiverMembership
 
 #: Versions kept for repairs at the PS, and assembled at once at a worker.
 KEEP_VERSIONS = 4
@@ -215,9 +216,15 @@ class CacheStats:
 class ModelCache:
     """A worker's side (see the module docstring). ``config``: this worker's rank in the distribution job."""
 
-    def __init__(self, config: WorkerConfig, size: int, *, batched: bool | None = None) -> None:
-        """``batched``: receive with recvmmsg (default: where available), else one datagram per call."""
+    def __init__(self, config: WorkerConfig, size: int, *, batched: bool | None = None,
+                 membership: ReceiverMembership | None = None) -> None:
+        """``batched``: receive with recvmmsg (default: where available), else one datagram per call.
+        ``membership``: told the share of each version this worker got once the sender went past it (a receiver
+        whose link cannot take the versions leaves the group: mlfabric/receivers.py)."""
         self.config = config
+        self.membership = membership
+        #: The version being received and its blocks' flags (scored when the next one begins).
+        self._receiving: tuple[int, np.ndarray] | None = None
         self.batched = mmsg.AVAILABLE if batched is None else batched
         #: The PS chain are the distribution job's last ranks (``senders``; 0: the last rank alone), and only
         #: their one-member rounds are versions: a promoted replica sends as itself. A worker of the job
@@ -373,12 +380,19 @@ class ModelCache:
                         dropped, _ = self._parts.popitem(last=False)
                         self._first_seen.pop(dropped, None)
                         self.stats.versions_abandoned += 1
+                    self._began(version, entry[1])
                 mine = lows == low
                 entry[0][blocks[mine]] = values[mine].view(np.float32)
                 entry[1][blocks[mine]] = True
                 if entry[1].all():
                     self._measure(version)
                     self._complete(version)
+
+    def _began(self, version: int, got: np.ndarray) -> None:
+        """The first block of ``version`` arrived: the sender is past the one received before it."""
+        previous, self._receiving = self._receiving, (version, got)
+        if self.membership is not None and previous is not None and previous[0] < version:
+            self.membership.version_over(float(previous[1].mean()))
 
     def _measure(self, version: int) -> None:
         """A version is whole (through the switch, or repaired): one sample of this worker's receiving rate."""

@@ -27,6 +27,7 @@ float32, the PS's own arithmetic (``applied_locally``; the outcome carries ``lr`
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,8 +38,11 @@ import numpy as np
 from netagg.jobconfig import WorkerConfig
 from netagg.mlfabric.distribution import ModelCache
 from netagg.mlfabric.protocol import Connection, FabricError, Unreachable, to_blob
+from netagg.mlfabric.receivers import ReceiverMembership
 from netagg.mlfabric.switch_sum import SwitchAggregationFailed, SwitchSummer
 from netagg.mlfabric.worker import FabricClient, Unavailable
+
+log = logging.getLogger(__name__)
 
 #: Where a worker's time goes (:attr:`WorkerReport.phase_seconds`).
 PHASES = ("model", "compute", "grant", "send")
@@ -71,6 +75,10 @@ class WorkerReport:
     #: model the group's updates were computed on, when the PS applied the group right on top of it.
     applied_locally: int = 0
     pulls: int = 0
+    #: Times this worker left its distribution job's multicast group (its link could not take the versions) and
+    #: joined it again (mlfabric/receivers.py).
+    distribution_leaves: int = 0
+    distribution_joins: int = 0
     #: The newest PS version this worker heard of (pulls, push outcomes).
     ps_version: int = -1
     failovers: int = 0
@@ -98,7 +106,10 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
     started = time.monotonic()
     if not _initialized(client, 0.0 if client.rank == 0 else init_wait):
         client.init(np.asarray(initial, np.float32))
-    cache = ModelCache(distribution, int(np.asarray(initial).size)) if distribution is not None else None
+    membership = ReceiverMembership(distribution) if distribution is not None and distribution.controller \
+        is not None else None
+    cache = ModelCache(distribution, int(np.asarray(initial).size), membership=membership) \
+        if distribution is not None else None
     version = -1
     #: (version, model) the last switch group's outcome lets this worker compute (see _switch_aggregate).
     ahead: tuple[int, np.ndarray] | None = None
@@ -131,6 +142,9 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
     finally:
         if cache is not None:
             cache.close()
+        if membership is not None:
+            membership.close()
+            report.distribution_leaves, report.distribution_joins = membership.stats.leaves, membership.stats.joins
     report.failovers = client.failovers
     report.seconds = time.monotonic() - started
     return report
@@ -152,6 +166,8 @@ def _delivered(client: FabricClient, cache: ModelCache | None, step: int, versio
     ``local_wait`` for it when it is newer than the last), else any newer than the last; None: pull."""
     if cache is None or not step:
         return None
+    if cache.membership is not None and not cache.membership.receiving:
+        local_wait = 0.0  # out of the group: no version is coming, only one already here (pull otherwise)
     try:
         return cache.newest(floor - 1, local_wait if floor > version else 0.0, client.model_blocks) \
             or cache.newest(version, 0.0 if floor > version else local_wait, client.model_blocks)
@@ -264,12 +280,21 @@ def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: Switch
     if switch is None:
         raise FabricError("the scheduler grouped this update in the switch, but this worker has no switch path")
     deadline = grant.get("deadline")
+    began = time.monotonic()
     try:
         total = switch.sum(grad, int(grant["members"]), int(grant["round"]),
                            deadline=None if deadline is None else float(deadline))
-    except SwitchAggregationFailed:
+    except SwitchAggregationFailed as err:
+        log.warning("switch group %s: the exchange failed after %.2f s (%s); pushing this update",
+                    grant.get("parts"), time.monotonic() - began, err)
         report.switch_fallbacks += 1
         return client.push(update_id, version, grad)
+    if (t := switch.transport) is not None:
+        s = t.stats
+        log.info("switch group %s: summed in %.2f s (so far: %d packets, %d retransmissions, %d peer timeouts, "
+                 "%d spurious, window %.1f, smallest %.1f, %d cuts)", grant.get("parts"), time.monotonic() - began,
+                 s.packets_sent, s.retransmissions, s.peer_timeouts, s.spurious_timeouts, t.window,
+                 s.smallest_window, s.window_decreases)
     report.switch_aggregated += 1
     summed = {"_sum": total, "_parts": len(grant["parts"])}
     if "ps" not in grant and int(grant["leader"]) == client.rank:
@@ -281,7 +306,10 @@ def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: Switch
         except FabricError:  # e.g. a member already pushed its own: every member falls back to its own
             report.switch_fallbacks += 1
             return client.push(update_id, version, grad)
+    asked = time.monotonic()
     outcome = client.call("outcome", {"update_id": update_id, "timeout": 20.0}, timeout=30.0)[0]
+    log.info("switch group %s: the PS's outcome after %.2f s: %s", grant.get("parts"), time.monotonic() - asked,
+             {k: outcome.get(k) for k in ("known", "outcome", "version", "rest")})
     if outcome.get("known") and outcome.get("rest"):
         # The group closed at its deadline before all of this update arrived: the PS applied the part in its
         # sum and applies the rest from this push (and nothing twice).
