@@ -57,6 +57,12 @@ MAX_SWITCH_ROUND_USES = 1 << 12
 SWITCH_DEADLINE = 1.25
 #: ... but never sooner than this (seconds): small updates, a busy host's wake-ups.
 SWITCH_DEADLINE_FLOOR = 0.2
+#: A switch group without the PS (nobody closes its rounds) is given up by its members at this factor times its
+#: planned transfer, and they push their own updates: a member whose link collapsed (measured: a two-member group
+#: took 28 s and 41 s instead of 0.4 s) holds the others up no longer than that ...
+SWITCH_GIVE_UP = 4.0
+#: ... and never sooner than this (seconds).
+SWITCH_GIVE_UP_FLOOR = 2.0
 
 
 def switch_round_uses(size: int, slot_count: int, width: int = wire.K) -> int:
@@ -362,13 +368,15 @@ class GrantService:
                 ranks = [rank for _, rank, _ in parts]
                 grant = {"members": wire.members_of(ranks if self.ps_member is None else [*ranks, self.ps_member]),
                          "round": self._switch_next & 0xFFFF, "leader": group.aggregator, "parts": parts}
+                planned = max((p.decision.slot.end - p.decision.slot.start for p in batch
+                               if p.decision is not None and p.decision.group == group.group
+                               and p.decision.slot is not None), default=0.0)
                 if self.ps_member is not None:
                     grant["ps"] = self.ps_member
                     if self.switch_deadline > 0:
-                        planned = max((p.decision.slot.end - p.decision.slot.start for p in batch
-                                       if p.decision is not None and p.decision.group == group.group
-                                       and p.decision.slot is not None), default=0.0)
                         grant["deadline"] = max(SWITCH_DEADLINE_FLOOR, self.switch_deadline * planned)
+                else:
+                    grant["give_up"] = max(SWITCH_GIVE_UP_FLOOR, SWITCH_GIVE_UP * planned)
                 self._switch_grants[group.group] = grant
                 self._switch_next += switch_round_uses(group.size, self.switch_slots, self.switch_width)
                 if self.ps_member is not None and self._on_switch_group is not None:

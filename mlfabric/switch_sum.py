@@ -59,16 +59,17 @@ class SwitchSummer:
         self._worker: KVWorker | None = KVWorker(config, **self.options)
 
     def sum(self, update: np.ndarray, members: int, round_base: int, *, deadline: float | None = None,
-            closer: bool = False) -> np.ndarray:
+            closer: bool = False, give_up: float | None = None) -> np.ndarray:
         """The sum of the members' updates (this one's included), as float32 of ``update``'s shape.
 
         ``deadline`` (seconds): the group's rounds may close without their slow members (this worker's own
         blocks may then be missing from the sum, see :attr:`last_members`); ``closer``: this worker closes them
-        then. A member gives up ``deadline`` + 2 s after it began (:class:`SwitchAggregationFailed`)."""
+        then. A member gives up ``deadline`` + 2 s after it began (:class:`SwitchAggregationFailed`); without a
+        deadline, ``give_up`` s after it began (the group's rounds then fail: every member pushes its own)."""
         if self._worker is None:
             self._worker = KVWorker(self.config, **self.options)
         if deadline is None:
-            subset = SubsetRound(members, round_base)
+            subset = SubsetRound(members, round_base, give_up_after=give_up)
         elif closer:
             subset = SubsetRound(members, round_base, close_after=deadline)
         else:

@@ -279,11 +279,12 @@ def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: Switch
     the group, ``ps``, the PS received it from the switch), the others get its outcome."""
     if switch is None:
         raise FabricError("the scheduler grouped this update in the switch, but this worker has no switch path")
-    deadline = grant.get("deadline")
+    deadline, give_up = grant.get("deadline"), grant.get("give_up")
     began = time.monotonic()
     try:
         total = switch.sum(grad, int(grant["members"]), int(grant["round"]),
-                           deadline=None if deadline is None else float(deadline))
+                           deadline=None if deadline is None else float(deadline),
+                           give_up=None if give_up is None else float(give_up))
     except SwitchAggregationFailed as err:
         log.warning("switch group %s: the exchange failed after %.2f s (%s); pushing this update",
                     grant.get("parts"), time.monotonic() - began, err)
