@@ -220,6 +220,9 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                                        gang=distribution is not None if gang is None else gang,
                                        ps_member=None if self.switch_member is None else self.switch_member.rank,
                                        on_switch_group=self._take_part, switch_deadline=switch_deadline)
+            if distribution is not None and config.switch_aggregation:
+                # A switch group's results go to every worker's link; the versions wait for them (HOLD_LIMIT).
+                distribution.hold = self.grants.switch_group_in_flight
         #: Past the subset rounds of the primary's switch groups, as of the last update it applied (replicated).
         self.switch_floor = 0
         self.model: np.ndarray | None = None

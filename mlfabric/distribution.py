@@ -40,6 +40,8 @@ from netagg.mlfabric.receivers import ReceiverMembership
 KEEP_VERSIONS = 4
 #: A version that arrived faster than this gives no rate sample (too short to time).
 MIN_RATE_SECONDS = 0.01
+#: Seconds a version waits at most, in all, while ``ModelSender.hold`` says so (a switch group in flight).
+HOLD_LIMIT = 1.0
 _VERSION_BITS = 16
 _BLOCK_MASK = (1 << 16) - 1
 _STRIDE = RECV_ROW_BYTES
@@ -96,6 +98,8 @@ class SenderStats:
     bytes_sent: int = 0
     send_errors: int = 0
     repairs_served: int = 0
+    #: Seconds versions waited for switch groups (``ModelSender.hold``).
+    held_seconds: float = 0.0
 
 
 class ModelSender:
@@ -109,6 +113,9 @@ class ModelSender:
         self.batch = batch
         self.members = 1 << config.rank
         self.stats = SenderStats()
+        #: While it returns True, no version packet leaves (for at most ``HOLD_LIMIT`` s a version): the PS sets it
+        #: to "a switch group is in flight", whose results need the workers' links that the versions would fill.
+        self.hold: Callable[[], bool] | None = None
         self.sock = udp_socket(resolve(config.bind))
         self.sock.setblocking(True)
         self.destination = resolve(config.aggregator)
@@ -184,8 +191,17 @@ class ModelSender:
         packets["values"] = padded.view(np.int32)
         raw = packets.view(np.uint8).reshape(layout.blocks, layout.message_bytes)
         start = time.monotonic()
+        held = 0.0
         sent = 0
         for first in range(0, layout.blocks, self.batch):
+            if self.hold is not None and held < HOLD_LIMIT and self.hold():
+                waited = time.monotonic()
+                while time.monotonic() - waited < HOLD_LIMIT - held and self.hold():
+                    time.sleep(0.005)
+                pause = time.monotonic() - waited
+                held += pause
+                start += pause  # the pace goes on from here
+                self.stats.held_seconds += pause
             for row in raw[first:first + self.batch]:
                 try:
                     self.sock.sendto(row, self.destination)

@@ -205,6 +205,11 @@ class GrantService:
             self._sleep_until(decision.slot.start, deadline)
         return decision
 
+    def switch_group_in_flight(self) -> bool:
+        """Whether a switch group was granted and is not yet applied, dropped or expired."""
+        with self._cond:
+            return bool(self._switch_grants)
+
     def switch_grant(self, group: int) -> dict | None:
         """What the members of switch group ``group`` need (None if it is not one in flight): the members'
         bitmap, the round base (mod 2**16), the leader (who pushes the sum) and the parts it pushes; with a PS
