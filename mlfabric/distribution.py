@@ -239,8 +239,9 @@ class ModelCache:
         whose link cannot take the versions leaves the group: mlfabric/receivers.py)."""
         self.config = config
         self.membership = membership
-        #: The version being received and its blocks' flags (scored when the next one begins).
-        self._receiving: tuple[int, np.ndarray] | None = None
+        #: The version being received: its number, its blocks' flags, when its first and its last block so far
+        #: arrived (scored when the next one begins).
+        self._receiving: list | None = None
         self.batched = mmsg.AVAILABLE if batched is None else batched
         #: The PS chain are the distribution job's last ranks (``senders``; 0: the last rank alone), and only
         #: their one-member rounds are versions: a promoted replica sends as itself. A worker of the job
@@ -397,6 +398,8 @@ class ModelCache:
                         self._first_seen.pop(dropped, None)
                         self.stats.versions_abandoned += 1
                     self._began(version, entry[1])
+                if self._receiving is not None and self._receiving[0] == version:
+                    self._receiving[3] = time.monotonic()
                 mine = lows == low
                 entry[0][blocks[mine]] = values[mine].view(np.float32)
                 entry[1][blocks[mine]] = True
@@ -406,9 +409,17 @@ class ModelCache:
 
     def _began(self, version: int, got: np.ndarray) -> None:
         """The first block of ``version`` arrived: the sender is past the one received before it."""
-        previous, self._receiving = self._receiving, (version, got)
-        if self.membership is not None and previous is not None and previous[0] < version:
-            self.membership.version_over(float(previous[1].mean()))
+        now = time.monotonic()
+        previous, self._receiving = self._receiving, [version, got, now, now]
+        if previous is None or previous[0] >= version:
+            return
+        share = float(previous[1].mean())
+        if self.membership is not None:
+            self.membership.version_over(share)
+        seconds = previous[3] - previous[2]
+        if share < 1.0 and seconds >= MIN_RATE_SECONDS:  # a short version: its blocks came at the link's pace
+            sample = share * self.layout.size * 4 / seconds
+            self._rate = sample if self._rate is None else 0.5 * self._rate + 0.5 * sample
 
     def _measure(self, version: int) -> None:
         """A version is whole (through the switch, or repaired): one sample of this worker's receiving rate."""
@@ -419,7 +430,8 @@ class ModelCache:
 
     @property
     def rate(self) -> float | None:
-        """Model bytes per second at which versions arrived lately (None before one arrived in full)."""
+        """Model bytes per second at which versions arrived lately (None before one arrived): a whole version's
+        size over its time, or a short one's blocks over the time they took."""
         with self._cond:
             return self._rate
 

@@ -245,3 +245,23 @@ def test_a_version_waits_while_a_switch_group_is_in_flight_but_never_longer_than
         finally:
             cache.close()
             sender.close()
+
+
+def test_a_receiver_that_gets_versions_only_in_part_still_measures_the_rate_its_link_took_them_at():
+    """Half of every packet lost: no version arrives whole, so no whole version's time gives the rate; the share
+    that arrived, over the time it took, does (it is what the scheduler plans this worker's transfers with)."""
+    with testing.LoopbackSwitch(drop=0.5, seed=3) as switch:
+        configs = _distribution_job(switch, 1)
+        rate = 1e6  # bytes/s: a version of 157 blocks takes about 40 ms
+        sender = ModelSender(configs[1], rate=rate)
+        cache = ModelCache(configs[0], SIZE)
+        try:
+            for version in (1, 2, 3):
+                sender.publish(version, np.full(SIZE, version, np.float32))
+                time.sleep(0.3)
+            assert cache.stats.versions_complete == 0
+            measured = cache.rate
+            assert measured is not None and 0.1 * rate < measured < 2 * rate
+        finally:
+            cache.close()
+            sender.close()

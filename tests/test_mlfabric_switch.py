@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from netagg import wire
-from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric import grants
+from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.grants import SWITCH_ROUND_MARGIN, switch_round_uses
 from netagg.mlfabric.switch_sum import SwitchSummer
 from netagg.mlfabric.training import WorkerReport, _apply_sum, _send, _step
