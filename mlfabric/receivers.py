@@ -114,7 +114,10 @@ class ReceiverMembership:
         self.stats = MembershipStats()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._want: bool | None = None  # a change the thread is to ask for
+        # A change the thread is to ask for. First a join: a receiver restarted after it left would otherwise
+        # wait for versions the switch no longer copies to it (the controller's database keeps it out).
+        self._want: bool | None = True
+        self._started = False  # that first join is not counted among the joins
         self._stop = False
         self._client: PsClient | None = None
         self._thread = threading.Thread(target=self._run, name=f"mlfabric-receiver{config.rank}", daemon=True)
@@ -155,6 +158,7 @@ class ReceiverMembership:
 
     def _ask(self, receiving: bool) -> None:
         header = {"op": "receive", "job_id": self.config.job_id, "rank": self.config.rank, "receiving": receiving}
+        first, self._started = not self._started, True
         try:
             if self._client is None:
                 self._client = PsClient(self.address, timeout=REQUEST_TIMEOUT, secret=self.config.secret)
@@ -170,6 +174,8 @@ class ReceiverMembership:
                 self.policy.undo()
             log.warning("distribution job %d receiver %d: could not %s its group: %s", self.config.job_id,
                         self.config.rank, "join" if receiving else "leave", err)
+            return
+        if first:
             return
         with self._lock:
             if receiving:

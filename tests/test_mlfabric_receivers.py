@@ -179,7 +179,7 @@ def test_the_worker_endpoint_takes_a_leave_only_with_the_distribution_jobs_secre
         try:
             for share in (1.0, 0.2, 0.2):
                 membership.version_over(share)
-            deadline = time.monotonic() + 5
+            deadline, seen_out = time.monotonic() + 5, False
             while membership.stats.joins == 0 and time.monotonic() < deadline:  # it leaves, then joins again
                 if membership.stats.leaves and service.store.get(dist_id).left_receivers == [1]:
                     seen_out = True
@@ -189,6 +189,16 @@ def test_the_worker_endpoint_takes_a_leave_only_with_the_distribution_jobs_secre
             assert membership.stats.failed_requests == 0
         finally:
             membership.close()
+        # A receiver that died out of the group and starts again joins it first.
+        service.set_receiving(dist_id, 1, False)
+        restarted = ReceiverMembership(config)
+        try:
+            deadline = time.monotonic() + 5
+            while service.store.get(dist_id).left_receivers and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert service.store.get(dist_id).left_receivers == [] and restarted.receiving
+        finally:
+            restarted.close()
     finally:
         api.stop()
 
