@@ -218,6 +218,15 @@ class GrantService:
             grant = self._switch_grants.get(group)
             return None if grant is None else {**grant, "parts": [list(p) for p in grant["parts"]]}
 
+    def switch_parts_besides(self, update_id: str) -> list[str]:
+        """The other parts of the switch group in flight that holds ``update_id`` (none if no such group)."""
+        with self._cond:
+            for grant in self._switch_grants.values():
+                ids = [str(p[0]) for p in grant["parts"]]
+                if update_id in ids:
+                    return [i for i in ids if i != update_id]
+            return []
+
     def switch_group_over(self, group: int) -> None:
         """The PS's part in switch group ``group`` failed: none of its rounds completes for the PS, so the
         job's slots are free for the next group (whose rounds are past this one's) while its members push

@@ -104,6 +104,8 @@ class WorkerOps:
             raise ValueError("push: the update has NaN or Inf values")
         if self.grants is not None:
             self.grants.observe(rank, len(frame.blob), frame.last_byte - frame.first_byte)
+            if header.get("parts") is None:
+                self._own_push_in_group(str(header["update_id"]), rank)
         ids = [p[0] for p in parts]
         try:
             if self.update_mode == "sync":
@@ -116,6 +118,22 @@ class WorkerOps:
         if outcome["outcome"] == APPLIED:
             self._await_safe(outcome["seq"])
         return {"ok": True, **outcome, "halted": self.halted}, b""
+
+    def _own_push_in_group(self, update_id: str, rank: int) -> None:
+        """A member of a switch group in flight pushes its own update (its exchange failed or gave up): the
+        group's sum, which holds it, can no longer be applied, so the other members waiting for the group's
+        outcome learn it at once and push their own (before, they waited out their outcome timeout, 20 s,
+        when a leader gave up while the others had the sum)."""
+        assert self.grants is not None
+        others = self.grants.switch_parts_besides(update_id)
+        if not others:
+            return
+        with self._cond:
+            for other in others:
+                self._switch_failed.setdefault(other, f"rank {rank}, a member, pushed its own update")
+            while len(self._switch_failed) > 4096:
+                self._switch_failed.popitem(last=False)
+            self._cond.notify_all()
 
     def _parts(self, header: dict[str, Any]) -> list[tuple[str, int, int]]:
         """The gradients in a push: ``parts`` (an aggregate) or the sender's own update."""

@@ -165,6 +165,55 @@ def test_a_group_that_outlasts_its_give_up_time_falls_back_to_pushes_though_no_m
                 s.close()
 
 
+def test_a_member_pushing_its_own_update_tells_the_others_at_once_that_the_groups_sum_will_not_come():
+    """Ranks 0 and 1 are granted a switch group; rank 0 (the leader) gives up and pushes its own update: rank 1,
+    waiting for the group's outcome, hears at once that there is none (before: after its 20 s timeout), and its
+    own push is applied; nothing twice."""
+    with testing.LoopbackSwitch() as switch:
+        configs = _configs(switch, 3)
+        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0).start()
+        clients = {}
+        try:
+            _, grads, _, _ = _start(configs)
+            for rank in range(3):
+                server.grants.observe(rank, 100_000, 1.0)
+            clients = {r: FabricClient.from_config(c, failover_timeout=20) for r, c in enumerate(configs)}
+            for client in clients.values():
+                client.hello()
+            decisions: dict[int, dict] = {}
+
+            def ask(rank: int) -> None:
+                version = clients[rank].pull()[0]
+                decisions[rank] = clients[rank].request(f"{rank}:0", version, grads[rank].nbytes,
+                                                        float(np.linalg.norm(grads[rank])))
+
+            threads = [threading.Thread(target=ask, args=(r,)) for r in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert "switch" in decisions[0] and "switch" in decisions[1]
+            assert decisions[2]["action"] == "send"
+            clients[2].push("2:0", 0, grads[2])
+            asked = time.monotonic()
+            answer: dict = {}
+            waiting = threading.Thread(target=lambda: answer.update(clients[1].call(
+                "outcome", {"update_id": "1:0", "timeout": 20.0}, timeout=30.0)[0]))
+            waiting.start()
+            time.sleep(0.3)
+            assert clients[0].push("0:0", 0, grads[0])["outcome"] == "applied"  # the leader gave up
+            waiting.join(30)
+            assert answer["known"] is False and "pushed its own" in answer["reason"]
+            assert time.monotonic() - asked < 5
+            assert clients[1].push("1:0", 0, grads[1])["outcome"] == "applied"
+            assert server.version == 3
+            np.testing.assert_allclose(server.model, -(grads[0] + grads[1] + grads[2]), rtol=1e-6)
+        finally:
+            server.stop()
+            for c in clients.values():
+                c.close()
+
+
 def test_after_a_failover_the_new_primary_starts_its_subset_rounds_past_the_old_ones():
     with testing.LoopbackSwitch() as switch:
         configs = _configs(switch, 3, replicas=1)
