@@ -144,6 +144,9 @@ def test_a_receiver_that_leaves_gets_no_copies_and_the_store_keeps_it_across_a_r
     assert restarted.set_receiving(dist_id, 1, True)["left"] == [2]
     assert restarted.set_receiving(dist_id, 1, True)["left"] == [2]  # joining twice is joining
     assert _group(restarted, dist_id) == [1, 2]
+    for rank in range(3):  # every receiver out: a group of no copies (the versions go nowhere)
+        restarted.set_receiving(dist_id, rank, False)
+    assert _group(restarted, dist_id) == []
 
 
 def test_only_a_distribution_jobs_receivers_leave_and_under_a_tree_nobody_does(tmp_path) -> None:
