@@ -297,7 +297,11 @@ def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: Switch
                  s.packets_sent, s.retransmissions, s.peer_timeouts, s.spurious_timeouts, t.window,
                  s.smallest_window, s.window_decreases)
     report.switch_aggregated += 1
-    summed = {"_sum": total, "_parts": len(grant["parts"])}
+    # The next model is computed here from this sum only if it holds every member in every block: a group closed
+    # at its deadline can leave this member without some blocks' sums (a slot it left, its copy of a result lost)
+    # while the PS, in every round, applied them whole; that model would be wrong in those blocks.
+    whole = deadline is None or bool((switch.last_members == int(grant["members"])).all())
+    summed = {"_sum": total, "_parts": len(grant["parts"])} if whole else {}
     if "ps" not in grant and int(grant["leader"]) == client.rank:
         report.switch_led += 1
         try:

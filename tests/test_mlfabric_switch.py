@@ -478,3 +478,34 @@ def test_a_part_the_closed_sum_holds_in_part_is_completed_from_its_members_push_
             np.testing.assert_allclose(server.model, -(grads[0] + grads[1]), rtol=1e-6)
         finally:
             server.stop()
+
+
+def test_a_member_missing_some_blocks_of_a_closed_groups_sum_does_not_compute_the_next_model_from_it():
+    """A deadline group the PS applied whole, but this member left a slot (its copy of a result lost): its own
+    sum lacks those blocks, so it must not compute the PS's next model from it (it would differ there)."""
+    from netagg.mlfabric.training import _switch_aggregate
+
+    members = 0b1011  # ranks 0, 1, 3 (the PS)
+    total = np.ones(4 * wire.K, np.float32)
+
+    class Switch:
+        last_members = np.array([members, members, 0, members], np.uint32)  # block 2: no sum here
+        transport = None
+
+        def sum(self, *args, **kwargs):
+            return total
+
+    class Client:
+        rank = 0
+
+        def call(self, op, header, timeout):
+            return {"known": True, "outcome": "applied", "version": 7, "lr": 0.5}, b""
+
+    grant = {"members": members, "round": 1, "leader": 1, "parts": [["0:0", 0, 5], ["1:0", 1, 5]], "ps": 3,
+             "deadline": 0.5}
+    report = WorkerReport(0)
+    outcome = _switch_aggregate(Client(), report, Switch(), grant, "0:0", 5, total)
+    assert outcome["outcome"] == "applied" and "_sum" not in outcome
+    Switch.last_members = np.full(4, members, np.uint32)  # every block whole: the model may be computed here
+    outcome = _switch_aggregate(Client(), report, Switch(), grant, "0:0", 5, total)
+    assert outcome["_parts"] == 2 and outcome["_sum"] is total
