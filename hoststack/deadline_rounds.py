@@ -107,6 +107,15 @@ class DeadlineRounds:
                               & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == t.config.job_id))
         if not keep.shape[0]:
             return
+        # The next round of a slot closed without this worker, while it still waits for the one before: the others
+        # go on without it, and their next round takes the pool that holds the result it waits for, so its
+        # resends would find nothing (the copy it lost is gone). It leaves the slot now (_give_up_superseded),
+        # instead of resending until its progress timeout.
+        next_closed = keep[(ahead[keep] == 1) & ((hdr["flags"][keep] & wire.FLAG_CLOSE) != 0)
+                           & ((hdr["members"][keep].astype(np.int64) >> t.config.rank) & 1 == 0)]
+        waiting = slot[next_closed]
+        waiting = waiting[(self.expect[waiting] != -1) & ~self.listening[waiting]]
+        self.superseded[waiting] = 1
         keys = (hdr["round"][keep].astype(np.int64) << 33) | (hdr["pool"][keep].astype(np.int64) << 32) \
             | hdr["seq"][keep].astype(np.int64)
         for row, used_slot, key in zip(keep.tolist(), slot[keep].tolist(), keys.tolist(), strict=True):
