@@ -114,10 +114,12 @@ class ReceiverMembership:
         self.stats = MembershipStats()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        # A change the thread is to ask for. First a join: a receiver restarted after it left would otherwise
-        # wait for versions the switch no longer copies to it (the controller's database keeps it out).
-        self._want: bool | None = True
-        self._started = False  # that first join is not counted among the joins
+        #: A change the thread is to ask for (the policy's).
+        self._want: bool | None = None
+        # First of all a join that registers this receiver (not counted among the joins): one restarted after it
+        # left would otherwise wait for versions the switch no longer copies to it (the controller's database
+        # keeps it out). When to (re)try it; None once done.
+        self._register_at: float | None = 0.0
         self._stop = False
         self._client: PsClient | None = None
         self._thread = threading.Thread(target=self._run, name=f"mlfabric-receiver{config.rank}", daemon=True)
@@ -153,12 +155,14 @@ class ReceiverMembership:
                 if self._want is None and self.policy.join_due():
                     self._want = True
                 want, self._want = self._want, None
+                register = self._register_at is not None and time.monotonic() >= self._register_at
+            if register:
+                self._ask(True, register=True)
             if want is not None:
                 self._ask(want)
 
-    def _ask(self, receiving: bool) -> None:
+    def _ask(self, receiving: bool, register: bool = False) -> None:
         header = {"op": "receive", "job_id": self.config.job_id, "rank": self.config.rank, "receiving": receiving}
-        first, self._started = not self._started, True
         try:
             if self._client is None:
                 self._client = PsClient(self.address, timeout=REQUEST_TIMEOUT, secret=self.config.secret)
@@ -171,11 +175,15 @@ class ReceiverMembership:
                 self._client = None
             with self._lock:
                 self.stats.failed_requests += 1
-                self.policy.undo()
+                if register:  # tried again in a while; the policy goes on as if it were in the group
+                    self._register_at = time.monotonic() + 1.0
+                else:
+                    self.policy.undo()
             log.warning("distribution job %d receiver %d: could not %s its group: %s", self.config.job_id,
                         self.config.rank, "join" if receiving else "leave", err)
             return
-        if first:
+        if register:
+            self._register_at = None
             return
         with self._lock:
             if receiving:

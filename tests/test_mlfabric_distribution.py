@@ -219,7 +219,7 @@ def test_after_a_failover_the_promoted_replica_sends_the_versions_as_itself():
 
 
 def test_a_version_waits_while_a_switch_group_is_in_flight_but_never_longer_than_the_hold_limit(monkeypatch):
-    monkeypatch.setattr(distribution, "HOLD_LIMIT", 0.6)
+    monkeypatch.setattr(distribution, "HOLD_LIMIT", 1.5)
     with testing.LoopbackSwitch() as switch:
         configs = _distribution_job(switch, 1)
         sender = ModelSender(configs[1], rate=50e6)
@@ -229,19 +229,18 @@ def test_a_version_waits_while_a_switch_group_is_in_flight_but_never_longer_than
         model = np.arange(SIZE, dtype=np.float32)
         try:
             group.set()  # a group in flight: version 1 waits for it ...
-            began = time.monotonic()
             sender.publish(1, model)
             assert cache.newest(0, wait=0.3) is None
-            threading.Timer(0.1, group.clear).start()  # ... and leaves once it is over
+            group.clear()  # ... and leaves once it is over, well before the hold limit
             got = cache.newest(0, wait=3.0)
             assert got is not None and np.array_equal(got[1], model)
-            assert 0.3 <= time.monotonic() - began < 0.6 and 0.3 <= sender.stats.held_seconds < 0.6
+            assert 0.25 <= sender.stats.held_seconds < 1.4
             group.set()  # a group that does not end: version 2 waits the hold limit, then goes
             began = time.monotonic()
             sender.publish(2, model + 1)
-            got = cache.newest(1, wait=5.0)
+            got = cache.newest(1, wait=6.0)
             assert got is not None and got[0] == 2 and np.array_equal(got[1], model + 1)
-            assert 0.55 <= time.monotonic() - began < 2.0
+            assert 1.45 <= time.monotonic() - began < 5.0
         finally:
             cache.close()
             sender.close()
