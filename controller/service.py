@@ -506,7 +506,7 @@ class JobService:
                                           self._served_job(job), rank, distribution, ps_node)
         if self.worker_endpoint is not None and config.job_id == job.job_id and self.moves.why_not(job) is None:
             config = replace(config, controller=self.worker_endpoint)  # its workers follow the job's moves
-        elif (self.worker_endpoint is not None and distribution and rank is not None and not self.fabric.is_tree):
+        elif self.worker_endpoint is not None and distribution and rank is not None and not self.fabric.is_tree:
             config = replace(config, controller=self.worker_endpoint)  # a receiver may leave and join its group
         return config
 

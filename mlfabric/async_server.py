@@ -307,8 +307,7 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                     raise ValueError(f"a sum of {total.size} values for a model of "
                                      f"{None if self.model is None else self.model.size}")
                 self.stats.switch_sums += 1  # received (before the apply tells the members: counters first)
-                for update_id, _, _ in left_out:
-                    self._switch_failed[update_id] = "closed at the group's deadline without it"
+                self._switch_sum_will_not_come([i for i, _, _ in left_out], "closed at the group's deadline without it")
                 self.stats.switch_left_out += len(left_out)
                 for update_id, rank, _ in checked:
                     if rank in missing:
@@ -345,11 +344,7 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
             self.grants.switch_group_over(grant["group"])
         with self._cond:
             self.stats.switch_sum_failures += 1
-            for update_id, _, _ in parts:
-                self._switch_failed[str(update_id)] = reason
-            while len(self._switch_failed) > 4096:
-                self._switch_failed.popitem(last=False)
-            self._cond.notify_all()
+            self._switch_sum_will_not_come([str(i) for i, _, _ in parts], reason)
 
     def __enter__(self) -> FabricServer:
         return self.start()

@@ -219,6 +219,16 @@ class ModelSender:
 
 
 @dataclass
+class _Receiving:
+    """The version a receiver is getting: its blocks' flags, when its first and its last block so far arrived."""
+
+    version: int
+    got: np.ndarray
+    first: float
+    last: float
+
+
+@dataclass
 class CacheStats:
     versions_complete: int = 0
     versions_repaired: int = 0
@@ -239,9 +249,8 @@ class ModelCache:
         whose link cannot take the versions leaves the group: mlfabric/receivers.py)."""
         self.config = config
         self.membership = membership
-        #: The version being received: its number, its blocks' flags, when its first and its last block so far
-        #: arrived (scored when the next one begins).
-        self._receiving: list | None = None
+        #: The version being received (scored when the next one begins).
+        self._receiving: _Receiving | None = None
         self.batched = mmsg.AVAILABLE if batched is None else batched
         #: The PS chain are the distribution job's last ranks (``senders``; 0: the last rank alone), and only
         #: their one-member rounds are versions: a promoted replica sends as itself. A worker of the job
@@ -398,8 +407,8 @@ class ModelCache:
                         self._first_seen.pop(dropped, None)
                         self.stats.versions_abandoned += 1
                     self._began(version, entry[1])
-                if self._receiving is not None and self._receiving[0] == version:
-                    self._receiving[3] = time.monotonic()
+                if self._receiving is not None and self._receiving.version == version:
+                    self._receiving.last = time.monotonic()
                 mine = lows == low
                 entry[0][blocks[mine]] = values[mine].view(np.float32)
                 entry[1][blocks[mine]] = True
@@ -410,23 +419,24 @@ class ModelCache:
     def _began(self, version: int, got: np.ndarray) -> None:
         """The first block of ``version`` arrived: the sender is past the one received before it."""
         now = time.monotonic()
-        previous, self._receiving = self._receiving, [version, got, now, now]
-        if previous is None or previous[0] >= version:
+        previous, self._receiving = self._receiving, _Receiving(version, got, now, now)
+        if previous is None or previous.version >= version:
             return
-        share = float(previous[1].mean())
+        share = float(previous.got.mean())
         if self.membership is not None:
             self.membership.version_over(share)
-        seconds = previous[3] - previous[2]
+        seconds = previous.last - previous.first
         if share < 1.0 and seconds >= MIN_RATE_SECONDS:  # a short version: its blocks came at the link's pace
-            sample = share * self.layout.size * 4 / seconds
-            self._rate = sample if self._rate is None else 0.5 * self._rate + 0.5 * sample
+            self._rate_sample(share * self.layout.size * 4 / seconds)
 
     def _measure(self, version: int) -> None:
         """A version is whole (through the switch, or repaired): one sample of this worker's receiving rate."""
         seconds = time.monotonic() - self._first_seen.pop(version, time.monotonic())
         if seconds >= MIN_RATE_SECONDS:
-            sample = self.layout.size * 4 / seconds
-            self._rate = sample if self._rate is None else 0.5 * self._rate + 0.5 * sample
+            self._rate_sample(self.layout.size * 4 / seconds)
+
+    def _rate_sample(self, sample: float) -> None:
+        self._rate = sample if self._rate is None else 0.5 * self._rate + 0.5 * sample
 
     @property
     def rate(self) -> float | None:

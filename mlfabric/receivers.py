@@ -182,10 +182,10 @@ class ReceiverMembership:
             log.warning("distribution job %d receiver %d: could not %s its group: %s", self.config.job_id,
                         self.config.rank, "join" if receiving else "leave", err)
             return
-        if register:
-            self._register_at = None
-            return
         with self._lock:
+            if register:
+                self._register_at = None
+                return
             if receiving:
                 self.stats.joins += 1
             else:

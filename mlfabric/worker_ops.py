@@ -21,6 +21,9 @@ from netagg.mlfabric.outcome_window import update_step
 from netagg.mlfabric.protocol import from_blob
 from netagg.mlfabric.scheduler import AGGREGATE, TransferRequest
 
+#: Update ids whose switch group's sum will not come, kept for their members' ``outcome`` (the oldest go first).
+SWITCH_FAILED_KEPT = 4096
+
 
 class WorkerOps:
     """The worker ops of a :class:`~netagg.mlfabric.async_server.FabricServer` (a mixin)."""
@@ -129,11 +132,17 @@ class WorkerOps:
         if not others:
             return
         with self._cond:
-            for other in others:
-                self._switch_failed.setdefault(other, f"rank {rank}, a member, pushed its own update")
-            while len(self._switch_failed) > 4096:
-                self._switch_failed.popitem(last=False)
-            self._cond.notify_all()
+            self._switch_sum_will_not_come(others, f"rank {rank}, a member, pushed its own update", replace=False)
+
+    def _switch_sum_will_not_come(self, update_ids: list[str], reason: str, *, replace: bool = True) -> None:
+        """(Holding ``self._cond``.) The members of these updates' switch group get no sum for them: ``outcome``
+        tells them at once (``reason``; ``replace`` false keeps an earlier one) and they push their own."""
+        for update_id in update_ids:
+            if replace or update_id not in self._switch_failed:
+                self._switch_failed[update_id] = reason
+        while len(self._switch_failed) > SWITCH_FAILED_KEPT:
+            self._switch_failed.popitem(last=False)
+        self._cond.notify_all()
 
     def _parts(self, header: dict[str, Any]) -> list[tuple[str, int, int]]:
         """The gradients in a push: ``parts`` (an aggregate) or the sender's own update."""
