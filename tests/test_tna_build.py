@@ -8,6 +8,7 @@ widths (docs/tofino.md, "Wide packets": both shapes checked, wide packets refuse
 
 import json
 import re
+import shutil
 from collections import Counter
 
 import pytest
@@ -16,9 +17,12 @@ from netagg import dataplane as dp
 from netagg.bmv2.tna_build import (
     TOFINO1_STAGES,
     TOFINO1_STATEFUL_ALUS_PER_STAGE,
+    TofinoCompileError,
+    check_front_end,
     compile_tna,
     compiler_available,
     compiler_warnings,
+    front_end_missing,
 )
 from netagg.p4info import load_p4info
 
@@ -138,6 +142,30 @@ def test_source_checks_both_widths_and_refuses_wide_packets():
     top = (TNA_DIR / "netagg.p4").read_text()
     wrong_width = re.search(r"meta\.drop_reason = DROP_WRONG_WIDTH;(.*?)\}", top, re.S).group(1)
     assert "meta.reject = 1;" in wrong_width
+
+
+@pytest.fixture
+def front_end():
+    missing = front_end_missing()
+    if missing is not None:
+        pytest.skip(f"{missing}: cannot run p4c's front end over p4src/tna/netagg.p4 for Tofino")
+
+
+def test_front_and_mid_end_pass_without_a_warning(front_end):
+    """p4c's front and mid end accept the TNA program against the real tna.p4, warnings included."""
+    check_front_end()
+
+
+def test_front_end_check_fails_on_a_warning(front_end, tmp_path):
+    """The check is not vacuous: the same sources with one metadata field left uninitialised in the
+    ingress parser (TNA leaves metadata undefined) fail it."""
+    shutil.copytree(dp.P4SRC_DIR, tmp_path / "p4src")
+    parser = tmp_path / "p4src" / "tna" / "parser.p4"
+    text = parser.read_text()
+    assert text.count("meta.ce_mark = 0;\n") == 1
+    parser.write_text(text.replace("meta.ce_mark = 0;\n", ""))
+    with pytest.raises(TofinoCompileError, match="uninitialized"):
+        check_front_end(tmp_path / "p4src" / "tna" / "netagg.p4", tmp_path / "p4src")
 
 
 @pytest.fixture(scope="module")

@@ -74,6 +74,7 @@ parser NetaggIngressParser(packet_in packet,
         meta.up_addr = 0;
         meta.level = 0;
         meta.to_up = 0;
+        meta.ce_mark = 0;
         packet.extract(ig_intr_md);
         packet.advance(PORT_METADATA_SIZE);
         transition select(ig_intr_md.ingress_port[6:0]) {
