@@ -115,7 +115,10 @@ def test_frames_arrive_in_order_byte_exact(rig: Rig, version: int) -> None:
     try:
         # Far more frames than one V3 block (16 KiB on the rig's 9000-byte MTU) or one burst of V2 slots,
         # in bursts alternating between the ports, read while they keep coming; V2's longer frames take
-        # the copy path. The rings hand them on in the order the kernel received them, across ports.
+        # the copy path. V2 (the default) hands them on in the order the kernel received them, across
+        # ports. V3 (kept for measurements) keeps each port's order only: a frame in one port's open block
+        # cannot be ordered before a later one in another port's retired block (packet_ring's docstring),
+        # which a loaded machine's late block retirement shows.
         lengths = _lengths(1200)
         sent: list[tuple[int, bytes]] = []
         got: list[tuple[int, bytes]] = []
@@ -134,7 +137,8 @@ def test_frames_arrive_in_order_byte_exact(rig: Rig, version: int) -> None:
             theirs = [frame for p, frame in got if p == port]
             assert [len(f) for f in theirs] == [len(f) for f in mine]
             assert theirs == mine, f"port {port}: frames differ or out of order"
-        assert [p for p, _ in got] == [p for p, _ in sent], "not in arrival order across ports"
+        if version == 2:
+            assert [p for p, _ in got] == [p for p, _ in sent], "not in arrival order across ports"
         assert rings.counts.tolist() == [0, 0]
         assert rings.kernel_drops() == 0
         assert _drain(rings, 1, timeout=0.05) == []
