@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from examples.mlp_digits import init_params
 from netagg import dataplane as dp
 from netagg import wire
@@ -84,6 +86,17 @@ def run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pla
     """One run of ``kind``; ``plan``'s rate changes and other tenant start with it (the same for every run)."""
     with ClusterDynamics(cluster, plan) as dynamics:
         row = _run(cluster, kind, args, plan)
+    exchanges = row.pop("ps_exchanges")
+    if exchanges:
+        # Each group's exchange against its own link time: one model's frames at the slowest link its packets cross
+        # when it starts (its members' and the PS host's, as the dynamics set them; the other tenant's share of a
+        # link is not taken off, so a group on that link looks slower than it is).
+        hosts = cluster.worker_hosts[:args.workers]
+        ratios = [seconds / (row["link_s"] * args.rate_mbit / min(dynamics.rate_at(h, start) for h in
+                                                                   [cluster.ps_host, *(hosts[r] for r in ranks)]))
+                  for start, seconds, ranks in exchanges]
+        row["ps_exchange_group_link"] = round(float(np.mean(ratios)), 2)
+        row["ps_exchange_group_link_p90"] = round(float(np.percentile(ratios, 90)), 2)
     row["rate_changes"] = len(dynamics.applied)
     row["background_bytes"] = sum(flow["received"] for flow in dynamics.background_bytes)
     return row
@@ -190,6 +203,7 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         # The PS's exchange per group it received (a switch member), against one model's frames at the link rate.
         "ps_exchange_s": round(member["seconds"] / member["groups"], 3) if (member := final.get("switch_member"))
         and member.get("groups") else None,
+        "ps_exchanges": (final.get("switch_member") or {}).get("exchanges", []),
         "link_s": round(-(-_model_values(args.hidden) // width) * wire.frame_bytes(width) * 8 / (args.rate_mbit * 1e6),
                         3),
         "pulls": sum(r.get("pulls", 0) for r in reports),

@@ -112,6 +112,17 @@ class ClusterDynamics:
         self._thread: threading.Thread | None = None
         self._flows: list[tuple[subprocess.Popen, subprocess.Popen]] = []
         self._started = 0.0
+        #: time.time() at entry: what other processes' wall-clock times are compared with (:meth:`rate_at`).
+        self.started_wall = 0.0
+
+    def rate_at(self, host: str, wall_time: float) -> float:
+        """``host``'s link rate (Mbit/s) at ``wall_time`` (time.time()), as applied: its planned start rate, then
+        each change from when it was applied."""
+        rate = self.plan.rates[host]
+        for at, changed, new in self.applied:
+            if changed == host and self.started_wall + at <= wall_time:
+                rate = new
+        return rate
 
     def set_rate(self, host: str, rate: float) -> None:
         """Shape both directions of ``host``'s link to ``rate`` Mbit/s (delay and queue as configured)."""
@@ -122,7 +133,7 @@ class ClusterDynamics:
         shape_link(self.cluster.topology.switch_namespace, target.switch_ifname, shape, spec.mtu)
 
     def __enter__(self) -> ClusterDynamics:
-        self._started = time.monotonic()
+        self._started, self.started_wall = time.monotonic(), time.time()
         for host, rate in self.plan.rates.items():
             if rate != self.cluster.spec.rate_mbit:
                 self.set_rate(host, rate)

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -113,6 +113,10 @@ class SwitchSummer:
             self._worker = None
 
 
+#: Exchanges whose start, duration and members SwitchMemberStats keeps.
+EXCHANGES_KEPT = 1000
+
+
 @dataclass
 class SwitchMemberStats:
     """What the PS's switch member did: groups whose sum it received, groups that failed, bytes on its link."""
@@ -127,6 +131,9 @@ class SwitchMemberStats:
     bytes_in: int = 0
     #: Seconds the PS's exchanges of the groups it received took (from its first packet to the last result).
     seconds: float = 0.0
+    #: The last EXCHANGES_KEPT of them: [wall-clock start (time.time()), seconds, the members' ranks] (what a
+    #: benchmark compares with the group's own links at that time).
+    exchanges: list = field(default_factory=list)
     last_error: str = ""
 
 
@@ -165,7 +172,7 @@ class SwitchMember:
             grant, values = item
             parts = grant["parts"]
             before = self._traffic()
-            began = time.monotonic()
+            began, began_wall = time.monotonic(), time.time()
             deadline = grant.get("deadline")
             try:
                 total = self._summer.sum(np.zeros(values, np.float32), int(grant["members"]), int(grant["round"]),
@@ -177,7 +184,10 @@ class SwitchMember:
                 self._fail(grant, str(err))
                 continue
             self._count(before)
-            self.stats.seconds += time.monotonic() - began
+            took = time.monotonic() - began
+            self.stats.seconds += took
+            self.stats.exchanges = [*self.stats.exchanges[1 - EXCHANGES_KEPT:],
+                                    [round(began_wall, 3), round(took, 4), sorted(int(rank) for _, rank, _ in parts)]]
             t = self._summer.transport
             closes = t.last_closes if t is not None else 0
             self.stats.closes += closes

@@ -33,6 +33,18 @@ def test_a_plan_is_seeded_and_follows_its_spec():
         DynamicsSpec(slow_fraction=1.5)
 
 
+def test_a_hosts_rate_at_a_time_follows_the_changes_as_applied():
+    spec = DynamicsSpec(seed=3, change_every=2.0)
+    plan = make_plan(spec, WORKERS[:2], "h8", base_rate=40.0, duration=4.0)
+    dynamics = ClusterDynamics(None, plan)  # type: ignore[arg-type]  # rate_at reads only the plan and the log
+    dynamics.started_wall = 1000.0
+    (_, host, first), (_, other, second) = plan.changes
+    dynamics.applied = [(2.1, host, first), (4.05, other, second)]
+    assert dynamics.rate_at(host, 1002.0) == plan.rates[host]  # planned at 2 s, applied at 2.1 s
+    assert dynamics.rate_at(host, 1002.2) == first
+    assert dynamics.rate_at(other, 1004.1) == second and dynamics.rate_at("h8", 1010.0) == 40.0
+
+
 def _rate_of(cluster: EmulatedCluster, host: str) -> float:
     """The rate tc shapes ``host``'s interface to, in Mbit/s."""
     target = next(h for h in cluster.topology.hosts if h.name == host)

@@ -316,6 +316,9 @@ def test_the_ps_as_a_member_receives_the_groups_sum_from_the_switch_and_applies_
             blocks = -(-SIZE // wire.K)
             member = server.switch_member.stats
             assert member.groups == 1 and member.bytes_in >= blocks * wire.NETAGG_BYTES
+            # Its exchange kept for benchmarks: when it began, how long it took, whose group it was.
+            [(began, took, ranks)] = member.exchanges
+            assert ranks == [0, 1] and 0 < took <= member.seconds + 1e-3 and abs(time.time() - began) < patience + 60
             counters = switch.counters(configs[0].job_id)
             assert counters["results"] == blocks + SLOTS  # every subset round completed exactly once
             assert counters["rejects"] == 0
