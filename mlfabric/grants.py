@@ -22,8 +22,10 @@ scheduler's item 6): a batch is not planned while a switch group is in flight, a
 request stays pending, planned again with the next batch (which is due once a request that
 was not deferred arrived, or once the oldest deferred one waited the scheduler's ``max_defer``).
 A gang round sums gradients of one version: a request computed on an older version than the
-newest in its batch is dropped as ``stale`` (its worker starts again from the newest), and while
-the window is open the batch waits for that worker's fresh request (:meth:`_drop_stale`).
+newest in its batch, from a worker fast enough to join the group, is dropped as ``stale`` (its
+worker starts again from the newest), and while the window is open the batch waits for that
+worker's fresh request (:meth:`_drop_stale`). A slower worker's stale request is kept: the
+scheduler sends it to the PS after the group if its delay fits the bound.
 """
 
 from __future__ import annotations
@@ -314,7 +316,12 @@ class GrantService:
         None: nothing else is planned now); else returns the batch without the dropped ones."""
         base = self.version() + sum(c for c, _, _ in self._in_flight.values())
         fresh = [p for p in batch if p.request.version >= base]
-        stale = [p for p in batch if p.request.version < base and not p.deferred]
+        # Only a worker the batch waits for (one fast enough to join the group) starts again: a slower one would
+        # be stale again by the time its fresh request came (its model arrives over its slow link), so none of its
+        # updates would ever count. Its stale one stays, and the scheduler sends it after the group within the
+        # delay bound, as async would.
+        expected = self._expected()
+        stale = [p for p in batch if p.request.version < base and not p.deferred and p.request.rank in expected]
         if not fresh or not stale:
             return batch
         for entry in stale:
@@ -326,7 +333,7 @@ class GrantService:
             self.stats.refreshed += 1
         rest = [p for p in batch if p not in stale]
         oldest = min(p.request.arrival for p in fresh)
-        if {p.request.rank for p in stale} & self._expected() and oldest + self.batch_window > now:
+        if oldest + self.batch_window > now:
             self._pending = rest + self._pending
             self._cond.notify_all()
             return None

@@ -32,7 +32,8 @@ senders' measured bandwidths, the PS's version and its link's backlog, and the t
    model's send; ties: the larger ``k``); ``k = 1`` (``1 / 2t_1``) means the fastest pushes its
    own update to the PS. So a member up to twice as slow as the fastest joins it. Every other
    kept request is **deferred** to the next batch while its delay still fits the bound after
-   this group, else dropped; one that waited ``max_defer`` seconds is sent to the PS after the group.
+   this group, else dropped; one that waited ``max_defer`` seconds, or one computed on an older
+   version than the group's (no later group sums its version), is sent to the PS after the group.
 
 The class keeps no state but the clock and a group counter; the caller
 (:class:`~netagg.mlfabric.grants.GrantService`) carries ``link_free_at`` and the
@@ -268,10 +269,10 @@ class Scheduler:
                 drops.append(Decision(req.update_id, req.rank, DROP, predicted_version=base + ahead,
                                       predicted_delay=delay, reason=f"not in this round's switch group; predicted "
                                                                     f"delay {delay} > bound {self.delay_bound}"))
-            elif now - req.arrival < self.max_defer:
+            elif req.version >= base and now - req.arrival < self.max_defer:
                 decisions.append(Decision(req.update_id, req.rank, DEFER, predicted_version=base + ahead,
                                           predicted_delay=delay, reason="waits for the next round's switch group"))
-            else:  # deferred long enough: straight to the PS after the group
+            else:  # deferred long enough, or stale (no later group sums its version): to the PS after the group
                 slot = Slot(cursor, cursor + req.size / rate(req.rank))
                 cursor = slot.end
                 decisions.append(Decision(req.update_id, req.rank, SEND, slot, base + ahead, delay))

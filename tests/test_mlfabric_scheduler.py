@@ -346,3 +346,54 @@ def test_gang_drops_a_stale_request_and_waits_for_its_fresh_one_while_the_window
     assert service.stats.groups == 1 and service.stats.refreshed == 1
     group = decisions["0:0"].group
     assert set(service.switch_grant(group)["parts"][i][0] for i in range(3)) == {"0:0", "1:0", "2:1"}
+
+
+def test_gang_sends_a_stale_request_it_does_not_group_after_the_group_at_once():
+    # Rank 2 (1 MB/s) computed on version 4, the group (ranks 0 and 1, 4 MB/s) sums version 5: no later group
+    # sums version 4, so deferring it would only age it. It goes to the PS right after the group, within the bound.
+    clock = FakeClock(10.0)
+    sched = Scheduler(4, clock=clock, max_defer=1.0)
+    rates = {0: 4 * MB, 1: 4 * MB, 2: MB}
+    requests = [TransferRequest(0, "0:1", 5, MB, arrival=10.0), TransferRequest(1, "1:1", 5, MB, arrival=10.0),
+                TransferRequest(2, "2:1", 4, MB, arrival=10.0)]
+    plan = sched.plan(requests, server_version=5, bandwidth=rates, switch=True, gang=True)
+    assert set(plan.groups[0].members) == {"0:1", "1:1"}
+    late = plan.decision("2:1")
+    assert late.action == SEND and late.predicted_delay == 3 and late.predicted_version == 7
+    assert late.slot.start == pytest.approx(plan.groups[0].slot.end)
+    assert plan.granted_gradients == 3
+    # A fresh one as slow is still deferred: the next group may sum it.
+    fresh = sched.plan([*requests[:2], TransferRequest(2, "2:2", 5, MB, arrival=10.0)], server_version=5,
+                       bandwidth=rates, switch=True, gang=True)
+    assert fresh.decision("2:2").action == DEFER
+
+
+def test_gang_grant_service_keeps_a_slow_workers_stale_request_and_sends_it_after_the_group():
+    # Rank 2 is too slow to join a group (a quarter of the others' rate): were its stale request dropped, it would
+    # pull the newest model over its slow link and be stale again, and none of its updates would ever count.
+    version = {"now": 4}
+    service = GrantService(Scheduler(4, default_bandwidth=1e6), lambda: version["now"], batch_window=30.0,
+                           switch_slots=64, gang=True)
+    for rank in range(3):
+        service.register(rank)
+    service.hint(2, 2.5e5)
+    decisions: dict[str, object] = {}
+
+    def ask(rank: int, on: int) -> threading.Thread:
+        def run() -> None:
+            decisions[f"{rank}:0"] = service.request(
+                TransferRequest(rank, f"{rank}:0", on, 1000, arrival=service.clock()), timeout=20)
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    slow = ask(2, 2)  # computed on version 2; the round sums version 4
+    slow.join(0.2)
+    threads = [slow, ask(0, 4), ask(1, 4)]
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert {decisions["0:0"].action, decisions["1:0"].action} == {AGGREGATE}
+    kept = decisions["2:0"]
+    assert kept.action == SEND and kept.predicted_delay == 4 and service.stats.refreshed == 0
+    assert service.stats.groups == 1 and service.stats.sent == 1 and service.stats.dropped == 0
