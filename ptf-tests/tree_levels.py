@@ -299,6 +299,9 @@ class ParentSumsItsChildrenLikeWorkers(NetaggTest):
         self.send(children[0].port, first)
         self.send(children[0].port, contribution(job, children[0], [10] * wire.K, exponent=4, seq=1,
                                                  flags=wire.FLAG_RETRANSMIT))
+        # The duplicate first: a target may take two ports' packets in either order (BMv2 reads each port on its
+        # own), and after the last child's packet the same resend would be answered.
+        self.wait_for_counter(job, "duplicates", 1)
         last = contribution(job, children[1], [-3] * wire.K, exponent=6, seq=1)
         self.send(children[1].port, last)
         self.expect_on_ports([(c.port, result_for(last, c, [7] * wire.K, 6)) for c in children])
