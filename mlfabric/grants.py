@@ -46,7 +46,6 @@ from netagg.mlfabric.scheduler import (
     Decision,
     Scheduler,
     TransferRequest,
-    gang_slowdown,
 )
 
 #: How far past the replicated floor a new primary starts its subset rounds (< 2**15: still "ahead").
@@ -275,14 +274,14 @@ class GrantService:
         return oldest + self.batch_window - self.clock()
 
     def _expected(self) -> set[int]:
-        """The workers a batch waits for: all registered ones; in gang rounds those fast enough to join the group
-        (at least half as fast as the fastest, a third with the PS in the group: see the scheduler's item 6)."""
+        """The workers a batch waits for: all registered ones; in gang rounds those at least half as fast as the
+        fastest (a slower one would not join the group: see the scheduler's item 6)."""
         if not self.gang:
             return self._registered
         rates = self._rates()
         rate = {r: rates.get(r, self.scheduler.default_bandwidth) for r in self._registered}
         fastest = max(rate.values(), default=0.0)
-        return {r for r, v in rate.items() if v >= fastest / gang_slowdown(self.ps_member is not None)}
+        return {r for r, v in rate.items() if v >= fastest / 2}
 
     def _rates(self) -> dict[int, float]:
         """Bytes/s per rank to plan with: measured pushes, and in gang rounds the workers' own hints over them."""
@@ -356,7 +355,7 @@ class GrantService:
                                    in_flight=sum(c for c, _, _ in self._in_flight.values()),
                                    bandwidth=self._rates(), idle=idle,
                                    link_free_at=self._link_free_at, switch=self._switch_possible(batch),
-                                   gang=self.gang, sum_at_ps=self.ps_member is not None)
+                                   gang=self.gang)
         self._link_free_at = plan.link_free_at
         self.stats.batches += 1
         slots = []

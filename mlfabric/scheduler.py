@@ -30,10 +30,7 @@ senders' measured bandwidths, the PS's version and its link's backlog, and the t
    one group, ``k`` maximising gradients per second of the round, ``k / (t_k + 2p)`` (``t_k``: the
    k-th fastest transfer, ``p``: the fastest member's push of the sum, and about as long the new
    model's send; ties: the larger ``k``); ``k = 1`` (``1 / 2t_1``) means the fastest pushes its
-   own update to the PS. So a member up to twice as slow as the fastest joins it. With
-   ``sum_at_ps`` (the PS is a member of its job's switch groups: the sum reaches it in the
-   exchange, nobody pushes it) a round is ``t_k + p``, so a member up to three times as slow joins
-   (:func:`gang_slowdown`). Every other
+   own update to the PS. So a member up to twice as slow as the fastest joins it. Every other
    kept request is **deferred** to the next batch while its delay still fits the bound after
    this group, else dropped; one that waited ``max_defer`` seconds, or one computed on an older
    version than the group's (no later group sums its version), is sent to the PS after the group.
@@ -152,14 +149,6 @@ class BandwidthEstimator:
         return dict(self._rate)
 
 
-def gang_slowdown(sum_at_ps: bool) -> float:
-    """How many times slower than the fastest a worker may be and still join a gang round's group: the ``t``
-    for which ``2 / (t + n p)`` equals the fastest alone's ``1 / 2p`` (``n`` pushes of a model's size after the
-    members' transfers: the leader's push of the sum and the new model's send, or the model's send alone when
-    the PS is in the group)."""
-    return 3.0 if sum_at_ps else 2.0
-
-
 class Scheduler:
     """Plans batches of transfer requests (see the module docstring)."""
 
@@ -178,16 +167,14 @@ class Scheduler:
 
     def plan(self, requests: Sequence[TransferRequest], *, server_version: int, in_flight: int = 0,
              bandwidth: Mapping[int, float] | None = None, idle: Sequence[int] = (),
-             link_free_at: float = 0.0, switch: bool = False, gang: bool = False,
-             sum_at_ps: bool = False) -> Plan:
+             link_free_at: float = 0.0, switch: bool = False, gang: bool = False) -> Plan:
         """Decide every request of the batch.
 
         ``server_version``: the PS's version now; ``in_flight``: gradients granted earlier
         and not applied yet; ``bandwidth``: bytes/s per rank (default ``default_bandwidth``);
         ``idle``: ranks that may aggregate; ``link_free_at``: end of the last granted slot;
         ``switch``: a subset round in the switch may be formed; ``gang``: with ``switch``, plan the
-        batch as one switch group (item 6 of the module docstring); ``sum_at_ps``: the PS is a member of
-        that group (it receives the sum in the exchange).
+        batch as one switch group (item 6 of the module docstring).
         """
         now = self.clock()
         rates = dict(bandwidth or {})
@@ -212,7 +199,7 @@ class Scheduler:
                 ahead += req.count
         start = max(now, link_free_at)
         if gang and kept:
-            return self._gang(kept, rate, now, start, base, drops, link_free_at, sum_at_ps)
+            return self._gang(kept, rate, now, start, base, drops, link_free_at)
         durations = [req.size / rate(req.rank) for req in kept]
         direct = self._direct(kept, durations, start, base)
         best_cost, best = self._cost(direct), (direct, ())
@@ -241,18 +228,17 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------
     def _gang(self, kept: list[TransferRequest], rate: Callable[[int], float], now: float, start: float, base: int,
-              drops: list[Decision], link_free_at: float, sum_at_ps: bool = False) -> Plan:
+              drops: list[Decision], link_free_at: float) -> Plan:
         """The fastest ``k`` of ``kept`` in one switch group; the others deferred, sent after it, or dropped."""
         by_speed = sorted(kept, key=lambda r: (r.size / rate(r.rank), r.rank, r.update_id))
         leader = by_speed[0].rank
         # A round ends with the new model's send through the switch: about one push of the fastest (``p``).
         push = by_speed[0].size / rate(leader)
         best_k, best_rate = 1, 1.0 / (push + push)  # k = 1: the fastest pushes its own
-        after = 4.0 - gang_slowdown(sum_at_ps)  # pushes of a model after the members' transfers (2, or 1)
         for k in range(self.min_aggregate, len(by_speed) + 1):
             ready = by_speed[k - 1].size / rate(by_speed[k - 1].rank)
             push = max(r.size for r in by_speed[:k]) / rate(leader)
-            if (throughput := k / (ready + after * push)) >= best_rate - 1e-12:  # ties: the larger group
+            if (throughput := k / (ready + push + push)) >= best_rate - 1e-12:  # ties: the larger group
                 best_k, best_rate = k, throughput
         decisions: list[Decision] = []
         groups: tuple[AggregateGroup, ...] = ()

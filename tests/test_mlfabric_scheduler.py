@@ -10,16 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netagg.mlfabric.grants import GrantService
-from netagg.mlfabric.scheduler import (
-    AGGREGATE,
-    DEFER,
-    DROP,
-    SEND,
-    BandwidthEstimator,
-    Scheduler,
-    TransferRequest,
-    gang_slowdown,
-)
+from netagg.mlfabric.scheduler import AGGREGATE, DEFER, DROP, SEND, BandwidthEstimator, Scheduler, TransferRequest
 
 MB = 1_000_000
 
@@ -406,35 +397,3 @@ def test_gang_grant_service_keeps_a_slow_workers_stale_request_and_sends_it_afte
     kept = decisions["2:0"]
     assert kept.action == SEND and kept.predicted_delay == 4 and service.stats.refreshed == 0
     assert service.stats.groups == 1 and service.stats.sent == 1 and service.stats.dropped == 0
-
-
-def test_gang_with_the_ps_in_the_group_takes_a_member_up_to_three_times_as_slow():
-    # Rank 1 at 2.5x rank 0's transfer time. With a leader's push, the group's round is t_2 + 2p = 4.5p for 2
-    # gradients (0.44 per p) against 0.5 alone: rank 0 pushes alone. With the PS in the group the sum reaches it in
-    # the exchange, the round is t_2 + p = 3.5p (0.57 per p): both are summed in the switch.
-    assert gang_slowdown(False) == 2.0 and gang_slowdown(True) == 3.0
-    clock = FakeClock(10.0)
-    sched = Scheduler(8, clock=clock)
-    rates = {0: 4 * MB, 1: 1.6 * MB}
-    requests = [TransferRequest(0, "0:0", 5, MB, arrival=10.0), TransferRequest(1, "1:0", 5, MB, arrival=10.0)]
-    alone = sched.plan(requests, server_version=5, bandwidth=rates, switch=True, gang=True)
-    assert not alone.groups and alone.decision("0:0").action == SEND and alone.decision("1:0").action == DEFER
-    both = sched.plan(requests, server_version=5, bandwidth=rates, switch=True, gang=True, sum_at_ps=True)
-    assert set(both.groups[0].members) == {"0:0", "1:0"}
-    # Beyond three times as slow, even with the PS in the group, rank 0 goes alone.
-    slow = sched.plan(requests, server_version=5, bandwidth={0: 4 * MB, 1: 1.2 * MB}, switch=True, gang=True,
-                      sum_at_ps=True)
-    assert not slow.groups and slow.decision("1:0").action == DEFER
-
-
-def test_gang_grant_service_waits_for_a_worker_as_slow_as_the_ps_member_lets_join():
-    def service(ps_member: int | None) -> GrantService:
-        s = GrantService(Scheduler(None, default_bandwidth=1e6), lambda: 0, batch_window=30.0, switch_slots=64,
-                         gang=True, ps_member=ps_member)
-        for rank in range(2):
-            s.register(rank)
-        s.hint(1, 0.4e6)  # 2.5 times slower than rank 0
-        return s
-
-    assert service(None)._expected() == {0}
-    assert service(2)._expected() == {0, 1}
