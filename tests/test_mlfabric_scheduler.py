@@ -315,6 +315,17 @@ def test_gang_grant_service_waits_for_the_group_in_flight_and_groups_the_deferre
     assert not any(t.is_alive() for t in third) and service.stats.groups == 3
 
 
+def _ask(service: GrantService, decisions: dict, rank: int, step: int, on: int) -> threading.Thread:
+    """Rank ``rank``'s request for step ``step``, computed on version ``on``, from a thread of its own (the
+    decision lands in ``decisions["rank:step"]``)."""
+    def run() -> None:
+        decisions[f"{rank}:{step}"] = service.request(
+            TransferRequest(rank, f"{rank}:{step}", on, 1000, arrival=service.clock()), timeout=20)
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
 def test_gang_drops_a_stale_request_and_waits_for_its_fresh_one_while_the_window_is_open():
     version = {"now": 4}
     service = GrantService(Scheduler(None, default_bandwidth=1e6), lambda: version["now"], batch_window=30.0,
@@ -324,12 +335,7 @@ def test_gang_drops_a_stale_request_and_waits_for_its_fresh_one_while_the_window
     decisions: dict[str, object] = {}
 
     def ask(rank: int, step: int, on: int) -> threading.Thread:
-        def run() -> None:
-            decisions[f"{rank}:{step}"] = service.request(
-                TransferRequest(rank, f"{rank}:{step}", on, 1000, arrival=service.clock()), timeout=20)
-        thread = threading.Thread(target=run)
-        thread.start()
-        return thread
+        return _ask(service, decisions, rank, step, on)
 
     fresh = [ask(0, 0, 4), ask(1, 0, 4)]
     stale = ask(2, 0, 1)  # computed on version 1: the round sums version 4
@@ -380,12 +386,7 @@ def test_gang_grant_service_keeps_a_slow_workers_stale_request_and_sends_it_afte
     decisions: dict[str, object] = {}
 
     def ask(rank: int, on: int) -> threading.Thread:
-        def run() -> None:
-            decisions[f"{rank}:0"] = service.request(
-                TransferRequest(rank, f"{rank}:0", on, 1000, arrival=service.clock()), timeout=20)
-        thread = threading.Thread(target=run)
-        thread.start()
-        return thread
+        return _ask(service, decisions, rank, 0, on)
 
     slow = ask(2, 2)  # computed on version 2; the round sums version 4
     slow.join(0.2)
