@@ -213,6 +213,7 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         # Per worker: seconds getting models, computing, waiting for grants, sending (training.PHASES).
         "phases": [{k: round(v, 1) for k, v in (r.get("phase_seconds") or {}).items()} for r in reports],
         "steps": [r.get("steps", 0) for r in reports],
+        "grant_wire": [round(r.get("grant_wire_seconds", 0.0), 2) for r in reports],
         "bandwidth": {k: round(v / 1e3, 1) for k, v in (scheduler.get("bandwidth") or {}).items()},
         "hints": {k: round(v / 1e3, 1) for k, v in (scheduler.get("hints") or {}).items()},
         "deferred": scheduler.get("deferred", 0),

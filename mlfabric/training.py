@@ -87,6 +87,9 @@ class WorkerReport:
     last_loss: float = float("nan")
     #: Seconds spent getting models (pull or delivered version), computing, waiting for grants, sending.
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    #: Of the grant waits, the seconds not spent at the PS (the request's and the answer's way through the
+    #: network: queues of the links it shares with the models and gradients); the PS says how long it held each.
+    grant_wire_seconds: float = 0.0
     acked: list[str] = field(default_factory=list)
     delays: list[int] = field(default_factory=list)
     error_messages: list[str] = field(default_factory=list)
@@ -234,6 +237,8 @@ def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: 
     decision = client.request(update_id, version, grad.nbytes, float(np.linalg.norm(grad)), rate=rate)
     waited = time.monotonic() - asked
     report.phase_seconds["grant"] += waited
+    if isinstance(held := decision.get("held"), (int, float)):
+        report.grant_wire_seconds += max(waited - float(held), 0.0)
     report.phase_seconds["send"] -= waited  # counted in "send" by the caller
     action = decision["action"]
     if decision.get("halted"):

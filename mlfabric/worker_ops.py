@@ -173,6 +173,7 @@ class WorkerOps:
     def _op_request(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         if self.grants is None:
             raise ValueError(f"this job's schedule is {self.config.schedule}: push without asking")
+        arrived = time.monotonic()
         header = frame.header
         request = TransferRequest(rank=header["rank"], update_id=str(header["update_id"]),
                                   version=int(header["version"]), size=int(header["size"]),
@@ -188,8 +189,10 @@ class WorkerOps:
             decision = self.grants.request(request, timeout=self.pull_timeout)
         except TimeoutError as err:
             raise ValueError(str(err)) from None
+        # ``held``: the seconds this request spent at the PS, so that the worker can tell the wire's share of its wait.
         response: dict[str, Any] = {"ok": True, "action": decision.action, "reason": decision.reason,
-                                    "predicted_delay": decision.predicted_delay, "halted": self.halted}
+                                    "predicted_delay": decision.predicted_delay, "halted": self.halted,
+                                    "held": round(time.monotonic() - arrived, 6)}
         if decision.reason.startswith(STALE) and decision.predicted_version is not None:
             response["version"] = decision.predicted_version  # gang round: the next step starts from this
         if decision.action == AGGREGATE and decision.group is not None and self.grants.switch_slots:

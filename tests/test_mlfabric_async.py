@@ -466,3 +466,33 @@ def test_without_rank_0_another_rank_initialises_the_model_after_its_wait():
         assert np.array_equal(server.model, initial)
     finally:
         server.stop()
+
+
+def test_a_grant_wait_is_split_into_the_ps_hold_and_the_wire():
+    # The PS says how long it held a request (``held``); the worker counts the rest of its wait as the wire's.
+    server, configs = _server(2, update_mode="async", delay_bound=10, schedule="mlfabric", batch_window=0.3,
+                              gate_timeout=0)
+    try:
+        client, other = FabricClient.from_config(configs[0]), FabricClient.from_config(configs[1])
+        client.hello()
+        other.hello()
+        client.init(np.zeros(16, np.float32))
+        asked = time.monotonic()
+        decision = client.request("0:0", 0, 64, 1.0)
+        waited = time.monotonic() - asked
+        # Rank 1 never asks, so the batch waited out its window at the PS before the grant left.
+        assert 0.25 <= decision["held"] <= waited
+        client.close()
+        other.close()
+    finally:
+        server.stop()
+
+    class Held:
+        def request(self, *args, **kwargs):
+            time.sleep(0.3)
+            return {"action": "drop", "reason": "test", "held": 0.25, "version": 0}
+
+    report = WorkerReport(0)
+    assert _send(Held(), report, "mlfabric", "0:0", 0, np.zeros(4, np.float32)) is None
+    assert report.phase_seconds["grant"] >= 0.3
+    assert 0.04 <= report.grant_wire_seconds <= report.phase_seconds["grant"] - 0.25 + 1e-9
