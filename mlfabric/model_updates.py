@@ -59,12 +59,25 @@ class ModelUpdates:
         self.stats.duplicates += 1
         return {**seen[0][1], "duplicate": True}
 
-    def _push_async(self, parts: list[tuple[str, int, int]], grad: np.ndarray) -> dict[str, Any]:
+    def _push_async(self, parts: list[tuple[str, int, int]], grad: np.ndarray, compact: bool = False) -> dict[str, Any]:
+        """``compact``: ``grad`` holds only the values of a switch group's rest (the member's push of what the sum
+        lacked, in the order of the PS's mask); refused unless such a rest waits for it and has as many values."""
         with self._cond:
             if len(parts) == 1 and (rest := self._remainders.pop(parts[0][0], None)) is not None:
+                if compact:
+                    if grad.size != int(rest.sum()):
+                        self._remainders[parts[0][0]] = rest
+                        raise ValueError(f"{parts[0][0]}: {grad.size} values for a rest of {int(rest.sum())}: push "
+                                         "the whole update")
+                    assert self.model is not None
+                    full = np.zeros(self.model.size, np.float32)
+                    full[rest] = grad
+                    grad = full
                 return self._push_remainder(parts[0], grad, rest)
             if (previous := self._duplicate(parts)) is not None:
                 return previous
+            if compact:
+                raise ValueError(f"{parts[0][0]}: no rest of a switch group waits for it: push the whole update")
             delays = [self.version - version for _, _, version in parts]
             if self.delay_bound is not None and max(delays) > self.delay_bound:
                 return self._drop(parts, delays, f"delay {max(delays)} > bound {self.delay_bound}")

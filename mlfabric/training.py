@@ -66,8 +66,10 @@ class WorkerReport:
     switch_led: int = 0
     #: Subset exchanges that failed, and times no outcome came for the group: own update pushed instead.
     switch_fallbacks: int = 0
-    #: Updates a switch group closed at its deadline held only in part: this worker pushed the rest.
+    #: Updates a switch group closed at its deadline held only in part: this worker pushed the rest (of them, the
+    #: values it sent alone, without the rest of its update).
     switch_partial: int = 0
+    switch_rest_values: int = 0
     errors: int = 0
     #: Steps that started from a version received through the switch, and from a pull over TCP.
     local_models: int = 0
@@ -198,9 +200,10 @@ def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule:
     try:
         outcome = _send(client, report, schedule, update_id, version, grad, switch, rate)
         if outcome is not None and (total := outcome.pop("_sum", None)) is not None:
-            parts = outcome.pop("_parts")
+            parts, rest = outcome.pop("_parts"), outcome.pop("_rest", None)
             if out is not None:
-                out["ahead"] = _apply_sum(outcome, parts, version, params, total)
+                out["ahead"] = _apply_sum(outcome, parts, version, params, total,
+                                          None if rest is None else (rest, grad))
     except Unavailable:
         raise
     except FabricError as err:
@@ -265,17 +268,26 @@ def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: 
         conn.close()
 
 
-def _apply_sum(outcome: dict[str, Any], parts: int, version: int, params: np.ndarray,
-               total: np.ndarray) -> tuple[int, np.ndarray] | None:
+def _apply_sum(outcome: dict[str, Any], parts: int, version: int, params: np.ndarray, total: np.ndarray,
+               rest: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[int, np.ndarray] | None:
     """The PS's model after a switch group, computed here: when the PS applied the group's sum (``parts``
     gradients) right on top of ``version`` (the outcome's version is ``version + parts``), its model is
-    ``params - lr * total`` in float32, the PS's own arithmetic, bit for bit. None otherwise."""
-    if outcome.get("outcome") != "applied" or "lr" not in outcome or int(outcome.get("version", -1)) != version + parts:
+    ``params - lr * total`` in float32, the PS's own arithmetic, bit for bit. ``rest`` (mask, this member's
+    update): the group closed without some of this member's values, and ``outcome`` is that of its push of them,
+    which the PS applied right on top of the group (``version + parts + 1``): those values' step too. None
+    otherwise."""
+    group = version + parts
+    if outcome.get("outcome") != "applied" or "lr" not in outcome \
+            or int(outcome.get("version", -1)) != group + (rest is not None):
         return None
     lr = np.float32(outcome["lr"])
     model = np.array(params, np.float32)
     model += (-lr * total).astype(np.float32)
-    return version + parts, model
+    if rest is None:
+        return group, model
+    mask, grad = rest
+    model += np.where(mask, (-lr * grad).astype(np.float32), np.float32(0))
+    return group + 1, model
 
 
 def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: SwitchSummer | None,
@@ -302,11 +314,16 @@ def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: Switch
                  s.packets_sent, s.retransmissions, s.peer_timeouts, s.spurious_timeouts, t.window,
                  s.smallest_window, s.window_decreases)
     report.switch_aggregated += 1
-    # The next model is computed here from this sum only if it holds every member in every block: a group closed
-    # at its deadline can leave this member without some blocks' sums (a slot it left, its copy of a result lost)
-    # while the PS, in every round, applied them whole; that model would be wrong in those blocks.
-    whole = deadline is None or bool((switch.last_members == int(grant["members"])).all())
-    summed = {"_sum": total, "_parts": len(grant["parts"])} if whole else {}
+    # The next model is computed here from this sum only if this member holds the sum the PS applied in every
+    # block. The PS is in every round of a group with a deadline, so a block whose result names it holds that
+    # sum, whoever else is in it; a block without (a slot this member left, its copy of a result lost) would make
+    # the model wrong there. Without the PS in the group, every member in every block.
+    members = switch.last_members
+    if deadline is not None and "ps" in grant:
+        held = bool(((members >> np.uint32(int(grant["ps"]))) & 1).all())
+    else:
+        held = deadline is None or bool((members == int(grant["members"])).all())
+    summed = {"_sum": total, "_parts": len(grant["parts"])} if held else {}
     if "ps" not in grant and int(grant["leader"]) == client.rank:
         report.switch_led += 1
         try:
@@ -322,8 +339,22 @@ def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: Switch
              {k: outcome.get(k) for k in ("known", "outcome", "version", "rest")})
     if outcome.get("known") and outcome.get("rest"):
         # The group closed at its deadline before all of this update arrived: the PS applied the part in its
-        # sum and applies the rest from this push (and nothing twice).
+        # sum and applies the rest from this push (and nothing twice). Only the values the sum lacked are sent
+        # where this member agrees with the PS on which (the same blocks' results); with the group's sum they
+        # give the PS's model after the rest, when it was applied right on top of the group.
         report.switch_partial += 1
+        mask = switch.missing([client.rank], grad.size).get(client.rank) if held else None
+        if mask is not None and int(mask.sum()) == int(outcome["rest"]):
+            try:
+                pushed = client.push(update_id, version, grad[mask], rest=True)
+            except Unavailable:
+                raise
+            except FabricError as err:  # the PS's rest is not this one: the whole update
+                log.warning("switch group %s: the rest refused (%s); pushing the whole update", grant.get("parts"),
+                            err)
+            else:
+                report.switch_rest_values += int(mask.sum())
+                return {**pushed, **summed, "_rest": mask}
         return client.push(update_id, version, grad)
     if outcome.get("known"):
         return {**outcome, **summed}

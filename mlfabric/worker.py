@@ -97,11 +97,14 @@ class FabricClient:
         return int(response["version"]), from_blob(data, int(response["size"])), bool(response["halted"])
 
     def push(self, update_id: str, version: int, update: np.ndarray,
-             parts: list[list[Any]] | None = None, timeout: float = 40.0) -> dict[str, Any]:
-        """Push one update (or an aggregate with its ``parts``); returns the PS's outcome."""
+             parts: list[list[Any]] | None = None, timeout: float = 40.0, rest: bool = False) -> dict[str, Any]:
+        """Push one update (or an aggregate with its ``parts``); returns the PS's outcome. ``rest``: ``update``
+        holds only the values its switch group's sum lacked (the outcome's ``rest`` of them, in order)."""
         fields: dict[str, Any] = {"update_id": update_id, "version": version}
         if parts is not None:
             fields["parts"] = parts
+        if rest:
+            fields["rest"] = int(update.size)
         return self.call("push", fields, to_blob(update), timeout=timeout)[0]
 
     def request(self, update_id: str, version: int, size: int, norm: float, timeout: float = 40.0,

@@ -97,12 +97,18 @@ class WorkerOps:
         header = frame.header
         rank = header["rank"]
         parts = self._parts(header)
+        # ``rest``: the push holds only the values of this update that its switch group's sum did not (the PS's
+        # mask of them, in order); see ModelUpdates._push_async.
+        rest = header.get("rest")
+        if rest is not None and (isinstance(rest, bool) or not isinstance(rest, int) or rest <= 0
+                                 or header.get("parts") is not None):
+            raise ValueError(f"rest: {rest!r} must be a positive count of values, in a worker's push of its own")
         with self._cond:
             self.stats.pushes += 1
             self.stats.push_bytes += len(frame.blob)
             if self.model is None:
                 raise ValueError("push before the model was initialized")
-            grad = from_blob(frame.blob, self.model.size)
+            grad = from_blob(frame.blob, self.model.size if rest is None else rest)
         if not np.isfinite(grad).all():
             raise ValueError("push: the update has NaN or Inf values")
         if self.grants is not None:
@@ -114,7 +120,7 @@ class WorkerOps:
             if self.update_mode == "sync":
                 outcome = self._push_sync(rank, parts, grad)
             else:
-                outcome = self._push_async(parts, grad)
+                outcome = self._push_async(parts, grad, compact=rest is not None)
         finally:
             if self.grants is not None:
                 self.grants.settled(ids)

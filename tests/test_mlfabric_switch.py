@@ -13,6 +13,7 @@ from netagg import wire
 from netagg.mlfabric import grants
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.grants import SWITCH_ROUND_MARGIN, switch_round_uses
+from netagg.mlfabric.protocol import Refused
 from netagg.mlfabric.switch_sum import SwitchSummer
 from netagg.mlfabric.training import WorkerReport, _apply_sum, _send, _step
 from netagg.mlfabric.worker import FabricClient
@@ -512,3 +513,119 @@ def test_a_member_missing_some_blocks_of_a_closed_groups_sum_does_not_compute_th
     Switch.last_members = np.full(4, members, np.uint32)  # every block whole: the model may be computed here
     outcome = _switch_aggregate(Client(), report, Switch(), grant, "0:0", 5, total)
     assert outcome["_parts"] == 2 and outcome["_sum"] is total
+
+
+def test_a_member_sends_only_the_rest_its_closed_group_lacked_and_computes_the_ps_model_after_it():
+    """Rank 1's update is in half of a closed group's blocks: it pushes only the other half's values (``rest``), the
+    PS completes the update from them once, and rank 1 computes the PS's model after the rest bit for bit from the
+    group's sum and its own update. Pushes of a rest that is not waiting, or of the wrong size, are refused."""
+    with testing.LoopbackSwitch() as switch:
+        configs, ps_config = _member_configs(switch, 2)
+        server = FabricServer(configs[0], lr=0.37, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
+                              rto_initial=0.01).start()
+        try:
+            rng = np.random.default_rng(3)
+            initial = rng.standard_normal(SIZE).astype(np.float32)
+            boot = FabricClient.from_config(configs[0])
+            boot.hello()
+            boot.init(initial)
+            boot.close()
+            grads = [rng.standard_normal(SIZE).astype(np.float32) for _ in range(2)]
+            rest = np.arange(SIZE) >= SIZE // 2
+            total = grads[0] + np.where(rest, 0, grads[1]).astype(np.float32)
+            grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2,
+                     "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
+            client = FabricClient.from_config(configs[1])
+            with pytest.raises(Refused, match="no rest of a switch group waits"):
+                client.push("1:0", 0, grads[1][rest], rest=True)
+            server._apply_switch_sum(grant, total, {1: rest})
+            with pytest.raises(Refused, match="push the whole update"):
+                client.push("1:0", 0, grads[1][rest][1:], rest=True)
+            pushed = client.push("1:0", 0, grads[1][rest], rest=True)
+            again = client.push("1:0", 0, grads[1][rest], rest=True)
+            client.close()
+            assert pushed["outcome"] == "applied" and pushed["remainder"] == int(rest.sum()) and again["duplicate"]
+            assert server.version == 3 and server.stats.remainders_applied == 1 and server.stats.applied == 3
+            np.testing.assert_allclose(server.model, initial - np.float32(0.37) * (grads[0] + grads[1]), rtol=1e-5,
+                                       atol=1e-5)
+            version, model = _apply_sum(pushed, 2, 0, initial, total, (rest, grads[1]))
+            assert version == 3 and np.array_equal(model.view(np.uint32), server.model.view(np.uint32))
+        finally:
+            server.stop()
+
+
+def test_a_member_left_out_of_some_blocks_pushes_only_its_rest_and_computes_the_model_after_it():
+    """The worker's side: the PS is in every block's result, this member (rank 0) in half of them. It holds the
+    sum the PS applied, so it sends only the values the sum lacked and computes the model after its rest; where its
+    count disagrees with the PS's, or the PS refuses the rest, it pushes the whole update and computes nothing."""
+    from netagg.mlfabric.training import _switch_aggregate
+
+    ps, me, other = 3, 0, 1
+    total = np.arange(4 * wire.K, dtype=np.float32)
+    grad = np.full(4 * wire.K, 2.0, np.float32)
+    with_me, without = (1 << me) | (1 << other) | (1 << ps), (1 << other) | (1 << ps)
+    pushes: list[tuple] = []
+
+    class Switch(SwitchSummer):
+        def __init__(self, blocks):
+            self.config = dataclasses.replace(loopback_configs(1)[0], width=wire.K)
+            self._blocks = np.array(blocks, np.uint32)
+
+        last_members = property(lambda self: self._blocks)
+        transport = None
+
+        def sum(self, *args, **kwargs):
+            return total
+
+    class Client:
+        rank = me
+
+        def __init__(self, rest, refuse=False):
+            self.rest, self.refuse = rest, refuse
+
+        def call(self, op, header, timeout):
+            return {"known": True, "outcome": "applied", "version": 7, "lr": 0.5, "rest": self.rest}, b""
+
+        def push(self, update_id, version, values, rest=False, **kwargs):
+            pushes.append((values.size, rest))
+            if rest and self.refuse:
+                raise Refused("no rest of a switch group waits for it: push the whole update")
+            return {"outcome": "applied", "version": 8, "lr": 0.5, "remainder": values.size}
+
+    grant = {"members": with_me, "round": 1, "leader": other, "parts": [["0:0", me, 5], ["1:0", other, 5]],
+             "ps": ps, "deadline": 0.5}
+    blocks = [with_me, without, with_me, without]
+    mask = np.repeat(np.array([False, True, False, True]), wire.K)
+    report = WorkerReport(me)
+    outcome = _switch_aggregate(Client(2 * wire.K), report, Switch(blocks), grant, "0:0", 5, grad)
+    assert pushes == [(2 * wire.K, True)] and report.switch_rest_values == 2 * wire.K
+    assert outcome["_sum"] is total and np.array_equal(outcome["_rest"], mask)
+    version, model = _apply_sum(outcome, outcome["_parts"], 5, np.zeros_like(grad), total, (mask, grad))
+    lr = np.float32(0.5)
+    expected = np.zeros_like(grad)
+    expected += (-lr * total).astype(np.float32)
+    expected += np.where(mask, (-lr * grad).astype(np.float32), np.float32(0))
+    assert version == 8 and np.array_equal(model.view(np.uint32), expected.view(np.uint32))
+    # The PS counts other values (it holds another block's result): the whole update, no model.
+    pushes.clear()
+    outcome = _switch_aggregate(Client(wire.K), report, Switch(blocks), grant, "0:0", 5, grad)
+    assert pushes == [(grad.size, False)] and "_sum" not in outcome
+    # The PS refuses the rest: the whole update.
+    pushes.clear()
+    outcome = _switch_aggregate(Client(2 * wire.K, refuse=True), report, Switch(blocks), grant, "0:0", 5, grad)
+    assert pushes == [(2 * wire.K, True), (grad.size, False)] and "_rest" not in outcome
+    # A block without the PS's result (this member's copy lost): it cannot tell which values the PS holds.
+    pushes.clear()
+    outcome = _switch_aggregate(Client(2 * wire.K), report, Switch([with_me, without, 0, without]), grant, "0:0",
+                                5, grad)
+    assert pushes == [(grad.size, False)] and "_sum" not in outcome
+
+
+def test_the_model_after_a_rest_is_computed_only_when_the_rest_came_right_after_the_group():
+    params, total, grad = np.arange(4, dtype=np.float32), np.ones(4, np.float32), np.full(4, 3.0, np.float32)
+    mask = np.array([True, False, True, False])
+    pushed = {"outcome": "applied", "version": 8, "lr": 0.5}
+    version, model = _apply_sum(pushed, 2, 5, params, total, (mask, grad))
+    assert version == 8 and np.array_equal(model, params - np.float32(0.5) - np.where(mask, np.float32(1.5), 0))
+    assert _apply_sum({**pushed, "version": 9}, 2, 5, params, total, (mask, grad)) is None  # another came between
+    assert _apply_sum({**pushed, "version": 7}, 2, 5, params, total, (mask, grad)) is None
