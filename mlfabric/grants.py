@@ -266,7 +266,17 @@ class GrantService:
                 return oldest + self.scheduler.max_defer - self.clock()
         busy = {rank for _, rank, _ in self._in_flight.values()}
         asking = {p.request.rank for p in self._pending}
-        if not (self._expected() - busy - asking):
+        expected = self._expected()
+        if self.gang and len(asking) == 1 and self._switch_fits(self._pending):
+            in_groups = {self._in_flight[m][1] for g in self._switch_grants for m in self._groups[g].members
+                         if g in self._groups and m in self._in_flight}
+            if expected - in_groups - asking:
+                # Gang rounds: a lone request waits for its fast partners up to max_defer, also while they are
+                # busy with their own updates or getting their next model: planned at once, it would go to the PS
+                # alone, and each partner, asking while it is in flight, alone after it; the workers would take
+                # turns instead of summing in the switch.
+                return min(p.request.arrival for p in self._pending) + self.scheduler.max_defer - self.clock()
+        if not (expected - busy - asking):
             return 0.0
         # The window runs from the first request not deferred (a deferred one has had its window).
         oldest = min((p.request.arrival for p in self._pending if not p.deferred),
@@ -281,7 +291,7 @@ class GrantService:
         rates = self._rates()
         rate = {r: rates.get(r, self.scheduler.default_bandwidth) for r in self._registered}
         fastest = max(rate.values(), default=0.0)
-        return {r for r, v in rate.items() if v >= fastest / 2}
+        return {r for r, v in rate.items() if v >= fastest / (3 if self.ps_member is not None else 2)}
 
     def _rates(self) -> dict[int, float]:
         """Bytes/s per rank to plan with: measured pushes, and in gang rounds the workers' own hints over them."""
@@ -355,7 +365,7 @@ class GrantService:
                                    in_flight=sum(c for c, _, _ in self._in_flight.values()),
                                    bandwidth=self._rates(), idle=idle,
                                    link_free_at=self._link_free_at, switch=self._switch_possible(batch),
-                                   gang=self.gang)
+                                   gang=self.gang, sum_at_ps=self.ps_member is not None)
         self._link_free_at = plan.link_free_at
         self.stats.batches += 1
         slots = []

@@ -30,7 +30,8 @@ senders' measured bandwidths, the PS's version and its link's backlog, and the t
    one group, ``k`` maximising gradients per second of the round, ``k / (t_k + 2p)`` (``t_k``: the
    k-th fastest transfer, ``p``: the fastest member's push of the sum, and about as long the new
    model's send; ties: the larger ``k``); ``k = 1`` (``1 / 2t_1``) means the fastest pushes its
-   own update to the PS. So a member up to twice as slow as the fastest joins it. Every other
+   own update to the PS. So a member up to twice as slow as the fastest joins it. With the PS in the
+   group (``sum_at_ps``) nobody pushes the sum, ``k / (t_k + p)``: up to three times as slow. Every other
    kept request is **deferred** to the next batch while its delay still fits the bound after
    this group, else dropped; one that waited ``max_defer`` seconds, or one computed on an older
    version than the group's (no later group sums its version), is sent to the PS after the group.
@@ -167,7 +168,7 @@ class Scheduler:
 
     def plan(self, requests: Sequence[TransferRequest], *, server_version: int, in_flight: int = 0,
              bandwidth: Mapping[int, float] | None = None, idle: Sequence[int] = (),
-             link_free_at: float = 0.0, switch: bool = False, gang: bool = False) -> Plan:
+             link_free_at: float = 0.0, switch: bool = False, gang: bool = False, sum_at_ps: bool = False) -> Plan:
         """Decide every request of the batch.
 
         ``server_version``: the PS's version now; ``in_flight``: gradients granted earlier
@@ -199,7 +200,7 @@ class Scheduler:
                 ahead += req.count
         start = max(now, link_free_at)
         if gang and kept:
-            return self._gang(kept, rate, now, start, base, drops, link_free_at)
+            return self._gang(kept, rate, now, start, base, drops, link_free_at, sum_at_ps)
         durations = [req.size / rate(req.rank) for req in kept]
         direct = self._direct(kept, durations, start, base)
         best_cost, best = self._cost(direct), (direct, ())
@@ -228,7 +229,7 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------
     def _gang(self, kept: list[TransferRequest], rate: Callable[[int], float], now: float, start: float, base: int,
-              drops: list[Decision], link_free_at: float) -> Plan:
+              drops: list[Decision], link_free_at: float, sum_at_ps: bool = False) -> Plan:
         """The fastest ``k`` of ``kept`` in one switch group; the others deferred, sent after it, or dropped."""
         by_speed = sorted(kept, key=lambda r: (r.size / rate(r.rank), r.rank, r.update_id))
         leader = by_speed[0].rank
@@ -238,7 +239,8 @@ class Scheduler:
         for k in range(self.min_aggregate, len(by_speed) + 1):
             ready = by_speed[k - 1].size / rate(by_speed[k - 1].rank)
             push = max(r.size for r in by_speed[:k]) / rate(leader)
-            if (throughput := k / (ready + push + push)) >= best_rate - 1e-12:  # ties: the larger group
+            # With the PS in the group the sum reaches it in the exchange: no leader pushes it (``t_k + p``).
+            if (throughput := k / (ready + push + (0.0 if sum_at_ps else push))) >= best_rate - 1e-12:
                 best_k, best_rate = k, throughput
         decisions: list[Decision] = []
         groups: tuple[AggregateGroup, ...] = ()

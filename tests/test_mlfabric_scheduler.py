@@ -398,3 +398,55 @@ def test_gang_grant_service_keeps_a_slow_workers_stale_request_and_sends_it_afte
     kept = decisions["2:0"]
     assert kept.action == SEND and kept.predicted_delay == 4 and service.stats.refreshed == 0
     assert service.stats.groups == 1 and service.stats.sent == 1 and service.stats.dropped == 0
+
+
+def test_gang_with_the_ps_in_the_group_takes_a_member_up_to_three_times_as_slow():
+    # The PS receives the sum in the exchange, so nobody pushes it: a round of k takes t_k + p (the next model's
+    # send), not t_k + 2p. Rank 0 at 4 MB/s (0.25 s), rank 1 2.5 times as slow (0.625 s): 2 / 0.875 s beats
+    # 1 / 0.5 s with the PS in the group, not without (2 / 1.125 s); 3.5 times as slow never joins.
+    sched = Scheduler(8, clock=FakeClock(10.0))
+
+    def plan(slowdown: float, sum_at_ps: bool):
+        requests = [TransferRequest(r, f"{r}:0", 5, MB, arrival=10.0) for r in range(2)]
+        return sched.plan(requests, server_version=5, bandwidth={0: 4 * MB, 1: 4 * MB / slowdown}, switch=True,
+                          gang=True, sum_at_ps=sum_at_ps)
+
+    assert plan(2.5, sum_at_ps=True).groups and not plan(2.5, sum_at_ps=False).groups
+    assert plan(2.5, sum_at_ps=False).decision("0:0").action == SEND
+    assert not plan(3.5, sum_at_ps=True).groups
+
+
+def test_gang_a_lone_request_waits_for_its_fast_partner_up_to_max_defer():
+    """With a short window a lone request would go to the PS alone while its partner is busy or getting its next
+    model, and the partner alone after it: the workers would take turns. It waits for the partner (max_defer)."""
+    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=5.0), lambda: 0, batch_window=0.05,
+                           switch_slots=64, gang=True)
+    for rank in range(2):
+        service.register(rank)
+    decisions: dict = {}
+    first = _ask(service, decisions, 0, 0, on=0)
+    first.join(0.5)  # ten windows: still waiting for rank 1
+    assert first.is_alive() and service.stats.batches == 0
+    second = _ask(service, decisions, 1, 0, on=0)
+    for t in (first, second):
+        t.join(10)
+    assert decisions["0:0"].action == decisions["1:0"].action == AGGREGATE and service.stats.groups == 1
+    assert service.stats.batches == 1 and service.stats.sent == 0
+    # Not longer than max_defer: then it goes alone.
+    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=0.3), lambda: 0, batch_window=0.05,
+                           switch_slots=64, gang=True)
+    for rank in range(2):
+        service.register(rank)
+    alone = _ask(service, decisions, 0, 1, on=0)
+    alone.join(10)
+    assert decisions["0:1"].action == SEND and service.stats.batches == 1
+
+
+def test_gang_batches_wait_for_the_workers_that_would_join_the_group():
+    # Without the PS in the group a member up to twice as slow joins; with it, up to three times.
+    for ps_member, waited in ((None, {0, 1}), (3, {0, 1, 2})):
+        service = GrantService(Scheduler(None), lambda: 0, switch_slots=64, gang=True, ps_member=ps_member)
+        for rank, rate in enumerate((3e6, 1.6e6, 1.2e6)):
+            service.register(rank)
+            service.hint(rank, rate)
+        assert service._expected() == waited
