@@ -118,6 +118,9 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
     version = -1
     #: (version, model) the last switch group's outcome lets this worker compute (see _switch_aggregate).
     ahead: tuple[int, np.ndarray] | None = None
+    #: Bytes/s of this worker's last pull: its rate hint while no versions reach it through the switch (it left the
+    #: distribution, or has none). Without one a batch would wait for it as if it were as fast as the others.
+    pull_rate: float | None = None
     try:
         for step in range(steps):
             if max_seconds is not None and time.monotonic() - started > max_seconds:
@@ -131,14 +134,18 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
                 version, params = local
                 report.local_models += 1
             else:
+                pulled = time.monotonic()
                 version, params, halted = client.pull()
+                if (took := time.monotonic() - pulled) > 0:
+                    pull_rate = params.nbytes / took
                 report.pulls += 1
                 report.ps_version = max(report.ps_version, version)
                 if halted:
                     report.halted = True
                     break
             report.phase_seconds["model"] += time.monotonic() - phase_start
-            rate = cache.rate if cache is not None else None
+            receiving = cache is not None and (cache.membership is None or cache.membership.receiving)
+            rate = cache.rate if receiving and cache is not None and cache.rate is not None else pull_rate
             outcome: dict[str, Any] = {}
             if not _step(client, report, grad_fn, schedule, switch, compute_delay, on_step, step, version, params,
                          rate, outcome):

@@ -496,3 +496,32 @@ def test_a_grant_wait_is_split_into_the_ps_hold_and_the_wire():
     assert _send(Held(), report, "mlfabric", "0:0", 0, np.zeros(4, np.float32)) is None
     assert report.phase_seconds["grant"] >= 0.3
     assert 0.04 <= report.grant_wire_seconds <= report.phase_seconds["grant"] - 0.25 + 1e-9
+
+
+def test_a_worker_that_pulls_its_models_tells_the_scheduler_the_rate_of_its_pulls():
+    """Without versions through the switch a worker's only measure of its path is its pulls: its requests carry
+    their rate (bytes/s), so a batch does not wait for a slow one as if it were as fast as the others."""
+    size = 250_000  # 1 MB of float32
+
+    class Slow:
+        rank, failovers = 0, 0
+
+        def __init__(self):
+            self.rates: list = []
+
+        def hello(self):
+            return {"initialized": True}
+
+        def pull(self):
+            time.sleep(0.2)  # 1 MB in 0.2 s: 5 MB/s at most
+            return 0, np.zeros(size, np.float32), False
+
+        def request(self, update_id, version, nbytes, norm, rate=None):
+            self.rates.append(rate)
+            return {"action": "drop", "reason": "test", "version": 0}
+
+    client = Slow()
+    report = run_worker(client, lambda params, step: (0.0, np.ones_like(params)), np.zeros(size, np.float32),
+                        steps=2, schedule="mlfabric")
+    assert report.pulls == 2 and len(client.rates) == 2
+    assert all(2e6 <= r <= 5e6 for r in client.rates)
