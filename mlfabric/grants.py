@@ -128,6 +128,9 @@ class GrantService:
         self.hints: dict[int, float] = {}
         self.stats = GrantStats()
         self._registered: set[int] = set()
+        #: Gang rounds: workers with no rate yet that a batch already waited for in vain; batches wait for them
+        #: again once they have one (a request carries it), not before.
+        self._missed_unmeasured: set[int] = set()
         self._aggregators: set[int] = set()
         self._pending: list[_Pending] = []
         #: update id -> (gradients, rank, expiry) for granted updates not yet applied or dropped.
@@ -285,11 +288,14 @@ class GrantService:
 
     def _expected(self) -> set[int]:
         """The workers a batch waits for: all registered ones; in gang rounds those at least half as fast as the
-        fastest (a slower one would not join the group: see the scheduler's item 6)."""
+        fastest (a third with the PS in the group; a slower one would not join the group: see the scheduler's item
+        6), a worker with no rate yet only until a batch waited for it in vain (the slow one of the static cluster
+        got no versions through the switch and sent no rate, and every batch waited its whole window for it)."""
         if not self.gang:
             return self._registered
         rates = self._rates()
-        rate = {r: rates.get(r, self.scheduler.default_bandwidth) for r in self._registered}
+        self._missed_unmeasured -= set(rates)
+        rate = {r: rates.get(r, self.scheduler.default_bandwidth) for r in self._registered - self._missed_unmeasured}
         fastest = max(rate.values(), default=0.0)
         return {r for r, v in rate.items() if v >= fastest / (3 if self.ps_member is not None else 2)}
 
@@ -352,6 +358,8 @@ class GrantService:
     def _plan(self) -> None:
         batch, self._pending = self._pending, []
         now = self.clock()
+        if self.gang:  # an unmeasured worker this batch waited for in vain: not waited for again until it has a rate
+            self._missed_unmeasured |= self._expected() - set(self._rates()) - {p.request.rank for p in batch}
         if self.gang and self._switch_fits(batch):
             kept = self._drop_stale(batch, now)
             if kept is None:

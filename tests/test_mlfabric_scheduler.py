@@ -450,3 +450,27 @@ def test_gang_batches_wait_for_the_workers_that_would_join_the_group():
             service.register(rank)
             service.hint(rank, rate)
         assert service._expected() == waited
+
+
+def test_gang_batches_wait_for_a_worker_with_no_rate_once_and_again_once_it_has_one():
+    service = GrantService(Scheduler(None, default_bandwidth=1e6), lambda: 0, batch_window=0.4, switch_slots=64,
+                           gang=True)
+    for rank in range(3):
+        service.register(rank)
+    for rank in (0, 1):
+        service.hint(rank, 1e6)
+    decisions: dict = {}
+
+    def batch(step: int) -> float:
+        began = service.clock()
+        threads = [_ask(service, decisions, rank, step, on=0) for rank in (0, 1)]
+        for t in threads:
+            t.join(10)
+        service.settled([f"0:{step}", f"1:{step}"])
+        assert decisions[f"0:{step}"].action == decisions[f"1:{step}"].action == AGGREGATE
+        return service.clock() - began
+
+    assert batch(0) >= 0.35  # rank 2 has no rate: as fast as the default, the batch waits its window for it
+    assert batch(1) < 0.3  # it did not come: not waited for again
+    service.hint(2, 1e6)  # its first request told its rate: as fast as the others
+    assert batch(2) >= 0.35
