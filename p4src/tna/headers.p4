@@ -94,7 +94,8 @@ struct ingress_metadata_t {
     bit<32> expected;          /* contributions the round expects: num_workers, or the members' number */
     /* The round flags (ExchangeCheck, RoundFlags). */
     bit<1> exchange_mismatch;  /* the packet names another collective than its round */
-    bit<8> flags_keep;         /* flags & ~ROUND_FLAGS, taken in stage 0 */
+    bit<8> flags_keep;         /* flags & ~ROUND_FLAGS, copied by slices in stage 0 */
+    bit<8> flags_round;        /* flags & ROUND_FLAGS, copied by slice, | ROUND_CE when CE-marked (stage 0) */
     bit<8> flags_in;           /* what the packet ORs into round_flags */
     bit<8> flags_out;          /* what round_flags' old value is ORed with to make the packet's flags */
     bit<8> ce_mark;            /* ROUND_CE when the packet arrived ECN CE, else 0 (stage 0) */

@@ -134,10 +134,20 @@ control NetaggIngress(inout tna_headers_t hdr,
             member_count.apply(hdr, meta);
             meta.round_behind = hdr.netagg.round - 2;
             meta.exponent_key = ((bit<8>)hdr.netagg.exponent) + 8w0x80;
-            meta.flags_keep = hdr.netagg.flags & ~((bit<8>)ROUND_FLAGS);
+            /* The flags split by slices, not by masks: an action may apply one ALU operation to a
+             * field, and the compiler carries a mask's AND into every later use of its result
+             * ((flags & ROUND_FLAGS) | x: an "action spanning multiple stages", docs/tofino.md).
+             * The slices follow ROUND_FLAGS (0x78) and ROUND_CE (0x01); the parser zeroed the rest. */
+#if ROUND_FLAGS != 0x78 || ROUND_CE != 0x01 || FLAG_RETRANSMIT != 0x02
+#error "the flags' slices (netagg.p4, tree_links.p4's UpFinish) follow ROUND_FLAGS, ROUND_CE and FLAG_RETRANSMIT"
+#endif
+            meta.flags_keep[7:7] = hdr.netagg.flags[7:7];
+            meta.flags_keep[2:0] = hdr.netagg.flags[2:0];
+            meta.flags_round[6:3] = hdr.netagg.flags[6:3];
             /* Congestion marks (docs/protocol.md): a CE-marked packet ORs ROUND_CE into its round. */
             if (hdr.ipv4.diffserv[1:0] == ECN_CE) {
                 meta.ce_mark = ROUND_CE;
+                meta.flags_round[0:0] = 1;
             } else {
                 meta.ce_mark = 0;
             }
@@ -257,7 +267,7 @@ control NetaggIngress(inout tna_headers_t hdr,
                                  * round flags) and goes to the local group, as the local job's. */
                                 hdr.netagg.job_id = meta.local_job;
                                 meta.value_op = OP_WRITE;
-                                meta.flags_in = (hdr.netagg.flags & ROUND_FLAGS) | meta.ce_mark;
+                                meta.flags_in = meta.flags_round;
                                 meta.to_group = 1;
                                 job_results.count(job);
                             } else {
@@ -279,7 +289,7 @@ control NetaggIngress(inout tna_headers_t hdr,
                                 }
                             } else {
                                 job_contributions.count(job);
-                                meta.flags_in = (hdr.netagg.flags & ROUND_FLAGS) | meta.ce_mark;
+                                meta.flags_in = meta.flags_round;
                                 meta.flags_out = hdr.netagg.flags;
                                 if (meta.first == 1) {
                                     meta.value_op = OP_WRITE;

@@ -62,6 +62,7 @@ parser NetaggIngressParser(packet_in packet,
         meta.expected = 0;
         meta.exchange_mismatch = 0;
         meta.flags_keep = 0;
+        meta.flags_round = 0;
         meta.flags_in = 0;
         meta.flags_out = 0;
         meta.local_job = 0;

@@ -180,10 +180,12 @@ control UpDelivery(inout tna_headers_t hdr, in ingress_metadata_t meta) {
 control UpFinish(inout tna_headers_t hdr) {
     apply {
         hdr.netagg.exponent = hdr.netagg.exponent + 8s0x40 + 8s0x40;
-        if (hdr.recirc.deliver == DELIVER_UP) {
-            hdr.netagg.flags = hdr.netagg.flags & ROUND_FLAGS;
-        } else {
-            hdr.netagg.flags = (hdr.netagg.flags & ROUND_FLAGS) | FLAG_RETRANSMIT;
+        /* flags & ROUND_FLAGS (0x78) by slices, then RETRANSMIT (0x02) on a resend: one ALU operation
+         * per action (see the flags' split in netagg.p4). */
+        hdr.netagg.flags[7:7] = 0;
+        hdr.netagg.flags[2:0] = 0;
+        if (hdr.recirc.deliver != DELIVER_UP) {
+            hdr.netagg.flags[1:1] = 1;
         }
     }
 }
