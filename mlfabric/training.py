@@ -361,7 +361,12 @@ def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: Switch
                             err)
             else:
                 report.switch_rest_values += int(mask.sum())
-                return {**pushed, **summed, "_rest": mask}
+                # The model after the rest is this member's to compute only if the PS applied the group right on top
+                # of its version (a part left out of the sum, then another update, would give the rest's push the
+                # same version number over another model) and the rest right on top of the group (_apply_sum).
+                if int(outcome.get("version", -1)) == version + len(grant["parts"]):
+                    return {**pushed, **summed, "_rest": mask}
+                return pushed
         return client.push(update_id, version, grad)
     if outcome.get("known"):
         return {**outcome, **summed}

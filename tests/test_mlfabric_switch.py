@@ -606,6 +606,15 @@ def test_a_member_left_out_of_some_blocks_pushes_only_its_rest_and_computes_the_
     expected += (-lr * total).astype(np.float32)
     expected += np.where(mask, (-lr * grad).astype(np.float32), np.float32(0))
     assert version == 8 and np.array_equal(model.view(np.uint32), expected.view(np.uint32))
+    # The group was not applied right on top of this member's version (a part left out: one version less), and
+    # another update came before the rest: the rest's push has the version number, not the model.
+    class LeftOut(Client):
+        def call(self, op, header, timeout):
+            return {"known": True, "outcome": "applied", "version": 6, "lr": 0.5, "rest": self.rest}, b""
+
+    pushes.clear()
+    outcome = _switch_aggregate(LeftOut(2 * wire.K), report, Switch(blocks), grant, "0:0", 5, grad)
+    assert pushes == [(2 * wire.K, True)] and "_sum" not in outcome and "_rest" not in outcome
     # The PS counts other values (it holds another block's result): the whole update, no model.
     pushes.clear()
     outcome = _switch_aggregate(Client(wire.K), report, Switch(blocks), grant, "0:0", 5, grad)
