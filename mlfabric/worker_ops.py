@@ -101,8 +101,9 @@ class WorkerOps:
         # mask of them, in order); see ModelUpdates._push_async.
         rest = header.get("rest")
         if rest is not None and (isinstance(rest, bool) or not isinstance(rest, int) or rest <= 0
-                                 or header.get("parts") is not None):
-            raise ValueError(f"rest: {rest!r} must be a positive count of values, in a worker's push of its own")
+                                 or header.get("parts") is not None or self.update_mode == "sync"):
+            raise ValueError(f"rest: {rest!r} must be a positive count of values, in a worker's push of its own to "
+                             "an async PS (the rest of a switch group)")
         with self._cond:
             self.stats.pushes += 1
             self.stats.push_bytes += len(frame.blob)

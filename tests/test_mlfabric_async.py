@@ -498,6 +498,22 @@ def test_a_grant_wait_is_split_into_the_ps_hold_and_the_wire():
     assert 0.04 <= report.grant_wire_seconds <= report.phase_seconds["grant"] - 0.25 + 1e-9
 
 
+def test_a_sync_ps_refuses_a_rest_push_and_its_round_is_untouched():
+    # Only an async PS's switch groups leave rests; a short "rest" blob in a sync round would be summed with whole
+    # gradients. It is refused before the round sees it.
+    server, configs = _server(2, update_mode="sync", lr=1.0, gate_timeout=0)
+    try:
+        client = FabricClient.from_config(configs[0])
+        client.hello()
+        client.init(np.zeros(16, np.float32))
+        with pytest.raises(Refused, match="rest"):
+            client.push("0:0", 0, np.ones(4, np.float32), rest=True)
+        client.close()
+        assert server.version == 0 and server.stats.applied == 0 and not server._round
+    finally:
+        server.stop()
+
+
 def test_a_worker_that_pulls_its_models_tells_the_scheduler_the_rate_of_its_pulls():
     """Without versions through the switch a worker's only measure of its path is its pulls: its requests carry
     their rate (bytes/s), so a batch does not wait for a slow one as if it were as fast as the others."""
