@@ -3,11 +3,11 @@
 A worker's ``request`` blocks in :meth:`GrantService.request` until its batch is
 planned (when every registered worker that has nothing in flight has asked, or after
 ``batch_window`` seconds; in gang rounds, every such worker at least half as fast as the
-fastest) and then until its slot starts: the answer *is* the grant,
-so a worker sends only when granted. An aggregator's ``agg_grant`` waits for the
-aggregate's slot the same way. The PS reports each applied or dropped update
-(:meth:`settled`) and each measured transfer (:meth:`observe`); a grant whose update
-never arrives expires ``grace`` seconds after its slot.
+fastest, but not one a batch already waited for in vain, until it asks again) and then until
+its slot starts: the answer *is* the grant, so a worker sends only when granted. An
+aggregator's ``agg_grant`` waits for the aggregate's slot the same way. The PS reports each
+applied or dropped update (:meth:`settled`) and each measured transfer (:meth:`observe`); a
+grant whose update never arrives expires ``grace`` seconds after its slot.
 
 With ``switch_slots`` (the job's switch slots, ``switch_aggregation``), a group may be summed in
 the switch as a subset round of its members: one such group at a time (they share the job's
@@ -128,9 +128,9 @@ class GrantService:
         self.hints: dict[int, float] = {}
         self.stats = GrantStats()
         self._registered: set[int] = set()
-        #: Gang rounds: workers with no rate yet that a batch already waited for in vain; batches wait for them
-        #: again once they have one (a request carries it), not before.
-        self._missed_unmeasured: set[int] = set()
+        #: Gang rounds: workers a batch waited for in vain (not busy with an update, no request); batches wait for
+        #: them again once they ask (or tell their rate), not before.
+        self._missed: set[int] = set()
         self._aggregators: set[int] = set()
         self._pending: list[_Pending] = []
         #: update id -> (gradients, rank, expiry) for granted updates not yet applied or dropped.
@@ -179,6 +179,7 @@ class GrantService:
         leader pushes to the PS, so pushes measure the leaders; the members' own hints cover the others."""
         with self._cond:
             self.hints[rank] = rate
+            self._missed.discard(rank)
 
     def settled(self, update_ids: list[str]) -> None:
         """These updates were applied or dropped at the PS: no longer in flight."""
@@ -193,6 +194,7 @@ class GrantService:
         entry = _Pending(request)
         with self._cond:
             self._registered.add(request.rank)
+            self._missed.discard(request.rank)
             self._pending.append(entry)
             self._cond.notify_all()
             while entry.decision is None:
@@ -270,15 +272,18 @@ class GrantService:
         busy = {rank for _, rank, _ in self._in_flight.values()}
         asking = {p.request.rank for p in self._pending}
         expected = self._expected()
-        if self.gang and len(asking) == 1 and self._switch_fits(self._pending):
+        joining = [p for p in self._pending if p.request.rank in expected]
+        if self.gang and len({p.request.rank for p in joining}) == 1 and self._switch_fits(self._pending):
             in_groups = {self._in_flight[m][1] for g in self._switch_grants for m in self._groups[g].members
                          if g in self._groups and m in self._in_flight}
             if expected - in_groups - asking:
-                # Gang rounds: a lone request waits for its fast partners up to max_defer, also while they are
-                # busy with their own updates or getting their next model: planned at once, it would go to the PS
+                # Gang rounds: a lone request of a worker fast enough to join a group waits for its fast partners
+                # up to max_defer, also while they are busy with their own updates or getting their next model, and
+                # also beside slow workers' requests (which join no group): planned at once, it would go to the PS
                 # alone, and each partner, asking while it is in flight, alone after it; the workers would take
-                # turns instead of summing in the switch.
-                return min(p.request.arrival for p in self._pending) + self.scheduler.max_defer - self.clock()
+                # turns instead of summing in the switch (measured: a slow worker's request in every other batch
+                # sent the fast two to the PS one by one).
+                return min(p.request.arrival for p in joining) + self.scheduler.max_defer - self.clock()
         if not (expected - busy - asking):
             return 0.0
         # The window runs from the first request not deferred (a deferred one has had its window).
@@ -289,13 +294,14 @@ class GrantService:
     def _expected(self) -> set[int]:
         """The workers a batch waits for: all registered ones; in gang rounds those at least half as fast as the
         fastest (a third with the PS in the group; a slower one would not join the group: see the scheduler's item
-        6), a worker with no rate yet only until a batch waited for it in vain (the slow one of the static cluster
-        got no versions through the switch and sent no rate, and every batch waited its whole window for it)."""
+        6), and of them not one a batch already waited for in vain, until it asks again. Measured: the slow one of
+        the static cluster got no versions through the switch and sent no rate, and every batch waited its whole
+        window for it; in the dynamic cluster a worker whose link had fallen since its last request (its rate was
+        that request's) spent 12-16 s getting models, and every batch of the fast two waited its window for it."""
         if not self.gang:
             return self._registered
         rates = self._rates()
-        self._missed_unmeasured -= set(rates)
-        rate = {r: rates.get(r, self.scheduler.default_bandwidth) for r in self._registered - self._missed_unmeasured}
+        rate = {r: rates.get(r, self.scheduler.default_bandwidth) for r in self._registered - self._missed}
         fastest = max(rate.values(), default=0.0)
         return {r for r, v in rate.items() if v >= fastest / (3 if self.ps_member is not None else 2)}
 
@@ -358,13 +364,14 @@ class GrantService:
     def _plan(self) -> None:
         batch, self._pending = self._pending, []
         now = self.clock()
-        if self.gang:  # an unmeasured worker this batch waited for in vain: not waited for again until it has a rate
-            self._missed_unmeasured |= self._expected() - set(self._rates()) - {p.request.rank for p in batch}
         if self.gang and self._switch_fits(batch):
             kept = self._drop_stale(batch, now)
             if kept is None:
                 return
             batch = kept
+        if self.gang:  # a worker this batch waited for in vain (not busy, did not ask): not again until it asks
+            self._missed |= self._expected() - {p.request.rank for p in batch} - {
+                rank for _, rank, _ in self._in_flight.values()}
         asking = {p.request.rank for p in batch}
         idle = sorted(r for r in self._aggregators
                       if r not in asking and self._busy_until.get(r, 0.0) <= now

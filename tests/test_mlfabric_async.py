@@ -498,6 +498,27 @@ def test_a_grant_wait_is_split_into_the_ps_hold_and_the_wire():
     assert 0.04 <= report.grant_wire_seconds <= report.phase_seconds["grant"] - 0.25 + 1e-9
 
 
+def test_a_scheduler_drop_tells_the_worker_the_version_to_start_from():
+    # A worker that takes its models from the switch starts its next step from the newest version it knows of: a
+    # drop for the delay bound says the PS's version, or the worker starts again from the same old one.
+    server, configs = _server(2, update_mode="async", delay_bound=1, schedule="mlfabric", batch_window=0.05,
+                              gate_timeout=0)
+    try:
+        client, other = FabricClient.from_config(configs[0]), FabricClient.from_config(configs[1])
+        client.hello()
+        client.init(np.zeros(16, np.float32))
+        g = np.ones(16, np.float32)
+        for step in range(3):
+            assert other.push(f"1:{step}", step, g)["outcome"] == "applied"
+        decision = client.request("0:0", 0, 64, 1.0)
+        assert decision["action"] == "drop" and "bound 1" in decision["reason"]
+        assert decision["version"] == server.version == 3
+        client.close()
+        other.close()
+    finally:
+        server.stop()
+
+
 def test_a_sync_ps_refuses_a_rest_push_and_its_round_is_untouched():
     # Only an async PS's switch groups leave rests; a short "rest" blob in a sync round would be summed with whole
     # gradients. It is refused before the round sees it.

@@ -442,6 +442,25 @@ def test_gang_a_lone_request_waits_for_its_fast_partner_up_to_max_defer():
     assert decisions["0:1"].action == SEND and service.stats.batches == 1
 
 
+def test_gang_a_lone_request_beside_a_slow_workers_waits_for_its_fast_partner():
+    # A slow worker's request joins no group; beside it a fast worker's request is still alone, and waits for its
+    # partner instead of going to the PS alone (the fast two would take turns).
+    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=5.0), lambda: 0, batch_window=0.05,
+                           switch_slots=64, gang=True)
+    for rank, rate in enumerate((1e6, 1e6, 1e4)):
+        service.register(rank)
+        service.hint(rank, rate)
+    decisions: dict = {}
+    first, slow = _ask(service, decisions, 0, 0, on=0), _ask(service, decisions, 2, 0, on=0)
+    first.join(0.5)  # ten windows: still waiting for rank 1
+    assert first.is_alive() and service.stats.batches == 0
+    second = _ask(service, decisions, 1, 0, on=0)
+    for t in (first, second, slow):
+        t.join(10)
+    assert decisions["0:0"].action == decisions["1:0"].action == AGGREGATE and service.stats.groups == 1
+    assert decisions["0:0"].group == decisions["1:0"].group and decisions["2:0"].action != AGGREGATE
+
+
 def test_gang_batches_wait_for_the_workers_that_would_join_the_group():
     # Without the PS in the group a member up to twice as slow joins; with it, up to three times.
     for ps_member, waited in ((None, {0, 1}), (3, {0, 1, 2})):
@@ -474,3 +493,10 @@ def test_gang_batches_wait_for_a_worker_with_no_rate_once_and_again_once_it_has_
     assert batch(1) < 0.3  # it did not come: not waited for again
     service.hint(2, 1e6)  # its first request told its rate: as fast as the others
     assert batch(2) >= 0.35
+    # The same for a worker with a rate (measured: one whose link had fallen since, getting its models for seconds):
+    # once a batch waited for it in vain, the next do not, until it asks again.
+    assert batch(3) < 0.3 and batch(4) < 0.3
+    late = _ask(service, decisions, 2, 0, on=0)  # it asks: waited for again
+    late.join(10)
+    service.settled(["2:0"])
+    assert batch(5) >= 0.35
