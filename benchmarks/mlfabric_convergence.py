@@ -193,6 +193,9 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
         "switch_fallbacks": sum(r.get("switch_fallbacks", 0) for r in reports),
         "local_models": sum(r.get("local_models", 0) for r in reports),
         "applied_locally": sum(r.get("applied_locally", 0) for r in reports),
+        # Closed groups' rests: pushed to the PS, or carried into the member's next update (folded).
+        "rests_pushed": stats.get("remainders_applied", 0) + stats.get("remainders_dropped", 0),
+        "rests_folded": stats.get("remainders_folded", 0),
         # The PS's link: model bytes out (pulls, versions sent through the switch, a switch member's zeros) and
         # update bytes in (pushes, the sums a switch member received).
         "ps_out_mb": round((stats.get("pull_bytes", 0) + (final.get("distribution") or {}).get("bytes_sent", 0)

@@ -117,6 +117,9 @@ class ServerStats:
     switch_rate_samples: int = 0
     remainders_applied: int = 0
     remainders_dropped: int = 0
+    #: Rests their members carried into their next update instead of pushing them (``fold``, error feedback).
+    remainders_folded: int = 0
+
     applied_by_rank: Counter = field(default_factory=Counter)
     dropped_by_rank: Counter = field(default_factory=Counter)
     last_error: str = ""
@@ -134,7 +137,7 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                  distribution: ModelSender | None = None, gang: bool | None = None,
                  peer_timeout: float = 0.0, probe_timeout: float = 1.0,
                  switch_member: WorkerConfig | None = None, switch_deadline: float = SWITCH_DEADLINE,
-                 **member_options: Any) -> None:
+                 fold_rests: bool = True, **member_options: Any) -> None:
         """``gang``: plan gang rounds (scheduler item 6); default: when this node sends versions (``distribution``).
 
         ``peer_timeout`` > 0 makes the chain keep itself (docs/mlfabric.md, "Replication"): a successor
@@ -146,6 +149,8 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
         receives from the switch; no member pushes it (``member_options`` go to its transport).
         ``switch_deadline``: such groups close their rounds at this factor times their planned transfer
         (``GrantService``; 0: wait for every member).
+        ``fold_rests``: a member of a group closed without some of its values may carry them into its next update
+        (``fold``, error feedback) instead of pushing them; False: it pushes them (docs/mlfabric.md).
         """
         if config.ps is None:
             raise ConfigError("ps: an MLfabric job needs the parameter server's endpoint")
@@ -209,6 +214,7 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
         #: Update ids of switch-group parts whose sum held only some of their values (a deadline closed rounds
         #: without them): the mask of values still to apply from the member's own push of the update.
         self._remainders: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.fold_rests = fold_rests
         self.grants: GrantService | None = None
         if config.schedule == "mlfabric":
             self.grants = GrantService(scheduler or Scheduler(self.delay_bound, default_bandwidth=default_bandwidth),

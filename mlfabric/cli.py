@@ -74,6 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="with --switch-config: close each switch group's rounds at this factor times its "
                         f"planned transfer; late members push their updates (default {SWITCH_DEADLINE}; 0: wait for "
                         "every member)")
+    parser.add_argument("--fold-rests", action=argparse.BooleanOptionalAction, default=True,
+                        help="a member of a group closed without some of its values carries them into its next "
+                        "update (error feedback; default); --no-fold-rests: it pushes them to the PS")
     parser.add_argument("--default-bandwidth", type=float, default=1.25e6,
                         help="scheduler: bytes/s assumed for a sender not measured yet")
     args = parser.parse_args(argv)
@@ -95,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               batch_window=args.batch_window, gang=args.gang, peer_timeout=args.peer_timeout,
                               log_size=args.log_size, joining=args.join is not None or bool(running),
                               switch_member=WorkerConfig.load(args.switch_config) if args.switch_config else None,
-                              switch_deadline=args.switch_deadline)
+                              switch_deadline=args.switch_deadline, fold_rests=args.fold_rests)
     except (ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -22,7 +22,10 @@ last, and else pulls as before.
 
 A member of a switch group whose sum the PS applied right on top of the version it computed on
 starts its next step from the model it computes itself: that version plus ``-lr * sum`` in
-float32, the PS's own arithmetic (``applied_locally``; the outcome carries ``lr``).
+float32, the PS's own arithmetic (``applied_locally``; the outcome carries ``lr``). Where the group
+closed without some of its values and the PS allows it (``fold``), the member adds those values to its
+next update instead of pushing them (error feedback), so that no version of their own comes between
+the group and the next one.
 """
 
 from __future__ import annotations
@@ -70,6 +73,12 @@ class WorkerReport:
     #: values it sent alone, without the rest of its update).
     switch_partial: int = 0
     switch_rest_values: int = 0
+    #: Of them, rests carried into this worker's next update instead (``fold``: error feedback), their values, and
+    #: values so carried that were dropped with the update that carried them (scheduler or delay bound) or never
+    #: sent (the run ended first).
+    switch_folded: int = 0
+    folded_values: int = 0
+    folded_values_dropped: int = 0
     errors: int = 0
     #: Steps that started from a version received through the switch, and from a pull over TCP.
     local_models: int = 0
@@ -121,6 +130,9 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
     #: Bytes/s of this worker's last pull: its rate hint while no versions reach it through the switch (it left the
     #: distribution, or has none). Without one a batch would wait for it as if it were as fast as the others.
     pull_rate: float | None = None
+    #: Values of this worker's last update that its closed switch group's sum lacked (zeros elsewhere), and how
+    #: many: added to its next update.
+    carry: tuple[np.ndarray, int] | None = None
     try:
         for step in range(steps):
             if max_seconds is not None and time.monotonic() - started > max_seconds:
@@ -146,12 +158,14 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
             report.phase_seconds["model"] += time.monotonic() - phase_start
             receiving = cache is not None and (cache.membership is None or cache.membership.receiving)
             rate = cache.rate if receiving and cache is not None and cache.rate is not None else pull_rate
-            outcome: dict[str, Any] = {}
+            outcome: dict[str, Any] = {"carry": carry}
             if not _step(client, report, grad_fn, schedule, switch, compute_delay, on_step, step, version, params,
                          rate, outcome):
                 break
-            ahead = outcome.get("ahead")
+            ahead, carry = outcome.get("ahead"), outcome.get("carry")
     finally:
+        if carry is not None:  # the run ended before an update carried it
+            report.folded_values_dropped += carry[1]
         if cache is not None:
             cache.close()
         if membership is not None:
@@ -193,10 +207,14 @@ def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule:
           compute_delay: float, on_step: Callable[[int, dict[str, Any]], None] | None, step: int, version: int,
           params: np.ndarray, rate: float | None = None, out: dict[str, Any] | None = None) -> bool:
     """Compute and send one gradient; False once the PS says the job is halted. ``out["ahead"]``: the next
-    model, when this worker can compute it from its switch group's sum."""
+    model, when this worker can compute it from its switch group's sum. ``out["carry"]``: in, values of the last
+    update to add to this one; out, values of this one to add to the next (its closed group lacked them)."""
     began = time.monotonic()
     loss, grad = grad_fn(params, step)
     grad = np.ascontiguousarray(grad, np.float32)
+    carry = out.pop("carry", None) if out is not None else None
+    if carry is not None:
+        grad = grad + carry[0]
     report.last_loss = float(loss)
     if compute_delay:
         time.sleep(compute_delay)
@@ -206,6 +224,8 @@ def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule:
     report.steps = step + 1
     try:
         outcome = _send(client, report, schedule, update_id, version, grad, switch, rate)
+        if outcome is not None and (folded := outcome.pop("_carry", None)) is not None and out is not None:
+            out["carry"] = (np.where(folded, grad, np.float32(0)), int(folded.sum()))
         if outcome is not None and (total := outcome.pop("_sum", None)) is not None:
             parts, rest = outcome.pop("_parts"), outcome.pop("_rest", None)
             if out is not None:
@@ -216,9 +236,13 @@ def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule:
     except FabricError as err:
         report.errors += 1
         report.error_messages = [*report.error_messages[-9:], str(err)]
+        if carry is not None:
+            report.folded_values_dropped += carry[1]
         return True
     finally:
         report.phase_seconds["send"] += time.monotonic() - computed
+    if carry is not None and (outcome is None or outcome.get("outcome") != "applied"):
+        report.folded_values_dropped += carry[1]  # dropped with the update that carried them
     if outcome is None:  # dropped by the scheduler (whose answer may say the job is halted)
         return not report.halted
     report.pushed += 1
@@ -351,6 +375,19 @@ def _switch_aggregate(client: FabricClient, report: WorkerReport, switch: Switch
         # give the PS's model after the rest, when it was applied right on top of the group.
         report.switch_partial += 1
         mask = switch.missing([client.rank], grad.size).get(client.rank) if held else None
+        if mask is not None and int(mask.sum()) == int(outcome["rest"]) and outcome.get("fold"):
+            # Carried into the next update (error feedback): no version of its own comes between this group and the
+            # next, so the members stay in step on the group's model.
+            try:
+                client.fold(update_id, int(mask.sum()))
+            except Unavailable:
+                raise
+            except FabricError as err:  # the PS expects no such rest: pushed as below
+                log.warning("switch group %s: the fold refused (%s); pushing the rest", grant.get("parts"), err)
+            else:
+                report.switch_folded += 1
+                report.folded_values += int(mask.sum())
+                return {**outcome, **summed, "_carry": mask}
         if mask is not None and int(mask.sum()) == int(outcome["rest"]):
             try:
                 pushed = client.push(update_id, version, grad[mask], rest=True)

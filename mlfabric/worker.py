@@ -107,6 +107,12 @@ class FabricClient:
             fields["rest"] = int(update.size)
         return self.call("push", fields, to_blob(update), timeout=timeout)[0]
 
+    def fold(self, update_id: str, count: int) -> dict[str, Any]:
+        """Carry the ``count`` values of ``update_id`` that its closed switch group's sum lacked into this worker's
+        next update instead of pushing them (the outcome said ``fold``); raises Refused if the PS expects no such
+        rest."""
+        return self.call("fold", {"update_id": update_id, "rest": int(count)})[0]
+
     def request(self, update_id: str, version: int, size: int, norm: float, timeout: float = 40.0,
                 rate: float | None = None) -> dict[str, Any]:
         """Ask the scheduler to send an update; returns when granted (or dropped). ``rate``: bytes/s at which

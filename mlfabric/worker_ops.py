@@ -31,7 +31,7 @@ class WorkerOps:
         """The ops only the primary serves, by name."""
         return {"hello": self._op_hello, "init": self._op_init, "pull": self._op_pull, "push": self._op_push,
                 "request": self._op_request, "agg_grant": self._op_agg_grant, "outcome": self._op_outcome,
-                "model_blocks": self._op_model_blocks, "halt": self._op_halt}
+                "model_blocks": self._op_model_blocks, "fold": self._op_fold, "halt": self._op_halt}
 
     def _op_hello(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         header = frame.header
@@ -267,8 +267,31 @@ class WorkerOps:
             self._await_safe(outcome["seq"])
         # Where nobody pushes a group's sum (the PS received it from the switch), this is how members learn
         # that the job was halted; and a part the sum held only in part, that it pushes its update for the rest.
-        extra = {} if rest is None else {"rest": int(rest.sum())}
+        extra = {} if rest is None else {"rest": int(rest.sum()), "fold": self.fold_rests}
         return {"ok": True, "known": True, "duplicate": True, **outcome, **extra, "halted": self.halted}, b""
+
+    def _op_fold(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
+        """A member of a closed switch group carries the rest of its update (the ``rest`` values the sum lacked,
+        which it names by their count) into its next update instead of pushing it (error feedback): the PS expects
+        no push of it any more. Refused unless such a rest waits for this update and has that many values; a push
+        of it afterwards is refused (nothing is applied twice)."""
+        header = frame.header
+        update_id, rank, count = str(header["update_id"]), int(header["rank"]), header.get("rest")
+        update_step(update_id, rank)
+        if not self.fold_rests:
+            raise ValueError("fold: this PS applies rests from their members' pushes only (--no-fold-rests)")
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise ValueError(f"fold: rest {count!r} must be a positive count of values")
+        with self._cond:
+            rest = self._remainders.get(update_id)
+            if rest is None:
+                raise ValueError(f"fold: no rest of a switch group waits for {update_id}")
+            if int(rest.sum()) != count:
+                raise ValueError(f"fold: {update_id}'s rest has {int(rest.sum())} values, not {count}: push it")
+            del self._remainders[update_id]
+            self.stats.remainders_folded += 1
+            self._cond.notify_all()
+        return {"ok": True, "folded": count}, b""
 
     def _op_halt(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         with self._cond:

@@ -638,3 +638,124 @@ def test_the_model_after_a_rest_is_computed_only_when_the_rest_came_right_after_
     assert version == 8 and np.array_equal(model, params - np.float32(0.5) - np.where(mask, np.float32(1.5), 0))
     assert _apply_sum({**pushed, "version": 9}, 2, 5, params, total, (mask, grad)) is None  # another came between
     assert _apply_sum({**pushed, "version": 7}, 2, 5, params, total, (mask, grad)) is None
+
+
+def test_a_member_folds_the_rest_its_closed_group_lacked_into_its_next_update_once():
+    """Rank 1's update is in half of a closed group's blocks. It carries the other half into its next update
+    (``fold``, error feedback) instead of pushing it: no version of its own comes between the group and the next
+    update, nothing is applied twice, and the model after that update holds every value of both updates once. A
+    fold of another size, of a rest that does not wait, or on a PS that applies rests from pushes only, is refused."""
+    with testing.LoopbackSwitch() as switch:
+        configs, ps_config = _member_configs(switch, 2)
+        for fold in (True, False):
+            server = FabricServer(configs[0], lr=0.37, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
+                                  rto_initial=0.01, fold_rests=fold).start()
+            try:
+                rng = np.random.default_rng(5)
+                initial = rng.standard_normal(SIZE).astype(np.float32)
+                boot = FabricClient.from_config(configs[0])
+                boot.hello()
+                boot.init(initial)
+                boot.close()
+                grads = [rng.standard_normal(SIZE).astype(np.float32) for _ in range(3)]
+                rest = np.arange(SIZE) >= SIZE // 2
+                total = grads[0] + np.where(rest, 0, grads[1]).astype(np.float32)
+                grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2,
+                         "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
+                client = FabricClient.from_config(configs[1])
+                with pytest.raises(Refused, match="no rest of a switch group waits" if fold else "pushes only"):
+                    client.fold("1:0", int(rest.sum()))
+                server._apply_switch_sum(grant, total, {1: rest})
+                outcome = client.call("outcome", {"update_id": "1:0", "timeout": 1.0})[0]
+                assert outcome["rest"] == int(rest.sum()) and outcome["fold"] is fold
+                if not fold:
+                    with pytest.raises(Refused, match="pushes only"):
+                        client.fold("1:0", int(rest.sum()))
+                    client.close()
+                    continue
+                with pytest.raises(Refused, match="not 1"):
+                    client.fold("1:0", 1)
+                assert client.fold("1:0", int(rest.sum()))["folded"] == int(rest.sum())
+                with pytest.raises(Refused, match="no rest of a switch group waits"):
+                    client.fold("1:0", int(rest.sum()))
+                # A push of the rest now is the group's outcome again: nothing is applied twice.
+                assert client.push("1:0", 0, grads[1][rest], rest=True)["duplicate"]
+                assert server.version == 2 and server.stats.remainders_folded == 1
+                assert server.stats.remainders_applied == 0
+                carried = grads[2] + np.where(rest, grads[1], np.float32(0))
+                assert client.push("1:1", 2, carried)["outcome"] == "applied"
+                client.close()
+                assert server.version == 3 and server.stats.applied == 3
+                np.testing.assert_allclose(server.model, initial - np.float32(0.37) * (grads[0] + grads[1] + grads[2]),
+                                           rtol=1e-5, atol=1e-5)
+            finally:
+                server.stop()
+
+
+def test_a_member_folds_its_rest_when_the_ps_allows_and_adds_it_to_its_next_update():
+    """The worker's side: the outcome says ``fold``, so the member tells the PS and computes the group's model (the
+    rest has no version of its own); its next update is its gradient plus the rest. Values so carried that are
+    dropped with that update are counted."""
+    from netagg.mlfabric.training import _step, _switch_aggregate
+
+    ps, me, other = 3, 0, 1
+    total = np.arange(4 * wire.K, dtype=np.float32)
+    grad = np.full(4 * wire.K, 2.0, np.float32)
+    with_me, without = (1 << me) | (1 << other) | (1 << ps), (1 << other) | (1 << ps)
+    calls: list[tuple] = []
+
+    class Switch(SwitchSummer):
+        def __init__(self):
+            self.config = dataclasses.replace(loopback_configs(1)[0], width=wire.K)
+
+        last_members = property(lambda self: np.array([with_me, without, with_me, without], np.uint32))
+        transport = None
+
+        def sum(self, *args, **kwargs):
+            return total
+
+    class Client:
+        rank = me
+
+        def __init__(self, refuse=False, outcome="applied"):
+            self.refuse, self.outcome = refuse, outcome
+
+        def call(self, op, header, timeout):
+            return {"known": True, "outcome": "applied", "version": 7, "lr": 0.5, "rest": 2 * wire.K,
+                    "fold": True}, b""
+
+        def fold(self, update_id, count):
+            calls.append(("fold", update_id, count))
+            if self.refuse:
+                raise Refused("fold: no rest of a switch group waits for 0:0")
+            return {"ok": True, "folded": count}
+
+        def push(self, update_id, version, values, rest=False, **kwargs):
+            calls.append(("push", update_id, values.copy(), rest))
+            return {"outcome": self.outcome, "version": version + 1, "lr": 0.5}
+
+    grant = {"members": with_me, "round": 1, "leader": other, "parts": [["0:0", me, 5], ["1:0", other, 5]],
+             "ps": ps, "deadline": 0.5}
+    mask = np.repeat(np.array([False, True, False, True]), wire.K)
+    report = WorkerReport(me)
+    outcome = _switch_aggregate(Client(), report, Switch(), grant, "0:0", 5, grad)
+    assert calls == [("fold", "0:0", 2 * wire.K)] and report.switch_folded == 1
+    assert report.folded_values == 2 * wire.K and report.switch_rest_values == 0
+    assert np.array_equal(outcome["_carry"], mask) and outcome["_sum"] is total and "_rest" not in outcome
+    version, model = _apply_sum(outcome, outcome["_parts"], 5, np.zeros_like(grad), total)
+    assert version == 7 and np.array_equal(model, (-np.float32(0.5) * total).astype(np.float32))
+    # Refused (the PS expects no such rest): it pushes the rest as before.
+    calls.clear()
+    outcome = _switch_aggregate(Client(refuse=True), report, Switch(), grant, "0:0", 5, grad)
+    assert [c[0] for c in calls] == ["fold", "push"] and calls[1][3] and "_carry" not in outcome
+    # The next step: its gradient plus the carried values, in one update; dropped with it, they are counted.
+    step_grad = np.full(4 * wire.K, 0.25, np.float32)
+    carry = np.where(mask, grad, np.float32(0))
+    for result, dropped in (("applied", 0), ("dropped", 2 * wire.K)):
+        calls.clear()
+        report = WorkerReport(me)
+        out = {"carry": (carry, 2 * wire.K)}
+        assert _step(Client(outcome=result), report, lambda p, s: (0.0, step_grad), "fifo", None, 0.0, None, 1, 7,
+                     np.zeros_like(grad), None, out)
+        assert calls[0][0] == "push" and np.array_equal(calls[0][2], step_grad + carry)
+        assert "carry" not in out and report.folded_values_dropped == dropped
