@@ -58,6 +58,7 @@ from netagg.jobconfig import ConfigError, WorkerConfig, resolve
 from netagg.mlfabric.chain_node import ChainNode
 from netagg.mlfabric.distribution import ModelSender
 from netagg.mlfabric.grants import SWITCH_DEADLINE, GrantService
+from netagg.mlfabric.held_pushes import HeldPushes
 from netagg.mlfabric.model_updates import LogEntry, ModelUpdates
 from netagg.mlfabric.outcome_window import OutcomeWindow
 from netagg.mlfabric.replication import Endpoint
@@ -119,6 +120,12 @@ class ServerStats:
     remainders_dropped: int = 0
     #: Rests their members carried into their next update instead of pushing them (``fold``, error feedback).
     remainders_folded: int = 0
+    #: Single pushes held for the next switch group (mlfabric/held_pushes.py): of them, those that became a part
+    #: of a group's sum (the PS's contribution), and those applied on their own (no group took them in time, or
+    #: their group failed).
+    held_pushes: int = 0
+    held_in_groups: int = 0
+    held_alone: int = 0
 
     applied_by_rank: Counter = field(default_factory=Counter)
     dropped_by_rank: Counter = field(default_factory=Counter)
@@ -137,7 +144,7 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                  distribution: ModelSender | None = None, gang: bool | None = None,
                  peer_timeout: float = 0.0, probe_timeout: float = 1.0,
                  switch_member: WorkerConfig | None = None, switch_deadline: float = SWITCH_DEADLINE,
-                 fold_rests: bool = True, **member_options: Any) -> None:
+                 fold_rests: bool = True, hold_pushes: bool = True, **member_options: Any) -> None:
         """``gang``: plan gang rounds (scheduler item 6); default: when this node sends versions (``distribution``).
 
         ``peer_timeout`` > 0 makes the chain keep itself (docs/mlfabric.md, "Replication"): a successor
@@ -151,6 +158,9 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
         (``GrantService``; 0: wait for every member).
         ``fold_rests``: a member of a group closed without some of its values may carry them into its next update
         (``fold``, error feedback) instead of pushing them; False: it pushes them (docs/mlfabric.md).
+        ``hold_pushes``: in gang rounds with this node in the switch groups, a worker's own push waits up to the
+        scheduler's ``max_defer`` for the next group and joins its sum as the PS's contribution
+        (mlfabric/held_pushes.py); False: applied at once.
         """
         if config.ps is None:
             raise ConfigError("ps: an MLfabric job needs the parameter server's endpoint")
@@ -215,6 +225,9 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
         #: without them): the mask of values still to apply from the member's own push of the update.
         self._remainders: OrderedDict[str, np.ndarray] = OrderedDict()
         self.fold_rests = fold_rests
+        self.hold_pushes = hold_pushes
+        #: Single pushes held for the next switch group (only with ``hold_pushes`` in gang rounds with a PS member).
+        self._held = HeldPushes()
         self.grants: GrantService | None = None
         if config.schedule == "mlfabric":
             self.grants = GrantService(scheduler or Scheduler(self.delay_bound, default_bandwidth=default_bandwidth),
@@ -225,7 +238,8 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                                        # multicast versions: one switch group per batch serves every worker
                                        gang=distribution is not None if gang is None else gang,
                                        ps_member=None if self.switch_member is None else self.switch_member.rank,
-                                       on_switch_group=self._take_part, switch_deadline=switch_deadline)
+                                       on_switch_group=self._take_part, switch_deadline=switch_deadline,
+                                       take_held=self._take_held)
             if distribution is not None and config.switch_aggregation:
                 # A switch group's results go to every worker's link; the versions wait for them (HOLD_LIMIT).
                 distribution.hold = self.grants.switch_group_in_flight
@@ -292,9 +306,19 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
 
     # -- the PS as a member of its switch groups ------------------------------------
     def _take_part(self, grant: dict, size: int) -> None:
-        """A switch group was planned (the grant service's lock is held): the switch member joins it."""
+        """A switch group was planned (the grant service's lock is held): the switch member joins it, with the
+        held pushes the group took as its contribution."""
         if self.switch_member is not None and self.role == "primary":
-            self.switch_member.submit(grant, size // 4)
+            self.switch_member.submit(grant, size // 4, self._held.contribution(grant.get("held", []), size // 4))
+
+    def _take_held(self, group: int) -> list[tuple[str, int, int]]:
+        """The held pushes switch group ``group`` takes as parts (the grant service's lock is held): those whose
+        delay still fits the bound with one version to spare (the group is applied as a whole; an update between
+        its plan and its apply would raise every part's delay by one)."""
+        if not self.hold_pushes or self.role != "primary":
+            return []
+        version, bound = self.version, self.delay_bound
+        return self._held.take(lambda part: bound is None or version + 1 - part[2] <= bound, group)
 
     def _apply_switch_sum(self, grant: dict, total: np.ndarray, missing: dict[int, np.ndarray] | None = None) -> None:
         """The group's sum arrived from the switch: applied as the leader's push of it would be (once, by ids).
@@ -305,7 +329,8 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
         for its member's push (:meth:`_push_async` applies only them)."""
         missing = missing or {}
         parts = [(str(i), int(r), int(v)) for i, r, v in grant["parts"]]
-        left_out = [p for p in parts if p[1] in missing and missing[p[1]].all()]
+        held = set(grant.get("held", ()))  # the PS's own contribution: in every block (SwitchMember checks)
+        left_out = [p for p in parts if p[0] not in held and p[1] in missing and missing[p[1]].all()]
         checked = [p for p in parts if p not in left_out]
         try:
             with self._cond:
@@ -316,7 +341,7 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                 self._switch_sum_will_not_come([i for i, _, _ in left_out], "closed at the group's deadline without it")
                 self.stats.switch_left_out += len(left_out)
                 for update_id, rank, _ in checked:
-                    if rank in missing:
+                    if update_id not in held and rank in missing:
                         self._remainders[update_id] = missing[rank]
                         self.stats.switch_partial += 1
                 while len(self._remainders) > 1024:
@@ -325,6 +350,8 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
             self._observe_closed(grant, missing)
             if checked:
                 self._push_async(checked, total)
+            if held:
+                self._held.done(sorted(held))
         finally:
             if self.grants is not None:
                 self.grants.settled([p[0] for p in checked])
@@ -345,9 +372,11 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
             self.stats.switch_rate_samples += len(missing)
 
     def _switch_group_failed(self, grant: dict, reason: str) -> None:
-        parts = grant["parts"]
+        held = set(grant.get("held", ()))
+        parts = [p for p in grant["parts"] if str(p[0]) not in held]
         if self.grants is not None and "group" in grant:
             self.grants.switch_group_over(grant["group"])
+        self._held.free(sorted(held))  # their pushers apply them alone
         with self._cond:
             self.stats.switch_sum_failures += 1
             self._switch_sum_will_not_come([str(i) for i, _, _ in parts], reason)

@@ -77,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fold-rests", action=argparse.BooleanOptionalAction, default=True,
                         help="a member of a group closed without some of its values carries them into its next "
                         "update (error feedback; default); --no-fold-rests: it pushes them to the PS")
+    parser.add_argument("--hold-pushes", action=argparse.BooleanOptionalAction, default=True,
+                        help="gang rounds with --switch-config: a worker's own push waits for the next switch group "
+                        "and joins its sum as the PS's contribution (default); --no-hold-pushes: applied at once")
     parser.add_argument("--default-bandwidth", type=float, default=1.25e6,
                         help="scheduler: bytes/s assumed for a sender not measured yet")
     args = parser.parse_args(argv)
@@ -98,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               batch_window=args.batch_window, gang=args.gang, peer_timeout=args.peer_timeout,
                               log_size=args.log_size, joining=args.join is not None or bool(running),
                               switch_member=WorkerConfig.load(args.switch_config) if args.switch_config else None,
-                              switch_deadline=args.switch_deadline, fold_rests=args.fold_rests)
+                              switch_deadline=args.switch_deadline, fold_rests=args.fold_rests,
+                              hold_pushes=args.hold_pushes)
     except (ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

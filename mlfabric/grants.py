@@ -106,14 +106,18 @@ class GrantService:
                  grace: float = 2.0, keep_slots: int = 10_000, switch_slots: int = 0, switch_width: int = wire.K,
                  switch_floor: Callable[[], int] = lambda: 0, gang: bool = False, ps_member: int | None = None,
                  on_switch_group: Callable[[dict, int], None] | None = None,
-                 switch_deadline: float = SWITCH_DEADLINE) -> None:
+                 switch_deadline: float = SWITCH_DEADLINE,
+                 take_held: Callable[[int], list[tuple[str, int, int]]] | None = None) -> None:
         """``ps_member``: the PS's own rank in the job's switch groups (``ps_members``): every switch group's
         members include it, and ``on_switch_group(grant, size)`` is called (under the lock: it must not block)
         as each is planned, so that the PS takes part and receives the sum; no member is told to push it.
         ``switch_deadline``: with a PS member, each group's grant carries ``deadline``: this factor times the
         group's planned transfer (its slowest member's, at the rates the plan used; at least
         ``SWITCH_DEADLINE_FLOOR`` s). The PS closes the group's rounds still open then; a member that has not
-        arrived misses them (docs/mlfabric.md, "Deadline rounds"). 0: groups wait for every member."""
+        arrived misses them (docs/mlfabric.md, "Deadline rounds"). 0: groups wait for every member.
+        ``take_held(group)``: with a PS member, the parts of the single pushes the PS holds for the next switch group
+        (mlfabric/held_pushes.py), called under the lock as each group is planned: they join its parts (``held``),
+        and the PS's contribution to the sum is theirs."""
         if switch_deadline < 0:
             raise ValueError(f"switch_deadline {switch_deadline}: must be >= 0")
         self.switch_deadline = switch_deadline
@@ -148,6 +152,7 @@ class GrantService:
         self._switch_grants: dict[int, dict] = {}
         self.ps_member = ps_member if switch_slots else None
         self._on_switch_group = on_switch_group
+        self._take_held = take_held
         self._cond = threading.Condition()
 
     def register(self, rank: int, can_aggregate: bool = True) -> None:
@@ -412,8 +417,12 @@ class GrantService:
                 parts = [[p.request.update_id, p.request.rank, p.request.version]
                          for p in batch if p.decision is not None and p.decision.group == group.group]
                 ranks = [rank for _, rank, _ in parts]
+                held = [list(p) for p in self._take_held(group.group)] \
+                    if self.ps_member is not None and self._take_held is not None else []
                 grant = {"members": wire.members_of(ranks if self.ps_member is None else [*ranks, self.ps_member]),
-                         "round": self._switch_next & 0xFFFF, "leader": group.aggregator, "parts": parts}
+                         "round": self._switch_next & 0xFFFF, "leader": group.aggregator, "parts": parts + held}
+                if held:
+                    grant["held"] = [p[0] for p in held]
                 planned = max((p.decision.slot.end - p.decision.slot.start for p in batch
                                if p.decision is not None and p.decision.group == group.group
                                and p.decision.slot is not None), default=0.0)
@@ -426,8 +435,8 @@ class GrantService:
                 self._switch_grants[group.group] = grant
                 self._switch_next += switch_round_uses(group.size, self.switch_slots, self.switch_width)
                 if self.ps_member is not None and self._on_switch_group is not None:
-                    self._on_switch_group({**grant, "parts": [list(p) for p in parts], "group": group.group},
-                                          group.size)
+                    self._on_switch_group({**grant, "parts": [list(p) for p in grant["parts"]],
+                                           "group": group.group}, group.size)
             self._busy_until[group.aggregator] = group.slot.end
             self.stats.groups += 1
             slots.append((group.slot.start, group.slot.end))

@@ -159,25 +159,32 @@ class SwitchMember:
         # pace of the PS's 3.5 rounds in flight). At most the job's slots are in flight, as in SwitchML.
         self._summer = SwitchSummer(config, **{"congestion_control": False, **options})
         self._apply, self._fail = apply, fail
-        self._queue: queue.Queue[tuple[dict, int] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[dict, int, np.ndarray | None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="mlfabric-switch-member", daemon=True)
         self._thread.start()
 
-    def submit(self, grant: dict, values: int) -> None:
-        """Take part in the switch group ``grant`` (its members, round base and parts) of ``values`` float32s."""
-        self._queue.put((grant, values))
+    def submit(self, grant: dict, values: int, contribution: np.ndarray | None = None) -> None:
+        """Take part in the switch group ``grant`` (its members, round base and parts) of ``values`` float32s, with
+        ``contribution`` (the gradients of the pushes the PS holds for it, the grant's ``held`` parts) or zeros."""
+        self._queue.put((grant, values, contribution))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            grant, values = item
+            grant, values, contribution = item
             parts = grant["parts"]
+            held = set(grant.get("held", ()))
             before = self._traffic()
             began, began_wall = time.monotonic(), time.time()
             deadline = grant.get("deadline")
             try:
-                total = self._summer.sum(np.zeros(values, np.float32), int(grant["members"]), int(grant["round"]),
+                own = contribution if contribution is not None else np.zeros(values, np.float32)
+                total = self._summer.sum(own, int(grant["members"]), int(grant["round"]),
                                          deadline=None if deadline is None else float(deadline), closer=True)
-                missing = self._summer.missing([int(rank) for _, rank, _ in parts], values)
+                # The held parts are the PS's own contribution: in a block whose result names the PS (every block:
+                # it closes only rounds it is in). Were one without it, those parts would be in the sum in part.
+                if held and not bool(((self._summer.last_members >> np.uint32(self.rank)) & 1).all()):
+                    raise SwitchAggregationFailed("a block's sum lacks the PS's own contribution (its held pushes)")
+                missing = self._summer.missing([int(rank) for i, rank, _ in parts if i not in held], values)
             except SwitchAggregationFailed as err:
                 self._count(before, failed=str(err))
                 log.warning("switch group %s: the PS's exchange failed (%s); its members push their own", parts, err)
@@ -187,7 +194,8 @@ class SwitchMember:
             took = time.monotonic() - began
             self.stats.seconds += took
             self.stats.exchanges = [*self.stats.exchanges[1 - EXCHANGES_KEPT:],
-                                    [round(began_wall, 3), round(took, 4), sorted(int(rank) for _, rank, _ in parts)]]
+                                    [round(began_wall, 3), round(took, 4),
+                                     sorted(int(rank) for i, rank, _ in parts if i not in held)]]
             t = self._summer.transport
             closes = t.last_closes if t is not None else 0
             self.stats.closes += closes

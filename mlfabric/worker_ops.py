@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from netagg.framed_server import Frame, Handler
+from netagg.mlfabric.held_pushes import FREE
 from netagg.mlfabric.model_updates import APPLIED
 from netagg.mlfabric.outcome_window import update_step
 from netagg.mlfabric.protocol import from_blob
@@ -119,6 +120,8 @@ class WorkerOps:
         try:
             if self.update_mode == "sync":
                 outcome = self._push_sync(rank, parts, grad)
+            elif header.get("parts") is None and rest is None and (held := self._hold(parts[0], grad)) is not None:
+                outcome = held
             else:
                 outcome = self._push_async(parts, grad, compact=rest is not None)
         finally:
@@ -127,6 +130,36 @@ class WorkerOps:
         if outcome["outcome"] == APPLIED:
             self._await_safe(outcome["seq"])
         return {"ok": True, **outcome, "halted": self.halted}, b""
+
+    def _hold(self, part: tuple[str, int, int], grad: np.ndarray) -> dict[str, Any] | None:
+        """A worker's own push held for the next switch group (mlfabric/held_pushes.py): its outcome once applied
+        (or dropped) with a group; None if it is not held, or no group took it within the scheduler's
+        ``max_defer``, or its group failed: then it is applied alone."""
+        grants = self.grants
+        with self._cond:
+            if (not self.hold_pushes or self.switch_member is None or grants is None or not grants.gang
+                    or self.role != "primary" or self.model is None or grad.size != self.model.size
+                    or part[0] in self._remainders or self._outcome(part[0], part[1]) is not None
+                    or (self.delay_bound is not None and self.version - part[2] > self.delay_bound)):
+                return None
+        entry = self._held.hold(part, grad)
+        if entry is None:
+            return None
+        release_at = time.monotonic() + grants.scheduler.max_defer
+        with self._cond:
+            self.stats.held_pushes += 1
+            while (outcome := self._outcome(part[0], part[1])) is None:
+                stopping = self._stop.is_set()
+                if entry.state == FREE or ((time.monotonic() >= release_at or stopping) and self._held.release(entry)):
+                    if stopping:
+                        raise ValueError("push: the PS is stopping (not applied)")
+                    self.stats.held_alone += 1
+                    return None
+                if stopping:  # its group was planned: its outcome comes with the group's
+                    raise ValueError("push: the PS is stopping (held for a switch group; push it again)")
+                self._cond.wait(0.05)
+            self.stats.held_in_groups += 1
+        return outcome
 
     def _own_push_in_group(self, update_id: str, rank: int) -> None:
         """A member of a switch group in flight pushes its own update (its exchange failed or gave up): the

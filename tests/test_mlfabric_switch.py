@@ -13,7 +13,9 @@ from netagg import wire
 from netagg.mlfabric import grants
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.grants import SWITCH_ROUND_MARGIN, switch_round_uses
+from netagg.mlfabric.held_pushes import FREE, HELD, TAKEN, HeldPushes
 from netagg.mlfabric.protocol import Refused
+from netagg.mlfabric.scheduler import Scheduler
 from netagg.mlfabric.switch_sum import SwitchSummer
 from netagg.mlfabric.training import WorkerReport, _apply_sum, _send, _step
 from netagg.mlfabric.worker import FabricClient
@@ -759,3 +761,78 @@ def test_a_member_folds_its_rest_when_the_ps_allows_and_adds_it_to_its_next_upda
                      np.zeros_like(grad), None, out)
         assert calls[0][0] == "push" and np.array_equal(calls[0][2], step_grad + carry)
         assert "carry" not in out and report.folded_values_dropped == dropped
+
+
+def test_held_pushes_go_to_one_group_or_back_to_their_pusher_never_both():
+    held = HeldPushes()
+    a, b = held.hold(("2:0", 2, 4), np.ones(4, np.float32)), held.hold(("3:0", 3, 1), np.full(4, 2.0, np.float32))
+    assert a is not None and b is not None and held.hold(("2:0", 2, 4), np.ones(4, np.float32)) is None
+    # A group takes what fits (here: the delay bound), and sums their gradients as the PS's contribution.
+    assert held.take(lambda part: part[2] >= 3, group=7) == [("2:0", 2, 4)] and (a.state, a.group) == (TAKEN, 7)
+    assert held.take(lambda part: True, group=8) == [("3:0", 3, 1)]  # taken once only
+    assert np.array_equal(held.contribution(["2:0", "3:0"], 4), np.full(4, 3.0, np.float32))
+    assert held.contribution([], 4) is None
+    # Taken: its pusher cannot take it back; its group applies it, or fails and frees it.
+    assert not held.release(a) and a.state == TAKEN
+    held.done(["2:0"])
+    held.free(["3:0"])
+    assert b.state == FREE and len(held) == 0
+    c = held.hold(("1:0", 1, 4), np.ones(4, np.float32))
+    assert c is not None and c.state == HELD and held.release(c) and c.state == FREE
+    assert held.take(lambda part: True, group=9) == []
+
+
+@pytest.mark.parametrize("group_comes", [True, False])
+def test_a_single_push_waits_for_the_next_switch_group_and_joins_its_sum(group_comes):
+    """Gang rounds with the PS in the groups: rank 2's own push is held; the next group of ranks 0 and 1 takes it as
+    a part, the PS's contribution to the sum is rank 2's gradient, and the members compute the model after all three
+    from the sum, bit for bit the PS's. Without a group within max_defer the push is applied alone."""
+    with testing.LoopbackSwitch() as switch:
+        configs, ps_config = _member_configs(switch, 3)
+        server = FabricServer(configs[0], lr=0.37, batch_window=0.3, gate_timeout=0, switch_member=ps_config,
+                              gang=True, scheduler=Scheduler(10, max_defer=3.0 if group_comes else 0.3,
+                                                            default_bandwidth=1e5),
+                              rto_initial=0.01).start()
+        summers: list = []
+        try:
+            rng = np.random.default_rng(11)
+            initial = rng.standard_normal(SIZE).astype(np.float32)
+            boot = FabricClient.from_config(configs[0])
+            boot.hello()
+            boot.init(initial)
+            boot.close()
+            summers = [SwitchSummer(c, rto_initial=0.01) for c in configs[:2]]
+            reports, outcomes = [WorkerReport(r) for r in range(2)], [None, None]
+            grads = [rng.standard_normal(SIZE).astype(np.float32) for _ in range(3)]
+            pushed: list = []
+            pusher = FabricClient.from_config(configs[2])
+            pusher.hello()
+            thread = threading.Thread(target=lambda: pushed.append(pusher.push("2:0", 0, grads[2])))
+            thread.start()
+            deadline = time.monotonic() + 5
+            while server.stats.held_pushes == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.stats.held_pushes == 1
+            if not group_comes:
+                thread.join(10)
+                assert pushed[0]["outcome"] == "applied" and pushed[0]["version"] == 1
+                assert server.stats.held_alone == 1 and server.stats.held_in_groups == 0
+                np.testing.assert_allclose(server.model, initial - np.float32(0.37) * grads[2], rtol=1e-6)
+                return
+            _run_group(configs, server, grads, range(2), summers, reports, outcomes)
+            thread.join(10)
+            pusher.close()
+            assert server.stats.held_in_groups == 1 and server.stats.held_alone == 0
+            assert pushed[0]["outcome"] == "applied" and pushed[0]["version"] == 3
+            assert server.version == 3 and server.stats.switch_sums == 1 and server.stats.applied == 3
+            np.testing.assert_allclose(server.model, initial - np.float32(0.37) * (grads[0] + grads[1] + grads[2]),
+                                       rtol=1e-4, atol=1e-5)
+            for rank in range(2):
+                outcome = outcomes[rank]
+                assert outcome["outcome"] == "applied" and outcome["_parts"] == 3
+                version, model = _apply_sum(outcome, outcome["_parts"], 0, initial, outcome["_sum"])
+                assert version == 3 and np.array_equal(model.view(np.uint32), server.model.view(np.uint32))
+        finally:
+            server.stop()
+            for s in summers:
+                s.close()
