@@ -31,7 +31,8 @@ senders' measured bandwidths, the PS's version and its link's backlog, and the t
    k-th fastest transfer, ``p``: the fastest member's push of the sum, and about as long the new
    model's send; ties: the larger ``k``); ``k = 1`` (``1 / 2t_1``) means the fastest pushes its
    own update to the PS. So a member up to twice as slow as the fastest joins it. With the PS in the
-   group (``sum_at_ps``) nobody pushes the sum, ``k / (t_k + p)``: up to three times as slow. Every other
+   group (``sum_at_ps``) nobody pushes the sum, ``k / (t_k + p)``: up to three times as slow, and ``k = 1``
+   is a group too (the fastest and the PS: its next model comes back in the same exchange). Every other
    kept request is **deferred** to the next batch while its delay still fits the bound after
    this group, else dropped; one that waited ``max_defer`` seconds, or one computed on an older
    version than the group's (no later group sums its version), is sent to the PS after the group.
@@ -245,13 +246,16 @@ class Scheduler:
         decisions: list[Decision] = []
         groups: tuple[AggregateGroup, ...] = ()
         cursor = start
-        if best_k == 1:
+        if best_k == 1 and not sum_at_ps:
             first = by_speed[0]
             decisions.append(Decision(first.update_id, first.rank, SEND, Slot(start, start + first.size / rate(leader)),
                                       base, base - first.version))
             cursor = decisions[0].slot.end
-        members = by_speed[:best_k] if best_k > 1 else []
-        ahead = first.count if best_k == 1 else sum(r.count for r in members)
+        # With the PS in the group even the fastest alone goes through the switch with it: it sends its update and
+        # gets the sum back (its own, quantized as the PS applies it) in one exchange, and computes the next model
+        # itself, where a push would be followed by the new version's send.
+        members = by_speed[:best_k] if best_k > 1 or sum_at_ps else []
+        ahead = first.count if not members else sum(r.count for r in members)
         if members:
             group_id = next(self._groups)
             ready = now + max(r.size / rate(r.rank) for r in members)

@@ -411,9 +411,13 @@ def test_gang_with_the_ps_in_the_group_takes_a_member_up_to_three_times_as_slow(
         return sched.plan(requests, server_version=5, bandwidth={0: 4 * MB, 1: 4 * MB / slowdown}, switch=True,
                           gang=True, sum_at_ps=sum_at_ps)
 
-    assert plan(2.5, sum_at_ps=True).groups and not plan(2.5, sum_at_ps=False).groups
+    assert plan(2.5, sum_at_ps=True).groups[0].members == ("0:0", "1:0") and not plan(2.5, sum_at_ps=False).groups
     assert plan(2.5, sum_at_ps=False).decision("0:0").action == SEND
-    assert not plan(3.5, sum_at_ps=True).groups
+    # 3.5 times as slow never joins; with the PS in the group the fastest goes through the switch alone with it
+    # (its next model comes back in the same exchange), not to the PS.
+    alone = plan(3.5, sum_at_ps=True)
+    assert [g.members for g in alone.groups] == [("0:0",)] and alone.decision("0:0").action == AGGREGATE
+    assert alone.decision("1:0").action != AGGREGATE
 
 
 def test_gang_a_lone_request_waits_for_its_fast_partner_up_to_max_defer():
