@@ -44,9 +44,10 @@ class HeldPushes:
         self._entries: OrderedDict[str, HeldPush] = OrderedDict()
 
     def hold(self, part: tuple[str, int, int], grad: np.ndarray) -> HeldPush | None:
-        """Hold this push; None if a push of the same update is held already (its pusher applies it alone)."""
+        """Hold this push; None if a push of the same update, or another of the same rank, is held already (its
+        pusher applies it alone): at most one model-sized gradient per rank waits here."""
         with self._lock:
-            if part[0] in self._entries:
+            if part[0] in self._entries or any(e.part[1] == part[1] for e in self._entries.values()):
                 return None
             entry = self._entries[part[0]] = HeldPush(part, grad)
             return entry

@@ -767,6 +767,7 @@ def test_held_pushes_go_to_one_group_or_back_to_their_pusher_never_both():
     held = HeldPushes()
     a, b = held.hold(("2:0", 2, 4), np.ones(4, np.float32)), held.hold(("3:0", 3, 1), np.full(4, 2.0, np.float32))
     assert a is not None and b is not None and held.hold(("2:0", 2, 4), np.ones(4, np.float32)) is None
+    assert held.hold(("2:1", 2, 4), np.ones(4, np.float32)) is None  # one per rank: memory stays bounded
     # A group takes what fits (here: the delay bound), and sums their gradients as the PS's contribution.
     assert held.take(lambda part: part[2] >= 3, group=7) == [("2:0", 2, 4)] and (a.state, a.group) == (TAKEN, 7)
     assert held.take(lambda part: True, group=8) == [("3:0", 3, 1)]  # taken once only
