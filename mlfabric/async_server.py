@@ -126,7 +126,6 @@ class ServerStats:
     held_pushes: int = 0
     held_in_groups: int = 0
     held_alone: int = 0
-
     applied_by_rank: Counter = field(default_factory=Counter)
     dropped_by_rank: Counter = field(default_factory=Counter)
     last_error: str = ""
@@ -337,6 +336,11 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                 if self.model is None or total.size != self.model.size:
                     raise ValueError(f"a sum of {total.size} values for a model of "
                                      f"{None if self.model is None else self.model.size}")
+                if self.delay_bound is not None and any(self.version - v > self.delay_bound
+                                                        for i, _, v in parts if i in held):
+                    # A held push's delay grew past the bound since the group took it: its members push their own,
+                    # and it is decided alone (dropped), rather than the whole sum with it.
+                    raise ValueError("a held push in the group exceeds the delay bound now")
                 self.stats.switch_sums += 1  # received (before the apply tells the members: counters first)
                 self._switch_sum_will_not_come([i for i, _, _ in left_out], "closed at the group's deadline without it")
                 self.stats.switch_left_out += len(left_out)

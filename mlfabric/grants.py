@@ -239,6 +239,11 @@ class GrantService:
                     return [i for i in ids if i != update_id]
             return []
 
+    def in_switch_group(self, update_id: str) -> bool:
+        """Whether ``update_id`` is a part of a switch group in flight."""
+        with self._cond:
+            return any(update_id == str(p[0]) for grant in self._switch_grants.values() for p in grant["parts"])
+
     def switch_group_over(self, group: int) -> None:
         """The PS's part in switch group ``group`` failed: none of its rounds completes for the PS, so the
         job's slots are free for the next group (whose rounds are past this one's) while its members push

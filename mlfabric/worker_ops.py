@@ -136,8 +136,10 @@ class WorkerOps:
         (or dropped) with a group; None if it is not held, or no group took it within the scheduler's
         ``max_defer``, or its group failed: then it is applied alone."""
         grants = self.grants
+        if grants is None or grants.in_switch_group(part[0]):  # a member's own push: its group may still apply it
+            return None
         with self._cond:
-            if (not self.hold_pushes or self.switch_member is None or grants is None or not grants.gang
+            if (not self.hold_pushes or self.switch_member is None or not grants.gang
                     or self.role != "primary" or self.model is None or grad.size != self.model.size
                     or part[0] in self._remainders or self._outcome(part[0], part[1]) is not None
                     or (self.delay_bound is not None and self.version - part[2] > self.delay_bound)):
@@ -307,7 +309,7 @@ class WorkerOps:
         """A member of a closed switch group carries the rest of its update (the ``rest`` values the sum lacked,
         which it names by their count) into its next update instead of pushing it (error feedback): the PS expects
         no push of it any more. Refused unless such a rest waits for this update and has that many values; a push
-        of it afterwards is refused (nothing is applied twice)."""
+        of it afterwards gets the group's outcome again (nothing is applied twice)."""
         header = frame.header
         update_id, rank, count = str(header["update_id"]), int(header["rank"]), header.get("rest")
         update_step(update_id, rank)

@@ -837,3 +837,28 @@ def test_a_single_push_waits_for_the_next_switch_group_and_joins_its_sum(group_c
             server.stop()
             for s in summers:
                 s.close()
+
+
+def test_a_group_whose_held_push_exceeds_the_bound_by_its_apply_is_refused_whole():
+    """A held push whose delay grew past the bound between the group's plan and its apply: the sum is not applied
+    (its members push their own, the held push is decided alone), rather than dropped whole with the members'."""
+    with testing.LoopbackSwitch() as switch:
+        configs, ps_config = _member_configs(switch, 3)
+        configs = [dataclasses.replace(c, delay_bound=2) for c in configs]
+        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, gang=True,
+                              switch_member=dataclasses.replace(ps_config, delay_bound=2), rto_initial=0.01).start()
+        try:
+            client = FabricClient.from_config(configs[0])
+            client.hello()
+            client.init(np.zeros(SIZE, np.float32))
+            server.hold_pushes = False  # the versions before the group, applied at once
+            for step in range(3):
+                assert client.push(f"0:{step}", step, np.ones(SIZE, np.float32))["outcome"] == "applied"
+            client.close()
+            grant = {"members": wire.members_of([0, 1, 3]), "round": 5, "leader": 0, "ps": 3,
+                     "parts": [["0:3", 0, 3], ["1:0", 1, 3], ["2:0", 2, 0]], "held": ["2:0"]}
+            with pytest.raises(ValueError, match="exceeds the delay bound"):
+                server._apply_switch_sum(grant, np.ones(SIZE, np.float32), {})
+            assert server.version == 3 and server.stats.switch_sums == 0 and server.stats.dropped == 0
+        finally:
+            server.stop()
