@@ -517,6 +517,23 @@ def test_a_member_missing_some_blocks_of_a_closed_groups_sum_does_not_compute_th
     assert outcome["_parts"] == 2 and outcome["_sum"] is total
 
 
+def _half_closed_group(configs, seed: int, count: int) -> tuple:
+    """The PS's model initialised at random; ``count`` random gradients; a group of ranks 0 and 1 (the PS rank 2)
+    closed with rank 1 in the first half of the values only: (initial, grads, rest mask, the sum, the grant)."""
+    rng = np.random.default_rng(seed)
+    initial = rng.standard_normal(SIZE).astype(np.float32)
+    boot = FabricClient.from_config(configs[0])
+    boot.hello()
+    boot.init(initial)
+    boot.close()
+    grads = [rng.standard_normal(SIZE).astype(np.float32) for _ in range(count)]
+    rest = np.arange(SIZE) >= SIZE // 2
+    total = grads[0] + np.where(rest, 0, grads[1]).astype(np.float32)
+    grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2,
+             "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
+    return initial, grads, rest, total, grant
+
+
 def test_a_member_sends_only_the_rest_its_closed_group_lacked_and_computes_the_ps_model_after_it():
     """Rank 1's update is in half of a closed group's blocks: it pushes only the other half's values (``rest``), the
     PS completes the update from them once, and rank 1 computes the PS's model after the rest bit for bit from the
@@ -526,17 +543,7 @@ def test_a_member_sends_only_the_rest_its_closed_group_lacked_and_computes_the_p
         server = FabricServer(configs[0], lr=0.37, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
                               rto_initial=0.01).start()
         try:
-            rng = np.random.default_rng(3)
-            initial = rng.standard_normal(SIZE).astype(np.float32)
-            boot = FabricClient.from_config(configs[0])
-            boot.hello()
-            boot.init(initial)
-            boot.close()
-            grads = [rng.standard_normal(SIZE).astype(np.float32) for _ in range(2)]
-            rest = np.arange(SIZE) >= SIZE // 2
-            total = grads[0] + np.where(rest, 0, grads[1]).astype(np.float32)
-            grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2,
-                     "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
+            initial, grads, rest, total, grant = _half_closed_group(configs, 3, 2)
             client = FabricClient.from_config(configs[1])
             with pytest.raises(Refused, match="no rest of a switch group waits"):
                 client.push("1:0", 0, grads[1][rest], rest=True)
@@ -653,17 +660,7 @@ def test_a_member_folds_the_rest_its_closed_group_lacked_into_its_next_update_on
             server = FabricServer(configs[0], lr=0.37, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
                                   rto_initial=0.01, fold_rests=fold).start()
             try:
-                rng = np.random.default_rng(5)
-                initial = rng.standard_normal(SIZE).astype(np.float32)
-                boot = FabricClient.from_config(configs[0])
-                boot.hello()
-                boot.init(initial)
-                boot.close()
-                grads = [rng.standard_normal(SIZE).astype(np.float32) for _ in range(3)]
-                rest = np.arange(SIZE) >= SIZE // 2
-                total = grads[0] + np.where(rest, 0, grads[1]).astype(np.float32)
-                grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2,
-                         "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
+                initial, grads, rest, total, grant = _half_closed_group(configs, 5, 3)
                 client = FabricClient.from_config(configs[1])
                 with pytest.raises(Refused, match="no rest of a switch group waits" if fold else "pushes only"):
                     client.fold("1:0", int(rest.sum()))
