@@ -486,6 +486,20 @@ def test_a_part_the_closed_sum_holds_in_part_is_completed_from_its_members_push_
             server.stop()
 
 
+class _SummedSwitch(SwitchSummer):
+    """A member's switch path that returns ``total`` as the sum, with ``blocks`` as each block's members."""
+
+    def __init__(self, blocks, total):
+        self.config = dataclasses.replace(loopback_configs(1)[0], width=wire.K)
+        self._blocks, self._total = np.array(blocks, np.uint32), total
+
+    last_members = property(lambda self: self._blocks)
+    transport = None
+
+    def sum(self, *args, **kwargs):
+        return self._total
+
+
 def test_a_member_missing_some_blocks_of_a_closed_groups_sum_does_not_compute_the_next_model_from_it():
     """A deadline group the PS applied whole, but this member left a slot (its copy of a result lost): its own
     sum lacks those blocks, so it must not compute the PS's next model from it (it would differ there)."""
@@ -494,13 +508,7 @@ def test_a_member_missing_some_blocks_of_a_closed_groups_sum_does_not_compute_th
     members = 0b1011  # ranks 0, 1, 3 (the PS)
     total = np.ones(4 * wire.K, np.float32)
 
-    class Switch:
-        last_members = np.array([members, members, 0, members], np.uint32)  # block 2: no sum here
-        transport = None
-
-        def sum(self, *args, **kwargs):
-            return total
-
+    switch = _SummedSwitch([members, members, 0, members], total)  # block 2: no sum here
     class Client:
         rank = 0
 
@@ -510,10 +518,10 @@ def test_a_member_missing_some_blocks_of_a_closed_groups_sum_does_not_compute_th
     grant = {"members": members, "round": 1, "leader": 1, "parts": [["0:0", 0, 5], ["1:0", 1, 5]], "ps": 3,
              "deadline": 0.5}
     report = WorkerReport(0)
-    outcome = _switch_aggregate(Client(), report, Switch(), grant, "0:0", 5, total)
+    outcome = _switch_aggregate(Client(), report, switch, grant, "0:0", 5, total)
     assert outcome["outcome"] == "applied" and "_sum" not in outcome
-    Switch.last_members = np.full(4, members, np.uint32)  # every block whole: the model may be computed here
-    outcome = _switch_aggregate(Client(), report, Switch(), grant, "0:0", 5, total)
+    switch = _SummedSwitch([members] * 4, total)  # every block whole: the model may be computed here
+    outcome = _switch_aggregate(Client(), report, switch, grant, "0:0", 5, total)
     assert outcome["_parts"] == 2 and outcome["_sum"] is total
 
 
@@ -575,16 +583,8 @@ def test_a_member_left_out_of_some_blocks_pushes_only_its_rest_and_computes_the_
     with_me, without = (1 << me) | (1 << other) | (1 << ps), (1 << other) | (1 << ps)
     pushes: list[tuple] = []
 
-    class Switch(SwitchSummer):
-        def __init__(self, blocks):
-            self.config = dataclasses.replace(loopback_configs(1)[0], width=wire.K)
-            self._blocks = np.array(blocks, np.uint32)
-
-        last_members = property(lambda self: self._blocks)
-        transport = None
-
-        def sum(self, *args, **kwargs):
-            return total
+    def switch(blocks) -> _SummedSwitch:
+        return _SummedSwitch(blocks, total)
 
     class Client:
         rank = me
@@ -606,7 +606,7 @@ def test_a_member_left_out_of_some_blocks_pushes_only_its_rest_and_computes_the_
     blocks = [with_me, without, with_me, without]
     mask = np.repeat(np.array([False, True, False, True]), wire.K)
     report = WorkerReport(me)
-    outcome = _switch_aggregate(Client(2 * wire.K), report, Switch(blocks), grant, "0:0", 5, grad)
+    outcome = _switch_aggregate(Client(2 * wire.K), report, switch(blocks), grant, "0:0", 5, grad)
     assert pushes == [(2 * wire.K, True)] and report.switch_rest_values == 2 * wire.K
     assert outcome["_sum"] is total and np.array_equal(outcome["_rest"], mask)
     version, model = _apply_sum(outcome, outcome["_parts"], 5, np.zeros_like(grad), total, (mask, grad))
@@ -622,19 +622,19 @@ def test_a_member_left_out_of_some_blocks_pushes_only_its_rest_and_computes_the_
             return {"known": True, "outcome": "applied", "version": 6, "lr": 0.5, "rest": self.rest}, b""
 
     pushes.clear()
-    outcome = _switch_aggregate(LeftOut(2 * wire.K), report, Switch(blocks), grant, "0:0", 5, grad)
+    outcome = _switch_aggregate(LeftOut(2 * wire.K), report, switch(blocks), grant, "0:0", 5, grad)
     assert pushes == [(2 * wire.K, True)] and "_sum" not in outcome and "_rest" not in outcome
     # The PS counts other values (it holds another block's result): the whole update, no model.
     pushes.clear()
-    outcome = _switch_aggregate(Client(wire.K), report, Switch(blocks), grant, "0:0", 5, grad)
+    outcome = _switch_aggregate(Client(wire.K), report, switch(blocks), grant, "0:0", 5, grad)
     assert pushes == [(grad.size, False)] and "_sum" not in outcome
     # The PS refuses the rest: the whole update.
     pushes.clear()
-    outcome = _switch_aggregate(Client(2 * wire.K, refuse=True), report, Switch(blocks), grant, "0:0", 5, grad)
+    outcome = _switch_aggregate(Client(2 * wire.K, refuse=True), report, switch(blocks), grant, "0:0", 5, grad)
     assert pushes == [(2 * wire.K, True), (grad.size, False)] and "_rest" not in outcome
     # A block without the PS's result (this member's copy lost): it cannot tell which values the PS holds.
     pushes.clear()
-    outcome = _switch_aggregate(Client(2 * wire.K), report, Switch([with_me, without, 0, without]), grant, "0:0",
+    outcome = _switch_aggregate(Client(2 * wire.K), report, switch([with_me, without, 0, without]), grant, "0:0",
                                 5, grad)
     assert pushes == [(grad.size, False)] and "_sum" not in outcome
 
@@ -703,15 +703,7 @@ def test_a_member_folds_its_rest_when_the_ps_allows_and_adds_it_to_its_next_upda
     with_me, without = (1 << me) | (1 << other) | (1 << ps), (1 << other) | (1 << ps)
     calls: list[tuple] = []
 
-    class Switch(SwitchSummer):
-        def __init__(self):
-            self.config = dataclasses.replace(loopback_configs(1)[0], width=wire.K)
-
-        last_members = property(lambda self: np.array([with_me, without, with_me, without], np.uint32))
-        transport = None
-
-        def sum(self, *args, **kwargs):
-            return total
+    switch = _SummedSwitch([with_me, without, with_me, without], total)
 
     class Client:
         rank = me
@@ -737,7 +729,7 @@ def test_a_member_folds_its_rest_when_the_ps_allows_and_adds_it_to_its_next_upda
              "ps": ps, "deadline": 0.5}
     mask = np.repeat(np.array([False, True, False, True]), wire.K)
     report = WorkerReport(me)
-    outcome = _switch_aggregate(Client(), report, Switch(), grant, "0:0", 5, grad)
+    outcome = _switch_aggregate(Client(), report, switch, grant, "0:0", 5, grad)
     assert calls == [("fold", "0:0", 2 * wire.K)] and report.switch_folded == 1
     assert report.folded_values == 2 * wire.K and report.switch_rest_values == 0
     assert np.array_equal(outcome["_carry"], mask) and outcome["_sum"] is total and "_rest" not in outcome
@@ -745,7 +737,7 @@ def test_a_member_folds_its_rest_when_the_ps_allows_and_adds_it_to_its_next_upda
     assert version == 7 and np.array_equal(model, (-np.float32(0.5) * total).astype(np.float32))
     # Refused (the PS expects no such rest): it pushes the rest as before.
     calls.clear()
-    outcome = _switch_aggregate(Client(refuse=True), report, Switch(), grant, "0:0", 5, grad)
+    outcome = _switch_aggregate(Client(refuse=True), report, switch, grant, "0:0", 5, grad)
     assert [c[0] for c in calls] == ["fold", "push"] and calls[1][3] and "_carry" not in outcome
     # The next step: its gradient plus the carried values, in one update; dropped with it, they are counted.
     step_grad = np.full(4 * wire.K, 0.25, np.float32)
