@@ -162,8 +162,8 @@ def test_front_end_check_fails_on_a_warning(front_end, tmp_path):
     shutil.copytree(dp.P4SRC_DIR, tmp_path / "p4src")
     parser = tmp_path / "p4src" / "tna" / "parser.p4"
     text = parser.read_text()
-    assert text.count("meta.ce_mark = 0;\n") == 1
-    parser.write_text(text.replace("meta.ce_mark = 0;\n", ""))
+    assert text.count("meta.flags_round = 0;\n") == 1
+    parser.write_text(text.replace("meta.flags_round = 0;\n", ""))
     with pytest.raises(TofinoCompileError, match="uninitialized"):
         check_front_end(tmp_path / "p4src" / "tna" / "netagg.p4", tmp_path / "p4src")
 

@@ -9,7 +9,7 @@
 #define DELIVER_NONE 0
 #define DELIVER_GROUP 1
 #define DELIVER_SENDER 2
-/* A tree of switches: the partial to the parent, fresh or (RETRANSMIT) a resend's (UpFinish). */
+/* A tree of switches: the partial to the parent, fresh or (RETRANSMIT) a resend's (ResultDelivery's up actions). */
 #define DELIVER_UP 3
 #define DELIVER_UP_RESEND 4
 

@@ -20,17 +20,19 @@ header recirc_h {
     bit<16> deliver;      /* DELIVER_*: absorbed, to the job's group, back to the sender, or up */
     bit<16> mgid;
     bit<16> port;         /* the sender's port, or (DELIVER_UP*) the up port */
-    bit<16> slot_index;   /* absolute slot */
-    bit<16> pool;
+    bit<16> reg_index;    /* the (slot, pool)'s register index: pool * NUM_SLOTS + absolute slot */
 }
+
+/* The register indexes, from pass 1's WorkerLookup on (a header field: no copy in later passes). */
+#define POOL_INDEX hdr.recirc.reg_index[12:0]
+#define SLOT_INDEX hdr.recirc.reg_index[11:0]
 
 /* One container per field of the two internal headers: each is written from one source. */
 @pa_container_size("ingress", "hdr.recirc.value_op", 16)
 @pa_container_size("ingress", "hdr.recirc.deliver", 16)
 @pa_container_size("ingress", "hdr.recirc.mgid", 16)
 @pa_container_size("ingress", "hdr.recirc.port", 16)
-@pa_container_size("ingress", "hdr.recirc.slot_index", 16)
-@pa_container_size("ingress", "hdr.recirc.pool", 16)
+@pa_container_size("ingress", "hdr.recirc.reg_index", 16)
 @pa_container_size("ingress", "hdr.bridge.to_group", 16)
 @pa_container_size("ingress", "hdr.bridge.mgid", 16)
 struct tna_headers_t {
@@ -53,7 +55,6 @@ struct ingress_metadata_t {
     /* From the job table. */
     bit<1> job_hit;
     bit<8> num_workers;
-    bit<16> mgid;
     bit<32> generation;
     bit<8> job_width;          /* the job's width code */
     /* From the worker table. */
@@ -65,25 +66,18 @@ struct ingress_metadata_t {
     bit<1> slot_out_of_range;
     bit<1> wrong_width;        /* a width other than the job's, or wide (not aggregated here) */
     bit<1> rank_mismatch;
-    worker_mask_t member_bit;  /* members & worker_mask */
     bit<1> not_member;         /* a subset round's packet from a worker outside its members */
-    bit<16> slot_index;            /* absolute slot: slot_base + slot */
-    pool_reg_index_t pool_index;   /* pool * NUM_SLOTS + absolute slot (TNA layout) */
     bit<1> stale;
     bit<16> round_ahead;       /* round - round_current (serial arithmetic) */
-    bit<16> round_behind;      /* round - 2: the other pool's round when a slot is taken over */
     worker_mask_t bitmap_before;   /* the round's bitmap before this packet; 0: other members */
     worker_mask_t sender_seen;     /* bitmap_before & worker_mask */
     bit<1> first;
     bit<1> fresh;
-    bit<32> count_before;
+    bit<8> count_before;
     bit<1> complete;
     bit<1> late;
     bit<1> bad_shape;          /* an undefined width code, lengths other than the width's, or a fragment */
-    bit<8> value_op;
     bit<8> exponent_key;       /* exponent ^ 0x80: signed order as unsigned order */
-    bit<1> to_group;
-    bit<8> pair_op;            /* what the value pairs do in this pass (from the recirc header) */
     bit<1> update_checksum;
     bit<1> reject;             /* counted in job_rejects */
     /* MemberCount: set bits of each byte of members (0 and 2 end up holding sums). */
@@ -91,25 +85,22 @@ struct ingress_metadata_t {
     bit<8> member_byte_1;
     bit<8> member_byte_2;
     bit<8> member_byte_3;
-    bit<32> expected;          /* contributions the round expects: num_workers, or the members' number */
+    bit<8> expected;          /* contributions the round expects: num_workers, or the members' number */
     /* The round flags (ExchangeCheck, RoundFlags). */
     bit<1> exchange_mismatch;  /* the packet names another collective than its round */
     bit<8> flags_keep;         /* flags & ~ROUND_FLAGS, copied by slices in stage 0 */
     bit<8> flags_round;        /* flags & ROUND_FLAGS, copied by slice, | ROUND_CE when CE-marked (stage 0) */
     bit<8> flags_in;           /* what the packet ORs into round_flags */
     bit<8> flags_out;          /* what round_flags' old value is ORed with to make the packet's flags */
-    bit<8> ce_mark;            /* ROUND_CE when the packet arrived ECN CE, else 0 (stage 0) */
     /* A tree of switches (tree_links.p4). */
-    bit<16> local_job;         /* the job the packet counts for: its job id, or down_links' local job */
-    bit<1> down;               /* a parent's result, for the local job local_job */
+    bit<1> down;               /* a parent's result (its job id rewritten to the local job's) */
     bit<1> has_up;             /* the job's up link, from up_links */
-    port_t up_port;
+    bit<16> up_port;           /* port_t, zero-extended: a whole-container copy into the recirc header */
     bit<16> up_job;
     bit<8> up_rank;
     mac_addr_t up_mac;
     ipv4_addr_t up_addr;
     bit<8> level;              /* LEVEL_* the packet found, where LevelState returns it (see there) */
-    bit<1> to_up;              /* send the partial (or its resend) to the parent */
 }
 
 struct egress_metadata_t {

@@ -73,10 +73,8 @@ control NetaggIngress(inout tna_headers_t hdr,
     ValueSum() value_sum;
     ResultDelivery() result_delivery;
     RecircPrepare() recirc_prepare;
-    Recirculate() recirculate;
     ResultRelease() result_release;
     UpDelivery() up_delivery;
-    UpFinish() up_finish;
     Ipv4Forward() ipv4_forward;
 
     /* The sender's bit as it was before this packet (0: fresh). A table, so that the compiler
@@ -92,6 +90,95 @@ control NetaggIngress(inout tna_headers_t hdr,
         size = 1;
     }
 
+    /* The packet's checks, in the order the v1model program makes them (its if/else chain): the
+     * first matching entry decides. A chain of ifs would cost a logical table per branch in the
+     * stages that the lookups already fill (Tofino 1: 16 per stage); one ternary table costs one.
+     * A check "field != value" (parser error, version, pool) is its value required in every entry
+     * after it, and the check itself an entry after the packets that pass. */
+    action refuse(bit<8> reason, bit<1> reject) {
+        meta.drop_reason = reason;
+        ig_dprsr_md.drop_ctl = 1;
+        meta.reject = reject;
+    }
+    action forward() {}
+    action admit() {}
+    table checks {
+        key = {
+            ig_prsr_md.parser_err: ternary @name("parser_err");
+            hdr.ipv4.isValid(): ternary @name("ipv4");
+            hdr.udp.isValid(): ternary @name("udp");
+            hdr.netagg.isValid(): ternary @name("netagg");
+            meta.down: ternary @name("down");
+            hdr.udp.src_port: ternary @name("udp_src");
+            meta.spoof_address: ternary @name("spoof_address");
+            meta.spoof_port: ternary @name("spoof_port");
+            hdr.netagg.version: ternary @name("version");
+            meta.bad_shape: ternary @name("bad_shape");
+            hdr.netagg.flags: ternary @name("flags");
+            meta.job_hit: ternary @name("job_hit");
+            meta.worker_hit: ternary @name("worker_hit");
+            meta.wrong_width: ternary @name("wrong_width");
+            meta.slot_out_of_range: ternary @name("slot_out_of_range");
+            hdr.netagg.pool: ternary @name("pool");
+            meta.rank_mismatch: ternary @name("rank_mismatch");
+            meta.not_member: ternary @name("not_member");
+        }
+        actions = { refuse; forward; admit; }
+        const entries = {
+            /* err ipv4  udp   netagg down sport            sA sP version         shape flags                          job wkr wid rng pool         rank mem */
+            (0, false, _,    _,     _,   _,               _, _, _,              _, _,                              _, _, _, _, _,            _, _): refuse(DROP_NOT_IPV4, 0);
+            /* A parent's result comes from the netagg port: SourceGuard does not apply to it. */
+            (0, true,  true, _,     0,   NETAGG_UDP_PORT, _, _, _,              _, _,                              _, _, _, _, _,            _, _): refuse(DROP_SPOOFED_SOURCE, 0);
+            (0, true,  _,    _,     0,   _,               1, _, _,              _, _,                              _, _, _, _, _,            _, _): refuse(DROP_SPOOFED_SOURCE, 0);
+            (0, true,  _,    _,     0,   _,               _, 1, _,              _, _,                              _, _, _, _, _,            _, _): refuse(DROP_SPOOFED_SOURCE, 0);
+            (0, true,  _,    false, _,   _,               _, _, _,              _, _,                              _, _, _, _, _,            _, _): forward();
+            (0, true,  _,    _,     _,   _,               _, _, NETAGG_VERSION, 1, _,                              _, _, _, _, _,            _, _): refuse(DROP_MALFORMED, 0);
+            (0, true,  _,    _,     0,   _,               _, _, NETAGG_VERSION, _, FLAG_RESULT &&& FLAG_RESULT,    _, _, _, _, _,            _, _): refuse(DROP_RESULT_FROM_HOST, 0);
+            (0, true,  _,    _,     _,   _,               _, _, NETAGG_VERSION, _, _,                              0, _, _, _, _,            _, _): refuse(DROP_UNKNOWN_JOB, 0);
+            (0, true,  _,    _,     0,   _,               _, _, NETAGG_VERSION, _, _,                              _, 0, _, _, _,            _, _): refuse(DROP_UNKNOWN_WORKER, 1);
+            /* Another width than the job's, or wide: this twin aggregates narrow packets only. */
+            (0, true,  _,    _,     _,   _,               _, _, NETAGG_VERSION, _, _,                              _, _, 1, _, _,            _, _): refuse(DROP_WRONG_WIDTH, 1);
+            (0, true,  _,    _,     _,   _,               _, _, NETAGG_VERSION, _, _,                              _, _, _, 1, _,            _, _): refuse(DROP_SLOT_OUT_OF_RANGE, 1);
+            (0, true,  _,    _,     0,   _,               _, _, NETAGG_VERSION, _, _,                              _, _, _, _, 0 &&& 0xfe,   1, _): refuse(DROP_RANK_MISMATCH, 1);
+            (0, true,  _,    _,     0,   _,               _, _, NETAGG_VERSION, _, _,                              _, _, _, _, 0 &&& 0xfe,   _, 1): refuse(DROP_NOT_A_MEMBER, 1);
+            /* Deadline rounds are not built in this twin (docs/tofino.md, "Deadline rounds on Tofino
+             * (design)"): every close request, and every parent's result of a closed round, is
+             * refused before any register changes, so a host never reads an echoed CLOSE bit as a
+             * closed round. */
+            (0, true,  _,    _,     _,   _,               _, _, NETAGG_VERSION, _, FLAG_CLOSE &&& FLAG_CLOSE,      _, _, _, _, 0 &&& 0xfe,   _, _): refuse(DROP_CLOSE_REFUSED, 1);
+            (0, true,  _,    _,     _,   _,               _, _, NETAGG_VERSION, _, _,                              _, _, _, _, 0 &&& 0xfe,   _, _): admit();
+            /* pool > 1, version right */
+            (0, true,  _,    _,     _,   _,               _, _, NETAGG_VERSION, _, _,                              _, _, _, _, _,            _, _): refuse(DROP_BAD_POOL, 1);
+            /* version wrong */
+            (0, true,  _,    _,     _,   _,               _, _, _,              _, _,                              _, _, _, _, _,            _, _): refuse(DROP_BAD_VERSION, 0);
+        }
+        /* A parser error. */
+        const default_action = refuse(DROP_MALFORMED, 0);
+        size = 32;
+    }
+
+    action shape_bad() {
+        meta.bad_shape = 1;
+    }
+    /* The lengths of the packet's width, and no fragment; an undefined width code is malformed. (A
+     * wide packet of the right shape is refused later, as WRONG_WIDTH: see WorkerLookup.) */
+    table shape {
+        key = {
+            hdr.netagg.width: exact @name("width");
+            hdr.ipv4.total_len: exact @name("ipv4_total_len");
+            hdr.udp.length: exact @name("udp_length");
+            hdr.ipv4.flags[0:0]: exact @name("more_fragments");
+            hdr.ipv4.frag_offset: exact @name("frag_offset");
+        }
+        actions = { shape_bad; NoAction; }
+        const entries = {
+            (NETAGG_WIDTH, NETAGG_IPV4_TOTAL_LENGTH, NETAGG_UDP_LENGTH, 0, 0): NoAction();
+            (NETAGG_WIDTH_WIDE, NETAGG_WIDE_IPV4_TOTAL_LENGTH, NETAGG_WIDE_UDP_LENGTH, 0, 0): NoAction();
+        }
+        const default_action = shape_bad();
+        size = 2;
+    }
+
     apply {
         hdr.bridge.setValid();
         hdr.bridge.to_group = 0;
@@ -99,242 +186,163 @@ control NetaggIngress(inout tna_headers_t hdr,
 
         if (hdr.recirc.isValid()) {
             /* Pass 2 (W/M/R) or 3 (READ_HI): the value pairs (below), then onwards. */
-            meta.pair_op = (bit<8>)hdr.recirc.value_op;
-            meta.pool_index = hdr.recirc.pool[0:0] ++ hdr.recirc.slot_index[11:0];
+            /* Where the packet goes (ResultDelivery) is decided before the value pairs, which it
+             * does not depend on: on Tofino 1 a branch's tables are placed in the order they are
+             * applied, and the pairs need most of the pipe. Only the recirc header's own rewrites
+             * come after them. */
+            result_delivery.apply(hdr, meta, ig_intr_md, ig_dprsr_md, ig_tm_md);
             value_sum.apply(hdr, meta);
-            if (hdr.recirc.deliver == DELIVER_NONE) {
-                /* A contribution absorbed into the slot. */
-                ig_dprsr_md.drop_ctl = 1;
-            } else if (hdr.recirc.value_op == OP_MERGE || hdr.recirc.value_op == OP_READ) {
-                /* The low words are in; once more for the high words. */
-                hdr.recirc.value_op = OP_READ_HI;
-                ig_tm_md.ucast_egress_port = RECIRC_PORT_OF(ig_intr_md.ingress_port);
-            } else {
-                if (hdr.recirc.deliver == DELIVER_UP || hdr.recirc.deliver == DELIVER_UP_RESEND) {
-                    up_finish.apply(hdr);
+            if (hdr.recirc.deliver != DELIVER_NONE) {
+                if (hdr.recirc.value_op == OP_MERGE || hdr.recirc.value_op == OP_READ) {
+                    hdr.recirc.value_op = OP_READ_HI;
                 } else {
-                    result_delivery.apply(hdr);
+                    result_release.apply(hdr, ig_tm_md);
                 }
-                result_release.apply(hdr, ig_tm_md);
-                /* The last pass set the TTL (and addresses): the checksum is recomputed here,
-                 * since a unicast packet's egress does not parse IPv4. */
-                meta.update_checksum = 1;
             }
         } else {
             /* Pass 1. Lookups and flags first, all independent of each other but the jobs
              * table, which is keyed by DownLink's local job; then one decision chain sets
              * drop_reason once on every path. */
+            /* What the value pairs do next and where the packet goes: nothing, unless the
+             * decision below says otherwise (the recirc header is valid only if it recirculates). */
+            hdr.recirc.value_op = OP_NONE;
+            hdr.recirc.deliver = DELIVER_NONE;
+            ig_tm_md.ucast_egress_port = RECIRC_PORT_OF(ig_intr_md.ingress_port);
             down_link.apply(hdr, ig_intr_md.ingress_port, meta);
             /* The per-job counters' index: the packet's job, or a parent's result's local job. */
-            job_index_t job = (job_index_t)meta.local_job;
+            job_index_t job = (job_index_t)hdr.netagg.job_id;
             source_guard.apply(hdr, ig_intr_md.ingress_port, meta);
             worker_lookup.apply(hdr, ig_intr_md.ingress_port, meta);
             up_link.apply(hdr, meta);
             recirc_prepare.apply(hdr, meta, ig_intr_md.ingress_port);
             member_count.apply(hdr, meta);
-            meta.round_behind = hdr.netagg.round - 2;
             meta.exponent_key = ((bit<8>)hdr.netagg.exponent) + 8w0x80;
             /* The flags split by slices, not by masks: an action may apply one ALU operation to a
              * field, and the compiler carries a mask's AND into every later use of its result
              * ((flags & ROUND_FLAGS) | x: an "action spanning multiple stages", docs/tofino.md).
              * The slices follow ROUND_FLAGS (0x78) and ROUND_CE (0x01); the parser zeroed the rest. */
 #if ROUND_FLAGS != 0x78 || ROUND_CE != 0x01 || FLAG_RETRANSMIT != 0x02
-#error "the flags' slices (netagg.p4, tree_links.p4's UpFinish) follow ROUND_FLAGS, ROUND_CE and FLAG_RETRANSMIT"
+#error "the flags' slices (netagg.p4, result_delivery.p4's up actions) follow ROUND_FLAGS, ROUND_CE and FLAG_RETRANSMIT"
 #endif
             meta.flags_keep[7:7] = hdr.netagg.flags[7:7];
             meta.flags_keep[2:0] = hdr.netagg.flags[2:0];
             meta.flags_round[6:3] = hdr.netagg.flags[6:3];
             /* Congestion marks (docs/protocol.md): a CE-marked packet ORs ROUND_CE into its round. */
             if (hdr.ipv4.diffserv[1:0] == ECN_CE) {
-                meta.ce_mark = ROUND_CE;
                 meta.flags_round[0:0] = 1;
-            } else {
-                meta.ce_mark = 0;
             }
-            /* The lengths of the packet's width; an undefined width code is malformed. (A wide
-             * packet of the right shape is refused later, as WRONG_WIDTH: see WorkerLookup.) */
-            if (hdr.netagg.width == NETAGG_WIDTH) {
-                if (hdr.ipv4.total_len != NETAGG_IPV4_TOTAL_LENGTH || hdr.udp.length != NETAGG_UDP_LENGTH) {
-                    meta.bad_shape = 1;
-                }
-            } else if (hdr.netagg.width == NETAGG_WIDTH_WIDE) {
-                if (hdr.ipv4.total_len != NETAGG_WIDE_IPV4_TOTAL_LENGTH
-                        || hdr.udp.length != NETAGG_WIDE_UDP_LENGTH) {
-                    meta.bad_shape = 1;
-                }
-            } else {
-                meta.bad_shape = 1;
-            }
-            if (hdr.ipv4.flags[0:0] == 1 || hdr.ipv4.frag_offset != 0) {
-                meta.bad_shape = 1;
-            }
+            shape.apply();
             if (hdr.ipv4.isValid() && hdr.ipv4.ihl == 5) {
                 meta.update_checksum = 1;
             }
 
-            if (ig_prsr_md.parser_err != PARSER_ERROR_OK) {
-                meta.drop_reason = DROP_MALFORMED;
-                ig_dprsr_md.drop_ctl = 1;
-            } else if (!hdr.ipv4.isValid()) {
-                meta.drop_reason = DROP_NOT_IPV4;
-                ig_dprsr_md.drop_ctl = 1;
-            } else if (meta.down == 0 && hdr.udp.isValid() && hdr.udp.src_port == NETAGG_UDP_PORT) {
-                /* (A parent's result comes from the netagg port: SourceGuard does not apply to it.) */
-                meta.drop_reason = DROP_SPOOFED_SOURCE;
-                ig_dprsr_md.drop_ctl = 1;
-            } else if (meta.down == 0 && (meta.spoof_address == 1 || meta.spoof_port == 1)) {
-                meta.drop_reason = DROP_SPOOFED_SOURCE;
-                ig_dprsr_md.drop_ctl = 1;
-            } else if (!hdr.netagg.isValid()) {
-                ipv4_forward.apply(hdr, meta, ig_tm_md, ig_dprsr_md);
-            } else if (hdr.netagg.version != NETAGG_VERSION) {
-                meta.drop_reason = DROP_BAD_VERSION;
-                ig_dprsr_md.drop_ctl = 1;
-            } else if (meta.bad_shape == 1) {
-                meta.drop_reason = DROP_MALFORMED;
-                ig_dprsr_md.drop_ctl = 1;
-            } else if ((hdr.netagg.flags & FLAG_RESULT) != 0 && meta.down == 0) {
-                meta.drop_reason = DROP_RESULT_FROM_HOST;
-                ig_dprsr_md.drop_ctl = 1;
-            } else if (meta.job_hit == 0) {
-                meta.drop_reason = DROP_UNKNOWN_JOB;
-                ig_dprsr_md.drop_ctl = 1;
-            } else if (meta.worker_hit == 0 && meta.down == 0) {
-                meta.drop_reason = DROP_UNKNOWN_WORKER;
-                ig_dprsr_md.drop_ctl = 1;
-                meta.reject = 1;
-            } else if (meta.wrong_width == 1) {
-                /* Another width than the job's, or wide: this twin aggregates narrow packets only. */
-                meta.drop_reason = DROP_WRONG_WIDTH;
-                ig_dprsr_md.drop_ctl = 1;
-                meta.reject = 1;
-            } else if (meta.slot_out_of_range == 1) {
-                meta.drop_reason = DROP_SLOT_OUT_OF_RANGE;
-                ig_dprsr_md.drop_ctl = 1;
-                meta.reject = 1;
-            } else if (hdr.netagg.pool[7:1] != 0) {
-                meta.drop_reason = DROP_BAD_POOL;
-                ig_dprsr_md.drop_ctl = 1;
-                meta.reject = 1;
-            } else if (meta.rank_mismatch == 1 && meta.down == 0) {
-                meta.drop_reason = DROP_RANK_MISMATCH;
-                ig_dprsr_md.drop_ctl = 1;
-                meta.reject = 1;
-            } else if (meta.not_member == 1 && meta.down == 0) {
-                meta.drop_reason = DROP_NOT_A_MEMBER;
-                ig_dprsr_md.drop_ctl = 1;
-                meta.reject = 1;
-            } else if ((hdr.netagg.flags & FLAG_CLOSE) != 0) {
-                /* Deadline rounds are not built in this twin (docs/tofino.md, "Deadline rounds on
-                 * Tofino (design)"): every close request, and every parent's result of a closed
-                 * round, is refused before any register changes, so a host never reads an echoed
-                 * CLOSE bit as a closed round. */
-                meta.drop_reason = DROP_CLOSE_REFUSED;
-                ig_dprsr_md.drop_ctl = 1;
-                meta.reject = 1;
-            } else {
-                slot_owner.apply(meta);
-                round_check.apply(hdr, meta);
-                if ((meta.down == 0 && meta.stale == 0 && meta.round_ahead[15:15] == 1)
-                        || (meta.down == 1 && (meta.stale == 1 || meta.round_ahead != 0))) {
-                    /* A copy of a round that has been superseded, or a parent's result that is
-                     * not for the current round of a slot this job owns: harmless, dropped. */
-                    job_duplicates.count(job);
-                    ig_dprsr_md.drop_ctl = 1;
-                } else {
-                    if (meta.down == 0) {
-                        bitmap_check.apply(hdr, meta);
-                        exchange_check.apply(hdr, meta);
-                        sender_bit.apply();
-                        if (meta.sender_seen == 0) {
-                            meta.fresh = 1;
-                        }
-                    }
-                    if (meta.down == 0 && meta.first == 0 && meta.bitmap_before == 0) {
-                        /* Other members than the round started with: nothing changed. */
-                        meta.drop_reason = DROP_MEMBERS_MISMATCH;
+            switch (checks.apply().action_run) {
+                forward: {
+                    ipv4_forward.apply(hdr, meta, ig_tm_md, ig_dprsr_md);
+                }
+                admit: {
+                    slot_owner.apply(hdr, meta);
+                    round_check.apply(hdr, meta);
+                    if ((meta.down == 0 && meta.stale == 0 && meta.round_ahead[15:15] == 1)
+                            || (meta.down == 1 && (meta.stale == 1 || meta.round_ahead != 0))) {
+                        /* A copy of a round that has been superseded, or a parent's result that is
+                         * not for the current round of a slot this job owns: harmless, dropped. */
+                        job_duplicates.count(job);
                         ig_dprsr_md.drop_ctl = 1;
-                        meta.reject = 1;
                     } else {
                         if (meta.down == 0) {
-                            worker_count.apply(meta);
+                            bitmap_check.apply(hdr, meta);
+                            exchange_check.apply(hdr, meta);
+                            sender_bit.apply();
+                            if (meta.sender_seen == 0) {
+                                meta.fresh = 1;
+                            }
                         }
-                        /* A parent's result: UP -> FINAL; a contribution: OPEN / UP (tree_links.p4). */
-                        level_state.apply(meta);
-                        if (meta.down == 1) {
-                            if (meta.level == LEVEL_UP) {
-                                /* The parent's result replaces the partial (values, exponent and
-                                 * round flags) and goes to the local group, as the local job's. */
-                                hdr.netagg.job_id = meta.local_job;
-                                meta.value_op = OP_WRITE;
-                                meta.flags_in = meta.flags_round;
-                                meta.to_group = 1;
-                                job_results.count(job);
+                        if (meta.down == 0 && meta.first == 0 && meta.bitmap_before == 0) {
+                            /* Other members than the round started with: nothing changed. */
+                            meta.drop_reason = DROP_MEMBERS_MISMATCH;
+                            ig_dprsr_md.drop_ctl = 1;
+                            meta.reject = 1;
+                        } else {
+                            if (meta.down == 0) {
+                                worker_count.apply(hdr, meta);
+                            }
+                            /* A parent's result: UP -> FINAL; a contribution: OPEN / UP (tree_links.p4). */
+                            level_state.apply(hdr, meta);
+                            if (meta.down == 1) {
+                                if (meta.level == LEVEL_UP) {
+                                    /* The parent's result replaces the partial (values, exponent and
+                                     * round flags) and goes to the local group, as the local job's. */
+                                    /* Its RESULT bit would read as ROUND_CE in the last pass, which
+                                     * sets RESULT again (ResultDelivery). */
+                                    hdr.netagg.flags[0:0] = 0;
+                                    hdr.recirc.value_op = OP_WRITE;
+                                    meta.flags_in = meta.flags_round;
+                                    hdr.recirc.deliver = DELIVER_GROUP;
+                                    job_results.count(job);
+                                } else {
+                                    /* Not sent up yet, or already FINAL (a second copy): nothing changes. */
+                                    job_duplicates.count(job);
+                                }
+                            } else if (meta.fresh == 1 && meta.late == 0) {
+                                if (meta.exchange_mismatch == 1) {
+                                    /* Another collective's contribution: not added, the round marked
+                                     * OUT_OF_STEP; it still counts towards completion, and if it
+                                     * completes the round it leaves with the stored state. Counted as a
+                                     * drop reason without being dropped. */
+                                    meta.drop_reason = DROP_EXCHANGE_MISMATCH;
+                                    meta.reject = 1;
+                                    /* OUT_OF_STEP, and ROUND_CE if the packet came CE-marked: one deposit. */
+                                    meta.flags_in = ((bit<7>)(FLAG_OUT_OF_STEP >> 1)) ++ meta.flags_round[0:0];
+                                    meta.flags_out = meta.flags_keep | FLAG_OUT_OF_STEP;
+                                    if (meta.complete == 1) {
+                                        hdr.recirc.value_op = OP_READ;
+                                    }
+                                } else {
+                                    job_contributions.count(job);
+                                    meta.flags_in = meta.flags_round;
+                                    meta.flags_out = hdr.netagg.flags;
+                                    if (meta.first == 1) {
+                                        hdr.recirc.value_op = OP_WRITE;
+                                    } else {
+                                        hdr.recirc.value_op = OP_MERGE;
+                                    }
+                                }
+                                if (meta.complete == 1) {
+                                    if (meta.has_up == 1) {
+                                        /* Not the root of the job's tree: the partial goes to the parent. */
+                                        hdr.recirc.deliver = DELIVER_UP;
+                                    } else {
+                                        hdr.recirc.deliver = DELIVER_GROUP;
+                                        job_results.count(job);
+                                    }
+                                }
+                            } else if (meta.fresh == 0 && meta.complete == 1) {
+                                /* A resend to a complete round: the stored result back to the sender,
+                                 * or, while the parent's result is outstanding, the partial to the
+                                 * parent again. */
+                                hdr.recirc.value_op = OP_READ;
+                                meta.flags_out = meta.flags_keep;
+                                job_retransmit_results.count(job);
+                                if (meta.has_up == 1 && meta.level != LEVEL_FINAL) {
+                                    hdr.recirc.deliver = DELIVER_UP_RESEND;
+                                } else {
+                                    hdr.recirc.deliver = DELIVER_SENDER;
+                                }
                             } else {
-                                /* Not sent up yet, or already FINAL (a second copy): nothing changes. */
                                 job_duplicates.count(job);
                             }
-                        } else if (meta.fresh == 1 && meta.late == 0) {
-                            if (meta.exchange_mismatch == 1) {
-                                /* Another collective's contribution: not added, the round marked
-                                 * OUT_OF_STEP; it still counts towards completion, and if it
-                                 * completes the round it leaves with the stored state. Counted as a
-                                 * drop reason without being dropped. */
-                                meta.drop_reason = DROP_EXCHANGE_MISMATCH;
-                                meta.reject = 1;
-                                meta.flags_in = FLAG_OUT_OF_STEP | meta.ce_mark;
-                                meta.flags_out = meta.flags_keep | FLAG_OUT_OF_STEP;
-                                if (meta.complete == 1) {
-                                    meta.value_op = OP_READ;
-                                }
+                            /* Whether or not anything leaves: a mismatched contribution marks the round. */
+                            round_flags.apply(hdr, meta);
+                            if (hdr.recirc.value_op == OP_NONE) {
+                                /* A duplicate of an incomplete round, or late: nothing leaves. */
+                                ig_dprsr_md.drop_ctl = 1;
                             } else {
-                                job_contributions.count(job);
-                                meta.flags_in = meta.flags_round;
-                                meta.flags_out = hdr.netagg.flags;
-                                if (meta.first == 1) {
-                                    meta.value_op = OP_WRITE;
-                                } else {
-                                    meta.value_op = OP_MERGE;
+                                exponent_max.apply(hdr, meta);
+                                hdr.recirc.setValid();
+                                if (hdr.recirc.deliver == DELIVER_UP || hdr.recirc.deliver == DELIVER_UP_RESEND) {
+                                    up_delivery.apply(hdr, meta);
                                 }
-                            }
-                            if (meta.complete == 1) {
-                                if (meta.has_up == 1) {
-                                    /* Not the root of the job's tree: the partial goes to the parent. */
-                                    meta.to_up = 1;
-                                } else {
-                                    meta.to_group = 1;
-                                    job_results.count(job);
-                                }
-                            }
-                        } else if (meta.fresh == 0 && meta.complete == 1) {
-                            /* A resend to a complete round: the stored result back to the sender,
-                             * or, while the parent's result is outstanding, the partial to the
-                             * parent again. */
-                            meta.value_op = OP_READ;
-                            meta.flags_out = meta.flags_keep;
-                            job_retransmit_results.count(job);
-                            if (meta.has_up == 1 && meta.level != LEVEL_FINAL) {
-                                meta.to_up = 1;
-                            }
-                        } else {
-                            job_duplicates.count(job);
-                        }
-                        /* Whether or not anything leaves: a mismatched contribution marks the round. */
-                        round_flags.apply(hdr, meta);
-                        /* merge_flags returned the round's ROUND_CE in the flags' RESULT position (no
-                         * contribution carries RESULT; a parent's result does, and takes write_flags):
-                         * the packet leaves CE-marked. ResultDelivery sets RESULT there afterwards. */
-                        if (meta.down == 0 && (hdr.netagg.flags & ROUND_CE) != 0) {
-                            hdr.ipv4.diffserv[1:0] = ECN_CE;
-                        }
-                        if (meta.value_op == OP_NONE) {
-                            /* A duplicate of an incomplete round, or late: nothing leaves. */
-                            ig_dprsr_md.drop_ctl = 1;
-                        } else {
-                            exponent_max.apply(hdr, meta);
-                            recirculate.apply(hdr, meta, ig_intr_md, ig_tm_md);
-                            if (meta.to_up == 1) {
-                                up_delivery.apply(hdr, meta);
                             }
                         }
                     }
@@ -371,9 +379,15 @@ control NetaggEgress(inout tna_headers_t hdr,
             }
             /* Congestion marks: a result copy that found its egress queue deep leaves CE (only the
              * group copies have their IPv4 header parsed in egress; enq_qdepth counts cells). */
-            if (hdr.ipv4.diffserv[1:0] != ECN_NOT_ECT
-                    && eg_intr_md.enq_qdepth >= (bit<19>)ECN_MARK_QDEPTH) {
-                hdr.ipv4.diffserv[1:0] = ECN_CE;
+            /* enq_qdepth >= ECN_MARK_QDEPTH, split so that a gateway can compare it (a 19-bit order
+             * test exceeds what a gateway reads). */
+#if ECN_MARK_QDEPTH >= 32
+#error "the egress queue-depth test (netagg.p4) splits enq_qdepth at bit 5: ECN_MARK_QDEPTH must be < 32"
+#endif
+            if (eg_intr_md.enq_qdepth[18:5] != 0 || eg_intr_md.enq_qdepth[4:0] >= (bit<5>)ECN_MARK_QDEPTH) {
+                if (hdr.ipv4.diffserv[1:0] != ECN_NOT_ECT) {
+                    hdr.ipv4.diffserv[1:0] = ECN_CE;
+                }
             }
         }
     }

@@ -24,7 +24,6 @@ parser NetaggIngressParser(packet_in packet,
         meta.spoof_port = 0;
         meta.job_hit = 0;
         meta.num_workers = 0;
-        meta.mgid = 0;
         meta.generation = 0;
         meta.job_width = 0;
         meta.worker_hit = 0;
@@ -34,13 +33,9 @@ parser NetaggIngressParser(packet_in packet,
         meta.slot_out_of_range = 0;
         meta.wrong_width = 0;
         meta.rank_mismatch = 0;
-        meta.member_bit = 0;
         meta.not_member = 0;
-        meta.slot_index = 0;
-        meta.pool_index = 0;
         meta.stale = 0;
         meta.round_ahead = 0;
-        meta.round_behind = 0;
         meta.bitmap_before = 0;
         meta.sender_seen = 0;
         meta.first = 0;
@@ -49,10 +44,7 @@ parser NetaggIngressParser(packet_in packet,
         meta.complete = 0;
         meta.late = 0;
         meta.bad_shape = 0;
-        meta.value_op = 0;
         meta.exponent_key = 0;
-        meta.to_group = 0;
-        meta.pair_op = 0;
         meta.update_checksum = 0;
         meta.reject = 0;
         meta.member_byte_0 = 0;
@@ -65,7 +57,6 @@ parser NetaggIngressParser(packet_in packet,
         meta.flags_round = 0;
         meta.flags_in = 0;
         meta.flags_out = 0;
-        meta.local_job = 0;
         meta.down = 0;
         meta.has_up = 0;
         meta.up_port = 0;
@@ -74,8 +65,6 @@ parser NetaggIngressParser(packet_in packet,
         meta.up_mac = 0;
         meta.up_addr = 0;
         meta.level = 0;
-        meta.to_up = 0;
-        meta.ce_mark = 0;
         packet.extract(ig_intr_md);
         packet.advance(PORT_METADATA_SIZE);
         transition select(ig_intr_md.ingress_port[6:0]) {

@@ -40,14 +40,40 @@ control BitmapCheck(in tna_headers_t hdr, inout ingress_metadata_t meta) {
         }
     };
 
-    apply {
-        if (meta.stale == 1 || (meta.round_ahead != 0 && meta.round_ahead[15:15] == 0)) {
-            start_round.execute(meta.pool_index);
-            meta.first = 1;
-        } else {
-            meta.bitmap_before = add_worker.execute(meta.pool_index);
-            meta.first = 0;
+    action do_start_round() {
+        start_round.execute(POOL_INDEX);
+        meta.bitmap_before = 0;
+        meta.first = 1;
+    }
+    action do_add_worker() {
+        meta.bitmap_before = add_worker.execute(POOL_INDEX);
+        meta.first = 0;
+    }
+
+    /* Every path writes bitmap_before (a new round's: 0, no bit seen), so that its live range starts
+     * here; the entries cover every packet. */
+    action no_access() { meta.bitmap_before = 0; }
+
+    /* A new round (a slot taken over, or round_ahead > 0 as 16-bit serial arithmetic) or the same
+     * one (round_ahead 0; a superseded round's packet, round_ahead < 0, never gets here). */
+    table bitmap_access {
+        key = {
+            meta.stale: ternary;
+            meta.round_ahead: ternary;
         }
+        actions = { do_start_round; do_add_worker; no_access; }
+        const entries = {
+            (1, _): do_start_round();
+            (0, 0): do_add_worker();
+            (0, 0x8000 &&& 0x8000): do_add_worker();
+            (0, _): do_start_round();
+        }
+        const default_action = no_access();
+        size = 4;
+    }
+
+    apply {
+        bitmap_access.apply();
     }
 }
 

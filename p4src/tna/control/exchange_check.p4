@@ -28,13 +28,33 @@ control ExchangeCheck(in tna_headers_t hdr, inout ingress_metadata_t meta) {
         }
     };
 
-    apply {
-        if (meta.stale == 1 || (meta.round_ahead != 0 && meta.round_ahead[15:15] == 0)) {
-            start_exchange.execute(meta.pool_index);
-            meta.exchange_mismatch = 0;
-        } else {
-            meta.exchange_mismatch = check_exchange.execute(meta.pool_index);
+    action do_start_exchange() {
+        start_exchange.execute(POOL_INDEX);
+        meta.exchange_mismatch = 0;
+    }
+    action do_check_exchange() {
+        meta.exchange_mismatch = check_exchange.execute(POOL_INDEX);
+    }
+
+    /* The bitmap's condition (BitmapCheck's bitmap_access): a new round, or the same one. */
+    table exchange_access {
+        key = {
+            meta.stale: ternary;
+            meta.round_ahead: ternary;
         }
+        actions = { do_start_exchange; do_check_exchange; NoAction; }
+        const entries = {
+            (1, _): do_start_exchange();
+            (0, 0): do_check_exchange();
+            (0, 0x8000 &&& 0x8000): do_check_exchange();
+            (0, _): do_start_exchange();
+        }
+        const default_action = NoAction();
+        size = 4;
+    }
+
+    apply {
+        exchange_access.apply();
     }
 }
 

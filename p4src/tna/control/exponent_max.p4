@@ -26,14 +26,25 @@ control ExponentMax(inout tna_headers_t hdr, inout ingress_metadata_t meta) {
         }
     };
 
-    apply {
-        if (meta.value_op == OP_WRITE) {
-            hdr.netagg.exponent = (int<8>)write_exponent.execute(meta.pool_index);
-        } else if (meta.value_op == OP_MERGE) {
-            hdr.netagg.exponent = (int<8>)merge_exponent.execute(meta.pool_index);
-        } else if (meta.value_op == OP_READ) {
-            hdr.netagg.exponent = (int<8>)read_exponent.execute(meta.pool_index);
+    action do_write() { hdr.netagg.exponent = (int<8>)write_exponent.execute(POOL_INDEX); }
+    action do_merge() { hdr.netagg.exponent = (int<8>)merge_exponent.execute(POOL_INDEX); }
+    action do_read() { hdr.netagg.exponent = (int<8>)read_exponent.execute(POOL_INDEX); }
+
+    /* The access follows the value operation (the recirc header's, set by the decision). */
+    table exponent_access {
+        key = { hdr.recirc.value_op: exact @name("value_op"); }
+        actions = { do_write; do_merge; do_read; NoAction; }
+        const entries = {
+            OP_WRITE: do_write();
+            OP_MERGE: do_merge();
+            OP_READ: do_read();
         }
+        const default_action = NoAction();
+        size = 4;
+    }
+
+    apply {
+        exponent_access.apply();
     }
 }
 

@@ -55,9 +55,9 @@ control MemberCount(in tna_headers_t hdr, inout ingress_metadata_t meta) {
         meta.member_byte_0 = meta.member_byte_0 + meta.member_byte_1;
         meta.member_byte_2 = meta.member_byte_2 + meta.member_byte_3;
         if (hdr.netagg.members == 0) {
-            meta.expected = (bit<32>)meta.num_workers;
+            meta.expected = meta.num_workers;
         } else {
-            meta.expected = (bit<32>)(meta.member_byte_0 + meta.member_byte_2);
+            meta.expected = meta.member_byte_0 + meta.member_byte_2;
         }
     }
 }

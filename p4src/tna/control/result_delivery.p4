@@ -1,70 +1,114 @@
 /* netagg (TNA): where a result goes; see v1model/control/result_delivery.p4.
- * Ingress, last pass (ResultDelivery): a completed round's packet becomes a RESULT from the
- *   aggregator address (for the job's group, or back to a resending sender).
- * Ingress, pass 1 and 2 (Recirculate): the packet goes to its pipe's recirculation port with
- *   a recirc header saying what the value pairs do next and where it goes afterwards.
- * Ingress, last pass (ResultRelease): the sums are complete; send the packet where pass 1 said
+ * Ingress, pass 1: the recirc header's addressing fields early (RecircPrepare); the decision
+ *   sets its operation and destination, and a packet that goes on recirculates to its pipe's
+ *   recirculation port (set at the start of pass 1) with the header made valid.
+ * Ingress, passes 2 and 3 (ResultDelivery, one table): absorbed, once more for the high words,
+ *   or the last pass: a completed round's packet becomes a RESULT from the aggregator address
+ *   (for the job's group, or back to a resending sender), or a partial for the parent.
+ * Ingress, last pass, after the value pairs (ResultRelease): send the packet where pass 1 said
  *   (for a partial going up the tree: out of the up port, see tree_links.p4).
  * Egress (ResultRewrite): each replica of a group copy gets its receiver's MAC, IPv4 address
  *   and UDP port from replicas[(mgid, rid)]; mgid comes bridged from ingress. */
 #ifndef _NETAGG_TNA_RESULT_DELIVERY_P4_
 #define _NETAGG_TNA_RESULT_DELIVERY_P4_
 
-control ResultDelivery(inout tna_headers_t hdr) {
-    apply {
-        mac_addr_t sender_mac = hdr.ethernet.src_addr;
-        ipv4_addr_t sender_addr = hdr.ipv4.src_addr;
-        bit<16> sender_port = hdr.udp.src_port;
-        hdr.ethernet.src_addr = hdr.ethernet.dst_addr;
-        hdr.ipv4.src_addr = hdr.ipv4.dst_addr;
-        hdr.udp.src_port = NETAGG_UDP_PORT;
-        hdr.ipv4.ttl = RESULT_TTL;
-        hdr.udp.checksum = 0;
-        hdr.netagg.flags = hdr.netagg.flags | FLAG_RESULT;
-        /* The exponent register's biased value, unbiased once, here (see ExponentMax). */
-        hdr.netagg.exponent = hdr.netagg.exponent + 8s0x40 + 8s0x40;
-        if (hdr.recirc.deliver == DELIVER_SENDER) {
-            hdr.ethernet.dst_addr = sender_mac;
-            hdr.ipv4.dst_addr = sender_addr;
-            hdr.udp.dst_port = sender_port;
+control ResultDelivery(inout tna_headers_t hdr, inout ingress_metadata_t meta,
+                       in ingress_intrinsic_metadata_t ig_intr_md,
+                       inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
+                       inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+    /* A contribution absorbed into the slot. */
+    action absorb() {
+        ig_dprsr_md.drop_ctl = 1;
+    }
+
+    /* The low words are in; once more for the high words, back where it came from: the pipe's
+     * recirculation port (a copy: RECIRC_PORT_OF's concatenation takes two instructions). */
+    action again() {
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
+    }
+
+    /* A RESULT from the aggregator address, to the job's group (the egress rewrites each copy's
+     * destination) or back to a resending sender; or a partial for the parent (DELIVER_UP, or
+     * DELIVER_UP_RESEND for a resend; UpDelivery rewrote its addresses in pass 1). Each is one
+     * action, so a swap's old values are read in the same VLIW step as they are overwritten (no
+     * PHV for temporaries), and each has a twin (`_ce`) that also marks the packet CE: merge_flags
+     * left the round's ROUND_CE in the flags' RESULT bit in pass 1 (a parent's result cleared its
+     * own there). The exponent register's biased value is unbiased once, here (see ExponentMax).
+     * The TTL is set here, so the last pass recomputes the IPv4 checksum (a unicast packet's
+     * egress does not parse IPv4). A partial keeps, of the flags, the round's (RoundFlags put them
+     * in the packet in pass 1), with RETRANSMIT on a resend and no RESULT: the round's bits
+     * deposited into a constant, one instruction (see the flags' split in netagg.p4). */
+#define RESULT_HEADER                                                                       \
+        hdr.ipv4.ttl = RESULT_TTL;                                                          \
+        hdr.udp.checksum = 0;                                                               \
+        hdr.netagg.flags = hdr.netagg.flags | FLAG_RESULT;                                  \
+        hdr.netagg.exponent = hdr.netagg.exponent + 8s0x40 + 8s0x40;                        \
+        hdr.ethernet.src_addr = hdr.ethernet.dst_addr;                                      \
+        hdr.ipv4.src_addr = hdr.ipv4.dst_addr;                                              \
+        hdr.udp.src_port = NETAGG_UDP_PORT;                                                 \
+        meta.update_checksum = 1;
+#define TO_SENDER                                                                           \
+        mac_addr_t sender_mac = hdr.ethernet.src_addr;                                      \
+        ipv4_addr_t sender_addr = hdr.ipv4.src_addr;                                        \
+        bit<16> sender_port = hdr.udp.src_port;                                             \
+        RESULT_HEADER                                                                       \
+        hdr.ethernet.dst_addr = sender_mac;                                                 \
+        hdr.ipv4.dst_addr = sender_addr;                                                    \
+        hdr.udp.dst_port = sender_port;
+#define PARTIAL_UP(low_flags)                                                               \
+        hdr.netagg.exponent = hdr.netagg.exponent + 8s0x40 + 8s0x40;                        \
+        hdr.netagg.flags = 1w0 ++ hdr.netagg.flags[6:3] ++ low_flags;                       \
+        meta.update_checksum = 1;
+    action to_group() { RESULT_HEADER }
+    action to_group_ce() { RESULT_HEADER hdr.ipv4.diffserv[1:0] = ECN_CE; }
+    action to_sender() { TO_SENDER }
+    action to_sender_ce() { TO_SENDER hdr.ipv4.diffserv[1:0] = ECN_CE; }
+    action up() { PARTIAL_UP(3w0b000) }
+    action up_ce() { PARTIAL_UP(3w0b000) hdr.ipv4.diffserv[1:0] = ECN_CE; }
+    action up_resend() { PARTIAL_UP(3w0b010) }
+    action up_resend_ce() { PARTIAL_UP(3w0b010) hdr.ipv4.diffserv[1:0] = ECN_CE; }
+
+    /* Every pass after the first: one table instead of a branch per case (a logical table each,
+     * in the stages the value pairs need). The value pairs' ALUs do not depend on it, so it is
+     * applied before them. */
+    table delivery {
+        key = {
+            hdr.recirc.deliver: ternary @name("deliver");
+            hdr.recirc.value_op: ternary @name("value_op");
+            hdr.netagg.flags[0:0]: ternary @name("round_ce");
         }
+        actions = { absorb; again; to_group; to_group_ce; to_sender; to_sender_ce; up; up_ce; up_resend;
+                    up_resend_ce; NoAction; }
+        const entries = {
+            (DELIVER_NONE, _, _): absorb();
+            (_, OP_MERGE, _): again();
+            (_, OP_READ, _): again();
+            (DELIVER_GROUP, _, 0): to_group();
+            (DELIVER_GROUP, _, 1): to_group_ce();
+            (DELIVER_SENDER, _, 0): to_sender();
+            (DELIVER_SENDER, _, 1): to_sender_ce();
+            (DELIVER_UP, _, 0): up();
+            (DELIVER_UP, _, 1): up_ce();
+            (DELIVER_UP_RESEND, _, 0): up_resend();
+            (DELIVER_UP_RESEND, _, 1): up_resend_ce();
+        }
+        const default_action = NoAction();
+        size = 16;
+    }
+
+    apply {
+        delivery.apply();
     }
 }
 
 /* The recirc header's addressing fields, written early in pass 1 whatever becomes of the
- * packet (they only leave the switch's pipeline if Recirculate makes the header valid). */
+ * packet (they only leave the switch's pipeline if the header is made valid). The jobs table's
+ * action writes its mgid and slot_index (WorkerLookup). */
 control RecircPrepare(inout tna_headers_t hdr, in ingress_metadata_t meta, in port_t ingress_port) {
     apply {
-        hdr.recirc.mgid = meta.mgid;
-        hdr.recirc.port = (bit<16>)ingress_port;
-        hdr.recirc.slot_index = meta.slot_index;
-        hdr.recirc.pool = (bit<16>)hdr.netagg.pool;
-    }
-}
-
-control Recirculate(inout tna_headers_t hdr, in ingress_metadata_t meta,
-                    in ingress_intrinsic_metadata_t ig_intr_md,
-                    inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
-    apply {
-        hdr.recirc.setValid();
-        hdr.recirc.value_op = (bit<16>)meta.value_op;
-        /* to_group first: a parent's accepted result (tree_links.p4) goes to the group without
-         * completing anything here; a completed round's packet has to_group or to_up set, or is a
-         * resend's answer. */
-        if (meta.to_group == 1) {
-            hdr.recirc.deliver = DELIVER_GROUP;
-        } else if (meta.to_up == 1) {
-            if (meta.fresh == 1) {
-                hdr.recirc.deliver = DELIVER_UP;
-            } else {
-                hdr.recirc.deliver = DELIVER_UP_RESEND;
-            }
-        } else if (meta.complete == 0) {
-            hdr.recirc.deliver = DELIVER_NONE;
-        } else {
-            hdr.recirc.deliver = DELIVER_SENDER;
-        }
-        ig_tm_md.ucast_egress_port = RECIRC_PORT_OF(ig_intr_md.ingress_port);
+        /* A slice (one instruction; a zero-extending copy is two): the last pass reads only these
+         * bits (as PortId_t). */
+        hdr.recirc.port[8:0] = ingress_port;
     }
 }
 

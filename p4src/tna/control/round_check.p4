@@ -20,7 +20,7 @@
     };                                                                                      \
     RegisterAction<bit<16>, slot_reg_index_t, bit<16>>(round_pool##p) trail_pool##p = {     \
         void apply(inout bit<16> current) {                                                 \
-            current = meta.round_behind;                                                    \
+            current = hdr.netagg.round - 2;                                                  \
         }                                                                                   \
     };                                                                                      \
     RegisterAction<bit<16>, slot_reg_index_t, bit<16>>(round_pool##p) advance_pool##p = {   \
@@ -41,26 +41,56 @@ control RoundCheck(in tna_headers_t hdr, inout ingress_metadata_t meta) {
     POOL_ROUND_REGISTER(0)
     POOL_ROUND_REGISTER(1)
 
+    action peek0() { meta.round_ahead = peek_pool0.execute(SLOT_INDEX); }
+    action start0() {
+        start_pool0.execute(SLOT_INDEX);
+        meta.round_ahead = 0;
+    }
+    action advance0() { meta.round_ahead = advance_pool0.execute(SLOT_INDEX); }
+    action trail0() { trail_pool0.execute(SLOT_INDEX); }
+    action peek1() { meta.round_ahead = peek_pool1.execute(SLOT_INDEX); }
+    action start1() {
+        start_pool1.execute(SLOT_INDEX);
+        meta.round_ahead = 0;
+    }
+    /* Every path writes round_ahead (a slot taken over: 0), so that its live range starts here and
+     * its PHV can be shared with fields dead by then; the entries cover every packet. */
+    action no_access() { meta.round_ahead = 0; }
+    action advance1() { meta.round_ahead = advance_pool1.execute(SLOT_INDEX); }
+    action trail1() { trail_pool1.execute(SLOT_INDEX); }
+
+    /* The packet's pool: a parent's result (down) only peeks; a slot taken over (stale) starts the
+     * round; otherwise the round advances. One table per pool (a table's actions must all address
+     * the same registers), chosen by the pool; a slot taken over also trails the other pool. */
+#define POOL_ACCESS(p)                                                                      \
+    table pool##p##_access {                                                                \
+        key = {                                                                             \
+            meta.down: ternary;                                                             \
+            meta.stale: ternary;                                                            \
+        }                                                                                   \
+        actions = { peek##p; start##p; advance##p; no_access; }                             \
+        const entries = {                                                                   \
+            (1, _): peek##p();                                                              \
+            (0, 1): start##p();                                                             \
+            (0, 0): advance##p();                                                           \
+        }                                                                                   \
+        const default_action = no_access();                                                 \
+        size = 3;                                                                           \
+    }
+    POOL_ACCESS(0)
+    POOL_ACCESS(1)
+
     apply {
-        if (meta.down == 1) {
-            if (hdr.netagg.pool == 0) {
-                meta.round_ahead = peek_pool0.execute(meta.pool_index[11:0]);
-            } else {
-                meta.round_ahead = peek_pool1.execute(meta.pool_index[11:0]);
-            }
-        } else if (meta.stale == 1) {
-            if (hdr.netagg.pool == 0) {
-                start_pool0.execute(meta.pool_index[11:0]);
-                trail_pool1.execute(meta.pool_index[11:0]);
-            } else {
-                trail_pool0.execute(meta.pool_index[11:0]);
-                start_pool1.execute(meta.pool_index[11:0]);
+        /* (Pools other than 0 and 1 were refused as BAD_POOL before.) */
+        if (hdr.netagg.pool[0:0] == 0) {
+            pool0_access.apply();
+            if (meta.down == 0 && meta.stale == 1) {
+                trail1();
             }
         } else {
-            if (hdr.netagg.pool == 0) {
-                meta.round_ahead = advance_pool0.execute(meta.pool_index[11:0]);
-            } else {
-                meta.round_ahead = advance_pool1.execute(meta.pool_index[11:0]);
+            pool1_access.apply();
+            if (meta.down == 0 && meta.stale == 1) {
+                trail0();
             }
         }
     }

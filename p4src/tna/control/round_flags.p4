@@ -30,12 +30,22 @@ control RoundFlags(inout tna_headers_t hdr, in ingress_metadata_t meta) {
         }
     };
 
-    apply {
-        if (meta.value_op == OP_WRITE) {
-            write_flags.execute(meta.pool_index);
-        } else {
-            hdr.netagg.flags = merge_flags.execute(meta.pool_index);
+    action do_write_flags() { write_flags.execute(POOL_INDEX); }
+    action do_merge_flags() { hdr.netagg.flags = merge_flags.execute(POOL_INDEX); }
+
+    table flags_access {
+        key = { hdr.recirc.value_op: ternary @name("value_op"); }
+        actions = { do_write_flags; do_merge_flags; NoAction; }
+        const entries = {
+            OP_WRITE: do_write_flags();
+            _: do_merge_flags();
         }
+        const default_action = NoAction();
+        size = 2;
+    }
+
+    apply {
+        flags_access.apply();
     }
 }
 

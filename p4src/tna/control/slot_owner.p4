@@ -5,7 +5,7 @@
 #ifndef _NETAGG_TNA_SLOT_OWNER_P4_
 #define _NETAGG_TNA_SLOT_OWNER_P4_
 
-control SlotOwner(inout ingress_metadata_t meta) {
+control SlotOwner(in tna_headers_t hdr, inout ingress_metadata_t meta) {
     Register<bit<32>, slot_reg_index_t>(NUM_SLOTS, 0) slot_owner;
 
     RegisterAction<bit<32>, slot_reg_index_t, bit<1>>(slot_owner) claim = {
@@ -29,12 +29,24 @@ control SlotOwner(inout ingress_metadata_t meta) {
         }
     };
 
-    apply {
-        if (meta.down == 1) {
-            meta.stale = check.execute(meta.pool_index[11:0]);
-        } else {
-            meta.stale = claim.execute(meta.pool_index[11:0]);
+    action do_claim() { meta.stale = claim.execute(SLOT_INDEX); }
+    action do_check() { meta.stale = check.execute(SLOT_INDEX); }
+
+    /* One table picks the access (each `if` around an execute would be a logical table of its own). */
+    table owner_access {
+        key = { meta.down: exact; }
+        actions = { do_claim; do_check; NoAction; }
+        const entries = {
+            0: do_claim();
+            1: do_check();
         }
+        /* (An action with a computed register index cannot be a default action.) */
+        const default_action = NoAction();
+        size = 2;
+    }
+
+    apply {
+        owner_access.apply();
     }
 }
 

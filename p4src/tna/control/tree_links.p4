@@ -5,32 +5,30 @@
  * down_links: (ingress port, IPv4 source, job id)     -> the local job id
  * Both tables are empty on a switch that is not part of a tree. What differs (docs/tofino.md,
  * "Tree paths"):
- * - DownLink runs in pass 1's first stage, only for a RESULT (as in the v1model program); its
- *   local job (or, for every other packet, the packet's own job id) is meta.local_job, which
- *   keys the jobs table (WorkerLookup) and indexes the per-job counters. The packet's job id is
- *   rewritten only once the result is accepted.
- * - UpLink runs in the first stage too, on the packet's job id, for every packet; only the
- *   contribution path reads has_up (the v1model program does not look it up for a result from
- *   above, whose path never reads it).
- * - LevelState is one stateful ALU with four RegisterActions, chosen by what the packet is; it
- *   returns the level the packet found where the ingress needs it.
- * - The up rewrite is split over the passes: UpDelivery (pass 1, after Recirculate) writes the
- *   addresses, ports, parent job, rank and members, and the up port as the recirc header's
- *   port, from up_links' action data, which only pass 1 has; UpFinish (the last pass) sets the
- *   flags from the round flags that RoundFlags put in the packet, and removes the exponent's
- *   bias, as ResultDelivery does for a result. */
+ * - DownLink runs in pass 1's first stage, only for a RESULT (as in the v1model program), and
+ *   rewrites a parent's result's job id to the local job's at once, so that the jobs table
+ *   (WorkerLookup) and the per-job counters use it; a result that is not accepted is dropped.
+ * - UpLink runs for every packet, on the (local) job id; only the contribution path reads has_up
+ *   (the v1model program does not look it up for a result from above, whose path never reads
+ *   it).
+ * - LevelState is one stateful ALU with four RegisterActions, chosen by one table from what the
+ *   packet is; it returns the level the packet found where the ingress needs it.
+ * - The up rewrite is split over the passes: UpDelivery (pass 1, once the recirc header is
+ *   valid) writes the addresses, ports, parent job, rank and members, and the up port as the
+ *   recirc header's port, from up_links' action data, which only pass 1 has; ResultDelivery's
+ *   `up` and `up_resend` (the last pass) set the flags from the round flags that RoundFlags put
+ *   in the packet, and remove the exponent's bias, as for a result. */
 #ifndef _NETAGG_TNA_TREE_LINKS_P4_
 #define _NETAGG_TNA_TREE_LINKS_P4_
 
-control DownLink(in tna_headers_t hdr, in port_t ingress_port, inout ingress_metadata_t meta) {
+control DownLink(inout tna_headers_t hdr, in port_t ingress_port, inout ingress_metadata_t meta) {
     action set_down_link(bit<16> job) {
         meta.down = 1;
-        meta.local_job = job;
+        hdr.netagg.job_id = job;
     }
 
     action no_down_link() {
         meta.down = 0;
-        meta.local_job = hdr.netagg.job_id;
     }
 
     table down_links {
@@ -51,8 +49,6 @@ control DownLink(in tna_headers_t hdr, in port_t ingress_port, inout ingress_met
         if (hdr.netagg.isValid() && (hdr.netagg.flags & FLAG_RESULT) != 0) {
             /* Only a RESULT can be a parent's result (a contribution on the up port is not). */
             down_links.apply();
-        } else {
-            meta.local_job = hdr.netagg.job_id;
         }
     }
 }
@@ -61,7 +57,7 @@ control UpLink(in tna_headers_t hdr, inout ingress_metadata_t meta) {
     action set_up_link(port_t port, bit<16> parent_job, bit<8> parent_rank, mac_addr_t parent_mac,
                        ipv4_addr_t parent_addr) {
         meta.has_up = 1;
-        meta.up_port = port;
+        meta.up_port = (bit<16>)port;
         meta.up_job = parent_job;
         meta.up_rank = parent_rank;
         meta.up_mac = parent_mac;
@@ -105,7 +101,7 @@ control UpLink(in tna_headers_t hdr, inout ingress_metadata_t meta) {
  * such packet reads (the v1model program reads meta.level only for a resend to a complete
  * round with an up link, which raise_level serves). The choice needs complete and late, which
  * come from the count (WorkerCount) one stage before; a parent's result skips the count. */
-control LevelState(inout ingress_metadata_t meta) {
+control LevelState(in tna_headers_t hdr, inout ingress_metadata_t meta) {
     Register<bit<8>, pool_reg_index_t>(NUM_POOL_SLOTS, LEVEL_OPEN) level_state;
 
     RegisterAction<bit<8>, pool_reg_index_t, bit<8>>(level_state) take_result = {
@@ -135,18 +131,33 @@ control LevelState(inout ingress_metadata_t meta) {
         }
     };
 
-    apply {
-        if (meta.down == 1) {
-            meta.level = take_result.execute(meta.pool_index);
-        } else if (meta.first == 1) {
-            if (meta.has_up == 1 && meta.complete == 1) {
-                start_up.execute(meta.pool_index);
-            } else {
-                start_open.execute(meta.pool_index);
-            }
-        } else if (meta.has_up == 1 && meta.complete == 1 && meta.late == 0) {
-            meta.level = raise_level.execute(meta.pool_index);
+    action do_take_result() { meta.level = take_result.execute(POOL_INDEX); }
+    action do_start_open() { start_open.execute(POOL_INDEX); }
+    action do_start_up() { start_up.execute(POOL_INDEX); }
+    action do_raise_level() { meta.level = raise_level.execute(POOL_INDEX); }
+
+    /* The rules above as one table (in this order). */
+    table level_access {
+        key = {
+            meta.down: ternary;
+            meta.first: ternary;
+            meta.has_up: ternary;
+            meta.complete: ternary;
+            meta.late: ternary;
         }
+        actions = { do_take_result; do_start_open; do_start_up; do_raise_level; NoAction; }
+        const entries = {
+            (1, _, _, _, _): do_take_result();
+            (0, 1, 1, 1, _): do_start_up();
+            (0, 1, _, _, _): do_start_open();
+            (0, 0, 1, 1, 0): do_raise_level();
+        }
+        const default_action = NoAction();
+        size = 4;
+    }
+
+    apply {
+        level_access.apply();
     }
 }
 
@@ -154,8 +165,8 @@ control LevelState(inout ingress_metadata_t meta) {
  * address and MAC the workers sent to and the tree port, to the parent's netagg port, with the
  * parent's job id and this switch's rank there, members 0; the recirc header's port becomes the
  * up port, which ResultRelease sends it out of after the last pass. Slot, pool, round, seq and
- * exchange stay; the values come in passes 2 and 3, the flags and exponent in UpFinish. Applied
- * after Recirculate, which makes the recirc header valid. */
+ * exchange stay; the values come in passes 2 and 3, the flags and exponent in ResultDelivery's
+ * `up` actions. Applied once the recirc header is valid. */
 control UpDelivery(inout tna_headers_t hdr, in ingress_metadata_t meta) {
     apply {
         hdr.ethernet.src_addr = hdr.ethernet.dst_addr;
@@ -169,24 +180,7 @@ control UpDelivery(inout tna_headers_t hdr, in ingress_metadata_t meta) {
         hdr.netagg.job_id = meta.up_job;
         hdr.netagg.rank = meta.up_rank;
         hdr.netagg.members = 0;
-        hdr.recirc.port = (bit<16>)meta.up_port;
-    }
-}
-
-/* The last pass of a partial going up (DELIVER_UP, DELIVER_UP_RESEND): of the flags, the
- * round's (RoundFlags put them in the packet in pass 1: flags & ROUND_FLAGS is the round's
- * value whichever of its actions ran), and RETRANSMIT on a resend; no RESULT. The exponent
- * register's biased value, unbiased once, as in ResultDelivery. */
-control UpFinish(inout tna_headers_t hdr) {
-    apply {
-        hdr.netagg.exponent = hdr.netagg.exponent + 8s0x40 + 8s0x40;
-        /* flags & ROUND_FLAGS (0x78) by slices, then RETRANSMIT (0x02) on a resend: one ALU operation
-         * per action (see the flags' split in netagg.p4). */
-        hdr.netagg.flags[7:7] = 0;
-        hdr.netagg.flags[2:0] = 0;
-        if (hdr.recirc.deliver != DELIVER_UP) {
-            hdr.netagg.flags[1:1] = 1;
-        }
+        hdr.recirc.port = meta.up_port;
     }
 }
 

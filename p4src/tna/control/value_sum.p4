@@ -41,12 +41,12 @@ struct value_pair_t {
             hi = sums.hi;                                                                 \
         }                                                                                 \
     };                                                                                    \
-    action do_write_##i() { write_##i.execute(meta.pool_index); }                                   \
-    action do_merge_##i() { hdr.values.v##i = merge_##i.execute(meta.pool_index); }                 \
-    action do_read_lo_##i() { hdr.values.v##i = read_lo_##i.execute(meta.pool_index); }             \
-    action do_read_hi_##i() { hdr.values.v##j = read_hi_##i.execute(meta.pool_index); }             \
-    table values_##i {                                                                    \
-        key = { meta.pair_op: exact; }                                                   \
+    action do_write_##i() { write_##i.execute(POOL_INDEX); }                                   \
+    action do_merge_##i() { hdr.values.v##i = merge_##i.execute(POOL_INDEX); }                 \
+    action do_read_lo_##i() { hdr.values.v##i = read_lo_##i.execute(POOL_INDEX); }             \
+    action do_read_hi_##i() { hdr.values.v##j = read_hi_##i.execute(POOL_INDEX); }             \
+    table values_##i {                                                                                         \
+        key = { hdr.recirc.value_op: exact @name("value_op"); }                                                 \
         actions = { do_write_##i; do_merge_##i; do_read_lo_##i; do_read_hi_##i; NoAction; } \
         const entries = {                                                                 \
             OP_WRITE: do_write_##i();                                                     \

@@ -1,16 +1,17 @@
 /* netagg (TNA): which job and worker sent this packet, and may it touch the slot it names?
  * Same tables as v1model/control/worker_lookup.p4. Both lookups run unconditionally and only
  * set their own outputs (hits, action data, the absolute slot and the slot's room); the
- * ingress's decision chain turns misses and mismatches into drop reasons. workers runs in the
- * first stage on the packet's job id; jobs is keyed by meta.local_job, which is the packet's
- * job id or, for a parent's result coming down, down_links' local job (tree_links.p4; the
- * v1model program rewrites hdr.netagg.job_id before its jobs lookup), so it runs one stage
- * after down_links. A parent's result needs only the job: the decision chain ignores the
- * worker miss and the sender checks for it (meta.down), as the v1model program skips them.
+ * ingress's checks table turns misses and mismatches into drop reasons. Both are keyed by the
+ * packet's job id, which DownLink rewrites to the local job's for a parent's result coming down
+ * (as the v1model program does before its jobs lookup), so they run one stage after down_links.
+ * A parent's result needs only the job: the checks ignore the worker miss and the sender checks
+ * for it (meta.down), as the v1model program skips them. The jobs action writes the recirc
+ * header's mgid and absolute slot directly (no metadata copy), and the worker action takes
+ * members & worker_mask into sender_seen (free until BitmapCheck's stage).
  * The range test is a subtraction whose sign a gateway reads (a gateway compares two fields
  * for equality, not order); with slot < NUM_SLOTS (which the controller's slot_base +
  * slot_count <= NUM_SLOTS implies) 16 bits hold it. A subset round's sender outside its members
- * is flagged (meta.not_member) from members & worker_mask, taken in the worker table's action. Registers are indexed pool * NUM_SLOTS +
+ * is flagged (meta.not_member) from members & worker_mask. Registers are indexed pool * NUM_SLOTS +
  * slot here (v1model: slot * NUM_POOLS + pool): that layout needs no shift.
  * The jobs entry carries the job's width (set_job's last parameter, as in the P4Info); this twin
  * aggregates narrow packets only, so a packet whose width is not its job's, or is wide, is
@@ -19,15 +20,15 @@
 #ifndef _NETAGG_TNA_WORKER_LOOKUP_P4_
 #define _NETAGG_TNA_WORKER_LOOKUP_P4_
 
-control WorkerLookup(in tna_headers_t hdr, in port_t ingress_port, inout ingress_metadata_t meta) {
+control WorkerLookup(inout tna_headers_t hdr, in port_t ingress_port, inout ingress_metadata_t meta) {
     action set_job(bit<8> num_workers, slot_index_t slot_base, bit<16> slot_count,
                    bit<16> mgid, bit<32> generation, bit<8> width) {
         meta.job_hit = 1;
         meta.num_workers = num_workers;
-        meta.mgid = mgid;
+        hdr.recirc.mgid = mgid;
         meta.generation = generation;
         meta.job_width = width;
-        meta.slot_index = slot_base[15:0] + hdr.netagg.slot;
+        hdr.recirc.reg_index = slot_base[15:0] + hdr.netagg.slot;
         meta.slot_room = slot_count - hdr.netagg.slot;
     }
 
@@ -37,7 +38,7 @@ control WorkerLookup(in tna_headers_t hdr, in port_t ingress_port, inout ingress
 
     table jobs {
         key = {
-            meta.local_job: exact @name("job_id");
+            hdr.netagg.job_id: exact @name("job_id");
         }
         actions = {
             set_job;
@@ -51,7 +52,7 @@ control WorkerLookup(in tna_headers_t hdr, in port_t ingress_port, inout ingress
         meta.worker_hit = 1;
         meta.rank = rank;
         meta.worker_mask = worker_mask;
-        meta.member_bit = hdr.netagg.members & worker_mask;
+        meta.sender_seen = hdr.netagg.members & worker_mask;
     }
 
     action unknown_worker() {
@@ -87,10 +88,12 @@ control WorkerLookup(in tna_headers_t hdr, in port_t ingress_port, inout ingress
         if (hdr.netagg.rank != meta.rank) {
             meta.rank_mismatch = 1;
         }
-        if (hdr.netagg.members != 0 && meta.member_bit == 0) {
+        if (hdr.netagg.members != 0 && meta.sender_seen == 0) {
             meta.not_member = 1;
         }
-        meta.pool_index = hdr.netagg.pool[0:0] ++ meta.slot_index[11:0];
+        /* The absolute slot is < NUM_SLOTS (4096) where a register is touched: its bit 12 takes the
+         * pool (one deposit; a concatenation is two instructions). */
+        hdr.recirc.reg_index[12:12] = hdr.netagg.pool[0:0];
     }
 }
 
