@@ -6,6 +6,7 @@ Without bf-p4c the source-level checks below still run: the stateful ALUs the de
 widths (docs/tofino.md, "Wide packets": both shapes checked, wide packets refused).
 """
 
+import itertools
 import json
 import re
 import shutil
@@ -117,11 +118,95 @@ def test_compiler_warnings_are_split_from_target_notes():
     assert len(notes) == 1 and "min_parse_depth" in notes[0]
 
 
-def _decision_chain() -> list[str]:
-    """The drop reasons of pass 1's decision chain, in order."""
+def _defines() -> dict[str, int]:
+    """Every object-like numeric #define of the shared and TNA defines."""
+    text = (dp.P4SRC_DIR / "shared" / "defines.p4").read_text() + (TNA_DIR / "defines.p4").read_text()
+    return {name: int(value, 0) for name, value in re.findall(r"^#define (\w+) (0x[0-9a-fA-F]+|\d+)\s*$", text, re.M)}
+
+
+def _checks_entries() -> list[tuple[list[str], str]]:
+    """Pass 1's checks table: its const entries in order, each (key tokens, action call)."""
     top = (TNA_DIR / "netagg.p4").read_text()
-    chain = top[top.index("if (ig_prsr_md.parser_err != PARSER_ERROR_OK)"):top.index("slot_owner.apply(meta);")]
-    return re.findall(r"meta\.drop_reason = (DROP_\w+);", chain)
+    table = top[top.index("table checks {"):]
+    entries = table[table.index("const entries = {") + len("const entries = {"):table.index("const default_action")]
+    entries = re.sub(r"/\*.*?\*/", "", entries, flags=re.S)
+    return [([k.strip() for k in keys.split(",")], action)
+            for keys, action in re.findall(r"\(([^()]*)\)\s*:\s*(\w+\([^)]*\));", entries)]
+
+
+def _decision_chain() -> list[str]:
+    """The drop reasons of pass 1's checks, in the order their entries are tried."""
+    return [m.group(1) for _, action in _checks_entries() if (m := re.match(r"refuse\((DROP_\w+),", action))]
+
+
+def _v1model_checks(p: dict, d: dict[str, int]) -> str:
+    """The v1model program's if/else chain (v1model/netagg.p4), transcribed: the TNA checks table's reference."""
+    if p["parser_err"] != 0:
+        return "refuse(DROP_MALFORMED, 0)"
+    if not p["ipv4"]:
+        return "refuse(DROP_NOT_IPV4, 0)"
+    if p["down"] == 0 and p["udp"] and p["udp_src"] == d["NETAGG_UDP_PORT"]:
+        return "refuse(DROP_SPOOFED_SOURCE, 0)"
+    if p["down"] == 0 and (p["spoof_address"] or p["spoof_port"]):
+        return "refuse(DROP_SPOOFED_SOURCE, 0)"
+    if not p["netagg"]:
+        return "forward()"
+    if p["version"] != d["NETAGG_VERSION"]:
+        return "refuse(DROP_BAD_VERSION, 0)"
+    if p["bad_shape"]:
+        return "refuse(DROP_MALFORMED, 0)"
+    if p["flags"] & d["FLAG_RESULT"] and p["down"] == 0:
+        return "refuse(DROP_RESULT_FROM_HOST, 0)"
+    if p["job_hit"] == 0:
+        return "refuse(DROP_UNKNOWN_JOB, 0)"
+    if p["worker_hit"] == 0 and p["down"] == 0:
+        return "refuse(DROP_UNKNOWN_WORKER, 1)"
+    if p["wrong_width"]:
+        return "refuse(DROP_WRONG_WIDTH, 1)"
+    if p["slot_out_of_range"]:
+        return "refuse(DROP_SLOT_OUT_OF_RANGE, 1)"
+    if p["pool"] >> 1:
+        return "refuse(DROP_BAD_POOL, 1)"
+    if p["rank_mismatch"] and p["down"] == 0:
+        return "refuse(DROP_RANK_MISMATCH, 1)"
+    if p["not_member"] and p["down"] == 0:
+        return "refuse(DROP_NOT_A_MEMBER, 1)"
+    if p["flags"] & d["FLAG_CLOSE"]:
+        return "refuse(DROP_CLOSE_REFUSED, 1)"
+    return "admit()"
+
+
+def test_checks_table_is_the_v1model_chain():
+    """The checks table's first matching entry is the v1model chain's decision, for every combination of
+    the values each key's tests tell apart (its "!=" checks are written as entries after the packets that
+    pass: a slip there would pass the wrong packets on)."""
+    d = _defines()
+    top = (TNA_DIR / "netagg.p4").read_text()
+    table = top[top.index("table checks {"):]
+    names = re.findall(r"@name\(\"(\w+)\"\)", table[:table.index("actions")])
+    default = re.search(r"const default_action = (\w+\([^)]*\));", table).group(1)
+
+    def value(token: str) -> int:
+        return {"true": 1, "false": 0}.get(token, d.get(token, None) if not token[0].isdigit() else int(token, 0))
+
+    rules = []
+    for keys, action in _checks_entries():
+        assert len(keys) == len(names), keys
+        rules.append(([None if k == "_" else tuple(value(x.strip()) for x in k.split("&&&")) for k in keys], action))
+
+    def first_match(packet: dict) -> str:
+        for keys, action in rules:
+            if all(k is None or (packet[n] & (k[1] if len(k) == 2 else -1)) == k[0] for n, k in zip(names, keys)):
+                return action
+        return default
+
+    domains = {name: (0, 1) for name in names}
+    domains.update(parser_err=(0, 2), udp_src=(d["NETAGG_UDP_PORT"], 1234), version=(d["NETAGG_VERSION"], 3),
+                   flags=(0, d["FLAG_RESULT"], d["FLAG_CLOSE"], d["FLAG_RESULT"] | d["FLAG_CLOSE"], 0x78),
+                   pool=(0, 1, 2, 3))
+    for combo in itertools.product(*(domains[n] for n in names)):
+        packet = dict(zip(names, combo))
+        assert first_match(packet) == _v1model_checks(packet, d), packet
 
 
 def test_source_checks_both_widths_and_refuses_wide_packets():
@@ -139,9 +224,7 @@ def test_source_checks_both_widths_and_refuses_wide_packets():
     chain = _decision_chain()
     assert chain.index("DROP_WRONG_WIDTH") + 1 == chain.index("DROP_SLOT_OUT_OF_RANGE")
     assert chain.index("DROP_UNKNOWN_WORKER") < chain.index("DROP_WRONG_WIDTH")
-    top = (TNA_DIR / "netagg.p4").read_text()
-    wrong_width = re.search(r"meta\.drop_reason = DROP_WRONG_WIDTH;(.*?)\}", top, re.S).group(1)
-    assert "meta.reject = 1;" in wrong_width
+    assert ("refuse(DROP_WRONG_WIDTH, 1)" in [action for _, action in _checks_entries()])
 
 
 @pytest.fixture
