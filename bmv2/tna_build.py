@@ -82,20 +82,31 @@ class ResourceReport:
 
     @classmethod
     def from_logs(cls, logs: Path) -> ResourceReport:
+        """From ``metrics.json`` where the compiler wrote one (its packaged builds do); p4lang's open
+        build writes none, so the same totals are counted from ``resources.json`` and ``phv.json``."""
         resources = json.loads((logs / "resources.json").read_text())["resources"]["mau"]
-        metrics = json.loads((logs / "metrics.json").read_text())
-        by_stage, used = [], 0
-        for stage in resources["mau_stages"]:
-            by_stage.append(len(stage["meter_alus"].get("meters", [])))
-            if stage["logical_tables"].get("ids"):
-                used = max(used, stage["stage_number"] + 1)
-        phv = metrics["phv"]
-        return cls(target=metrics["target"], stages_used=used,
-                   stateful_alus=sum(by_stage), stateful_alus_by_stage=tuple(by_stage),
-                   srams=metrics["mau"]["srams"], tcams=metrics["mau"]["tcams"],
-                   logical_tables=metrics["mau"]["logical_tables"],
-                   phv_bits=sum(c["bits_occupied"] for kind in ("normal", "tagalong") for c in phv[kind]),
-                   compiler_version=metrics["compiler_version"])
+        stages = resources["mau_stages"]
+        by_stage = tuple(len(stage["meter_alus"].get("meters", [])) for stage in stages)
+        used = max((stage["stage_number"] + 1 for stage in stages if stage["logical_tables"].get("ids")), default=0)
+        if (logs / "metrics.json").exists():
+            metrics = json.loads((logs / "metrics.json").read_text())
+            phv = metrics["phv"]
+            return cls(target=metrics["target"], stages_used=used,
+                       stateful_alus=sum(by_stage), stateful_alus_by_stage=by_stage,
+                       srams=metrics["mau"]["srams"], tcams=metrics["mau"]["tcams"],
+                       logical_tables=metrics["mau"]["logical_tables"],
+                       phv_bits=sum(c["bits_occupied"] for kind in ("normal", "tagalong") for c in phv[kind]),
+                       compiler_version=metrics["compiler_version"])
+        phv = json.loads((logs / "phv.json").read_text())
+        occupied = sum(len({bit for s in container["slices"]
+                            for bit in range(s["slice_info"]["lsb"], s["slice_info"]["msb"] + 1)})
+                       for container in phv["containers"])
+        return cls(target=phv["target"], stages_used=used,
+                   stateful_alus=sum(by_stage), stateful_alus_by_stage=by_stage,
+                   srams=sum(len(stage["rams"].get("srams", [])) for stage in stages),
+                   tcams=sum(len(stage["tcams"].get("tcams", [])) for stage in stages),
+                   logical_tables=sum(len(stage["logical_tables"].get("ids", [])) for stage in stages),
+                   phv_bits=occupied, compiler_version=phv["compiler_version"])
 
     def summary(self) -> str:
         per_stage = " ".join(str(n) for n in self.stateful_alus_by_stage[: self.stages_used])
@@ -132,7 +143,7 @@ def compile_tna(out_dir: Path, allow_warnings: bool = False, timeout: float = 18
     output = (result.stdout + result.stderr).strip()
     if result.returncode != 0:
         logs = out_dir / "pipe" / "logs"
-        if (logs / "resources.json").exists() and (logs / "metrics.json").exists():
+        if (logs / "resources.json").exists() and (logs / "phv.json").exists():
             output += "\nresources as placed: " + ResourceReport.from_logs(logs).summary()
         raise TofinoCompileError(f"bf-p4c failed:\n{output}")
     warnings, notes = compiler_warnings(output)

@@ -18,6 +18,7 @@ from netagg import dataplane as dp
 from netagg.bmv2.tna_build import (
     TOFINO1_STAGES,
     TOFINO1_STATEFUL_ALUS_PER_STAGE,
+    ResourceReport,
     TofinoCompileError,
     check_front_end,
     compile_tna,
@@ -207,6 +208,24 @@ def test_checks_table_is_the_v1model_chain():
     for combo in itertools.product(*(domains[n] for n in names)):
         packet = dict(zip(names, combo))
         assert first_match(packet) == _v1model_checks(packet, d), packet
+
+
+def test_resource_report_without_metrics_counts_the_placement(tmp_path):
+    """p4lang's open bf-p4c writes no metrics.json: the report is counted from resources.json and phv.json."""
+    def stage(number, salus, tables, srams, tcams):
+        return {"stage_number": number, "meter_alus": {"meters": [{}] * salus},
+                "logical_tables": {"ids": [{"id": i} for i in range(tables)]},
+                "rams": {"srams": [{}] * srams}, "tcams": {"tcams": [{}] * tcams}}
+    (tmp_path / "resources.json").write_text(json.dumps({"resources": {"mau": {"mau_stages": [
+        stage(0, 0, 3, 2, 1), stage(1, 4, 2, 5, 0), stage(2, 0, 0, 0, 0)]}}}))
+    slice_ = lambda lsb, msb: {"slice_info": {"lsb": lsb, "msb": msb}}  # noqa: E731
+    (tmp_path / "phv.json").write_text(json.dumps({"target": "tofino", "compiler_version": "9.13.4", "containers": [
+        {"slices": [slice_(0, 7), slice_(0, 3)]},      # two fields overlaid: 8 bits occupied
+        {"slices": [slice_(0, 8), slice_(12, 15)]}]}))  # 9 + 4
+    report = ResourceReport.from_logs(tmp_path)
+    assert (report.target, report.stages_used, report.stateful_alus, report.stateful_alus_by_stage) == \
+        ("tofino", 2, 4, (0, 4, 0))
+    assert (report.logical_tables, report.srams, report.tcams, report.phv_bits) == (5, 7, 1, 21)
 
 
 def test_source_checks_both_widths_and_refuses_wide_packets():
