@@ -28,7 +28,17 @@ TOFINO1_STATEFUL_ALUS_PER_STAGE = 4
 #: The compiler pads every Tofino 1 egress parser path to the 65-byte minimum parse depth
 #: with a loop it generates itself and announces with this line; even a one-table program
 #: gets it, so it is a note about the target, not about the program.
-COMPILER_NOTES = (re.compile(r"^warning: Parser state min_parse_depth_accept_loop will be unrolled"),)
+#: The assembler (bfas) then reports, on the generated .bfa, where the compiler gave tables of one stage
+#: compatible definitions of the same input-crossbar hash group: it merges them ("mergeable"; an
+#: incompatible one is an error) and, for the tables that share the merged group, finds no hash table of
+#: their own under the other's number. Which tables share depends on placement (moving the value pairs'
+#: tables to ternary moves it to the jobs table); notes about generated assembly, not the program.
+COMPILER_NOTES = (
+    re.compile(r"^warning: Parser state min_parse_depth_accept_loop will be unrolled"),
+    re.compile(r"\.bfa:\d+: warning: Input xbar hash group \d+ mergeable conflict in stage \d+$"),
+    re.compile(r"\.bfa:\d+: warning: conflicting hash group definition here$"),
+    re.compile(r"\.bfa:\d+: warning: exact hashtable \d+ does not exist in table [\w.$]+$"),
+)
 
 
 class TofinoCompileError(RuntimeError):
