@@ -200,8 +200,8 @@ control NetaggIngress(inout tna_headers_t hdr,
                 }
             }
         } else {
-            /* Pass 1. Lookups and flags first, all independent of each other but the jobs
-             * table, which is keyed by DownLink's local job; then one decision chain sets
+            /* Pass 1. Lookups and flags first, all independent of each other but the lookups
+             * keyed by the job id, which wait for DownLink's rewrite; then the checks table sets
              * drop_reason once on every path. */
             /* What the value pairs do next and where the packet goes: nothing, unless the
              * decision below says otherwise (the recirc header is valid only if it recirculates). */
