@@ -196,7 +196,9 @@ def test_checks_table_is_the_v1model_chain():
     default = re.search(r"const default_action = (\w+\([^)]*\));", table).group(1)
 
     def value(token: str) -> int:
-        return {"true": 1, "false": 0}.get(token, d.get(token, None) if not token[0].isdigit() else int(token, 0))
+        if token in ("true", "false"):
+            return int(token == "true")
+        return int(token, 0) if token[0].isdigit() else d[token]
 
     rules = []
     for keys, action in _checks_entries():

@@ -70,7 +70,7 @@ struct ingress_metadata_t {
     bit<1> stale;
     bit<16> round_ahead;       /* round - round_current (serial arithmetic) */
     worker_mask_t bitmap_before;   /* the round's bitmap before this packet; 0: other members */
-    worker_mask_t sender_seen;     /* bitmap_before & worker_mask */
+    worker_mask_t sender_seen;     /* bitmap_before & worker_mask (until then, WorkerLookup's members & worker_mask) */
     bit<1> first;
     bit<1> fresh;
     bit<8> count_before;

@@ -214,7 +214,7 @@ control NetaggIngress(inout tna_headers_t hdr,
             source_guard.apply(hdr, ig_intr_md.ingress_port, meta);
             worker_lookup.apply(hdr, ig_intr_md.ingress_port, meta);
             up_link.apply(hdr, meta);
-            recirc_prepare.apply(hdr, meta, ig_intr_md.ingress_port);
+            recirc_prepare.apply(hdr, ig_intr_md.ingress_port);
             member_count.apply(hdr, meta);
             meta.exponent_key = ((bit<8>)hdr.netagg.exponent) + 8w0x80;
             /* The flags split by slices, not by masks: an action may apply one ALU operation to a

@@ -103,8 +103,8 @@ control ResultDelivery(inout tna_headers_t hdr, inout ingress_metadata_t meta,
 
 /* The recirc header's addressing fields, written early in pass 1 whatever becomes of the
  * packet (they only leave the switch's pipeline if the header is made valid). The jobs table's
- * action writes its mgid and slot_index (WorkerLookup). */
-control RecircPrepare(inout tna_headers_t hdr, in ingress_metadata_t meta, in port_t ingress_port) {
+ * action writes its mgid and reg_index (WorkerLookup). */
+control RecircPrepare(inout tna_headers_t hdr, in port_t ingress_port) {
     apply {
         /* A slice (one instruction; a zero-extending copy is two): the last pass reads only these
          * bits (as PortId_t). */

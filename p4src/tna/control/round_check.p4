@@ -53,11 +53,11 @@ control RoundCheck(in tna_headers_t hdr, inout ingress_metadata_t meta) {
         start_pool1.execute(SLOT_INDEX);
         meta.round_ahead = 0;
     }
+    action advance1() { meta.round_ahead = advance_pool1.execute(SLOT_INDEX); }
+    action trail1() { trail_pool1.execute(SLOT_INDEX); }
     /* Every path writes round_ahead (a slot taken over: 0), so that its live range starts here and
      * its PHV can be shared with fields dead by then; the entries cover every packet. */
     action no_access() { meta.round_ahead = 0; }
-    action advance1() { meta.round_ahead = advance_pool1.execute(SLOT_INDEX); }
-    action trail1() { trail_pool1.execute(SLOT_INDEX); }
 
     /* The packet's pool: a parent's result (down) only peeks; a slot taken over (stale) starts the
      * round; otherwise the round advances. One table per pool (a table's actions must all address
