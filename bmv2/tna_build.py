@@ -100,23 +100,21 @@ class ResourceReport:
         used = max((stage["stage_number"] + 1 for stage in stages if stage["logical_tables"].get("ids")), default=0)
         if (logs / "metrics.json").exists():
             metrics = json.loads((logs / "metrics.json").read_text())
-            phv = metrics["phv"]
-            return cls(target=metrics["target"], stages_used=used,
-                       stateful_alus=sum(by_stage), stateful_alus_by_stage=by_stage,
-                       srams=metrics["mau"]["srams"], tcams=metrics["mau"]["tcams"],
-                       logical_tables=metrics["mau"]["logical_tables"],
-                       phv_bits=sum(c["bits_occupied"] for kind in ("normal", "tagalong") for c in phv[kind]),
-                       compiler_version=metrics["compiler_version"])
-        phv = json.loads((logs / "phv.json").read_text())
-        occupied = sum(len({bit for s in container["slices"]
-                            for bit in range(s["slice_info"]["lsb"], s["slice_info"]["msb"] + 1)})
-                       for container in phv["containers"])
-        return cls(target=phv["target"], stages_used=used,
-                   stateful_alus=sum(by_stage), stateful_alus_by_stage=by_stage,
-                   srams=sum(len(stage["rams"].get("srams", [])) for stage in stages),
-                   tcams=sum(len(stage["tcams"].get("tcams", [])) for stage in stages),
-                   logical_tables=sum(len(stage["logical_tables"].get("ids", [])) for stage in stages),
-                   phv_bits=occupied, compiler_version=phv["compiler_version"])
+            target, version, mau = metrics["target"], metrics["compiler_version"], metrics["mau"]
+            srams, tcams, logical_tables = mau["srams"], mau["tcams"], mau["logical_tables"]
+            phv_bits = sum(c["bits_occupied"] for kind in ("normal", "tagalong") for c in metrics["phv"][kind])
+        else:
+            phv = json.loads((logs / "phv.json").read_text())
+            target, version = phv["target"], phv["compiler_version"]
+            srams = sum(len(stage["rams"].get("srams", [])) for stage in stages)
+            tcams = sum(len(stage["tcams"].get("tcams", [])) for stage in stages)
+            logical_tables = sum(len(stage["logical_tables"].get("ids", [])) for stage in stages)
+            phv_bits = sum(len({bit for s in container["slices"]
+                                for bit in range(s["slice_info"]["lsb"], s["slice_info"]["msb"] + 1)})
+                           for container in phv["containers"])
+        return cls(target=target, stages_used=used, stateful_alus=sum(by_stage), stateful_alus_by_stage=by_stage,
+                   srams=srams, tcams=tcams, logical_tables=logical_tables, phv_bits=phv_bits,
+                   compiler_version=version)
 
     def summary(self) -> str:
         per_stage = " ".join(str(n) for n in self.stateful_alus_by_stage[: self.stages_used])
