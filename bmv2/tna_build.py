@@ -41,6 +41,39 @@ COMPILER_NOTES = (
 )
 
 
+#: The program's parsers (p4src/tna/parser.p4) and the .bfa sections the compiler writes them into.
+PARSERS = {"NetaggIngressParser": "ingress", "NetaggEgressParser": "egress"}
+
+
+def program_parser_states(source: str) -> dict[str, set[str]]:
+    """Each parser's states in the P4 source, by gress (``start`` aside: the compiler renames it)."""
+    states: dict[str, set[str]] = {}
+    blocks = re.split(r"^parser (\w+)\(", source, flags=re.M)
+    for name, body in zip(blocks[1::2], blocks[2::2]):
+        if name in PARSERS:
+            body = body.split("\ncontrol ", 1)[0]
+            states[PARSERS[name]] = set(re.findall(r"^\s*state (\w+) \{", body, re.M)) - {"start"}
+    return states
+
+
+def compiled_parser_states(bfa: str) -> dict[str, set[str]]:
+    """Each parser's states in the assembly, by gress: a state split over several (``s.$split_2``) is ``s``."""
+    states: dict[str, set[str]] = {}
+    for gress, body in re.findall(r"^parser (\w+):\n(.*?)(?=^\S)", bfa, re.M | re.S):
+        names = re.findall(r"^    ([^\s:][^:]*):$", body, re.M)
+        states.setdefault(gress, set()).update(n.split(".$")[0] for n in names)
+    return states
+
+
+def missing_parser_states(program: str, bfa: str) -> list[str]:
+    """``gress: state`` for every state of the program that its compiled parser lacks. A compiler that
+    drops a select's match registers (p4lang/p4c#5753: Tofino 1 kept only scratch registers, so every
+    transition but a select's first was lost) passes placement and assembly; this finds the states it cut off."""
+    compiled = compiled_parser_states(bfa)
+    return sorted(f"{gress}: {state}" for gress, states in program_parser_states(program).items()
+                  for state in states - compiled.get(gress, set()))
+
+
 class TofinoCompileError(RuntimeError):
     """bf-p4c failed, or warned (the program must compile cleanly)."""
 
@@ -157,6 +190,11 @@ def compile_tna(out_dir: Path, allow_warnings: bool = False, timeout: float = 18
     warnings, notes = compiler_warnings(output)
     if warnings and not allow_warnings:
         raise TofinoCompileError("bf-p4c warned (the program must compile cleanly):\n" + "\n".join(warnings))
+    missing = missing_parser_states((dp.P4SRC_DIR / "tna" / "parser.p4").read_text(),
+                                    (out_dir / "pipe" / f"{dp.TNA_PROGRAM.stem}.bfa").read_text())
+    if missing:
+        raise TofinoCompileError("the compiled parsers lack states of the program (a compiler that drops select "
+                                 "transitions, e.g. before p4lang/p4c#5753): " + ", ".join(missing))
     return TofinoBuild(out_dir, ResourceReport.from_logs(out_dir / "pipe" / "logs"), tuple(notes))
 
 

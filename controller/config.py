@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 _MAC = re.compile(r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$")
 
 #: The width (values per packet) of a job whose create names none, per switch target (``switch.target``):
-#: the software target (each engine) and BMv2 sum a wide packet's 256 values in one pass; Tofino's twin does
-#: not (docs/tofino.md), so its jobs are narrow unless asked otherwise. The one table of defaults.
+#: the software target (each engine) and BMv2 sum a wide packet's 256 values in one pass; Tofino's twin takes one
+#: recirculation per chunk, about twice the recirculated bytes per value (docs/tofino.md, "Wide packets"), so its
+#: jobs are narrow unless asked otherwise. The one table of defaults.
 DEFAULT_WIDTHS: dict[str, int] = {
     "soft": wire.WIDE_K,
     "soft-ref": wire.WIDE_K,

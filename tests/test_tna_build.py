@@ -3,7 +3,8 @@
 Without bf-p4c the source-level checks below still run: the stateful ALUs the design expects
 (one per register), the four-RegisterAction limit of an ALU, the tree paths
 (docs/tofino.md, "Tree paths") with the v1model program's control-plane names, and the packet
-widths (docs/tofino.md, "Wide packets": both shapes checked, wide packets refused).
+widths (docs/tofino.md, "Wide packets": both shapes checked; a wide packet's passes, simulated
+from the tables' entries, take each chunk once at its cell and leave with the sums in order).
 """
 
 import itertools
@@ -25,6 +26,8 @@ from netagg.bmv2.tna_build import (
     compiler_available,
     compiler_warnings,
     front_end_missing,
+    missing_parser_states,
+    program_parser_states,
 )
 from netagg.p4info import load_p4info
 
@@ -133,14 +136,20 @@ def _defines() -> dict[str, int]:
     return {name: int(value, 0) for name, value in re.findall(r"^#define (\w+) (0x[0-9a-fA-F]+|\d+)\s*$", text, re.M)}
 
 
-def _checks_entries() -> list[tuple[list[str], str]]:
-    """Pass 1's checks table: its const entries in order, each (key tokens, action call)."""
-    top = (TNA_DIR / "netagg.p4").read_text()
-    table = top[top.index("table checks {"):]
+def _table_entries(source: str, name: str) -> list[tuple[list[str], str]]:
+    """A table's const entries in order, each (key tokens, action call); a one-key entry's parentheses
+    are optional."""
+    text = (TNA_DIR / source).read_text()
+    table = text[text.index(f"table {name} {{"):]
     entries = table[table.index("const entries = {") + len("const entries = {"):table.index("const default_action")]
     entries = re.sub(r"/\*.*?\*/", "", entries, flags=re.S)
-    return [([k.strip() for k in keys.split(",")], action)
-            for keys, action in re.findall(r"\(([^()]*)\)\s*:\s*(\w+\([^)]*\));", entries)]
+    return [([k.strip() for k in keys.strip().strip("()").split(",")], action)
+            for keys, action in re.findall(r"([^:;{}]+?)\s*:\s*(\w+\([^)]*\));", entries)]
+
+
+def _checks_entries() -> list[tuple[list[str], str]]:
+    """Pass 1's checks table: its const entries in order, each (key tokens, action call)."""
+    return _table_entries("netagg.p4", "checks")
 
 
 def _decision_chain() -> list[str]:
@@ -238,22 +247,48 @@ def test_resource_report_without_metrics_counts_the_placement(tmp_path):
     assert (report.logical_tables, report.srams, report.tcams, report.phv_bits) == (5, 7, 1, 21)
 
 
-def test_source_checks_both_widths_and_refuses_wide_packets():
+def test_source_checks_both_widths():
     """Both widths' lengths and both codes (any other code is MALFORMED); set_job takes the job's width (its
-    parameters match the P4Info's in test_wire_p4_agreement.py); a packet of another width than its job's, or
-    wide (the twin aggregates narrow packets only, docs/tofino.md "Wide packets"), is WRONG_WIDTH, a job reject,
-    decided right before the slot range as in the v1model program."""
+    parameters match the P4Info's in test_wire_p4_agreement.py); a packet of another width than its job's is
+    WRONG_WIDTH, a job reject, decided right before the slot range as in the v1model program; a wide one of its
+    job's width is aggregated (its passes: the simulation below)."""
     text = _tna_sources()
     for define in ("NETAGG_WIDTH", "NETAGG_WIDTH_WIDE", "NETAGG_IPV4_TOTAL_LENGTH", "NETAGG_UDP_LENGTH",
                    "NETAGG_WIDE_IPV4_TOTAL_LENGTH", "NETAGG_WIDE_UDP_LENGTH"):
         assert re.search(rf"\b{define}\b", text), define
     set_job = re.search(r"\baction set_job\((.*?)\)", text, re.S).group(1)
     assert set_job.split(",")[-1].split() == ["bit<8>", "width"]
-    assert re.search(r"hdr\.netagg\.width != meta\.job_width \|\| hdr\.netagg\.width == NETAGG_WIDTH_WIDE", text)
+    assert re.search(r"if \(hdr\.netagg\.width != meta\.job_width\) \{\s*meta\.wrong_width = 1;", text)
+    # Pass 1 starts a wide packet at chunk 0's step, a narrow one at 0 (its width code).
+    assert re.search(r"hdr\.recirc\.step = hdr\.netagg\.width;", text)
     chain = _decision_chain()
     assert chain.index("DROP_WRONG_WIDTH") + 1 == chain.index("DROP_SLOT_OUT_OF_RANGE")
     assert chain.index("DROP_UNKNOWN_WORKER") < chain.index("DROP_WRONG_WIDTH")
     assert ("refuse(DROP_WRONG_WIDTH, 1)" in [action for _, action in _checks_entries()])
+
+
+def test_missing_parser_states_finds_a_select_the_compiler_cut_off():
+    """A compiler that drops a select's match registers (p4lang/p4c#5753) emits bare `*` transitions and
+    only the first branch; the build check names the program's states its parsers lost."""
+    program = (TNA_DIR / "parser.p4").read_text()
+    assert program_parser_states(program) == {
+        "ingress": {"parse_recirc", "parse_recirc_values", "parse_recirc_read", "parse_ethernet", "parse_ipv4",
+                    "parse_udp", "parse_netagg", "parse_values"},
+        "egress": {"parse_ethernet"}}
+
+    def bfa(ingress: list[str], egress: list[str]) -> str:
+        def states(names):
+            return "".join(f"    {n}:\n      *:\n        shift: 1\n" for n in names)
+        return (f"version: 1\nparser ingress:\n  start: $init_match\n  states:\n{states(['$init_match', *ingress])}"
+                f"deparser ingress:\n  emit: []\nparser egress:\n  states:\n{states(egress)}deparser egress:\n")
+    whole = ["parse_recirc", "parse_recirc.$split_0", "parse_recirc_values", "parse_recirc_read", "parse_ethernet",
+             "parse_ethernet.$split_0", "parse_ipv4", "parse_udp", "parse_netagg", "parse_values.$split_3",
+             "parse_values"]
+    assert missing_parser_states(program, bfa(whole, ["parse_ethernet"])) == []
+    cut = [s for s in whole if not s.startswith(("parse_ethernet", "parse_ipv4", "parse_udp", "parse_netagg"))]
+    assert missing_parser_states(program, bfa(cut, ["min_parse_depth_accept_initial"])) == [
+        "egress: parse_ethernet", "ingress: parse_ethernet", "ingress: parse_ipv4", "ingress: parse_netagg",
+        "ingress: parse_udp"]
 
 
 @pytest.fixture
@@ -316,3 +351,141 @@ def test_control_plane_tables_match_the_v1model_program(build):
         assert name in tables, name
         keys = [k["name"] for k in tables[name]["key"]]
         assert keys == [m.name for m in table.match_fields], name
+
+
+class _Pass:
+    """One pass after the first, as p4src/tna writes it: the recirculation parser, ResultDelivery's
+    `delivery` table, the value pairs (keyed by the operation), then the branch after them in netagg.p4 and
+    WideStep's `wide_next` table. Values are modelled as a cell's low words (values 0 .. 31 of it) and high
+    words (32 .. 63), each half a tuple with its header's validity apart (an action writes a field whether or
+    not its header is valid; the deparser emits only valid ones); the registers as {cell: [low, high]}."""
+
+    def __init__(self):
+        self.d = _defines()
+        self.delivery = self._rules("result_delivery.p4", "delivery")
+        self.next = {int(keys[0], 0) if keys[0][0].isdigit() else self.d[keys[0]]: action
+                     for keys, action in _table_entries("control/wide_steps.p4", "wide_next")}
+
+    def _value(self, token: str) -> int:
+        return int(token, 0) if token[0].isdigit() else self.d[token]
+
+    def _rules(self, source: str, name: str):
+        return [([None if k == "_" else tuple(self._value(x.strip()) for x in k.split("&&&")) for k in keys], action)
+                for keys, action in _table_entries(f"control/{source}", name)]
+
+    def decide(self, packet: dict) -> str:
+        fields = (packet["deliver"], packet["op"], 0, packet["step"], packet["parser_err"])
+        for keys, action in self.delivery:
+            if all(k is None or (f & (k[1] if len(k) == 2 else -1)) == k[0] for f, k in zip(fields, keys)):
+                return action
+        return "malformed()"
+
+    def run(self, packet: dict, cells: dict) -> str:
+        """One pass: the packet changed in place; returns the delivery action taken."""
+        d = self.d
+        packet["parser_err"] = 0
+        packet["lo"] = packet["hi"] = ()
+        valid = set()
+        if not packet["step"] & 0x8:  # parse_recirc_values: one cell's values from the front
+            if len(packet["payload"]) < 2:
+                packet["parser_err"] = 2  # PARTIAL_HDR
+            else:
+                packet["lo"], packet["hi"] = packet["payload"][:2]
+                packet["payload"] = packet["payload"][2:]
+                valid = {"lo", "hi"}
+        action = self.decide(packet)
+        name = action.split("(")[0]
+        if name == "malformed":
+            packet["op"] = d["OP_NONE"]
+        if name == "again_high":
+            valid.add("hi")
+        if name == "again_low" or name.startswith(("to_", "up")):
+            valid.add("lo")
+        # The value pairs, at the recirc header's index.
+        op, cell = packet["op"], packet["reg_index"]
+        add = lambda a, b: tuple((x + y) & 0xFFFFFFFF for x, y in zip(a, b))  # noqa: E731
+        if op == d["OP_WRITE"]:
+            cells[cell] = [packet["lo"], packet["hi"]]
+        elif op == d["OP_MERGE"]:
+            cells[cell] = [add(cells[cell][0], packet["lo"]), add(cells[cell][1], packet["hi"])]
+            packet["lo"] = cells[cell][0]
+        elif op == d["OP_READ"]:
+            packet["lo"] = cells[cell][0]
+        elif op == d["OP_READ_HI"]:
+            packet["hi"] = cells[cell][1]
+        # netagg.p4's branch after the pairs.
+        if packet["step"] == 0:
+            if packet["deliver"] != d["DELIVER_NONE"] and op in (d["OP_MERGE"], d["OP_READ"]):
+                packet["op"] = d["OP_READ_HI"]
+        elif packet["step"] != d["WIDE_STEP_LAST"]:
+            step_action = self.next.get(packet["step"], "NoAction()")
+            verb, arg = re.match(r"(\w+)\((\w*)\)", step_action).groups()
+            if verb in ("next_chunk", "chunks_done"):
+                valid.clear()
+            if verb == "next_chunk":
+                packet["reg_index"] += packet["stride"]
+            if verb == "chunks_done":
+                packet["step"], packet["op"] = d["WIDE_STEP_READ_FIRST"], d["OP_READ_HI"]
+            elif verb in ("low_half", "previous_chunk"):
+                packet["op"] = d["OP_READ"] if verb == "low_half" else d["OP_READ_HI"]
+                if verb == "previous_chunk":
+                    packet["reg_index"] -= packet["stride"]
+            if arg:
+                packet["step"] = self._value(arg)
+        # The deparser: the valid halves in front of the payload.
+        packet["payload"] = [packet[h] for h in ("lo", "hi") if h in valid] + packet["payload"]
+        return action
+
+    def through(self, packet: dict, cells: dict) -> tuple[str, int]:
+        """Passes until the packet is dropped or delivered: (the last action, passes taken)."""
+        for passes in range(1, 20):
+            action = self.run(packet, cells)
+            if not action.startswith("again"):
+                return action, passes
+        raise AssertionError(f"a packet recirculated 20 times: {packet}")
+
+
+def _wide_packet(values: list[int], op: int, deliver: int, cell: int, stride: int, step: int = 1) -> dict:
+    halves = [tuple(values[i:i + 32]) for i in range(0, len(values), 32)]
+    return {"op": op, "deliver": deliver, "step": step, "reg_index": cell, "stride": stride, "payload": halves}
+
+
+def test_wide_packets_take_each_chunk_once_and_leave_with_the_sums_in_order():
+    """A wide round on the TNA twin, pass by pass from the tables' entries: each contribution's chunk c is
+    added at cell + c * stride (the job's slot count), an absorbed one is dropped after its chunk 3 (5 passes
+    in all), the completing one leaves for the group after 8 read passes with the 256 sums in the wire's order
+    (13 passes); a resend reads the same sums back to its sender; a parent's result is written and goes to
+    the group as it came; a packet shorter than its lengths say is dropped as MALFORMED at its missing chunk,
+    touching no cell there; and a narrow packet still takes two passes after the first."""
+    sim, d = _Pass(), _defines()
+    rng = __import__("random").Random(7)
+    cell, stride = 40, 12  # the slot's cell, and a job of 12 wide slots
+    contributions = [[rng.randrange(-2**31, 2**31) for _ in range(256)] for _ in range(3)]
+    total = [sum(v[i] for v in contributions) & 0xFFFFFFFF for i in range(256)]
+    cells: dict = {}
+    for values, op in zip(contributions[:2], ("OP_WRITE", "OP_MERGE")):
+        packet = _wide_packet(values, d[op], d["DELIVER_NONE"], cell, stride)
+        assert sim.through(packet, cells) == ("absorb()", 4)
+    assert sorted(cells) == [cell + c * stride for c in range(4)]
+    last = _wide_packet(contributions[2], d["OP_MERGE"], d["DELIVER_GROUP"], cell, stride)
+    assert sim.through(last, cells) == ("to_group()", 12)
+    assert [v for half in last["payload"] for v in half] == total
+    assert sorted(cells) == [cell + c * stride for c in range(4)]
+    resend = _wide_packet(contributions[0], d["OP_READ"], d["DELIVER_SENDER"], cell, stride)
+    assert sim.through(resend, cells) == ("to_sender()", 12)
+    assert resend["payload"] == last["payload"]
+    parent = [rng.randrange(2**32) for _ in range(256)]
+    down = _wide_packet(parent, d["OP_WRITE"], d["DELIVER_GROUP"], cell, stride)
+    assert sim.through(down, cells) == ("to_group()", 12)
+    assert [v for half in down["payload"] for v in half] == parent
+    # Truncated after chunk 1: chunks 0 and 1 taken, then MALFORMED with the pairs left alone.
+    before = {c: list(v) for c, v in cells.items()}
+    short = _wide_packet(contributions[1][:128], d["OP_MERGE"], d["DELIVER_NONE"], cell, stride)
+    assert sim.through(short, cells) == ("malformed()", 3)
+    assert [cells[cell + c * stride] == before[cell + c * stride] for c in range(4)] == [False, False, True, True]
+    # Narrow: merge (low words) and once more for the high words, at the slot's cell only.
+    narrow = _wide_packet(contributions[0][:64], d["OP_MERGE"], d["DELIVER_GROUP"], 7, stride, step=0)
+    cells[7] = [tuple([1] * 32), tuple([2] * 32)]
+    assert sim.through(narrow, cells) == ("to_group()", 2)
+    assert [v for half in narrow["payload"] for v in half] == \
+        [(v + (1 if i < 32 else 2)) & 0xFFFFFFFF for i, v in enumerate(contributions[0][:64])]

@@ -13,6 +13,18 @@
 #define DELIVER_UP 3
 #define DELIVER_UP_RESEND 4
 
+/* A wide packet's passes after the first (recirc_h.step; 0: a narrow packet). Steps 1 .. 4 take
+ * its chunks 0 .. 3 in turn: the parser extracts the first chunk left, the value pairs write, add
+ * or read it at its cell, and the deparser leaves it out. An absorbed contribution ends there;
+ * a packet that leaves with the sums goes on with steps 8 .. 15, which parse no values and put
+ * one half of a chunk in front of those read before: the high words of chunk 3, its low words,
+ * the high words of chunk 2, ... the low words of chunk 0 (step 15, the last pass). Bit 3 marks
+ * the read steps (the parser tests it), bit 0 a read step's half (0: high words, 1: low). */
+#define WIDE_STEP_CHUNK_0 1
+#define WIDE_STEP_CHUNK_3 4
+#define WIDE_STEP_READ_FIRST 8
+#define WIDE_STEP_LAST 15
+
 /* The recirculation port in each pipe is (pipe << 7) | RECIRC_PORT_LOCAL (Tofino 1: 68). */
 #define RECIRC_PORT_LOCAL 68
 /* The recirculation port of the pipe that port p belongs to. */

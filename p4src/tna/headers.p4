@@ -20,12 +20,27 @@ header recirc_h {
     bit<16> deliver;      /* DELIVER_*: absorbed, to the job's group, back to the sender, or up */
     bit<16> mgid;
     bit<16> port;         /* the sender's port, or (DELIVER_UP*) the up port */
-    bit<16> reg_index;    /* the (slot, pool)'s register index: pool * NUM_SLOTS + absolute slot */
+    bit<16> reg_index;    /* the value pairs' index: pool * NUM_SLOTS + cell (pass 1: the slot's cell) */
+    bit<16> stride;       /* the job's slot count: a wide slot's chunk c is at cell + c * stride */
+    bit<8> step;          /* 0: narrow; a wide packet's pass (WIDE_STEP_*, tna/defines.p4) */
 }
 
 /* The register indexes, from pass 1's WorkerLookup on (a header field: no copy in later passes). */
 #define POOL_INDEX hdr.recirc.reg_index[12:0]
 #define SLOT_INDEX hdr.recirc.reg_index[11:0]
+
+/* One cell's values (shared/headers.p4's values_h) as the value pairs' two halves: the pairs' low
+ * words v00 .. v31, then their high words v32 .. v63 (FOR_EACH_PAIR), the same 256 bytes in the
+ * same order. Two headers so that a wide result's read passes can put one half in front of the
+ * halves read before (docs/tofino.md, "Wide packets"). */
+#define LOW_VALUE_FIELD(i, j) bit<32> v##i;
+#define HIGH_VALUE_FIELD(i, j) bit<32> v##j;
+header values_lo_h {
+    FOR_EACH_PAIR(LOW_VALUE_FIELD)
+}
+header values_hi_h {
+    FOR_EACH_PAIR(HIGH_VALUE_FIELD)
+}
 
 /* One container per field of the two internal headers: each is written from one source. */
 @pa_container_size("ingress", "hdr.recirc.value_op", 16)
@@ -33,6 +48,7 @@ header recirc_h {
 @pa_container_size("ingress", "hdr.recirc.mgid", 16)
 @pa_container_size("ingress", "hdr.recirc.port", 16)
 @pa_container_size("ingress", "hdr.recirc.reg_index", 16)
+@pa_container_size("ingress", "hdr.recirc.stride", 16)
 @pa_container_size("ingress", "hdr.bridge.to_group", 16)
 @pa_container_size("ingress", "hdr.bridge.mgid", 16)
 struct tna_headers_t {
@@ -42,7 +58,8 @@ struct tna_headers_t {
     ipv4_h ipv4;
     udp_h udp;
     netagg_h netagg;
-    values_h values;
+    values_lo_h values_lo;
+    values_hi_h values_hi;
 }
 
 struct ingress_metadata_t {

@@ -13,10 +13,11 @@
  * is stored and sent to the local group: its job is known from down_links in pass 1's first
  * stage, it passes the same checks and registers read-only up to LevelState, and an accepted
  * one goes through pass 2 like a first contribution (its values written) to the group.
- * Wide packets (256 values) are not aggregated: the jobs table carries each job's width as the
- * v1model program's does, and a wide packet, or one whose width is not its job's, is refused as
- * WRONG_WIDTH; the controller's default width for this target is 64 (docs/tofino.md, "Wide
- * packets", for the four-pass design that would add them). */
+ * Wide packets (256 values, four cells) take one pass per chunk after pass 1, and a wide result
+ * eight more to read its sums back (WideStep); the jobs table carries each job's width as the
+ * v1model program's does, and a packet whose width is not its job's is refused as WRONG_WIDTH.
+ * The controller's default width for this target is 64 (docs/tofino.md, "Wide packets": the
+ * recirculation port's bytes). */
 #include <core.p4>
 #include <tna.p4>
 
@@ -37,6 +38,7 @@
 #include "tna/control/round_flags.p4"
 #include "tna/control/value_sum.p4"
 #include "tna/control/result_delivery.p4"
+#include "tna/control/wide_steps.p4"
 #include "tna/control/tree_links.p4"
 #include "tna/control/ipv4_forward.p4"
 
@@ -74,6 +76,7 @@ control NetaggIngress(inout tna_headers_t hdr,
     ResultDelivery() result_delivery;
     RecircPrepare() recirc_prepare;
     ResultRelease() result_release;
+    WideStep() wide_step;
     UpDelivery() up_delivery;
     Ipv4Forward() ipv4_forward;
 
@@ -136,7 +139,7 @@ control NetaggIngress(inout tna_headers_t hdr,
             (0, true,  _,    _,     0,   _,               _, _, NETAGG_VERSION, _, FLAG_RESULT &&& FLAG_RESULT,    _, _, _, _, _,            _, _): refuse(DROP_RESULT_FROM_HOST, 0);
             (0, true,  _,    _,     _,   _,               _, _, NETAGG_VERSION, _, _,                              0, _, _, _, _,            _, _): refuse(DROP_UNKNOWN_JOB, 0);
             (0, true,  _,    _,     0,   _,               _, _, NETAGG_VERSION, _, _,                              _, 0, _, _, _,            _, _): refuse(DROP_UNKNOWN_WORKER, 1);
-            /* Another width than the job's, or wide: this twin aggregates narrow packets only. */
+            /* Another width than the job's. */
             (0, true,  _,    _,     _,   _,               _, _, NETAGG_VERSION, _, _,                              _, _, 1, _, _,            _, _): refuse(DROP_WRONG_WIDTH, 1);
             (0, true,  _,    _,     _,   _,               _, _, NETAGG_VERSION, _, _,                              _, _, _, 1, _,            _, _): refuse(DROP_SLOT_OUT_OF_RANGE, 1);
             (0, true,  _,    _,     0,   _,               _, _, NETAGG_VERSION, _, _,                              _, _, _, _, 0 &&& 0xfe,   1, _): refuse(DROP_RANK_MISMATCH, 1);
@@ -185,19 +188,26 @@ control NetaggIngress(inout tna_headers_t hdr,
         hdr.bridge.mgid = 0;
 
         if (hdr.recirc.isValid()) {
-            /* Pass 2 (W/M/R) or 3 (READ_HI): the value pairs (below), then onwards. */
-            /* Where the packet goes (ResultDelivery) is decided before the value pairs, which it
-             * does not depend on: on Tofino 1 a branch's tables are placed in the order they are
-             * applied, and the pairs need most of the pipe. Only the recirc header's own rewrites
-             * come after them. */
-            result_delivery.apply(hdr, meta, ig_intr_md, ig_dprsr_md, ig_tm_md);
+            /* A narrow packet's pass 2 (W/M/R) or 3 (READ_HI), or a wide packet's step: the value
+             * pairs (below), then onwards. */
+            /* Where the packet goes (ResultDelivery) is decided before the value pairs, which
+             * depend on it only for a malformed pass: on Tofino 1 a branch's tables are placed in
+             * the order they are applied, and the pairs need most of the pipe. Only the recirc
+             * header's own rewrites come after them. */
+            result_delivery.apply(hdr, meta, ig_intr_md, ig_prsr_md, ig_dprsr_md, ig_tm_md);
             value_sum.apply(hdr, meta);
-            if (hdr.recirc.deliver != DELIVER_NONE) {
-                if (hdr.recirc.value_op == OP_MERGE || hdr.recirc.value_op == OP_READ) {
-                    hdr.recirc.value_op = OP_READ_HI;
-                } else {
-                    result_release.apply(hdr, ig_tm_md);
+            if (hdr.recirc.step == 0) {
+                if (hdr.recirc.deliver != DELIVER_NONE) {
+                    if (hdr.recirc.value_op == OP_MERGE || hdr.recirc.value_op == OP_READ) {
+                        hdr.recirc.value_op = OP_READ_HI;
+                    } else {
+                        result_release.apply(hdr, ig_tm_md);
+                    }
                 }
+            } else if (hdr.recirc.step == WIDE_STEP_LAST) {
+                result_release.apply(hdr, ig_tm_md);
+            } else {
+                wide_step.apply(hdr);
             }
         } else {
             /* Pass 1. Lookups and flags first, all independent of each other but the lookups
@@ -207,6 +217,12 @@ control NetaggIngress(inout tna_headers_t hdr,
              * decision below says otherwise (the recirc header is valid only if it recirculates). */
             hdr.recirc.value_op = OP_NONE;
             hdr.recirc.deliver = DELIVER_NONE;
+            /* Width code 0 (narrow) is step 0; code 1 (wide) starts at chunk 0's step, 1. Another code
+             * is MALFORMED (the shape table), so the header never leaves with it. */
+#if NETAGG_WIDTH != 0 || NETAGG_WIDTH_WIDE != 1 || WIDE_STEP_CHUNK_0 != 1
+#error "pass 1 copies the width code into recirc_h.step: narrow must be 0 and wide WIDE_STEP_CHUNK_0"
+#endif
+            hdr.recirc.step = hdr.netagg.width;
             ig_tm_md.ucast_egress_port = RECIRC_PORT_OF(ig_intr_md.ingress_port);
             down_link.apply(hdr, ig_intr_md.ingress_port, meta);
             /* The per-job counters' index: the packet's job, or a parent's result's local job. */
@@ -348,12 +364,13 @@ control NetaggIngress(inout tna_headers_t hdr,
                     }
                 }
             }
-            if (meta.drop_reason != DROP_NONE) {
-                drop_reasons.count((drop_index_t)meta.drop_reason);
-            }
             if (meta.reject == 1) {
                 job_rejects.count(job);
             }
+        }
+        /* Pass 1's drop reasons, and a later pass's MALFORMED (ResultDelivery). */
+        if (meta.drop_reason != DROP_NONE) {
+            drop_reasons.count((drop_index_t)meta.drop_reason);
         }
     }
 }

@@ -2,8 +2,8 @@
  * v1model parser (netagg iff IPv4 without options, UDP, to NETAGG_UDP_PORT or
  * NETAGG_TREE_UDP_PORT: a parent switch's results, tree_links.p4), plus the recirc header of
  * a recirculated pass, which only the recirculation port carries. Only the first 64 values are
- * extracted: a wide packet (refused as WRONG_WIDTH, docs/tofino.md "Wide packets") keeps the
- * other 192 as payload, so a truncated wide packet is not a parser error here.
+ * extracted: a wide packet keeps its other 192 as payload, and its later passes extract one chunk
+ * each (or, a wide result's read passes, none; docs/tofino.md "Wide packets").
  * The egress parser reads the bridge header and, for a group copy, the headers the
  * egress rewrites; the rest of the packet passes through as payload. */
 #ifndef _NETAGG_TNA_PARSER_P4_
@@ -73,14 +73,30 @@ parser NetaggIngressParser(packet_in packet,
         }
     }
 
-    /* Pass 2 of a result: pass 1 rewrote the UDP ports, so nothing is selected on them. */
+    /* A pass after the first: pass 1 rewrote the UDP ports, so nothing is selected on them. */
     state parse_recirc {
         packet.extract(hdr.recirc);
+        transition select(hdr.recirc.step) {
+            WIDE_STEP_READ_FIRST &&& WIDE_STEP_READ_FIRST: parse_recirc_read;
+            default: parse_recirc_values;
+        }
+    }
+
+    /* A narrow packet, or a wide one's next chunk (the chunks before it were left out). */
+    state parse_recirc_values {
         packet.extract(hdr.ethernet);
         packet.extract(hdr.ipv4);
         packet.extract(hdr.udp);
         packet.extract(hdr.netagg);
-        packet.extract(hdr.values);
+        transition parse_values;
+    }
+
+    /* A wide result's read pass: the halves read so far stay payload, behind the one this pass reads. */
+    state parse_recirc_read {
+        packet.extract(hdr.ethernet);
+        packet.extract(hdr.ipv4);
+        packet.extract(hdr.udp);
+        packet.extract(hdr.netagg);
         transition accept;
     }
 
@@ -111,7 +127,13 @@ parser NetaggIngressParser(packet_in packet,
 
     state parse_netagg {
         packet.extract(hdr.netagg);
-        packet.extract(hdr.values);
+        transition parse_values;
+    }
+
+    /* One cell's values, as the value pairs' low and high words (tna/headers.p4). */
+    state parse_values {
+        packet.extract(hdr.values_lo);
+        packet.extract(hdr.values_hi);
         transition accept;
     }
 }

@@ -2,9 +2,11 @@
  * Ingress, pass 1: the recirc header's addressing fields early (RecircPrepare); the decision
  *   sets its operation and destination, and a packet that goes on recirculates to its pipe's
  *   recirculation port (set at the start of pass 1) with the header made valid.
- * Ingress, passes 2 and 3 (ResultDelivery, one table): absorbed, once more for the high words,
- *   or the last pass: a completed round's packet becomes a RESULT from the aggregator address
- *   (for the job's group, or back to a resending sender), or a partial for the parent.
+ * Ingress, every later pass (ResultDelivery, one table): absorbed, once more (a narrow packet's
+ *   high words, a wide packet's next chunk or half: WideStep), or the last pass: a completed
+ *   round's packet becomes a RESULT from the aggregator address (for the job's group, or back to
+ *   a resending sender), or a partial for the parent. A pass whose parser failed (a wide packet
+ *   shorter than its lengths say, found at its missing chunk) is dropped as MALFORMED.
  * Ingress, last pass, after the value pairs (ResultRelease): send the packet where pass 1 said
  *   (for a partial going up the tree: out of the up port, see tree_links.p4).
  * Egress (ResultRewrite): each replica of a group copy gets its receiver's MAC, IPv4 address
@@ -14,6 +16,7 @@
 
 control ResultDelivery(inout tna_headers_t hdr, inout ingress_metadata_t meta,
                        in ingress_intrinsic_metadata_t ig_intr_md,
+                       in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
                        inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
                        inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
     /* A contribution absorbed into the slot. */
@@ -27,6 +30,23 @@ control ResultDelivery(inout tna_headers_t hdr, inout ingress_metadata_t meta,
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
     }
 
+    /* A wide result's read pass: once more, with the half this pass reads in front of the payload. */
+    action again_high() {
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
+        hdr.values_hi.setValid();
+    }
+    action again_low() {
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
+        hdr.values_lo.setValid();
+    }
+
+    /* The parser failed (no entry matches): dropped, and the value pairs left alone. */
+    action malformed() {
+        ig_dprsr_md.drop_ctl = 1;
+        meta.drop_reason = DROP_MALFORMED;
+        hdr.recirc.value_op = OP_NONE;
+    }
+
     /* A RESULT from the aggregator address, to the job's group (the egress rewrites each copy's
      * destination) or back to a resending sender; or a partial for the parent (DELIVER_UP, or
      * DELIVER_UP_RESEND for a resend; UpDelivery rewrote its addresses in pass 1). Each is one
@@ -37,8 +57,10 @@ control ResultDelivery(inout tna_headers_t hdr, inout ingress_metadata_t meta,
      * The TTL is set here, so the last pass recomputes the IPv4 checksum (a unicast packet's
      * egress does not parse IPv4). A partial keeps, of the flags, the round's (RoundFlags put them
      * in the packet in pass 1), with RETRANSMIT on a resend and no RESULT: the round's bits
-     * deposited into a constant, one instruction (see the flags' split in netagg.p4). */
+     * deposited into a constant, one instruction (see the flags' split in netagg.p4). The low words'
+ * half is made valid: a wide result's last pass reads chunk 0's into it (a narrow one has it). */
 #define RESULT_HEADER                                                                       \
+        hdr.values_lo.setValid();                                                           \
         hdr.ipv4.ttl = RESULT_TTL;                                                          \
         hdr.udp.checksum = 0;                                                               \
         hdr.netagg.flags = hdr.netagg.flags | FLAG_RESULT;                                  \
@@ -56,6 +78,7 @@ control ResultDelivery(inout tna_headers_t hdr, inout ingress_metadata_t meta,
         hdr.ipv4.dst_addr = sender_addr;                                                    \
         hdr.udp.dst_port = sender_port;
 #define PARTIAL_UP(low_flags)                                                               \
+        hdr.values_lo.setValid();                                                           \
         hdr.netagg.exponent = hdr.netagg.exponent + 8s0x40 + 8s0x40;                        \
         hdr.netagg.flags = 1w0 ++ hdr.netagg.flags[6:3] ++ low_flags;                       \
         meta.update_checksum = 1;
@@ -69,31 +92,48 @@ control ResultDelivery(inout tna_headers_t hdr, inout ingress_metadata_t meta,
     action up_resend_ce() { PARTIAL_UP(3w0b010) hdr.ipv4.diffserv[1:0] = ECN_CE; }
 
     /* Every pass after the first: one table instead of a branch per case (a logical table each,
-     * in the stages the value pairs need). The value pairs' ALUs do not depend on it, so it is
-     * applied before them. */
+     * in the stages the value pairs need). It is applied before the value pairs: only its
+     * malformed() changes their operation. Every entry wants no parser error. A wide packet's
+     * steps (tna/defines.p4) come first; a delivery is a narrow packet's last pass (step 0) or a
+     * wide one's (WIDE_STEP_LAST). */
     table delivery {
         key = {
             hdr.recirc.deliver: ternary @name("deliver");
             hdr.recirc.value_op: ternary @name("value_op");
             hdr.netagg.flags[0:0]: ternary @name("round_ce");
+            hdr.recirc.step: ternary @name("step");
+            ig_prsr_md.parser_err: ternary @name("parser_err");
         }
-        actions = { absorb; again; to_group; to_group_ce; to_sender; to_sender_ce; up; up_ce; up_resend;
-                    up_resend_ce; NoAction; }
+        actions = { absorb; again; again_high; again_low; malformed; to_group; to_group_ce; to_sender;
+                    to_sender_ce; up; up_ce; up_resend; up_resend_ce; }
         const entries = {
-            (DELIVER_NONE, _, _): absorb();
-            (_, OP_MERGE, _): again();
-            (_, OP_READ, _): again();
-            (DELIVER_GROUP, _, 0): to_group();
-            (DELIVER_GROUP, _, 1): to_group_ce();
-            (DELIVER_SENDER, _, 0): to_sender();
-            (DELIVER_SENDER, _, 1): to_sender_ce();
-            (DELIVER_UP, _, 0): up();
-            (DELIVER_UP, _, 1): up_ce();
-            (DELIVER_UP_RESEND, _, 0): up_resend();
-            (DELIVER_UP_RESEND, _, 1): up_resend_ce();
+            /* A wide packet's chunks 0 .. 3; an absorbed one ends with the last. */
+            (_, _, _, 1, 0): again();
+            (_, _, _, 2, 0): again();
+            (_, _, _, 3, 0): again();
+            (DELIVER_NONE, _, _, WIDE_STEP_CHUNK_3, 0): absorb();
+            (_, _, _, WIDE_STEP_CHUNK_3, 0): again();
+            /* A wide result's read steps but the last: 8, 10, 12, 14 high words; 9, 11, 13 low. */
+            (_, _, _, 8 &&& 0xf9, 0): again_high();
+            (_, _, _, 9, 0): again_low();
+            (_, _, _, 11, 0): again_low();
+            (_, _, _, 13, 0): again_low();
+            /* A narrow packet's second pass. */
+            (DELIVER_NONE, _, _, 0, 0): absorb();
+            (_, OP_MERGE, _, 0, 0): again();
+            (_, OP_READ, _, 0, 0): again();
+            /* The last pass: a narrow packet's (step 0), or a wide one's (WIDE_STEP_LAST). */
+            (DELIVER_GROUP, _, 0, _, 0): to_group();
+            (DELIVER_GROUP, _, 1, _, 0): to_group_ce();
+            (DELIVER_SENDER, _, 0, _, 0): to_sender();
+            (DELIVER_SENDER, _, 1, _, 0): to_sender_ce();
+            (DELIVER_UP, _, 0, _, 0): up();
+            (DELIVER_UP, _, 1, _, 0): up_ce();
+            (DELIVER_UP_RESEND, _, 0, _, 0): up_resend();
+            (DELIVER_UP_RESEND, _, 1, _, 0): up_resend_ce();
         }
-        const default_action = NoAction();
-        size = 16;
+        const default_action = malformed();
+        size = 32;
     }
 
     apply {

@@ -20,14 +20,14 @@ struct value_pair_t {
     Register<value_pair_t, pool_reg_index_t>(NUM_POOL_SLOTS, {0, 0}) value_##i;            \
     RegisterAction<value_pair_t, pool_reg_index_t, bit<32>>(value_##i) write_##i = {       \
         void apply(inout value_pair_t sums) {                                             \
-            sums.lo = hdr.values.v##i;                                                    \
-            sums.hi = hdr.values.v##j;                                                    \
+            sums.lo = hdr.values_lo.v##i;                                                    \
+            sums.hi = hdr.values_hi.v##j;                                                    \
         }                                                                                 \
     };                                                                                    \
     RegisterAction<value_pair_t, pool_reg_index_t, bit<32>>(value_##i) merge_##i = {       \
         void apply(inout value_pair_t sums, out bit<32> lo) {                             \
-            sums.lo = sums.lo + hdr.values.v##i;                                          \
-            sums.hi = sums.hi + hdr.values.v##j;                                          \
+            sums.lo = sums.lo + hdr.values_lo.v##i;                                          \
+            sums.hi = sums.hi + hdr.values_hi.v##j;                                          \
             lo = sums.lo;                                                                 \
         }                                                                                 \
     };                                                                                    \
@@ -42,9 +42,9 @@ struct value_pair_t {
         }                                                                                 \
     };                                                                                    \
     action do_write_##i() { write_##i.execute(POOL_INDEX); }                                   \
-    action do_merge_##i() { hdr.values.v##i = merge_##i.execute(POOL_INDEX); }                 \
-    action do_read_lo_##i() { hdr.values.v##i = read_lo_##i.execute(POOL_INDEX); }             \
-    action do_read_hi_##i() { hdr.values.v##j = read_hi_##i.execute(POOL_INDEX); }             \
+    action do_merge_##i() { hdr.values_lo.v##i = merge_##i.execute(POOL_INDEX); }                 \
+    action do_read_lo_##i() { hdr.values_lo.v##i = read_lo_##i.execute(POOL_INDEX); }             \
+    action do_read_hi_##i() { hdr.values_hi.v##j = read_hi_##i.execute(POOL_INDEX); }             \
     table values_##i {                                                                                         \
         key = { hdr.recirc.value_op: exact @name("value_op"); }                                                 \
         actions = { do_write_##i; do_merge_##i; do_read_lo_##i; do_read_hi_##i; NoAction; } \

@@ -13,10 +13,12 @@
  * slot_count <= NUM_SLOTS implies) 16 bits hold it. A subset round's sender outside its members
  * is flagged (meta.not_member) from members & worker_mask. Registers are indexed pool * NUM_SLOTS +
  * slot here (v1model: slot * NUM_POOLS + pool): that layout needs no shift.
- * The jobs entry carries the job's width (set_job's last parameter, as in the P4Info); this twin
- * aggregates narrow packets only, so a packet whose width is not its job's, or is wide, is
- * flagged (meta.wrong_width) and refused as WRONG_WIDTH (docs/tofino.md, "Wide packets"). With
- * narrow jobs only, slot_base + slot is the slot's cell as in the v1model program. */
+ * The jobs entry carries the job's width (set_job's last parameter, as in the P4Info); a packet
+ * whose width is not its job's is flagged (meta.wrong_width) and refused as WRONG_WIDTH. A slot's
+ * state is at cell slot_base + slot for both widths; a wide slot's four chunks of values are at
+ * that cell plus 0, 1, 2 and 3 times the job's slot count (the recirc header's stride), inside
+ * the job's slot_base + 4 * slot_count cells as the v1model program's slot_base + 4 * slot + c
+ * (docs/tofino.md, "Wide packets"). */
 #ifndef _NETAGG_TNA_WORKER_LOOKUP_P4_
 #define _NETAGG_TNA_WORKER_LOOKUP_P4_
 
@@ -29,6 +31,7 @@ control WorkerLookup(inout tna_headers_t hdr, in port_t ingress_port, inout ingr
         meta.generation = generation;
         meta.job_width = width;
         hdr.recirc.reg_index = slot_base[15:0] + hdr.netagg.slot;
+        hdr.recirc.stride = slot_count;
         meta.slot_room = slot_count - hdr.netagg.slot;
     }
 
@@ -80,9 +83,8 @@ control WorkerLookup(inout tna_headers_t hdr, in port_t ingress_port, inout ingr
         if (hdr.netagg.slot[15:12] != 0 || meta.slot_room[15:15] == 1 || meta.slot_room == 0) {
             meta.slot_out_of_range = 1;
         }
-        /* Narrow only (docs/tofino.md, "Wide packets"): a packet of another width than its job's, and
-         * every wide packet (a wide job's included), is WRONG_WIDTH. */
-        if (hdr.netagg.width != meta.job_width || hdr.netagg.width == NETAGG_WIDTH_WIDE) {
+        /* A packet of another width than its job's is WRONG_WIDTH. */
+        if (hdr.netagg.width != meta.job_width) {
             meta.wrong_width = 1;
         }
         if (hdr.netagg.rank != meta.rank) {
