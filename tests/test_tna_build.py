@@ -273,7 +273,7 @@ def test_missing_parser_states_finds_a_select_the_compiler_cut_off():
     program = (TNA_DIR / "parser.p4").read_text()
     assert program_parser_states(program) == {
         "ingress": {"parse_recirc", "parse_recirc_values", "parse_recirc_read", "parse_ethernet", "parse_ipv4",
-                    "parse_udp", "parse_netagg", "parse_values"},
+                    "parse_udp", "parse_netagg", "parse_values", "probe_wide"},
         "egress": {"parse_ethernet"}}
 
     def bfa(ingress: list[str], egress: list[str]) -> str:
@@ -283,12 +283,12 @@ def test_missing_parser_states_finds_a_select_the_compiler_cut_off():
                 f"deparser ingress:\n  emit: []\nparser egress:\n  states:\n{states(egress)}deparser egress:\n")
     whole = ["parse_recirc", "parse_recirc.$split_0", "parse_recirc_values", "parse_recirc_read", "parse_ethernet",
              "parse_ethernet.$split_0", "parse_ipv4", "parse_udp", "parse_netagg", "parse_values.$split_3",
-             "parse_values"]
+             "parse_values", "probe_wide.$split_20"]
     assert missing_parser_states(program, bfa(whole, ["parse_ethernet"])) == []
-    cut = [s for s in whole if not s.startswith(("parse_ethernet", "parse_ipv4", "parse_udp", "parse_netagg"))]
+    cut = [s for s in whole if not s.startswith(("parse_ethernet", "parse_ipv4", "parse_udp", "parse_netagg", "probe"))]
     assert missing_parser_states(program, bfa(cut, ["min_parse_depth_accept_initial"])) == [
         "egress: parse_ethernet", "ingress: parse_ethernet", "ingress: parse_ipv4", "ingress: parse_netagg",
-        "ingress: parse_udp"]
+        "ingress: parse_udp", "ingress: probe_wide"]
 
 
 @pytest.fixture
@@ -455,8 +455,9 @@ def test_wide_packets_take_each_chunk_once_and_leave_with_the_sums_in_order():
     added at cell + c * stride (the job's slot count), an absorbed one is dropped after its chunk 3 (5 passes
     in all), the completing one leaves for the group after 8 read passes with the 256 sums in the wire's order
     (13 passes); a resend reads the same sums back to its sender; a parent's result is written and goes to
-    the group as it came; a packet shorter than its lengths say is dropped as MALFORMED at its missing chunk,
-    touching no cell there; and a narrow packet still takes two passes after the first."""
+    the group as it came; a packet shorter than its lengths say (the first arrival's probe refuses it before
+    pass 1; this is the later passes' guard) is dropped as MALFORMED at its missing chunk, touching no cell there;
+    and a narrow packet still takes two passes after the first."""
     sim, d = _Pass(), _defines()
     rng = __import__("random").Random(7)
     cell, stride = 40, 12  # the slot's cell, and a job of 12 wide slots
@@ -489,3 +490,32 @@ def test_wide_packets_take_each_chunk_once_and_leave_with_the_sums_in_order():
     assert sim.through(narrow, cells) == ("to_group()", 2)
     assert [v for half in narrow["payload"] for v in half] == \
         [(v + (1 if i < 32 else 2)) & 0xFFFFFFFF for i, v in enumerate(contributions[0][:64])]
+
+
+def test_a_wide_packets_first_arrival_is_probed_whole_before_pass_1():
+    """Pass 1 extracts 64 of a wide packet's values, so a truncated one would be found only after its slot
+    counted it. Its first arrival is a probe instead: the parser skips to the last value and extracts it (a
+    shorter packet is a parser error, MALFORMED in the checks before any register changes), and the ingress
+    resubmits the packet, whose resubmitted pass (resubmit_flag set) parses the usual way and is its pass 1."""
+    d = _defines()
+    text = (TNA_DIR / "defines.p4").read_text()
+    skip = re.search(r"^#define WIDE_PROBE_SKIP_BITS \(\((\w+) - (\d+)\) \* 32\)$", text, re.M)
+    skip_bits = (d[skip.group(1)] - int(skip.group(2))) * 32
+    assert skip_bits + 32 == d["NETAGG_WIDE_K"] * 32  # the probe's extract ends where the 256th value does
+    parser = (TNA_DIR / "parser.p4").read_text()
+    assert re.search(r"select\(ig_intr_md\.resubmit_flag, hdr\.netagg\.width\) \{\s*\(0, NETAGG_WIDTH_WIDE\): "
+                     r"probe_wide;\s*default: parse_values;", parser)
+    probe = re.search(r"state probe_wide \{(.*?)\}", parser, re.S).group(1)
+    assert [s.strip() for s in probe.strip().splitlines() if s.strip()] == [
+        "packet.advance(WIDE_PROBE_SKIP_BITS);", "packet.extract(hdr.wide_last);", "meta.wide_whole = 1;",
+        "transition accept;"]
+    # The recirculation port's path is taken only by a packet that was not resubmitted.
+    assert re.search(r"select\(ig_intr_md\.resubmit_flag, ig_intr_md\.ingress_port\[6:0\]\) \{\s*"
+                     r"\(0, RECIRC_PORT_LOCAL\): parse_recirc;\s*default: parse_ethernet;", parser)
+    assert re.search(r"if \(ig_dprsr_md\.resubmit_type == RESUBMIT_WIDE\) \{\s*resubmit\.emit\(\);", parser)
+    top = (TNA_DIR / "netagg.p4").read_text()
+    # Before pass 1 and after the later passes' branch: a whole wide packet does nothing but resubmit.
+    branch = re.search(r"\} else if \(meta\.wide_whole == 1 && ig_prsr_md\.parser_err == 0\) \{(.*?)\} else \{\s*"
+                       r"/\* Pass 1\.", top, re.S)
+    assert branch and re.sub(r"/\*.*?\*/", "", branch.group(1), flags=re.S).split() == [
+        "ig_dprsr_md.resubmit_type", "=", "RESUBMIT_WIDE;"]

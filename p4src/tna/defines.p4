@@ -25,6 +25,11 @@
 #define WIDE_STEP_READ_FIRST 8
 #define WIDE_STEP_LAST 15
 
+/* A wide packet's first pass only checks that it is whole (the parser reaches its last value) and
+ * resubmits it: resubmit type, and the bits between the netagg header and the last value. */
+#define RESUBMIT_WIDE 1
+#define WIDE_PROBE_SKIP_BITS ((NETAGG_WIDE_K - 1) * 32)
+
 /* The recirculation port in each pipe is (pipe << 7) | RECIRC_PORT_LOCAL (Tofino 1: 68). */
 #define RECIRC_PORT_LOCAL 68
 /* The recirculation port of the pipe that port p belongs to. */

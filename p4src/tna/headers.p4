@@ -42,6 +42,11 @@ header values_hi_h {
     FOR_EACH_PAIR(HIGH_VALUE_FIELD)
 }
 
+/* A wide packet's last value, read where the parser checks that the packet is whole. */
+header wide_last_h {
+    bit<32> value;
+}
+
 /* One container per field of the two internal headers: each is written from one source. */
 @pa_container_size("ingress", "hdr.recirc.value_op", 16)
 @pa_container_size("ingress", "hdr.recirc.deliver", 16)
@@ -60,6 +65,7 @@ struct tna_headers_t {
     netagg_h netagg;
     values_lo_h values_lo;
     values_hi_h values_hi;
+    wide_last_h wide_last;
 }
 
 struct ingress_metadata_t {
@@ -118,6 +124,7 @@ struct ingress_metadata_t {
     mac_addr_t up_mac;
     ipv4_addr_t up_addr;
     bit<8> level;              /* LEVEL_* the packet found, where LevelState returns it (see there) */
+    bit<1> wide_whole;         /* a wide packet's first arrival, whole: resubmitted (the parser's probe_wide) */
 }
 
 struct egress_metadata_t {

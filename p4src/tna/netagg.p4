@@ -209,6 +209,10 @@ control NetaggIngress(inout tna_headers_t hdr,
             } else {
                 wide_step.apply(hdr);
             }
+        } else if (meta.wide_whole == 1 && ig_prsr_md.parser_err == 0) {
+            /* A wide packet is whole (the parser read its last value): once more as it arrived, and
+             * that is its pass 1. */
+            ig_dprsr_md.resubmit_type = RESUBMIT_WIDE;
         } else {
             /* Pass 1. Lookups and flags first, all independent of each other but the lookups
              * keyed by the job id, which wait for DownLink's rewrite; then the checks table sets

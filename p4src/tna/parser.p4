@@ -65,10 +65,12 @@ parser NetaggIngressParser(packet_in packet,
         meta.up_mac = 0;
         meta.up_addr = 0;
         meta.level = 0;
+        meta.wide_whole = 0;
         packet.extract(ig_intr_md);
+        /* A resubmitted packet's resubmit data (none here) takes the port metadata's 64 bits. */
         packet.advance(PORT_METADATA_SIZE);
-        transition select(ig_intr_md.ingress_port[6:0]) {
-            RECIRC_PORT_LOCAL: parse_recirc;
+        transition select(ig_intr_md.resubmit_flag, ig_intr_md.ingress_port[6:0]) {
+            (0, RECIRC_PORT_LOCAL): parse_recirc;
             default: parse_ethernet;
         }
     }
@@ -127,7 +129,22 @@ parser NetaggIngressParser(packet_in packet,
 
     state parse_netagg {
         packet.extract(hdr.netagg);
-        transition parse_values;
+        transition select(ig_intr_md.resubmit_flag, hdr.netagg.width) {
+            (0, NETAGG_WIDTH_WIDE): probe_wide;
+            default: parse_values;
+        }
+    }
+
+    /* A wide packet as it arrives: pass 1 extracts 64 of its 256 values, so whether the rest is there
+     * would show only in a later pass, after its slot counted it. Here the parser reads its last value
+     * (a shorter packet is a parser error: MALFORMED in the checks, before anything changes) and the
+     * ingress resubmits it; the original packet comes back as it arrived, with resubmit_flag set, and
+     * that pass is its pass 1 (docs/tofino.md, "Wide packets"). */
+    state probe_wide {
+        packet.advance(WIDE_PROBE_SKIP_BITS);
+        packet.extract(hdr.wide_last);
+        meta.wide_whole = 1;
+        transition accept;
     }
 
     /* One cell's values, as the value pairs' low and high words (tna/headers.p4). */
@@ -143,8 +160,12 @@ control NetaggIngressDeparser(packet_out packet,
                               in ingress_metadata_t meta,
                               in ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
     Checksum() ipv4_checksum;
+    Resubmit((ResubmitType_t)RESUBMIT_WIDE) resubmit;
 
     apply {
+        if (ig_dprsr_md.resubmit_type == RESUBMIT_WIDE) {
+            resubmit.emit();
+        }
         if (meta.update_checksum == 1) {
             hdr.ipv4.hdr_checksum = ipv4_checksum.update({
                 hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.total_len,

@@ -6,7 +6,8 @@
  *   high words, a wide packet's next chunk or half: WideStep), or the last pass: a completed
  *   round's packet becomes a RESULT from the aggregator address (for the job's group, or back to
  *   a resending sender), or a partial for the parent. A pass whose parser failed (a wide packet
- *   shorter than its lengths say, found at its missing chunk) is dropped as MALFORMED.
+ *   shorter than its lengths say, which the first arrival's probe already refuses) is dropped as
+ *   MALFORMED.
  * Ingress, last pass, after the value pairs (ResultRelease): send the packet where pass 1 said
  *   (for a partial going up the tree: out of the up port, see tree_links.p4).
  * Egress (ResultRewrite): each replica of a group copy gets its receiver's MAC, IPv4 address
