@@ -2,7 +2,8 @@
 
 ``bf-p4c`` (p4lang/p4c's ``tofino`` backend) must be on PATH. The compiler's own resource
 report (``pipe/logs/resources.json`` and ``metrics.json``, written with ``--verbose 1``) is
-summarised by :class:`ResourceReport`; ``make build-tofino`` prints it.
+summarised by :class:`ResourceReport`; ``make build-tofino`` prints it. The compiled parsers must
+hold every state of the program's (:func:`missing_parser_states`).
 
 Without ``bf-p4c``, p4c's front and mid end (``p4test``) still check the program against the
 Tofino architecture (``tna.p4`` from p4c's Tofino backend, installed in p4c's include directory):
