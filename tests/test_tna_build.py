@@ -9,6 +9,7 @@ from the tables' entries, take each chunk once at its cell and leave with the su
 
 import itertools
 import json
+import random
 import re
 import shutil
 from collections import Counter
@@ -152,6 +153,35 @@ def _checks_entries() -> list[tuple[list[str], str]]:
     return _table_entries("netagg.p4", "checks")
 
 
+def _key_value(token: str, defines: dict[str, int]) -> int:
+    """An entry's key token as a number: a literal, a boolean, or a #define."""
+    if token in ("true", "false"):
+        return int(token == "true")
+    return int(token, 0) if token[0].isdigit() else defines[token]
+
+
+class _Table:
+    """A table's const entries as match rules (None: a wildcard; (value,) or (value, mask)) and its default
+    action: what the switch does with the key fields of one packet, first match first."""
+
+    def __init__(self, source: str, name: str, defines: dict[str, int]):
+        text = (TNA_DIR / source).read_text()
+        table = text[text.index(f"table {name} {{"):]
+        self.keys = re.findall(r"@name\(\"(\w+)\"\)", table[:table.index("actions")])
+        self.default = re.search(r"const default_action = (\w+\([^)]*\));", table).group(1)
+        self.rules = []
+        for keys, action in _table_entries(source, name):
+            assert len(keys) == len(self.keys), keys
+            self.rules.append(([None if k == "_" else tuple(_key_value(x.strip(), defines) for x in k.split("&&&"))
+                                for k in keys], action))
+
+    def first_match(self, fields: dict[str, int]) -> str:
+        for keys, action in self.rules:
+            if all(k is None or (fields[n] & (k[1] if len(k) == 2 else -1)) == k[0] for n, k in zip(self.keys, keys)):
+                return action
+        return self.default
+
+
 def _decision_chain() -> list[str]:
     """The drop reasons of pass 1's checks, in the order their entries are tried."""
     return [m.group(1) for _, action in _checks_entries() if (m := re.match(r"refuse\((DROP_\w+),", action))]
@@ -199,34 +229,15 @@ def test_checks_table_is_the_v1model_chain():
     the values each key's tests tell apart (its "!=" checks are written as entries after the packets that
     pass: a slip there would pass the wrong packets on)."""
     d = _defines()
-    top = (TNA_DIR / "netagg.p4").read_text()
-    table = top[top.index("table checks {"):]
-    names = re.findall(r"@name\(\"(\w+)\"\)", table[:table.index("actions")])
-    default = re.search(r"const default_action = (\w+\([^)]*\));", table).group(1)
-
-    def value(token: str) -> int:
-        if token in ("true", "false"):
-            return int(token == "true")
-        return int(token, 0) if token[0].isdigit() else d[token]
-
-    rules = []
-    for keys, action in _checks_entries():
-        assert len(keys) == len(names), keys
-        rules.append(([None if k == "_" else tuple(value(x.strip()) for x in k.split("&&&")) for k in keys], action))
-
-    def first_match(packet: dict) -> str:
-        for keys, action in rules:
-            if all(k is None or (packet[n] & (k[1] if len(k) == 2 else -1)) == k[0] for n, k in zip(names, keys)):
-                return action
-        return default
-
+    checks = _Table("netagg.p4", "checks", d)
+    names = checks.keys
     domains = {name: (0, 1) for name in names}
     domains.update(parser_err=(0, 2), udp_src=(d["NETAGG_UDP_PORT"], 1234), version=(d["NETAGG_VERSION"], 3),
                    flags=(0, d["FLAG_RESULT"], d["FLAG_CLOSE"], d["FLAG_RESULT"] | d["FLAG_CLOSE"], 0x78),
                    pool=(0, 1, 2, 3))
     for combo in itertools.product(*(domains[n] for n in names)):
         packet = dict(zip(names, combo))
-        assert first_match(packet) == _v1model_checks(packet, d), packet
+        assert checks.first_match(packet) == _v1model_checks(packet, d), packet
 
 
 def test_resource_report_without_metrics_counts_the_placement(tmp_path):
@@ -362,23 +373,13 @@ class _Pass:
 
     def __init__(self):
         self.d = _defines()
-        self.delivery = self._rules("result_delivery.p4", "delivery")
-        self.next = {int(keys[0], 0) if keys[0][0].isdigit() else self.d[keys[0]]: action
+        self.delivery = _Table("control/result_delivery.p4", "delivery", self.d)
+        self.next = {_key_value(keys[0], self.d): action
                      for keys, action in _table_entries("control/wide_steps.p4", "wide_next")}
 
-    def _value(self, token: str) -> int:
-        return int(token, 0) if token[0].isdigit() else self.d[token]
-
-    def _rules(self, source: str, name: str):
-        return [([None if k == "_" else tuple(self._value(x.strip()) for x in k.split("&&&")) for k in keys], action)
-                for keys, action in _table_entries(f"control/{source}", name)]
-
     def decide(self, packet: dict) -> str:
-        fields = (packet["deliver"], packet["op"], 0, packet["step"], packet["parser_err"])
-        for keys, action in self.delivery:
-            if all(k is None or (f & (k[1] if len(k) == 2 else -1)) == k[0] for f, k in zip(fields, keys)):
-                return action
-        return "malformed()"
+        return self.delivery.first_match({"deliver": packet["deliver"], "value_op": packet["op"], "round_ce": 0,
+                                          "step": packet["step"], "parser_err": packet["parser_err"]})
 
     def run(self, packet: dict, cells: dict) -> str:
         """One pass: the packet changed in place; returns the delivery action taken."""
@@ -431,7 +432,7 @@ class _Pass:
                 if verb == "previous_chunk":
                     packet["reg_index"] -= packet["stride"]
             if arg:
-                packet["step"] = self._value(arg)
+                packet["step"] = _key_value(arg, d)
         # The deparser: the valid halves in front of the payload.
         packet["payload"] = [packet[h] for h in ("lo", "hi") if h in valid] + packet["payload"]
         return action
@@ -459,7 +460,7 @@ def test_wide_packets_take_each_chunk_once_and_leave_with_the_sums_in_order():
     pass 1; this is the later passes' guard) is dropped as MALFORMED at its missing chunk, touching no cell there;
     and a narrow packet still takes two passes after the first."""
     sim, d = _Pass(), _defines()
-    rng = __import__("random").Random(7)
+    rng = random.Random(7)
     cell, stride = 40, 12  # the slot's cell, and a job of 12 wide slots
     contributions = [[rng.randrange(-2**31, 2**31) for _ in range(256)] for _ in range(3)]
     total = [sum(v[i] for v in contributions) & 0xFFFFFFFF for i in range(256)]

@@ -59,7 +59,7 @@ control ResultDelivery(inout tna_headers_t hdr, inout ingress_metadata_t meta,
      * egress does not parse IPv4). A partial keeps, of the flags, the round's (RoundFlags put them
      * in the packet in pass 1), with RETRANSMIT on a resend and no RESULT: the round's bits
      * deposited into a constant, one instruction (see the flags' split in netagg.p4). The low words'
- * half is made valid: a wide result's last pass reads chunk 0's into it (a narrow one has it). */
+     * half is made valid: a wide result's last pass reads chunk 0's into it (a narrow one has it). */
 #define RESULT_HEADER                                                                       \
         hdr.values_lo.setValid();                                                           \
         hdr.ipv4.ttl = RESULT_TTL;                                                          \
