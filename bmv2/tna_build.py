@@ -191,7 +191,7 @@ def compile_tna(out_dir: Path, allow_warnings: bool = False, timeout: float = 18
     warnings, notes = compiler_warnings(output)
     if warnings and not allow_warnings:
         raise TofinoCompileError("bf-p4c warned (the program must compile cleanly):\n" + "\n".join(warnings))
-    missing = missing_parser_states((dp.P4SRC_DIR / "tna" / "parser.p4").read_text(),
+    missing = missing_parser_states((dp.TNA_PROGRAM.parent / "parser.p4").read_text(),
                                     (out_dir / "pipe" / f"{dp.TNA_PROGRAM.stem}.bfa").read_text())
     if missing:
         raise TofinoCompileError("the compiled parsers lack states of the program (a compiler that drops select "
