@@ -227,6 +227,8 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
         self.hold_pushes = hold_pushes
         #: Single pushes held for the next switch group (only with ``hold_pushes`` in gang rounds with a PS member).
         self._held = HeldPushes()
+        #: Per rank, whether its last request said it receives the versions through the switch (unknown: it does).
+        self._receiving: dict[int, bool] = {}
         self.grants: GrantService | None = None
         if config.schedule == "mlfabric":
             self.grants = GrantService(scheduler or Scheduler(self.delay_bound, default_bandwidth=default_bandwidth),
@@ -353,7 +355,9 @@ class FabricServer(WorkerOps, ChainNode, ModelUpdates):
                 self._cond.notify_all()
             self._observe_closed(grant, missing)
             if checked:
-                self._push_async(checked, total)
+                # Its members got the sum from the switch: where it lands on top of their version, they compute the
+                # next model themselves, and need no copy of it (ModelUpdates._publish).
+                self._push_async(checked, total, holders=frozenset(r for i, r, _ in checked if i not in held))
             if held:
                 self._held.done(sorted(held))
         finally:

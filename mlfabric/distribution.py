@@ -100,6 +100,10 @@ class SenderStats:
     repairs_served: int = 0
     #: Seconds versions waited for switch groups (``ModelSender.hold``).
     held_seconds: float = 0.0
+    #: Versions not sent because every receiver holds them or a newer one (``ModelSender.supersede``), and of
+    #: those, ones dropped while they waited for a switch group before their first packet.
+    versions_unneeded: int = 0
+    sends_cut: int = 0
 
 
 class ModelSender:
@@ -121,6 +125,8 @@ class ModelSender:
         self.destination = resolve(config.aggregator)
         self._sent: OrderedDict[int, np.ndarray] = OrderedDict()
         self._pending: tuple[int, np.ndarray, Callable[[], None] | None] | None = None
+        #: Versions below this are no receiver's to take (``supersede``): not sent, or no longer.
+        self._floor = -1
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="model-sender", daemon=True)
@@ -134,6 +140,17 @@ class ModelSender:
                 self.stats.versions_skipped += 1
             self._pending = (version, np.array(model, np.float32), ready)
             self._cond.notify_all()
+
+    def supersede(self, version: int) -> None:
+        """Every receiver holds ``version`` already (it computed it from its switch group's sum): it is not sent,
+        and an older one pending, or waiting for a switch group before its first packet, is dropped, since nobody
+        would start from it."""
+        with self._cond:
+            self.stats.versions_unneeded += 1
+            self._floor = max(self._floor, version + 1)
+            if self._pending is not None and self._pending[0] < self._floor:
+                self._pending = None
+                self.stats.versions_unneeded += 1
 
     def blocks(self, version: int, ranges: list[tuple[int, int]]) -> np.ndarray | None:
         """Blocks ``[start, end)`` of a version sent lately, as (n, width) float32; None if it is gone."""
@@ -161,6 +178,8 @@ class ModelSender:
                     return
                 version, model, ready = self._pending  # type: ignore[misc]
                 self._pending = None
+                if version < self._floor:
+                    continue
             try:
                 if ready is not None:
                     ready()
@@ -193,6 +212,7 @@ class ModelSender:
         start = time.monotonic()
         held = 0.0
         sent = 0
+        cut = False
         for first in range(0, layout.blocks, self.batch):
             if self.hold is not None and held < HOLD_LIMIT and self.hold():
                 waited = time.monotonic()
@@ -202,6 +222,11 @@ class ModelSender:
                 held += pause
                 start += pause  # the pace goes on from here
                 self.stats.held_seconds += pause
+            if not sent and version < self._floor:
+                # Every receiver holds a newer version now (an int read: no lock needed). Only a version not begun
+                # is dropped: a receiver would count one cut short as its link's failure (ReceiverPolicy).
+                cut = True
+                break
             for row in raw[first:first + self.batch]:
                 try:
                     self.sock.sendto(row, self.destination)
@@ -213,7 +238,8 @@ class ModelSender:
             if pause > 0:
                 time.sleep(pause)
         with self._cond:
-            self.stats.versions_sent += 1
+            self.stats.versions_sent += not cut
+            self.stats.sends_cut += cut
             self.stats.packets_sent += sent
             self.stats.bytes_sent += sent * layout.message_bytes
 

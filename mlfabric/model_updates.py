@@ -59,9 +59,11 @@ class ModelUpdates:
         self.stats.duplicates += 1
         return {**seen[0][1], "duplicate": True}
 
-    def _push_async(self, parts: list[tuple[str, int, int]], grad: np.ndarray, compact: bool = False) -> dict[str, Any]:
+    def _push_async(self, parts: list[tuple[str, int, int]], grad: np.ndarray, compact: bool = False,
+                    holders: frozenset[int] = frozenset()) -> dict[str, Any]:
         """``compact``: ``grad`` holds only the values of a switch group's rest (the member's push of what the sum
-        lacked, in the order of the PS's mask); refused unless such a rest waits for it and has as many values."""
+        lacked, in the order of the PS's mask); refused unless such a rest waits for it and has as many values.
+        ``holders``: ranks that hold ``grad`` (a switch group's members, who got its sum from the switch)."""
         with self._cond:
             if len(parts) == 1 and (rest := self._remainders.pop(parts[0][0], None)) is not None:
                 if compact:
@@ -82,7 +84,9 @@ class ModelUpdates:
             if self.delay_bound is not None and max(delays) > self.delay_bound:
                 return self._drop(parts, delays, f"delay {max(delays)} > bound {self.delay_bound}")
             delta = (-self.lr * grad).astype(np.float32)
-            return self._apply_update(parts, delays, delta)
+            # A holder computes the new model itself where the update lands right on top of its version.
+            on_top = frozenset(rank for _, rank, version in parts if rank in holders and version == self.version)
+            return self._apply_update(parts, delays, delta, on_top)
 
     def _push_remainder(self, part: tuple[str, int, int], grad: np.ndarray, rest: np.ndarray) -> dict[str, Any]:
         """A member's push of an update that a switch group's sum held only in part (its rounds closed at the
@@ -150,8 +154,9 @@ class ModelUpdates:
         return outcome
 
     def _apply_update(self, parts: list[tuple[str, int, int]], delays: list[int],
-                      delta: np.ndarray) -> dict[str, Any]:
-        """Apply and log one update (holding the lock); replicated before anyone is told."""
+                      delta: np.ndarray, holders: frozenset[int] = frozenset()) -> dict[str, Any]:
+        """Apply and log one update (holding the lock); replicated before anyone is told. ``holders``: ranks that
+        compute the model after it themselves (see :meth:`_publish`)."""
         meta = {"kind": "update", "parts": [list(p) for p in parts], "delays": delays}
         if self.grants is not None and self.grants.switch_slots:
             meta["switch_next"] = self.grants.switch_next
@@ -163,15 +168,23 @@ class ModelUpdates:
         outcome = {"outcome": APPLIED, "delays": delays, "version": self.version, "seq": seq}
         if self.update_mode == "async":  # the step (w -= lr * g): a switch group's members apply its sum too
             outcome["lr"] = float(self.lr)
+        if self.distribution is not None and self.role == "primary":
+            outcome["multicast"] = self._publish(seq, holders)
         self._remember(parts, outcome)
-        self._publish(seq)
         self._cond.notify_all()
         return outcome
 
-    def _publish(self, seq: int) -> None:
-        """Hand the model just applied (record ``seq``) to the distribution sender: sent once replicated."""
-        if self.distribution is not None and self.role == "primary" and self.model is not None:
-            self.distribution.publish(self.version, self.model, lambda: self._await_safe(seq))
+    def _publish(self, seq: int, holders: frozenset[int] = frozenset()) -> bool:
+        """Hand the model just applied (record ``seq``) to the distribution sender: sent once replicated. Not
+        sent where every worker still receiving the versions is among ``holders``, which compute it themselves:
+        the copies would only fill the links their next switch group needs. Whether it is sent."""
+        if self.distribution is None or self.role != "primary" or self.model is None:
+            return False
+        if holders and all(rank in holders or not self._receiving.get(rank, True) for rank in range(self.num_workers)):
+            self.distribution.supersede(self.version)
+            return False
+        self.distribution.publish(self.version, self.model, lambda: self._await_safe(seq))
+        return True
 
     def _commit(self, meta: dict[str, Any], blob: bytes, apply: Any) -> int:
         """Reserve room in the chain, apply, hand the record to the successor (holding the lock)."""

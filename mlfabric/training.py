@@ -133,6 +133,9 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
     #: Values of this worker's last update that its closed switch group's sum lacked (zeros elsewhere), and how
     #: many: added to its next update.
     carry: tuple[np.ndarray, int] | None = None
+    #: Whether the PS sends the version of this worker's last outcome through the switch: it does not where every
+    #: receiver computes it from its switch group's sum, and then a worker that could not waits for nothing.
+    coming = True
     try:
         for step in range(steps):
             if max_seconds is not None and time.monotonic() - started > max_seconds:
@@ -142,7 +145,7 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
             if ahead is not None and ahead[0] >= floor:  # computed from the last switch group's sum
                 (version, params), ahead = ahead, None
                 report.applied_locally += 1
-            elif (local := _delivered(client, cache, step, version, floor, local_wait)) is not None:
+            elif (local := _delivered(client, cache, step, version, floor, local_wait, coming)) is not None:
                 version, params = local
                 report.local_models += 1
             else:
@@ -160,9 +163,9 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
             rate = cache.rate if receiving and cache is not None and cache.rate is not None else pull_rate
             outcome: dict[str, Any] = {"carry": carry}
             if not _step(client, report, grad_fn, schedule, switch, compute_delay, on_step, step, version, params,
-                         rate, outcome):
+                         rate, outcome, receiving if cache is not None else None):
                 break
-            ahead, carry = outcome.get("ahead"), outcome.get("carry")
+            ahead, carry, coming = outcome.get("ahead"), outcome.get("carry"), outcome.get("multicast", True)
     finally:
         if carry is not None:  # the run ended before an update carried it
             report.folded_values_dropped += carry[1]
@@ -187,11 +190,19 @@ def _initialized(client: FabricClient, wait: float) -> bool:
 
 
 def _delivered(client: FabricClient, cache: ModelCache | None, step: int, version: int, floor: int,
-               local_wait: float) -> tuple[int, np.ndarray] | None:
+               local_wait: float, coming: bool = True) -> tuple[int, np.ndarray] | None:
     """A version the switch delivered to start from: the newest the PS reported (``floor``, waiting up to
-    ``local_wait`` for it when it is newer than the last), else any newer than the last; None: pull."""
+    ``local_wait`` for it when it is newer than the last), else any newer than the last; None: pull.
+    ``coming``: False where the PS said it does not send ``floor`` (only one already here, or a pull, then)."""
     if cache is None or not step:
         return None
+    if not coming and floor > version:
+        try:
+            return cache.newest(floor - 1, 0.0, client.model_blocks)
+        except Unavailable:
+            raise
+        except FabricError:
+            return None
     if cache.membership is not None and not cache.membership.receiving:
         local_wait = 0.0  # out of the group: no version is coming, only one already here (pull otherwise)
     try:
@@ -205,10 +216,12 @@ def _delivered(client: FabricClient, cache: ModelCache | None, step: int, versio
 
 def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule: str, switch: SwitchSummer | None,
           compute_delay: float, on_step: Callable[[int, dict[str, Any]], None] | None, step: int, version: int,
-          params: np.ndarray, rate: float | None = None, out: dict[str, Any] | None = None) -> bool:
+          params: np.ndarray, rate: float | None = None, out: dict[str, Any] | None = None,
+          receiving: bool | None = None) -> bool:
     """Compute and send one gradient; False once the PS says the job is halted. ``out["ahead"]``: the next
     model, when this worker can compute it from its switch group's sum. ``out["carry"]``: in, values of the last
-    update to add to this one; out, values of this one to add to the next (its closed group lacked them)."""
+    update to add to this one; out, values of this one to add to the next (its closed group lacked them).
+    ``out["multicast"]``: whether the PS sends the version of this update's outcome through the switch."""
     began = time.monotonic()
     loss, grad = grad_fn(params, step)
     grad = np.ascontiguousarray(grad, np.float32)
@@ -223,7 +236,9 @@ def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule:
     update_id = f"{client.rank}:{step}"
     report.steps = step + 1
     try:
-        outcome = _send(client, report, schedule, update_id, version, grad, switch, rate)
+        outcome = _send(client, report, schedule, update_id, version, grad, switch, rate, receiving)
+        if outcome is not None and out is not None:
+            out["multicast"] = bool(outcome.get("multicast", True))
         if outcome is not None and (folded := outcome.pop("_carry", None)) is not None and out is not None:
             out["carry"] = (np.where(folded, grad, np.float32(0)), int(folded.sum()))
         if outcome is not None and (total := outcome.pop("_sum", None)) is not None:
@@ -263,12 +278,14 @@ def _step(client: FabricClient, report: WorkerReport, grad_fn: GradFn, schedule:
 
 
 def _send(client: FabricClient, report: WorkerReport, schedule: str, update_id: str, version: int,
-          grad: np.ndarray, switch: SwitchSummer | None = None, rate: float | None = None) -> dict[str, Any] | None:
+          grad: np.ndarray, switch: SwitchSummer | None = None, rate: float | None = None,
+          receiving: bool | None = None) -> dict[str, Any] | None:
     """Push ``grad`` (asking the scheduler first with ``schedule: mlfabric``); None if the scheduler dropped it."""
     if schedule != "mlfabric":
         return client.push(update_id, version, grad)
     asked = time.monotonic()
-    decision = client.request(update_id, version, grad.nbytes, float(np.linalg.norm(grad)), rate=rate)
+    decision = client.request(update_id, version, grad.nbytes, float(np.linalg.norm(grad)), rate=rate,
+                              receiving=receiving)
     waited = time.monotonic() - asked
     report.phase_seconds["grant"] += waited
     if isinstance(held := decision.get("held"), (int, float)):

@@ -114,12 +114,15 @@ class FabricClient:
         return self.call("fold", {"update_id": update_id, "rest": int(count)})[0]
 
     def request(self, update_id: str, version: int, size: int, norm: float, timeout: float = 40.0,
-                rate: float | None = None) -> dict[str, Any]:
+                rate: float | None = None, receiving: bool | None = None) -> dict[str, Any]:
         """Ask the scheduler to send an update; returns when granted (or dropped). ``rate``: bytes/s at which
-        this worker received the model lately (a hint for the scheduler; see GrantService.hint)."""
-        header = {"update_id": update_id, "version": version, "size": size, "norm": norm}
+        this worker received the model lately (a hint for the scheduler; see GrantService.hint). ``receiving``:
+        whether it takes the versions the PS sends through the switch (it is in the distribution's group)."""
+        header: dict[str, Any] = {"update_id": update_id, "version": version, "size": size, "norm": norm}
         if rate is not None:
             header["rate"] = rate
+        if receiving is not None:
+            header["receiving"] = receiving
         return self.call("request", header, timeout=timeout)[0]
 
     def model_blocks(self, version: int, ranges: list[tuple[int, int]]) -> np.ndarray | None:

@@ -226,6 +226,11 @@ class WorkerOps:
             if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
                 raise ValueError(f"request: rate {rate!r} must be a positive number of bytes/s")
             self.grants.hint(request.rank, float(rate))
+        if "receiving" in header:
+            if not isinstance(header["receiving"], bool):
+                raise ValueError(f"request: receiving {header['receiving']!r} must be true or false")
+            with self._cond:
+                self._receiving[request.rank] = header["receiving"]
         try:
             decision = self.grants.request(request, timeout=self.pull_timeout)
         except TimeoutError as err:

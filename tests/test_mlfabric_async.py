@@ -555,7 +555,8 @@ def test_a_worker_that_pulls_its_models_tells_the_scheduler_the_rate_of_its_pull
             time.sleep(0.2)  # 1 MB in 0.2 s: 5 MB/s at most
             return 0, np.zeros(size, np.float32), False
 
-        def request(self, update_id, version, nbytes, norm, rate=None):
+        def request(self, update_id, version, nbytes, norm, rate=None, receiving=None):
+            assert receiving is None  # no distribution: nothing to say about it
             self.rates.append(rate)
             return {"action": "drop", "reason": "test", "version": 0}
 

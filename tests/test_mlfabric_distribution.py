@@ -15,7 +15,7 @@ from netagg.mlfabric import distribution
 from netagg.mlfabric.async_server import FabricServer
 from netagg.mlfabric.distribution import DistributionLayout, ModelCache, ModelSender
 from netagg.mlfabric.protocol import Refused
-from netagg.mlfabric.training import WorkerReport, _step, run_worker
+from netagg.mlfabric.training import WorkerReport, _delivered, _step, run_worker
 from netagg.mlfabric.worker import FabricClient
 from netagg.testing.mlfabric import loopback_configs
 
@@ -264,3 +264,112 @@ def test_a_receiver_that_gets_versions_only_in_part_still_measures_the_rate_its_
         finally:
             cache.close()
             sender.close()
+
+
+def test_a_version_every_receiver_holds_is_not_sent_nor_any_older_one():
+    """The PS's ``supersede``: its receivers computed the version themselves (from their switch group's sum), so
+    neither it nor an older one pending or half sent goes out; a newer one does."""
+    with testing.LoopbackSwitch() as switch:
+        configs = _distribution_job(switch, 1)
+        sender = ModelSender(configs[1], rate=50e6)
+        cache = ModelCache(configs[0], SIZE)
+        group = threading.Event()
+        sender.hold = group.is_set
+        model = np.arange(SIZE, dtype=np.float32)
+        try:
+            group.set()  # version 1 waits for a switch group before its first packet, version 2 is pending
+            sender.publish(1, model)
+            time.sleep(0.1)
+            sender.publish(2, model + 1)
+            sender.supersede(3)  # every receiver holds version 3: 1's send is cut, 2 dropped, 3 never published
+            group.clear()
+            assert cache.newest(0, wait=0.5) is None
+            sender.publish(4, model + 3)
+            got = cache.newest(0, wait=3.0)
+            assert got is not None and got[0] == 4 and np.array_equal(got[1], model + 3)
+            blocks = DistributionLayout(SIZE, SLOTS).blocks
+            assert (sender.stats.versions_sent, sender.stats.sends_cut, sender.stats.packets_sent) == (1, 1, blocks)
+            assert sender.stats.versions_unneeded == 2  # 3, and 2 that was pending
+        finally:
+            cache.close()
+            sender.close()
+
+
+class _Recorder:
+    """A distribution sender that records what the PS hands it."""
+
+    def __init__(self) -> None:
+        self.published: list[int] = []
+        self.superseded: list[int] = []
+
+    def publish(self, version: int, model: np.ndarray, ready=None) -> None:
+        self.published.append(version)
+
+    def supersede(self, version: int) -> None:
+        self.superseded.append(version)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_version_is_sent_unless_every_worker_still_receiving_computes_it_from_its_switch_groups_sum():
+    fabric = loopback_configs(3, update_mode="async", delay_bound=8, schedule="mlfabric")
+    recorder = _Recorder()
+    server = FabricServer(fabric[0], lr=1.0, gate_timeout=0, batch_window=0.01, distribution=recorder).start()
+    clients = [FabricClient.from_config(c) for c in fabric]
+    grad = np.ones(SIZE, np.float32)
+    try:
+        clients[0].init(np.zeros(SIZE, np.float32))
+        # Ranks 0 and 1 got the sum of their group (holders) on top of version 0; rank 2 never said whether it
+        # receives the versions, so it is taken to: the version goes out.
+        first = server._push_async([("0:0", 0, 0), ("1:0", 1, 0)], grad, holders=frozenset({0, 1}))
+        assert first["multicast"] and recorder.published == [2] and not recorder.superseded
+        # Rank 2 left the distribution's group (it pulls): its own update's version is sent (0 and 1 lack it).
+        assert clients[2].request("2:0", 2, grad.nbytes, 1.0, receiving=False)["action"] == "send"
+        assert clients[2].push("2:0", 2, grad)["multicast"] and recorder.published == [2, 3]
+        # Now every worker still receiving computes version 5 itself: it is not sent, and no older one either.
+        second = server._push_async([("0:1", 0, 3), ("1:1", 1, 3)], grad, holders=frozenset({0, 1}))
+        assert second["version"] == 5 and second["multicast"] is False
+        assert recorder.published == [2, 3] and recorder.superseded == [5]
+        # A group applied on top of only one member's version: the other needs the copy.
+        third = server._push_async([("0:2", 0, 5), ("1:2", 1, 4)], grad, holders=frozenset({0, 1}))
+        assert third["multicast"] and recorder.published == [2, 3, 7]
+        # A duplicate of the group gets the stored outcome: still "not sent".
+        assert server._push_async([("0:1", 0, 3), ("1:1", 1, 3)], grad, holders=frozenset({0, 1}))["multicast"] \
+            is False
+        # Rank 2 joins again: versions its group's members computed are sent for it.
+        assert clients[2].request("2:1", 7, grad.nbytes, 1.0, receiving=True)["action"] == "send"
+        clients[2].push("2:1", 7, grad)
+        assert server._push_async([("0:3", 0, 8), ("1:3", 1, 8)], grad, holders=frozenset({0, 1}))["multicast"]
+        assert recorder.published == [2, 3, 7, 8, 10]
+        with pytest.raises(Refused, match="receiving"):
+            clients[2].call("request", {"update_id": "2:2", "version": 10, "size": grad.nbytes, "norm": 1.0,
+                                        "receiving": "yes"})
+        assert (server.version, server.stats.applies) == (10, 6)  # the duplicate applied nothing
+        np.testing.assert_array_equal(server.model, np.full(SIZE, -6, np.float32))
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+
+
+class _SilentCache:
+    """A model cache that never gets a version: records how long each lookup was allowed to wait."""
+
+    membership = None
+
+    def __init__(self) -> None:
+        self.waits: list[tuple[int, float]] = []
+
+    def newest(self, after: int, wait: float = 0.0, repair=None):
+        self.waits.append((after, wait))
+        return None
+
+
+def test_a_worker_told_its_version_is_not_sent_pulls_at_once_instead_of_waiting_for_it():
+    cache, client = _SilentCache(), FabricClient.__new__(FabricClient)
+    assert _delivered(client, cache, 5, 3, 6, 1.0, coming=False) is None
+    assert cache.waits == [(5, 0.0)]  # only a version already here; no wait
+    cache.waits.clear()
+    assert _delivered(client, cache, 5, 3, 6, 1.0) is None
+    assert cache.waits == [(5, 1.0), (3, 0.0)]  # waits for the version the PS sends
