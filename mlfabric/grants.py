@@ -310,8 +310,12 @@ class GrantService:
         that request's) spent 12-16 s getting models, and every batch of the fast two waited its window for it."""
         if not self.gang:
             return self._registered
+        return self._fast(self._registered - self._missed)
+
+    def _fast(self, ranks: set[int]) -> set[int]:
+        """Of ``ranks``, those fast enough to join the fastest's group (gang rounds; see :meth:`_expected`)."""
         rates = self._rates()
-        rate = {r: rates.get(r, self.scheduler.default_bandwidth) for r in self._registered - self._missed}
+        rate = {r: rates.get(r, self.scheduler.default_bandwidth) for r in ranks}
         fastest = max(rate.values(), default=0.0)
         return {r for r, v in rate.items() if v >= fastest / (3 if self.ps_member is not None else 2)}
 
@@ -386,11 +390,18 @@ class GrantService:
         idle = sorted(r for r in self._aggregators
                       if r not in asking and self._busy_until.get(r, 0.0) <= now
                       and r not in {rank for _, rank, _ in self._in_flight.values()})
+        # With the PS in the groups, a batch of only slow workers (none fast enough to join the fastest's group)
+        # forms no group: its requests are pushed, and the PS holds each for the next group of the fast ones (held
+        # pushes). A group of its own would hold the job's one switch group at its slow links' pace while the fast
+        # workers' next requests waited (measured: the slow worker of the dynamic cluster alone in the switch for
+        # 1.7 s, the three others waiting as long).
+        fast = self._fast(self._registered) if self.gang and self.ps_member is not None else set()
+        form_group = not fast or any(p.request.rank in fast for p in batch)
         plan = self.scheduler.plan([p.request for p in batch], server_version=self.version(),
                                    in_flight=sum(c for c, _, _ in self._in_flight.values()),
                                    bandwidth=self._rates(), idle=idle,
                                    link_free_at=self._link_free_at, switch=self._switch_possible(batch),
-                                   gang=self.gang, sum_at_ps=self.ps_member is not None)
+                                   gang=self.gang, sum_at_ps=self.ps_member is not None, form_group=form_group)
         self._link_free_at = plan.link_free_at
         self.stats.batches += 1
         slots = []

@@ -32,7 +32,9 @@ senders' measured bandwidths, the PS's version and its link's backlog, and the t
    model's send; ties: the larger ``k``); ``k = 1`` (``1 / 2t_1``) means the fastest pushes its
    own update to the PS. So a member up to twice as slow as the fastest joins it. With the PS in the
    group (``sum_at_ps``) nobody pushes the sum, ``k / (t_k + p)``: up to three times as slow, and ``k = 1``
-   is a group too (the fastest and the PS: its next model comes back in the same exchange). Every other
+   is a group too (the fastest and the PS: its next model comes back in the same exchange), unless the caller
+   says the batch forms no group (``form_group``: only slow workers in it), and then every request is sent. Every
+   other
    kept request is **deferred** to the next batch while its delay still fits the bound after
    this group, else dropped; one that waited ``max_defer`` seconds, or one computed on an older
    version than the group's (no later group sums its version), is sent to the PS after the group.
@@ -169,14 +171,16 @@ class Scheduler:
 
     def plan(self, requests: Sequence[TransferRequest], *, server_version: int, in_flight: int = 0,
              bandwidth: Mapping[int, float] | None = None, idle: Sequence[int] = (),
-             link_free_at: float = 0.0, switch: bool = False, gang: bool = False, sum_at_ps: bool = False) -> Plan:
+             link_free_at: float = 0.0, switch: bool = False, gang: bool = False, sum_at_ps: bool = False,
+             form_group: bool = True) -> Plan:
         """Decide every request of the batch.
 
         ``server_version``: the PS's version now; ``in_flight``: gradients granted earlier
         and not applied yet; ``bandwidth``: bytes/s per rank (default ``default_bandwidth``);
         ``idle``: ranks that may aggregate; ``link_free_at``: end of the last granted slot;
         ``switch``: a subset round in the switch may be formed; ``gang``: with ``switch``, plan the
-        batch as one switch group (item 6 of the module docstring).
+        batch as one switch group (item 6 of the module docstring); ``form_group`` False (gang): no group of this
+        batch, every kept request is sent to the PS (a batch of slow workers only, see GrantService).
         """
         now = self.clock()
         rates = dict(bandwidth or {})
@@ -200,6 +204,10 @@ class Scheduler:
                 kept.append(req)
                 ahead += req.count
         start = max(now, link_free_at)
+        if gang and kept and not form_group:
+            direct = self._direct(kept, [req.size / rate(req.rank) for req in kept], start, base)
+            ends = [d.slot.end for d in direct if d.slot is not None]
+            return Plan(tuple(direct) + tuple(drops), (), max([link_free_at, *ends]), ahead)
         if gang and kept:
             return self._gang(kept, rate, now, start, base, drops, link_free_at, sum_at_ps)
         durations = [req.size / rate(req.rank) for req in kept]

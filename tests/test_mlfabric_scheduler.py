@@ -504,3 +504,27 @@ def test_gang_batches_wait_for_a_worker_with_no_rate_once_and_again_once_it_has_
     late.join(10)
     service.settled(["2:0"])
     assert batch(5) >= 0.35
+
+
+def test_gang_with_the_ps_a_batch_of_only_slow_workers_is_pushed_not_summed_alone_in_the_switch():
+    """A slow worker alone in the switch would hold the job's one switch group at its link's pace while the fast
+    workers' next requests waited: with the PS in the groups its request is pushed (the PS holds it for the fast
+    ones' next group). A fast worker alone still goes through the switch with the PS."""
+    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=0.2), lambda: 0, batch_window=0.05,
+                           switch_slots=64, gang=True, ps_member=3)
+    for rank, rate in enumerate((1e6, 1e6, 1e5)):
+        service.register(rank)
+        service.hint(rank, rate)
+    decisions: dict = {}
+    _ask(service, decisions, 2, 0, on=0).join(10)
+    assert decisions["2:0"].action == SEND and service.stats.groups == 0 and service.stats.sent == 1
+    service.settled(["2:0"])
+    _ask(service, decisions, 0, 0, on=1).join(10)  # its partner does not come within max_defer: alone, with the PS
+    assert decisions["0:0"].action == AGGREGATE and service.stats.groups == 1
+    assert service.switch_grant(decisions["0:0"].group)["ps"] == 3
+    # The plan itself: no group where the batch may not form one, every request sent in slot order.
+    plan = Scheduler(None, clock=FakeClock(10.0)).plan(
+        [req(1, version=5), req(2, version=5)], server_version=5, bandwidth={1: 4 * MB, 2: MB}, switch=True,
+        gang=True, sum_at_ps=True, form_group=False)
+    assert not plan.groups and [d.action for d in plan.decisions] == [SEND, SEND]
+    assert [(d.rank, d.slot.start, d.slot.end) for d in plan.decisions] == [(1, 10.0, 10.25), (2, 10.25, 11.25)]
