@@ -130,11 +130,17 @@ class GrantService:
         self.bandwidth = BandwidthEstimator(scheduler.default_bandwidth)
         #: Rates workers report for themselves (:meth:`hint`): gang rounds plan with these where known.
         self.hints: dict[int, float] = {}
+        #: When each rank's hint last changed, and when it was last measured here: the newer one plans.
+        self._hinted_at: dict[int, float] = {}
+        self._measured_at: dict[int, float] = {}
         self.stats = GrantStats()
         self._registered: set[int] = set()
         #: Gang rounds: workers a batch waited for in vain (not busy with an update, no request); batches wait for
         #: them again once they ask (or tell their rate), not before.
         self._missed: set[int] = set()
+        #: Gang rounds: workers getting their next model over TCP (a pull since their last request). A lone request
+        #: waits for such a partner (up to ``max_defer``), a batch of several does not.
+        self._refreshing: set[int] = set()
         self._aggregators: set[int] = set()
         self._pending: list[_Pending] = []
         #: update id -> (gradients, rank, expiry) for granted updates not yet applied or dropped.
@@ -176,15 +182,30 @@ class GrantService:
             return self._groups[group].members
 
     def observe(self, rank: int, nbytes: int, seconds: float) -> None:
+        """A transfer of ``rank``'s measured here: a push, or a switch group closed at its deadline."""
         with self._cond:
             self.bandwidth.observe(rank, nbytes, seconds)
+            if nbytes > 0 and seconds >= self.bandwidth.min_seconds:
+                self._measured_at[rank] = self.clock()
 
     def hint(self, rank: int, rate: float) -> None:
         """``rank`` received the model through the switch at ``rate`` bytes/s lately. In gang rounds only the
         leader pushes to the PS, so pushes measure the leaders; the members' own hints cover the others."""
         with self._cond:
+            if self.hints.get(rank) != rate:  # the same rate again (its last pull's) is no new measurement
+                self._hinted_at[rank] = self.clock()
             self.hints[rank] = rate
             self._missed.discard(rank)
+
+    def pulling(self, rank: int) -> None:
+        """``rank`` pulls the model: its next request follows. A fast partner alone waits for it rather than going
+        through the switch alone: each such group would be a version it has not got, and its pulls would trail the
+        versions for good (measured: the dynamic cluster's second-fastest worker out of the fast one's groups for
+        10-13 s of a run, asked to start again from a newer version after every pull)."""
+        with self._cond:
+            self._refreshing.add(rank)
+            self._missed.discard(rank)
+            self._cond.notify_all()
 
     def settled(self, update_ids: list[str]) -> None:
         """These updates were applied or dropped at the PS: no longer in flight."""
@@ -200,6 +221,7 @@ class GrantService:
         with self._cond:
             self._registered.add(request.rank)
             self._missed.discard(request.rank)
+            self._refreshing.discard(request.rank)
             self._pending.append(entry)
             self._cond.notify_all()
             while entry.decision is None:
@@ -294,7 +316,7 @@ class GrantService:
                 # turns instead of summing in the switch (measured: a slow worker's request in every other batch
                 # sent the fast two to the PS one by one).
                 return min(p.request.arrival for p in joining) + self.scheduler.max_defer - self.clock()
-        if not (expected - busy - asking):
+        if not (expected - busy - asking - self._refreshing):
             return 0.0
         # The window runs from the first request not deferred (a deferred one has had its window).
         oldest = min((p.request.arrival for p in self._pending if not p.deferred),
@@ -320,8 +342,16 @@ class GrantService:
         return {r for r, v in rate.items() if v >= fastest / (3 if self.ps_member is not None else 2)}
 
     def _rates(self) -> dict[int, float]:
-        """Bytes/s per rank to plan with: measured pushes, and in gang rounds the workers' own hints over them."""
-        return {**self.bandwidth.snapshot(), **self.hints} if self.gang else self.bandwidth.snapshot()
+        """Bytes/s per rank to plan with: measured here (pushes, closed switch groups), and in gang rounds the
+        workers' own hints where newer. A worker that computes its models from its groups' sums never pulls again,
+        and its hint stays that of its first pull, when every worker pulled at once: measured, the dynamic cluster's
+        two slow workers, after a first group that closed at its deadline with half their values missing, were
+        still rated as fast as the others, and took the switch as a group of their own for 1.8 s."""
+        measured = self.bandwidth.snapshot()
+        if not self.gang:
+            return measured
+        return {**measured, **{rank: rate for rank, rate in self.hints.items()
+                               if self._hinted_at.get(rank, 0.0) >= self._measured_at.get(rank, float("-inf"))}}
 
     def _expire(self) -> None:
         now = self.clock()
@@ -384,7 +414,7 @@ class GrantService:
                 return
             batch = kept
         if self.gang:  # a worker this batch waited for in vain (not busy, did not ask): not again until it asks
-            self._missed |= self._expected() - {p.request.rank for p in batch} - {
+            self._missed |= self._expected() - {p.request.rank for p in batch} - self._refreshing - {
                 rank for _, rank, _ in self._in_flight.values()}
         asking = {p.request.rank for p in batch}
         idle = sorted(r for r in self._aggregators
