@@ -138,9 +138,6 @@ class GrantService:
         #: Gang rounds: workers a batch waited for in vain (not busy with an update, no request); batches wait for
         #: them again once they ask (or tell their rate), not before.
         self._missed: set[int] = set()
-        #: Gang rounds: workers getting their next model over TCP (a pull since their last request). A lone request
-        #: waits for such a partner (up to ``max_defer``), a batch of several does not.
-        self._refreshing: set[int] = set()
         self._aggregators: set[int] = set()
         self._pending: list[_Pending] = []
         #: update id -> (gradients, rank, expiry) for granted updates not yet applied or dropped.
@@ -197,16 +194,6 @@ class GrantService:
             self.hints[rank] = rate
             self._missed.discard(rank)
 
-    def pulling(self, rank: int) -> None:
-        """``rank`` pulls the model: its next request follows. A fast partner alone waits for it rather than going
-        through the switch alone: each such group would be a version it has not got, and its pulls would trail the
-        versions for good (measured: the dynamic cluster's second-fastest worker out of the fast one's groups for
-        10-13 s of a run, asked to start again from a newer version after every pull)."""
-        with self._cond:
-            self._refreshing.add(rank)
-            self._missed.discard(rank)
-            self._cond.notify_all()
-
     def settled(self, update_ids: list[str]) -> None:
         """These updates were applied or dropped at the PS: no longer in flight."""
         with self._cond:
@@ -221,7 +208,6 @@ class GrantService:
         with self._cond:
             self._registered.add(request.rank)
             self._missed.discard(request.rank)
-            self._refreshing.discard(request.rank)
             self._pending.append(entry)
             self._cond.notify_all()
             while entry.decision is None:
@@ -316,7 +302,7 @@ class GrantService:
                 # turns instead of summing in the switch (measured: a slow worker's request in every other batch
                 # sent the fast two to the PS one by one).
                 return min(p.request.arrival for p in joining) + self.scheduler.max_defer - self.clock()
-        if not (expected - busy - asking - self._refreshing):
+        if not (expected - busy - asking):
             return 0.0
         # The window runs from the first request not deferred (a deferred one has had its window).
         oldest = min((p.request.arrival for p in self._pending if not p.deferred),
@@ -414,7 +400,7 @@ class GrantService:
                 return
             batch = kept
         if self.gang:  # a worker this batch waited for in vain (not busy, did not ask): not again until it asks
-            self._missed |= self._expected() - {p.request.rank for p in batch} - self._refreshing - {
+            self._missed |= self._expected() - {p.request.rank for p in batch} - {
                 rank for _, rank, _ in self._in_flight.values()}
         asking = {p.request.rank for p in batch}
         idle = sorted(r for r in self._aggregators

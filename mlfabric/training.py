@@ -151,7 +151,10 @@ def run_worker(client: FabricClient, grad_fn: GradFn, initial: np.ndarray, *, st
             else:
                 pulled = time.monotonic()
                 version, params, halted = client.pull()
-                if (took := time.monotonic() - pulled) > 0:
+                if (took := time.monotonic() - pulled) > 0 and step:
+                    # Not the first: every worker pulls the first model at once, so whose pull began first, not whose
+                    # link is faster, sets those rates; with none the first group is planned at the default rate,
+                    # closes at its deadline without the slow workers, and so measures them.
                     pull_rate = params.nbytes / took
                 report.pulls += 1
                 report.ps_version = max(report.ps_version, version)

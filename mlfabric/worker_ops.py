@@ -69,8 +69,6 @@ class WorkerOps:
 
     def _op_pull(self, frame: Frame) -> tuple[dict[str, Any], bytes]:
         header = frame.header
-        if self.grants is not None and self.grants.gang:
-            self.grants.pulling(int(header["rank"]))
         min_version = int(header.get("min_version", 0))
         timeout = min(float(header.get("timeout", self.pull_timeout)), self.pull_timeout)
         with self._cond:

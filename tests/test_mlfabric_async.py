@@ -562,6 +562,8 @@ def test_a_worker_that_pulls_its_models_tells_the_scheduler_the_rate_of_its_pull
 
     client = Slow()
     report = run_worker(client, lambda params, step: (0.0, np.ones_like(params)), np.zeros(size, np.float32),
-                        steps=2, schedule="mlfabric")
-    assert report.pulls == 2 and len(client.rates) == 2
-    assert all(r is not None and 0 < r <= 5e6 for r in client.rates)  # at most 1 MB in 0.2 s; slower when loaded
+                        steps=3, schedule="mlfabric")
+    assert report.pulls == 3 and len(client.rates) == 3
+    # Not the first pull's: every worker pulls the first model at once, and that says nothing of its own link.
+    assert client.rates[0] is None
+    assert all(r is not None and 0 < r <= 5e6 for r in client.rates[1:])  # at most 1 MB in 0.2 s; slower loaded

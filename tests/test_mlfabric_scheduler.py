@@ -530,43 +530,6 @@ def test_gang_with_the_ps_a_batch_of_only_slow_workers_is_pushed_not_summed_alon
     assert [(d.rank, d.slot.start, d.slot.end) for d in plan.decisions] == [(1, 10.0, 10.25), (2, 10.25, 11.25)]
 
 
-def test_gang_a_lone_request_waits_for_a_partner_getting_its_next_model_even_after_a_batch_missed_it():
-    """A batch that waited for rank 1 in vain does not wait for it again until it asks; but while it pulls (its
-    next request follows) a lone request of its fast partner waits for it, up to max_defer, instead of going
-    through the switch alone and leaving it a version behind for good."""
-    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=0.6), lambda: 0, batch_window=0.05,
-                           switch_slots=64, gang=True, ps_member=2)
-    for rank in range(2):
-        service.register(rank)
-        service.hint(rank, 1e6)
-    decisions: dict = {}
-    _ask(service, decisions, 0, 0, on=0).join(10)  # rank 1 never comes: rank 0 goes alone after max_defer
-    assert service.stats.groups == 1 and 1 in service._missed
-    service.settled(["0:0"])
-    _ask(service, decisions, 0, 1, on=0).join(10)  # missed: not waited for
-    assert service.stats.groups == 2
-    service.settled(["0:1"])
-    service.pulling(1)
-    lone = _ask(service, decisions, 0, 2, on=0)
-    lone.join(0.3)
-    assert lone.is_alive() and service.stats.batches == 2  # waits for the partner that pulls
-    partner = _ask(service, decisions, 1, 0, on=0)
-    for t in (lone, partner):
-        t.join(10)
-    assert decisions["0:2"].group == decisions["1:0"].group is not None and service.stats.groups == 3
-    # A batch of two does not wait for a worker that pulls: planned at once however long the window.
-    service = GrantService(Scheduler(None, default_bandwidth=1e6), lambda: 0, batch_window=30.0, switch_slots=64,
-                           gang=True, ps_member=3)
-    for rank in range(3):
-        service.register(rank)
-        service.hint(rank, 1e6)
-    service.pulling(2)
-    pair = [_ask(service, decisions, rank, 5, on=0) for rank in (0, 1)]
-    for t in pair:
-        t.join(10)
-    assert decisions["0:5"].group == decisions["1:5"].group is not None
-
-
 def test_gang_plans_with_the_newer_of_a_workers_hint_and_what_the_ps_measured():
     """A worker computing its models from its groups' sums sends the same hint (its first pull's) with every
     request: a closed group's measurement of it, newer, is what the batches plan with, until its hint changes."""
