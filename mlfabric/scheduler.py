@@ -33,9 +33,8 @@ senders' measured bandwidths, the PS's version and its link's backlog, and the t
    own update to the PS. So a member up to twice as slow as the fastest joins it. With the PS in the
    group (``sum_at_ps``) nobody pushes the sum, ``k / (t_k + p)``: up to three times as slow, and ``k = 1``
    is a group too (the fastest and the PS: its next model comes back in the same exchange), unless the caller
-   says the batch forms no group (``form_group``: only slow workers in it), and then every request is sent. Every
-   other
-   kept request is **deferred** to the next batch while its delay still fits the bound after
+   says the batch forms no group (``form_group``: only slow workers in it), and then every request is sent.
+   Every other kept request is **deferred** to the next batch while its delay still fits the bound after
    this group, else dropped; one that waited ``max_defer`` seconds, or one computed on an older
    version than the group's (no later group sums its version), is sent to the PS after the group.
 
