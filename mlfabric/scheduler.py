@@ -203,13 +203,13 @@ class Scheduler:
                 kept.append(req)
                 ahead += req.count
         start = max(now, link_free_at)
+        durations = [req.size / rate(req.rank) for req in kept]
         if gang and kept and not form_group:
-            direct = self._direct(kept, [req.size / rate(req.rank) for req in kept], start, base)
+            direct = self._direct(kept, durations, start, base)
             ends = [d.slot.end for d in direct if d.slot is not None]
             return Plan(tuple(direct) + tuple(drops), (), max([link_free_at, *ends]), ahead)
         if gang and kept:
             return self._gang(kept, rate, now, start, base, drops, link_free_at, sum_at_ps)
-        durations = [req.size / rate(req.rank) for req in kept]
         direct = self._direct(kept, durations, start, base)
         best_cost, best = self._cost(direct), (direct, ())
         queued = sum(1 for d in direct if d.slot is not None and d.slot.start > now)

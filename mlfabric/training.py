@@ -199,16 +199,11 @@ def _delivered(client: FabricClient, cache: ModelCache | None, step: int, versio
     ``coming``: False where the PS said it does not send ``floor`` (only one already here, or a pull, then)."""
     if cache is None or not step:
         return None
-    if not coming and floor > version:
-        try:
-            return cache.newest(floor - 1, 0.0, client.model_blocks)
-        except Unavailable:
-            raise
-        except FabricError:
-            return None
     if cache.membership is not None and not cache.membership.receiving:
         local_wait = 0.0  # out of the group: no version is coming, only one already here (pull otherwise)
     try:
+        if not coming and floor > version:
+            return cache.newest(floor - 1, 0.0, client.model_blocks)
         return cache.newest(floor - 1, local_wait if floor > version else 0.0, client.model_blocks) \
             or cache.newest(version, 0.0 if floor > version else local_wait, client.model_blocks)
     except Unavailable:

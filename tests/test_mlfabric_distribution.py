@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -218,32 +219,40 @@ def test_after_a_failover_the_promoted_replica_sends_the_versions_as_itself():
             replica.stop()
 
 
-def test_a_version_waits_while_a_switch_group_is_in_flight_but_never_longer_than_the_hold_limit(monkeypatch):
-    monkeypatch.setattr(distribution, "HOLD_LIMIT", 1.5)
+@contextlib.contextmanager
+def _held_sender():
+    """A sender and one receiver's cache on the switch; the sender holds its versions while the event is set (a
+    switch group in flight)."""
     with testing.LoopbackSwitch() as switch:
         configs = _distribution_job(switch, 1)
         sender = ModelSender(configs[1], rate=50e6)
         cache = ModelCache(configs[0], SIZE)
         group = threading.Event()
         sender.hold = group.is_set
-        model = np.arange(SIZE, dtype=np.float32)
         try:
-            group.set()  # a group in flight: version 1 waits for it ...
-            sender.publish(1, model)
-            assert cache.newest(0, wait=0.3) is None
-            group.clear()  # ... and leaves once it is over, well before the hold limit
-            got = cache.newest(0, wait=3.0)
-            assert got is not None and np.array_equal(got[1], model)
-            assert 0.25 <= sender.stats.held_seconds < 1.4
-            group.set()  # a group that does not end: version 2 waits the hold limit, then goes
-            began = time.monotonic()
-            sender.publish(2, model + 1)
-            got = cache.newest(1, wait=6.0)
-            assert got is not None and got[0] == 2 and np.array_equal(got[1], model + 1)
-            assert 1.45 <= time.monotonic() - began < 5.0
+            yield sender, cache, group
         finally:
             cache.close()
             sender.close()
+
+
+def test_a_version_waits_while_a_switch_group_is_in_flight_but_never_longer_than_the_hold_limit(monkeypatch):
+    monkeypatch.setattr(distribution, "HOLD_LIMIT", 1.5)
+    model = np.arange(SIZE, dtype=np.float32)
+    with _held_sender() as (sender, cache, group):
+        group.set()  # a group in flight: version 1 waits for it ...
+        sender.publish(1, model)
+        assert cache.newest(0, wait=0.3) is None
+        group.clear()  # ... and leaves once it is over, well before the hold limit
+        got = cache.newest(0, wait=3.0)
+        assert got is not None and np.array_equal(got[1], model)
+        assert 0.25 <= sender.stats.held_seconds < 1.4
+        group.set()  # a group that does not end: version 2 waits the hold limit, then goes
+        began = time.monotonic()
+        sender.publish(2, model + 1)
+        got = cache.newest(1, wait=6.0)
+        assert got is not None and got[0] == 2 and np.array_equal(got[1], model + 1)
+        assert 1.45 <= time.monotonic() - began < 5.0
 
 
 def test_a_receiver_that_gets_versions_only_in_part_still_measures_the_rate_its_link_took_them_at():
@@ -268,31 +277,22 @@ def test_a_receiver_that_gets_versions_only_in_part_still_measures_the_rate_its_
 
 def test_a_version_every_receiver_holds_is_not_sent_nor_any_older_one():
     """The PS's ``supersede``: its receivers computed the version themselves (from their switch group's sum), so
-    neither it nor an older one pending or half sent goes out; a newer one does."""
-    with testing.LoopbackSwitch() as switch:
-        configs = _distribution_job(switch, 1)
-        sender = ModelSender(configs[1], rate=50e6)
-        cache = ModelCache(configs[0], SIZE)
-        group = threading.Event()
-        sender.hold = group.is_set
-        model = np.arange(SIZE, dtype=np.float32)
-        try:
-            group.set()  # version 1 waits for a switch group before its first packet, version 2 is pending
-            sender.publish(1, model)
-            time.sleep(0.1)
-            sender.publish(2, model + 1)
-            sender.supersede(3)  # every receiver holds version 3: 1's send is cut, 2 dropped, 3 never published
-            group.clear()
-            assert cache.newest(0, wait=0.5) is None
-            sender.publish(4, model + 3)
-            got = cache.newest(0, wait=3.0)
-            assert got is not None and got[0] == 4 and np.array_equal(got[1], model + 3)
-            blocks = DistributionLayout(SIZE, SLOTS).blocks
-            assert (sender.stats.versions_sent, sender.stats.sends_cut, sender.stats.packets_sent) == (1, 1, blocks)
-            assert sender.stats.versions_unneeded == 2  # 3, and 2 that was pending
-        finally:
-            cache.close()
-            sender.close()
+    neither it nor an older one pending or not begun goes out; a newer one does."""
+    model = np.arange(SIZE, dtype=np.float32)
+    with _held_sender() as (sender, cache, group):
+        group.set()  # version 1 waits for a switch group before its first packet, version 2 is pending
+        sender.publish(1, model)
+        time.sleep(0.1)
+        sender.publish(2, model + 1)
+        sender.supersede(3)  # every receiver holds version 3: 1's send is cut, 2 dropped, 3 never published
+        group.clear()
+        assert cache.newest(0, wait=0.5) is None
+        sender.publish(4, model + 3)
+        got = cache.newest(0, wait=3.0)
+        assert got is not None and got[0] == 4 and np.array_equal(got[1], model + 3)
+        blocks = DistributionLayout(SIZE, SLOTS).blocks
+        assert (sender.stats.versions_sent, sender.stats.sends_cut, sender.stats.packets_sent) == (1, 1, blocks)
+        assert sender.stats.versions_unneeded == 2  # 3, and 2 that was pending
 
 
 class _Recorder:
