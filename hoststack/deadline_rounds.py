@@ -44,6 +44,7 @@ class DeadlineRounds:
     num_blocks: int
     window: int
     seq0: int
+    ident: int
     expect: np.ndarray
     sent_at: np.ndarray
     in_flight: dict[int, int]
@@ -60,6 +61,7 @@ class DeadlineRounds:
     remaining: int
     close_at: float
     closes_sent: int
+    closed_seen: bool
     _outputs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     _stash_buf: np.ndarray
     _stash_names: np.ndarray
@@ -107,15 +109,24 @@ class DeadlineRounds:
                               & ((hdr["flags"] & wire.FLAG_RESULT) != 0) & (hdr["job_id"] == t.config.job_id))
         if not keep.shape[0]:
             return
-        # The next round of a slot closed without this worker, while it still waits for the one before: the others
-        # go on without it, and their next round takes the pool that holds the result it waits for, so its
-        # resends would find nothing (the copy it lost is gone). It leaves the slot now (_give_up_superseded),
-        # instead of resending until its progress timeout.
-        next_closed = keep[(ahead[keep] == 1) & ((hdr["flags"][keep] & wire.FLAG_CLOSE) != 0)
-                           & ((hdr["members"][keep].astype(np.int64) >> t.config.rank) & 1 == 0)]
-        waiting = slot[next_closed]
-        waiting = waiting[(self.expect[waiting] != -1) & ~self.listening[waiting]]
-        self.superseded[waiting] = 1
+        # A result that leaves this worker out — closed without it, or a subset round of this exchange that does not
+        # name it — says the others went on without it from the round before (see _gone_by_kept).
+        members = hdr["members"][keep].astype(np.int64)
+        without = ((members >> t.config.rank) & 1) == 0
+        left_out = without & (((hdr["flags"][keep] & wire.FLAG_CLOSE) != 0)
+                              | ((members != 0) & (hdr["exchange"][keep].astype(np.int64) == self.ident)))
+        kept = t.kept_ahead
+        for used_slot, rnd, out in zip(slot[keep].tolist(), hdr["round"][keep].tolist(), left_out.tolist(),
+                                       strict=True):
+            known = kept.get(used_slot)
+            step = (rnd - known[0]) & 0xFFFF if known is not None else 1
+            if step == 0:
+                kept[used_slot] = (rnd, known[1] or out)
+            elif step < 0x8000:
+                kept[used_slot] = (rnd, out)
+        waiting = np.unique(slot[keep])
+        waiting = waiting[self.expect[waiting] != -1]
+        self.superseded[waiting[self._gone_by_kept(waiting)]] = 1
         keys = (hdr["round"][keep].astype(np.int64) << 33) | (hdr["pool"][keep].astype(np.int64) << 32) \
             | hdr["seq"][keep].astype(np.int64)
         for row, used_slot, key in zip(keep.tolist(), slot[keep].tolist(), keys.tolist(), strict=True):
@@ -123,17 +134,49 @@ class DeadlineRounds:
         while len(t.stash) > STASH_ROWS:
             del t.stash[next(iter(t.stash))]
 
+    def _gone_by_kept(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot of ``slots`` (each expecting a result): whether a result kept for it (``kept_ahead``) shows its
+        expected round gone. A result two or more rounds ahead took that round's pool (the switch holds it no more:
+        resends would find nothing). One the very next round, closed without this worker or a subset round of this
+        exchange without it, means the others went on without it: its round was closed without it too, and the
+        group's copy was lost; a slot it only listens to expects such results, so this one rule does not apply there.
+        An expectation whose round got there (or past) forgets what was kept for its slot."""
+        kept = self.transport.kept_ahead
+        out = np.zeros(slots.shape[0], bool)
+        for i, slot in enumerate(slots.tolist()):
+            known = kept.get(slot)
+            if known is None:
+                continue
+            step = (known[0] - (int(self.expect[slot]) >> 33)) & 0xFFFF
+            if step == 0 or step >= 0x8000:
+                del kept[slot]
+            else:
+                out[i] = step >= 2 or (known[1] and not self.listening[slot])
+        return out
+
     def _replay_stash(self) -> tuple[int, list[int], list[int]]:
-        """Apply the kept results (``_stash_ahead``) that the slots whose expectation changed now expect."""
+        """Apply the kept results (``_stash_ahead``) that the slots whose expectation changed now expect; leave those
+        whose expected round the kept results show gone (``_gone_by_kept``)."""
         t = self.transport
         capacity = self._outputs[0].shape[0]
         rows = []
+        missed = []
         for slot in list(self.changed):
             self.changed.discard(slot)
-            if self.expect[slot] != -1 and (found := t.stash.pop((slot, int(self.expect[slot])), None)) is not None:
+            if self.expect[slot] == -1:
+                continue
+            if (found := t.stash.pop((slot, int(self.expect[slot])), None)) is not None:
                 rows.append(found)
                 if len(rows) == capacity:
                     break
+            else:
+                missed.append(slot)
+        if missed and t.kept_ahead:
+            slots = np.array(missed, np.int64)
+            gone = slots[self._gone_by_kept(slots)]
+            if gone.shape[0]:
+                self.superseded[gone] = 1
+                self._give_up_superseded()
         if not rows:
             return 0, [], []
         buf, names, lengths = self._stash_buf, self._stash_names, self._stash_lengths
@@ -151,6 +194,7 @@ class DeadlineRounds:
         it cannot quantize that block for the round; it sends nothing more in the slot and listens to its results
         (:meth:`_listen`)."""
         was_closed = closed >= 0
+        self.closed_seen = self.closed_seen or bool(was_closed.any())
         missed = was_closed & ((closed & my_mask) == 0)
         stay = was_closed & ~missed
         self.slot_members[slots[stay]] = closed[stay]
@@ -187,6 +231,26 @@ class DeadlineRounds:
             self._give_up_superseded()
             waiting &= ~overdue
         return float(due_at[waiting].min()) if waiting.any() else math.inf
+
+    def _silence_limit(self) -> float:
+        """How long a job that closes rounds may stay silent towards this worker while it waits (``_silent_due``)."""
+        return max(LISTEN_FLOOR, LISTEN_RTOS * self.transport.rto.rto)
+
+    def _silent_due(self, now: float, last_progress: float) -> None:
+        """Leave the slots still waiting once no result has come for ``_silence_limit`` while a member closes this
+        exchange's rounds (``closed_seen``): a closer ends every open round within a round trip or two of its
+        deadline, so a round still open to this worker that long is one the others finished, and the one after it,
+        while every copy of their results to it was lost (the switch drops a packet of a round it no longer holds,
+        unanswered). Such a slot's blocks have no sum here (members 0), as when a later round's result shows the round
+        gone (``_give_up_superseded``); the caller learns it from ``members`` (a deadline allreduce fails loudly,
+        MLfabric's PS, whose results name every part, asks the member to push). Not with the switch failover armed:
+        a silent switch is its case."""
+        if now - last_progress < self._silence_limit():
+            return
+        waiting = self.expect != -1
+        if waiting.any():
+            self.superseded[waiting] = 1
+            self._give_up_superseded()
 
     def _leave(self, first_blocks: np.ndarray) -> None:
         """No sum here for each slot's blocks from ``first_blocks`` on (a window apart): flags ``FLAG_CLOSE``,

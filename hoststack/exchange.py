@@ -143,6 +143,8 @@ class Exchange(DeadlineRounds):
         #: A member that cannot finish by then stops (``TransportTimeout``): its rounds were closed without it.
         self.give_up_at = give_up_at
         self.closes_sent = 0
+        #: A result of a closed round arrived: some member closes this exchange's rounds (see _silent_due).
+        self.closed_seen = False
         self.alarm = np.zeros(3, np.int64)
         self.window = transport.slot_count
         self.used_slots = used = min(self.window, nb)
@@ -410,7 +412,9 @@ class Exchange(DeadlineRounds):
             if self.timers:
                 wake = min(wake, self.timers[0][0])
             wake = min(wake, close_next)
-            if closable and self.changed and t.stash:  # kept results to look up first: do not sleep
+            if self.closed_seen and failover is None:
+                wake = min(wake, last_progress + self._silence_limit())
+            if closable and self.changed and (t.stash or t.kept_ahead):  # kept results to look up: do not sleep
                 wake = now
             if wake > now and not io.rx_pending():
                 io.poller.poll(math.ceil((wake - now) * 1000))
@@ -419,7 +423,7 @@ class Exchange(DeadlineRounds):
             accepted = 0
             calls = 0
             received, marked = io.datagrams_received, io.ce_received
-            if closable and self.changed and t.stash:  # results this worker now expects may be among the kept ones
+            if closable and self.changed and (t.stash or t.kept_ahead):  # results it now expects may be kept
                 n_acc_total, got_slots, got_blocks = self._replay_stash()
                 accepted += n_acc_total
                 ready_slots += got_slots
@@ -465,6 +469,8 @@ class Exchange(DeadlineRounds):
                 close_next = self._close_due(time.monotonic())
             if self.listening.any():
                 close_next = min(close_next, self._listen_due(time.monotonic()))
+            if self.closed_seen and failover is None and self.remaining:
+                self._silent_due(time.monotonic(), last_progress)
             self._retransmit_due(now)
         self.rows.advance(nb, self.used_slots)
         stats.blocks += nb

@@ -224,6 +224,9 @@ class Transport:
         #: Results of deadline rounds ahead of this worker, kept for the exchange that gets there
         #: (Exchange._stash_ahead): (used slot, the key its result echoes) -> (bytes, sender name, length).
         self.stash: dict[tuple[int, int], tuple[bytes, bytes, int]] = {}
+        #: Per used slot, the furthest round a kept result showed, and whether it left this worker out of the round
+        #: before it (Exchange._stash_ahead): what an expectation set later is checked against (_gone_by_kept).
+        self.kept_ahead: dict[int, tuple[int, bool]] = {}
         #: The last exchange's ``members`` field per block (a round closed at a deadline: who is in its sum; see
         #: ``result_flags & wire.FLAG_CLOSE``), and how many close requests this worker sent in it.
         self.last_members = np.zeros(0, np.uint32)
@@ -443,6 +446,7 @@ class Transport:
         self.io.set_rows(self.rows.raw, self.rows.resend)
         self.cwnd.resize(self.slot_count)
         self.stash.clear()
+        self.kept_ahead.clear()
         self._prev = None  # a failover never restarts an exchange from before a move (every worker finished it)
         self.stats.moves += 1
         log.info("job %d rank %d: from exchange %d on, %d slots (generation %d)", config.job_id, config.rank,

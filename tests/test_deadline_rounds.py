@@ -3,6 +3,9 @@ exchange's rounds with the members that arrived, through the software switch on 
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 import threading
 import time
 
@@ -10,7 +13,10 @@ import numpy as np
 import pytest
 
 from netagg import wire
+from netagg.hoststack import deadline_rounds
 from netagg.hoststack.transport import ClosedEarly, SubsetRound, TransportError, TransportTimeout
+from netagg.jobconfig import Endpoint
+from netagg.localports import free_ports
 from netagg.testing.hoststack import run_workers
 
 testing = pytest.importorskip("netagg.testing.softswitch")
@@ -58,11 +64,13 @@ def test_a_member_closes_the_rounds_a_silent_member_holds_up(loss):
     everyone = wire.members_of(range(N))
     with testing.LoopbackSwitch(**faults) as switch:
         configs = switch.add_job(N, slot_count=SLOTS)
+        start = threading.Barrier(2)  # both present members begin together (their workers are built by then)
 
         def job(worker, rank):
             if rank == 2:
                 return None
             subset = SubsetRound(everyone, 0, close_after=0.3) if rank == 0 else SubsetRound(everyone, 0, partial=True)
+            start.wait(30)
             began = time.monotonic()
             total = worker.allreduce_subset(inputs[rank], subset)
             return total, worker.transport.last_members.copy(), worker.transport.last_closes, \
@@ -173,3 +181,97 @@ def test_a_deadline_allreduce_does_not_wait_for_a_late_rank_and_carries_its_valu
     np.testing.assert_allclose(out[0][1], sum(second) + first[2], atol=1e-4)  # the carry joined the second call
     for rank in range(N):
         np.testing.assert_allclose(out[rank][4], sum(second), atol=1e-4)
+
+
+#: A relay in its own process (its sends are not interleaved with the worker's reads by the GIL) between one worker
+#: and the switch, for the switch's results of one slot's first four rounds. "together": it holds them, and once the
+#: fourth is there hands the worker the first, third and fourth back to back (the second is lost). "lost": it passes
+#: the first and loses every later one. It prints "done" when it has.
+_RELAY = r"""
+import socket, sys
+import numpy as np
+from netagg.hoststack.packets import headers
+switch, slot, mode = ("127.0.0.1", int(sys.argv[1])), int(sys.argv[2]), sys.argv[3]
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.bind(("127.0.0.1", 0))
+sock.settimeout(60)
+print(sock.getsockname()[1], flush=True)
+peer, held, done = None, {}, False
+while True:
+    try:
+        data, source = sock.recvfrom(4096)
+    except OSError:
+        break
+    if source != switch:
+        peer = source
+        sock.sendto(data, switch)
+        continue
+    hdr = headers(np.frombuffer(data, np.uint8)[None])[0]
+    rnd = int(hdr["round"])
+    if peer is None:
+        continue
+    if int(hdr["slot"]) != slot or rnd > 4 or (mode == "lost" and rnd == 1):
+        sock.sendto(data, peer)
+    elif done:
+        continue
+    elif mode == "lost" and rnd == 4:
+        done = True
+        print("done", flush=True)
+    elif mode == "together":
+        held.setdefault(rnd, data)
+        if all(r in held for r in (1, 3, 4)):
+            for r in (1, 3, 4):
+                sock.sendto(held[r], peer)
+            done = True
+            print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("copies", ["together", "lost"])
+def test_a_member_whose_round_the_others_left_behind_leaves_the_slot(copies, monkeypatch):
+    """Rank 1 gets a slot's first round (closed with it, rank 2 silent), rank 0 goes on alone from the slot's third
+    round at the latest (its second closed without rank 1, or completed with it while rank 1's copy of the result was
+    lost), and the switch no longer holds rank 1's round. ``together``: rank 1 gets the first round's result and, in
+    the same batch, the third's and fourth's, which it keeps; when it sends its second round it finds them. ``lost``:
+    every copy after the first is lost, and the switch does not answer its resends; the job is silent towards it.
+    Either way it leaves the slot (no sum for the slot's blocks), at once or after the silence limit, instead of
+    resending until its progress timeout."""
+    if copies == "together":  # it must leave on what it kept, not on the job's silence
+        monkeypatch.setattr(deadline_rounds, "LISTEN_FLOOR", 30.0)
+    inputs = _inputs()
+    everyone = wire.members_of(range(N))
+    with testing.LoopbackSwitch() as switch:
+        relay = subprocess.Popen([sys.executable, "-c", _RELAY, str(switch.aggregator.port), "0", copies],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            relay_port = int(relay.stdout.readline())
+            ports = free_ports(3)
+            configs = switch.add_job(N, slot_count=SLOTS, bind_ports=[ports[0], relay_port, ports[2]])
+            assert switch.jobs[configs[0].job_id].slot_base == 0
+            configs[1] = dataclasses.replace(configs[1], aggregator=Endpoint("127.0.0.1", relay_port),
+                                             bind=Endpoint("127.0.0.1", ports[1]))
+            start = threading.Barrier(2)
+
+            def job(worker, rank):
+                if rank == 2:
+                    return None
+                subset = SubsetRound(everyone, 0, close_after=0.3) if rank == 0 else \
+                    SubsetRound(everyone, 0, partial=True)
+                start.wait(30)
+                began = time.monotonic()
+                total = worker.allreduce_subset(inputs[rank], subset)
+                return total, worker.transport.last_members.copy(), time.monotonic() - began, \
+                    worker.transport.stats.superseded_slots
+
+            out = run_workers(configs, job, rto_initial=0.01, progress_timeout=5.0)
+        finally:
+            relay.kill()
+            done, errors = relay.communicate(timeout=10)
+    assert "done" in done, errors  # the case occurred
+    results = {r: out[r][0] for r in (0, 1)}
+    members = {r: out[r][1] for r in (0, 1)}
+    _check_partial_sums(inputs, results, members, [0, 1])
+    slot0 = np.arange(0, BLOCKS, SLOTS)
+    assert (members[0][slot0[1:]] == 0b001).all()  # rank 0 went on alone in slot 0 from its third round
+    assert (members[1][slot0] == 0).all() and out[1][3] == 1  # rank 1 left that slot, with no sum there
+    assert out[1][2] < 3.0  # and did not wait for its progress timeout
