@@ -28,7 +28,8 @@ CLOSE_GRACE_RTTS = 3
 CLOSE_GRACE_FLOOR = 0.005
 #: A slot this worker listens to (DeadlineRounds._listen) whose next result has not come this many RTOs (at least
 #: LISTEN_FLOOR seconds) after the previous one: its copy was lost (a non-member of the round cannot ask the switch
-#: for it again), and the slot is left.
+#: for it again), and the slot is left. The same bound ends a wait in a job that closes rounds and has gone silent
+#: towards this worker (DeadlineRounds._silent_due).
 LISTEN_RTOS = 8
 LISTEN_FLOOR = 1.0
 #: Results of rounds ahead of this worker kept for when it gets there (DeadlineRounds._stash_ahead).
@@ -224,7 +225,7 @@ class DeadlineRounds:
         waiting = self.listening & (self.expect != -1)
         if not waiting.any():
             return math.inf
-        due_at = self.sent_at + max(LISTEN_FLOOR, LISTEN_RTOS * self.transport.rto.rto)
+        due_at = self.sent_at + self._overdue_after()
         overdue = waiting & (due_at <= now)
         if overdue.any():
             self.superseded[overdue] = 1
@@ -232,12 +233,13 @@ class DeadlineRounds:
             waiting &= ~overdue
         return float(due_at[waiting].min()) if waiting.any() else math.inf
 
-    def _silence_limit(self) -> float:
-        """How long a job that closes rounds may stay silent towards this worker while it waits (``_silent_due``)."""
+    def _overdue_after(self) -> float:
+        """How long a result may be late before it counts as lost for good: a listened slot's next one
+        (``_listen_due``), or any one while a job that closes rounds is silent towards this worker (``_silent_due``)."""
         return max(LISTEN_FLOOR, LISTEN_RTOS * self.transport.rto.rto)
 
     def _silent_due(self, now: float, last_progress: float) -> None:
-        """Leave the slots still waiting once no result has come for ``_silence_limit`` while a member closes this
+        """Leave the slots still waiting once no result has come for ``_overdue_after`` while a member closes this
         exchange's rounds (``closed_seen``): a closer ends every open round within a round trip or two of its
         deadline, so a round still open to this worker that long is one the others finished, and the one after it,
         while every copy of their results to it was lost (the switch drops a packet of a round it no longer holds,
@@ -245,7 +247,7 @@ class DeadlineRounds:
         gone (``_give_up_superseded``); the caller learns it from ``members`` (a deadline allreduce fails loudly,
         MLfabric's PS, whose results name every part, asks the member to push). Not with the switch failover armed:
         a silent switch is its case."""
-        if now - last_progress < self._silence_limit():
+        if now - last_progress < self._overdue_after():
             return
         waiting = self.expect != -1
         if waiting.any():

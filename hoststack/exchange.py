@@ -413,7 +413,7 @@ class Exchange(DeadlineRounds):
                 wake = min(wake, self.timers[0][0])
             wake = min(wake, close_next)
             if self.closed_seen and failover is None:
-                wake = min(wake, last_progress + self._silence_limit())
+                wake = min(wake, last_progress + self._overdue_after())
             if closable and self.changed and (t.stash or t.kept_ahead):  # kept results to look up: do not sleep
                 wake = now
             if wake > now and not io.rx_pending():
