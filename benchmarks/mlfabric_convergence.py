@@ -130,7 +130,9 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
             cluster.cli("job", "config", str(job_id), "--distribution", *which, "-o", str(path))
             dist_paths.append(path)
     log = cluster.workdir / f"mlfabric-ps-{kind}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # One BLAS thread per process (unless the caller says otherwise): the PS, the monitor and four workers share
+    # the machine's cores, and BLAS's own threads only spin against them.
+    env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen] = []
     try:
         with open(log, "wb") as out:

@@ -74,15 +74,25 @@ def forward(params: list[np.ndarray], x: np.ndarray) -> tuple[np.ndarray, np.nda
     return hidden, hidden @ w2 + b2
 
 
+def _probs_and_loss(logits: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Softmax of ``logits`` (in place) and the mean cross-entropy against labels ``y``."""
+    logits -= logits.max(axis=1, keepdims=True)
+    probs = np.exp(logits, out=logits)
+    probs /= probs.sum(axis=1, keepdims=True)
+    return probs, float(-np.log(probs[np.arange(len(y)), y] + 1e-12).mean())
+
+
+def loss(params: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
+    """Mean softmax cross-entropy over the batch (the forward pass of :func:`loss_and_grads` alone)."""
+    return _probs_and_loss(forward(params, x)[1], y)[1]
+
+
 def loss_and_grads(params: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> tuple[float, list[np.ndarray]]:
     """Mean softmax cross-entropy over the batch and its gradients (float32)."""
     w2 = params[2]
     hidden, logits = forward(params, x)
-    logits = logits - logits.max(axis=1, keepdims=True)
-    probs = np.exp(logits)
-    probs /= probs.sum(axis=1, keepdims=True)
+    probs, loss = _probs_and_loss(logits, y)
     n = len(x)
-    loss = float(-np.log(probs[np.arange(n), y] + 1e-12).mean())
     d_logits = probs
     d_logits[np.arange(n), y] -= 1.0
     d_logits /= n
