@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -83,9 +84,12 @@ def create_job(cluster: EmulatedCluster, hosts: list[str], options: list[str], n
 
 
 def run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Plan) -> dict:
-    """One run of ``kind``; ``plan``'s rate changes and other tenant start with it (the same for every run)."""
-    with ClusterDynamics(cluster, plan) as dynamics:
-        row = _run(cluster, kind, args, plan)
+    """One run of ``kind``; ``plan``'s other tenant starts with it, and its rate changes count from the workers'
+    start (the same for every run: the job's creation and the PS's start, which take longer for some kinds, do not
+    use up the plan's first seconds)."""
+    with ClusterDynamics(cluster, plan, deferred=True) as dynamics:
+        row = _run(cluster, kind, args, plan, dynamics.start)
+    row["dynamics_lead_s"] = round(dynamics.lead, 2)
     exchanges = row.pop("ps_exchanges")
     if exchanges:
         # Each group's exchange against its own link time: one model's frames at the slowest link its packets cross
@@ -102,7 +106,8 @@ def run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pla
     return row
 
 
-def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Plan) -> dict:
+def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Plan,
+         start_changes: Callable[[], None] = lambda: None) -> dict:
     hosts = cluster.worker_hosts[:args.workers]
     options = KINDS[kind] + (["--delay-bound", str(args.delay_bound)] if kind != "sync" else [])
     if kind in MULTICAST:  # the job's distribution job: receivers on other ports of the worker hosts, the PS
@@ -158,6 +163,7 @@ def _run(cluster: EmulatedCluster, kind: str, args: argparse.Namespace, plan: Pl
             "--max-seconds", str(args.max_seconds), "--interval", "0.1"]),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=dp.REPO_ROOT)
         procs.append(monitor)
+        start_changes()
         worker_logs = [open(cluster.workdir / f"mlfabric-worker{rank}-{kind}.log", "w")  # noqa: SIM115
                        for rank in range(len(hosts))]
         workers = [subprocess.Popen(cluster.host_command(host, [

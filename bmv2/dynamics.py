@@ -100,20 +100,28 @@ class ClusterDynamics:
     On entry every link gets its planned rate and the other tenant's flows start; a thread
     applies the rate changes at their times; on exit the flows stop (their byte counts are
     in ``background_bytes``) and every link is back at the base rate. ``applied`` lists
-    (seconds after entry, host, rate) as done.
+    (seconds after the changes' clock started, host, rate) as done.
+
+    ``deferred``: the changes' clock starts at :meth:`start`, not at entry (a run whose training begins only once its
+    job, PS and workers are up: every kind of run then meets the same changes at the same time of its training).
     """
 
-    def __init__(self, cluster: EmulatedCluster, plan: Plan) -> None:
+    def __init__(self, cluster: EmulatedCluster, plan: Plan, *, deferred: bool = False) -> None:
         self.cluster = cluster
         self.plan = plan
+        self.deferred = deferred
         self.applied: list[tuple[float, str, float]] = []
         self.background_bytes: list[dict] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._flows: list[tuple[subprocess.Popen, subprocess.Popen]] = []
         self._started = 0.0
-        #: time.time() at entry: what other processes' wall-clock times are compared with (:meth:`rate_at`).
+        #: time.time() when the changes' clock started (entry, or :meth:`start`): what other processes' wall-clock
+        #: times are compared with (:meth:`rate_at`).
         self.started_wall = 0.0
+        #: Seconds from entry to the changes' clock start (0 unless ``deferred``).
+        self.lead = 0.0
+        self._entered = 0.0
 
     def rate_at(self, host: str, wall_time: float) -> float:
         """``host``'s link rate (Mbit/s) at ``wall_time`` (time.time()), as applied: its planned start rate, then
@@ -133,7 +141,7 @@ class ClusterDynamics:
         shape_link(self.cluster.topology.switch_namespace, target.switch_ifname, shape, spec.mtu)
 
     def __enter__(self) -> ClusterDynamics:
-        self._started, self.started_wall = time.monotonic(), time.time()
+        self._entered = time.monotonic()
         for host, rate in self.plan.rates.items():
             if rate != self.cluster.spec.rate_mbit:
                 self.set_rate(host, rate)
@@ -143,9 +151,18 @@ class ClusterDynamics:
         except BaseException:
             self.__exit__()
             raise
+        if not self.deferred:
+            self.start()
+        return self
+
+    def start(self) -> None:
+        """Start the changes' clock (at entry unless ``deferred``); once only."""
+        if self._thread is not None:
+            return
+        self._started, self.started_wall = time.monotonic(), time.time()
+        self.lead = self._started - self._entered
         self._thread = threading.Thread(target=self._run, name="cluster-dynamics", daemon=True)
         self._thread.start()
-        return self
 
     def _start_flow(self, source: str, sink: str, mbit: float, port: int) -> tuple[subprocess.Popen, subprocess.Popen]:
         module = [sys.executable, "-m", "netagg.bmv2.background"]

@@ -78,6 +78,16 @@ def test_a_plan_changes_rates_mid_run_and_the_other_tenant_moves_bytes(tmp_path)
         assert applied.applied[0][0] >= 0.5
         for host in plan.rates:
             assert _rate_of(cluster, host) == pytest.approx(20.0)  # restored
+        # Deferred: the planned rates and the other tenant from entry, the changes only from start().
+        (at, host, rate), *_ = plan.changes
+        with ClusterDynamics(cluster, plan, deferred=True) as later:
+            assert _rate_of(cluster, slow) == pytest.approx(10.0)
+            time.sleep(at + 0.3)
+            assert not later.applied and _rate_of(cluster, host) == pytest.approx(plan.rates[host])
+            later.start()
+            time.sleep(at + 0.3)
+            assert later.applied[0][1:] == (host, rate) and later.applied[0][0] >= at
+            assert _rate_of(cluster, host) == pytest.approx(rate, rel=0.01) and later.lead >= at + 0.3
     (flow,) = applied.background_bytes
     # About 4 Mbit/s for about 1.6 s through the switch (0.8 MB); paced, so well below the link's 20.
     assert 0.2e6 < flow["received"] <= flow["sent"] + 1 and flow["sent"] < 2.0e6, flow
