@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from itertools import pairwise
 
 import pytest
@@ -550,3 +552,63 @@ def test_gang_plans_with_the_newer_of_a_workers_hint_and_what_the_ps_measured():
     plain = GrantService(Scheduler(None), lambda: 0)
     plain.hint(0, 3e6)
     assert 0 not in plain._rates()
+
+
+def _refresh_cycle(window: float, max_defer: float,
+                   refresh: float) -> tuple[GrantService, dict, Callable[..., threading.Thread], threading.Thread]:
+    """Ranks 0 and 1 ask on version 4, rank 2 on version 1 (dropped as stale) and again ``refresh`` s later on 4,
+    after the window planned the pair without it; the pair's group is then applied (version 6)."""
+    version = {"now": 4}
+    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=max_defer), lambda: version["now"],
+                           batch_window=window, switch_slots=64, gang=True)
+    for rank in range(3):
+        service.register(rank)
+    decisions: dict[str, object] = {}
+
+    def ask(rank: int, step: int, on: int) -> threading.Thread:
+        return _ask(service, decisions, rank, step, on)
+
+    pair = [ask(0, 0, 4), ask(1, 0, 4)]
+    ask(2, 0, 1).join(10)
+    assert decisions["2:0"].action == DROP
+    time.sleep(refresh)
+    for t in pair:
+        t.join(10)
+    assert service.stats.groups == 1 and "2:1" not in decisions  # planned without it, at the end of the window
+    late = ask(2, 1, 4)  # its fresh start, while the pair's group is in flight
+    time.sleep(0.05)
+    version["now"] = 6
+    service.settled(["0:0", "1:0"])
+    return service, decisions, ask, late
+
+
+def test_gang_waits_for_a_fresh_start_as_long_as_that_worker_s_last_one_took():
+    # Rank 2 took 0.7 s to ask again after its stale request was dropped, more than the 0.5 s window: the next time
+    # the pair waits a quarter longer than that for it (not the window), and the three form one group. Before, the
+    # pair went on without it at the end of every window, and its request, arriving during their group, was stale
+    # again (the dynamic cluster's third worker, 7 groups in a row).
+    service, decisions, ask, late = _refresh_cycle(window=0.5, max_defer=3.0, refresh=0.7)
+    pair = [ask(0, 1, 6), ask(1, 1, 6)]
+    late.join(10)
+    assert decisions["2:1"].action == DROP  # computed on 4, the round sums 6
+    for t in pair:
+        t.join(0.6)
+    assert all(t.is_alive() for t in pair)  # past the 0.5 s window: still waiting for rank 2
+    fresh = ask(2, 2, 6)
+    for t in [*pair, fresh]:
+        t.join(10)
+    assert {decisions[k].action for k in ("0:1", "1:1", "2:2")} == {AGGREGATE}
+    assert decisions["0:1"].group == decisions["2:2"].group and service.stats.groups == 2
+
+
+def test_gang_does_not_wait_for_a_worker_whose_fresh_start_takes_longer_than_max_defer():
+    # Its last fresh start took 1.5 s against max_defer 1 s (and twice the window, 1.6 s): the pair no longer waits
+    # for it, not even the window.
+    service, decisions, ask, late = _refresh_cycle(window=0.8, max_defer=1.0, refresh=1.5)
+    assert service._refresh_seconds[2] >= 1.5
+    began = time.monotonic()
+    pair = [ask(0, 1, 6), ask(1, 1, 6)]
+    for t in [*pair, late]:
+        t.join(10)
+    assert decisions["2:1"].action == DROP and {decisions[k].action for k in ("0:1", "1:1")} == {AGGREGATE}
+    assert time.monotonic() - began < 0.6  # not the 0.8 s window
