@@ -326,8 +326,8 @@ class GrantService:
         Measured: the dynamic cluster's third worker (100 ms of compute more, its model over its own link) took
         0.35-0.4 s to ask again; every batch of the fast two waited its 0.3 s window for it, planned without it,
         and its request, arriving during their group, was stale again: 7 groups in a row, 2.1 s of a 14.8 s run."""
-        # At most twice the window: measured, waiting up to max_defer (1 s) for workers whose fresh starts took
-        # 0.6-0.8 s cost the pair more than the third member added (3.5 s of waits a run against 2.2 s).
+        # At most twice the window: a worker whose fresh start takes longer holds the others for more than its
+        # gradient adds to their group.
         now, limit = self.clock(), min(self.scheduler.max_defer, 2 * self.batch_window)
         due = None
         for rank in awaited:
