@@ -91,7 +91,7 @@ def loss_and_grads(params: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> tu
     """Mean softmax cross-entropy over the batch and its gradients (float32)."""
     w2 = params[2]
     hidden, logits = forward(params, x)
-    probs, loss = _probs_and_loss(logits, y)
+    probs, mean = _probs_and_loss(logits, y)
     n = len(x)
     d_logits = probs
     d_logits[np.arange(n), y] -= 1.0
@@ -101,7 +101,7 @@ def loss_and_grads(params: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> tu
     d_hidden = (d_logits @ w2.T) * (hidden > 0)
     g_w1 = x.T @ d_hidden
     g_b1 = d_hidden.sum(0)
-    return loss, [g.astype(np.float32) for g in (g_w1, g_b1, g_w2, g_b2)]
+    return mean, [g.astype(np.float32) for g in (g_w1, g_b1, g_w2, g_b2)]
 
 
 def accuracy(params: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> float:

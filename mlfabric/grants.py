@@ -184,10 +184,17 @@ class GrantService:
         with self._cond:
             return self._groups[group].members
 
-    def observe(self, rank: int, nbytes: int, seconds: float) -> None:
-        """A transfer of ``rank``'s measured here: a push, or a switch group closed at its deadline."""
+    def observe(self, rank: int, nbytes: int, seconds: float, *, at_least: bool = False) -> None:
+        """A transfer of ``rank``'s measured here: a push, or a switch group closed at its deadline. ``at_least``:
+        it only shows that ``rank``'s rate is at least this (another member held it back): a lower estimate is
+        raised to it, a higher one kept."""
         with self._cond:
-            self.bandwidth.observe(rank, nbytes, seconds)
+            if at_least:
+                if nbytes <= 0 or seconds < self.bandwidth.min_seconds or nbytes / seconds <= self.bandwidth.get(rank):
+                    return
+                self.bandwidth.raise_to(rank, nbytes / seconds)
+            else:
+                self.bandwidth.observe(rank, nbytes, seconds)
             if nbytes > 0 and seconds >= self.bandwidth.min_seconds:
                 self._measured_at[rank] = self.clock()
 

@@ -145,6 +145,10 @@ class BandwidthEstimator:
         old = self._rate.get(rank)
         self._rate[rank] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 
+    def raise_to(self, rank: int, rate: float) -> None:
+        """``rank`` sends at least ``rate``: a lower estimate becomes it."""
+        self._rate[rank] = max(self._rate.get(rank, 0.0), rate)
+
     def get(self, rank: int) -> float:
         return self._rate.get(rank, self.default)
 

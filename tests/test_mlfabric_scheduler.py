@@ -583,17 +583,16 @@ def _refresh_cycle(window: float, max_defer: float,
 
 
 def test_gang_waits_for_a_fresh_start_as_long_as_that_worker_s_last_one_took():
-    # Rank 2 took 0.7 s to ask again after its stale request was dropped, more than the 0.5 s window: the next time
+    # Rank 2 took 0.75 s to ask again after its stale request was dropped, more than the 0.5 s window: the next time
     # the pair waits a quarter longer than that for it (not the window), and the three form one group. Before, the
     # pair went on without it at the end of every window, and its request, arriving during their group, was stale
     # again (the dynamic cluster's third worker, 7 groups in a row).
-    service, decisions, ask, late = _refresh_cycle(window=0.5, max_defer=3.0, refresh=0.7)
+    service, decisions, ask, late = _refresh_cycle(window=0.5, max_defer=3.0, refresh=0.75)
     pair = [ask(0, 1, 6), ask(1, 1, 6)]
     late.join(10)
     assert decisions["2:1"].action == DROP  # computed on 4, the round sums 6
-    for t in pair:
-        t.join(0.6)
-    assert all(t.is_alive() for t in pair)  # past the 0.5 s window: still waiting for rank 2
+    time.sleep(0.65)
+    assert all(t.is_alive() for t in pair)  # past the 0.5 s window: still waiting for rank 2 (until 0.94 s)
     fresh = ask(2, 2, 6)
     for t in [*pair, fresh]:
         t.join(10)

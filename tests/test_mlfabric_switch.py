@@ -444,6 +444,42 @@ def test_a_group_closes_at_its_deadline_without_a_late_member_and_every_update_i
                 s.close()
 
 
+def test_a_closed_group_rates_only_its_slowest_member_and_the_others_at_least_their_pace():
+    """Rank 1 got a fifth of its values in by the deadline, rank 0 nine tenths (a slot's next round waited for
+    rank 1, so rank 0's count is a floor of its rate, not its rate): rank 1's rate is sampled, rank 0's raised to
+    that floor where it was lower and kept where it was higher. Before, rank 0 was sampled at rank 1's pace."""
+    with testing.LoopbackSwitch() as switch:
+        configs, ps_config = _member_configs(switch, 2)
+        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
+                              rto_initial=0.01).start()
+        try:
+            boot = FabricClient.from_config(configs[0])
+            boot.hello()
+            boot.init(np.zeros(SIZE, np.float32))
+            boot.close()
+            grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(2)]
+            blocks = np.arange(SIZE) // wire.K
+            missing = {0: blocks >= blocks[-1] * 9 // 10, 1: blocks >= blocks[-1] // 5}
+            arrived = {r: int((~m).sum()) for r, m in missing.items()}
+            assert arrived[0] > 1.25 * arrived[1]
+            server.grants.observe(0, 1_000, 1.0)  # 1 kB/s: below what the group showed
+            server.grants.observe(1, 400_000, 1.0)
+            total = np.where(missing[0], 0, grads[0]) + np.where(missing[1], 0, grads[1])
+            grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2,
+                     "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
+            server._apply_switch_sum(grant, total.astype(np.float32), missing)
+            rates = server.grants.bandwidth.snapshot()
+            assert rates[0] == pytest.approx(4 * arrived[0] / 0.25)  # raised to the floor, not averaged with it
+            assert rates[1] == pytest.approx(0.7 * 400_000 + 0.3 * 4 * arrived[1] / 0.25)
+            server.grants.observe(0, 10_000_000, 1.0)  # 10 MB/s: above the floor, kept
+            grant = {**grant, "round": 9, "parts": [["0:1", 0, 2], ["1:1", 1, 2]]}
+            server._apply_switch_sum(grant, total.astype(np.float32), missing)
+            rates = server.grants.bandwidth.snapshot()
+            assert rates[0] == pytest.approx(0.7 * 4 * arrived[0] / 0.25 + 0.3 * 10_000_000)
+        finally:
+            server.stop()
+
+
 def test_a_part_the_closed_sum_holds_in_part_is_completed_from_its_members_push_once():
     """The PS's bookkeeping of a group closed at its deadline: rank 1's update is in the first half of the sum's
     values only; its member's push adds exactly the other half (an update of its own), and a second push changes
