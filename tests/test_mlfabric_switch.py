@@ -50,12 +50,17 @@ def _member_configs(switch, num_workers: int) -> tuple[list, object]:
     return configs[:num_workers], configs[num_workers]
 
 
+def _init_model(config, initial: np.ndarray | None = None) -> None:
+    """The PS's model initialised (zeros of SIZE unless ``initial``), through ``config``'s client."""
+    boot = FabricClient.from_config(config)
+    boot.hello()
+    boot.init(np.zeros(SIZE, np.float32) if initial is None else initial)
+    boot.close()
+
+
 def _start(configs, **summer_options) -> tuple[list, list, list, list]:
     """The model initialised at the PS; per rank: a SwitchSummer, a gradient (10**rank), a report, an outcome."""
-    boot = FabricClient.from_config(configs[0])
-    boot.hello()
-    boot.init(np.zeros(SIZE, np.float32))
-    boot.close()
+    _init_model(configs[0])
     summers = [SwitchSummer(c, rto_initial=0.01, **summer_options) for c in configs]
     grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(len(configs))]
     return summers, grads, [WorkerReport(r) for r in range(len(configs))], [None] * len(configs)
@@ -367,10 +372,7 @@ def test_a_member_whose_own_exchange_failed_after_the_ps_got_the_sum_is_not_appl
         server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
                               switch_deadline=0, rto_initial=0.01).start()
         try:
-            boot = FabricClient.from_config(configs[0])
-            boot.hello()
-            boot.init(np.zeros(SIZE, np.float32))
-            boot.close()
+            _init_model(configs[0])
             grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(2)]
             parts = [[f"{r}:0", r, 0] for r in range(2)]
             grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "parts": parts, "ps": 2}
@@ -453,10 +455,7 @@ def test_a_closed_group_rates_only_its_slowest_member_and_the_others_at_least_th
         server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
                               rto_initial=0.01).start()
         try:
-            boot = FabricClient.from_config(configs[0])
-            boot.hello()
-            boot.init(np.zeros(SIZE, np.float32))
-            boot.close()
+            _init_model(configs[0])
             grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(2)]
             blocks = np.arange(SIZE) // wire.K
             missing = {0: blocks >= blocks[-1] * 9 // 10, 1: blocks >= blocks[-1] // 5}
@@ -489,10 +488,7 @@ def test_a_part_the_closed_sum_holds_in_part_is_completed_from_its_members_push_
         server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
                               rto_initial=0.01).start()
         try:
-            boot = FabricClient.from_config(configs[0])
-            boot.hello()
-            boot.init(np.zeros(SIZE, np.float32))
-            boot.close()
+            _init_model(configs[0])
             grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(2)]
             rest = np.arange(SIZE) >= SIZE // 2
             total = grads[0] + np.where(rest, 0, grads[1]).astype(np.float32)
@@ -566,10 +562,7 @@ def _half_closed_group(configs, seed: int, count: int) -> tuple:
     closed with rank 1 in the first half of the values only: (initial, grads, rest mask, the sum, the grant)."""
     rng = np.random.default_rng(seed)
     initial = rng.standard_normal(SIZE).astype(np.float32)
-    boot = FabricClient.from_config(configs[0])
-    boot.hello()
-    boot.init(initial)
-    boot.close()
+    _init_model(configs[0], initial)
     grads = [rng.standard_normal(SIZE).astype(np.float32) for _ in range(count)]
     rest = np.arange(SIZE) >= SIZE // 2
     total = grads[0] + np.where(rest, 0, grads[1]).astype(np.float32)
@@ -823,10 +816,7 @@ def test_a_single_push_waits_for_the_next_switch_group_and_joins_its_sum(group_c
         try:
             rng = np.random.default_rng(11)
             initial = rng.standard_normal(SIZE).astype(np.float32)
-            boot = FabricClient.from_config(configs[0])
-            boot.hello()
-            boot.init(initial)
-            boot.close()
+            _init_model(configs[0], initial)
             summers = [SwitchSummer(c, rto_initial=0.01) for c in configs[:2]]
             reports, outcomes = [WorkerReport(r) for r in range(2)], [None, None]
             grads = [rng.standard_normal(SIZE).astype(np.float32) for _ in range(3)]
