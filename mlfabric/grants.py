@@ -190,9 +190,8 @@ class GrantService:
         raised to it, a higher one kept."""
         with self._cond:
             if at_least:
-                if nbytes <= 0 or seconds < self.bandwidth.min_seconds or nbytes / seconds <= self.bandwidth.get(rank):
+                if not self.bandwidth.raise_to(rank, nbytes, seconds):
                     return
-                self.bandwidth.raise_to(rank, nbytes / seconds)
             else:
                 self.bandwidth.observe(rank, nbytes, seconds)
             if nbytes > 0 and seconds >= self.bandwidth.min_seconds:

@@ -145,9 +145,13 @@ class BandwidthEstimator:
         old = self._rate.get(rank)
         self._rate[rank] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 
-    def raise_to(self, rank: int, rate: float) -> None:
-        """``rank`` sends at least ``rate``: a lower estimate becomes it."""
-        self._rate[rank] = max(self._rate.get(rank, 0.0), rate)
+    def raise_to(self, rank: int, nbytes: int, seconds: float) -> bool:
+        """``rank`` sent at least ``nbytes`` in ``seconds``: an estimate below that rate (the default where it has
+        none) becomes it, a higher one is kept. Whether it changed (too short to measure: no)."""
+        if nbytes <= 0 or seconds < self.min_seconds or nbytes / seconds <= self.get(rank):
+            return False
+        self._rate[rank] = nbytes / seconds
+        return True
 
     def get(self, rank: int) -> float:
         return self._rate.get(rank, self.default)
