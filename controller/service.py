@@ -460,11 +460,13 @@ class JobService:
             return result
 
     def list_jobs(self, caller: Caller) -> list[dict]:
-        return [self._view(j) for j in self.store.all() if caller.is_admin or j.tenant == caller.tenant]
+        with self._lock:  # a view of one moment: no move commits between a job's row and its move's
+            return [self._view(j) for j in self.store.all() if caller.is_admin or j.tenant == caller.tenant]
 
     def show_job(self, caller: Caller, job_id: int) -> dict:
-        job = self._owned(caller, job_id)
-        view = self._view(job)
+        with self._lock:  # as list_jobs: never the old slot count beside "no move pending"
+            job = self._owned(caller, job_id)
+            view = self._view(job)
         if job.uses_switch:
             switches = self.fabric.switches_of(job)
             self._require_switch(f"read the counters of job {job_id}", switches)

@@ -474,3 +474,30 @@ def test_a_rank_at_the_switch_point_of_a_move_given_up_meanwhile_stays_even_with
     answer = service.moves.ask(job, 0, a.generation, 5, True, False, first.generation)
     assert answer == {"move": None, "state": "aborted"}  # stays on the old slots; learns the next move by polling
     assert service.store.get(a.job_id).slot_count == 64
+
+
+def test_a_view_never_pairs_the_old_slot_count_with_no_move_pending(tmp_path, monkeypatch) -> None:
+    """``job show`` and ``job list`` read a job's row and its move at one moment: a move that commits meanwhile (the
+    last rank reaching the switch point) waits for the view, which tells the old range with its move pending."""
+    service = _service(_config_path(tmp_path))
+    job_id = _create(service, ALICE, 64)["job"]["job_id"]
+    old_generation = service.store.get(job_id).generation
+    move = service.moves.start(service.store.get(job_id), 32, "test")
+    assert move is not None
+    assert _ask(service, job_id, 0, 7)["switch_at"] is None and _ask(service, job_id, 1, 7)["switch_at"] == 8
+    assert _ask(service, job_id, 0, 8, ready=True) == {"state": "wait"}
+    describe, last_ranks = service.moves.describe, []
+
+    def committing_meanwhile(job: JobRecord) -> dict:
+        last_ranks.append(threading.Thread(target=_ask, args=(service, job_id, 1, 8, True, old_generation),
+                                           daemon=True))
+        last_ranks[-1].start()
+        last_ranks[-1].join(0.3)
+        return describe(job)
+
+    monkeypatch.setattr(service.moves, "describe", committing_meanwhile)
+    for view in (lambda: service.show_job(ALICE, job_id), lambda: service.list_jobs(ALICE)[0]):
+        shown = view()
+        assert (shown["slot_count"], shown["moving"] is None) in {(64, False), (32, True)}, shown
+        last_ranks[-1].join(5)
+    assert service.store.get(job_id).slot_count == 32  # the commit went on after the view
