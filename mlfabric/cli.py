@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -83,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--default-bandwidth", type=float, default=1.25e6,
                         help="scheduler: bytes/s assumed for a sender not measured yet")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=os.environ.get("NETAGG_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = WorkerConfig.load(args.config)
         join_target = resolve(args.join) if args.join is not None else None

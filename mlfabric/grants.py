@@ -32,6 +32,7 @@ it to the PS after the group if its delay fits the bound.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +50,8 @@ from netagg.mlfabric.scheduler import (
     Scheduler,
     TransferRequest,
 )
+
+log = logging.getLogger(__name__)
 
 #: How far past the replicated floor a new primary starts its subset rounds (< 2**15: still "ahead").
 SWITCH_ROUND_MARGIN = 1 << 14
@@ -184,16 +187,18 @@ class GrantService:
         with self._cond:
             return self._groups[group].members
 
-    def observe(self, rank: int, nbytes: int, seconds: float, *, at_least: bool = False) -> None:
+    def observe(self, rank: int, nbytes: int, seconds: float, *, at_least: bool = False,
+                closed: bool = False) -> None:
         """A transfer of ``rank``'s measured here: a push, or a switch group closed at its deadline. ``at_least``:
         it only shows that ``rank``'s rate is at least this (another member held it back): a lower estimate is
-        raised to it, a higher one kept."""
+        raised to it, a higher one kept. ``closed``: what the slowest member of a group closed at its deadline got
+        in: a fall is taken at once (see :meth:`FabricServer._observe_closed`)."""
         with self._cond:
             if at_least:
                 if not self.bandwidth.raise_to(rank, nbytes, seconds):
                     return
             else:
-                self.bandwidth.observe(rank, nbytes, seconds)
+                self.bandwidth.observe(rank, nbytes, seconds, falls_at_once=closed)
             if nbytes > 0 and seconds >= self.bandwidth.min_seconds:
                 self._measured_at[rank] = self.clock()
 
@@ -423,6 +428,8 @@ class GrantService:
             self.stats.dropped += 1
             self.stats.refreshed += 1
             self._refreshing[entry.request.rank] = now
+            log.debug("%s dropped: computed on version %d, the round sums %d", entry.request.update_id,
+                      entry.request.version, base)
         rest = [p for p in batch if p not in stale]
         oldest = min(p.request.arrival for p in fresh)
         if self._due(oldest, {p.request.rank for p in stale}) > now:
@@ -518,6 +525,11 @@ class GrantService:
         self.stats.ps_slots.extend(sorted(slots))
         del self.stats.ps_slots[:-self.keep_slots]
         self._cond.notify_all()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("batch at version %d: %s; groups %s; rates (kB/s) %s", self.version(),
+                      [(p.request.update_id, p.request.version, "defer" if p.decision is None else p.decision.action)
+                       for p in batch], [list(g.members) for g in plan.groups],
+                      {rank: round(rate / 1e3) for rank, rate in sorted(self._rates().items())})
 
     def _sleep_until(self, start: float, deadline: float) -> None:
         while (left := start - self.clock()) > 0 and time.monotonic() < deadline:

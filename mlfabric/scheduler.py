@@ -137,13 +137,17 @@ class BandwidthEstimator:
         self.min_seconds = min_seconds
         self._rate: dict[int, float] = {}
 
-    def observe(self, rank: int, nbytes: int, seconds: float) -> None:
-        """One transfer of ``nbytes`` took ``seconds`` (too short to measure: ignored)."""
+    def observe(self, rank: int, nbytes: int, seconds: float, *, falls_at_once: bool = False) -> None:
+        """One transfer of ``nbytes`` took ``seconds`` (too short to measure: ignored). ``falls_at_once``: a
+        sample below the estimate replaces it (a rise is still averaged in)."""
         if nbytes <= 0 or seconds < self.min_seconds:
             return
         sample = nbytes / seconds
         old = self._rate.get(rank)
-        self._rate[rank] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+        if old is None or (falls_at_once and sample < old):
+            self._rate[rank] = sample
+        else:
+            self._rate[rank] = (1 - self.alpha) * old + self.alpha * sample
 
     def raise_to(self, rank: int, nbytes: int, seconds: float) -> bool:
         """``rank`` sent at least ``nbytes`` in ``seconds``: an estimate below that rate (the default where it has

@@ -30,11 +30,12 @@ def test_a_slow_workers_stale_updates_are_dropped_and_no_applied_update_exceeds_
     paths = write_configs(configs, tmp_path)
     ps = start_ps(paths[0], tmp_path / "ps.log")
     try:
-        # Ranks 0-2 compute as fast as they can; rank 3 takes 1.5 s more per step, so that even a busy
-        # machine runs more than the bound's updates of the others meanwhile (at 0.5 s, one loaded run in
-        # several got none of rank 3's updates dropped); if the others finish first, its next push is
-        # stale by all of theirs.
-        args = [["--steps", "40"]] * 3 + [["--steps", "5", "--compute-delay", "1.5"]]
+        # Ranks 0-2 take 50 ms a step; rank 3 takes 1.5 s more per step, so that even a busy machine runs
+        # more than the bound's updates of the others meanwhile (at 0.5 s, one loaded run in several got none
+        # of rank 3's updates dropped). The others' 50 ms keep them running past rank 3's first push: with
+        # none, an idle machine ran all their 120 updates before rank 3's first pull, and none of its updates
+        # was stale (one run in five).
+        args = [["--steps", "40", "--compute-delay", "0.05"]] * 3 + [["--steps", "5", "--compute-delay", "1.5"]]
         reports = collect(start_workers(paths, args), timeout=100)
         observer = FabricClient.from_config(configs[0], observer=True)
         stats, _ = observer.stats(log=True)

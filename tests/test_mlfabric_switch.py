@@ -449,7 +449,8 @@ def test_a_group_closes_at_its_deadline_without_a_late_member_and_every_update_i
 def test_a_closed_group_rates_only_its_slowest_member_and_the_others_at_least_their_pace():
     """Rank 1 got a fifth of its values in by the deadline, rank 0 nine tenths (a slot's next round waited for
     rank 1, so rank 0's count is a floor of its rate, not its rate): rank 1's rate is sampled, rank 0's raised to
-    that floor where it was lower and kept where it was higher. Before, rank 0 was sampled at rank 1's pace."""
+    that floor where it was lower and kept where it was higher. Before, rank 0 was sampled at rank 1's pace.
+    Rank 1's rate, which fell, is the sample at once; one that rises is averaged in as a push's would be."""
     with testing.LoopbackSwitch() as switch:
         configs, ps_config = _member_configs(switch, 2)
         server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
@@ -469,12 +470,17 @@ def test_a_closed_group_rates_only_its_slowest_member_and_the_others_at_least_th
             server._apply_switch_sum(grant, total.astype(np.float32), missing)
             rates = server.grants.bandwidth.snapshot()
             assert rates[0] == pytest.approx(4 * arrived[0] / 0.25)  # raised to the floor, not averaged with it
-            assert rates[1] == pytest.approx(0.7 * 400_000 + 0.3 * 4 * arrived[1] / 0.25)
+            assert rates[1] == pytest.approx(4 * arrived[1] / 0.25)  # fell: at once, not a third of the way
             server.grants.observe(0, 10_000_000, 1.0)  # 10 MB/s: above the floor, kept
             grant = {**grant, "round": 9, "parts": [["0:1", 0, 2], ["1:1", 1, 2]]}
             server._apply_switch_sum(grant, total.astype(np.float32), missing)
             rates = server.grants.bandwidth.snapshot()
             assert rates[0] == pytest.approx(0.7 * 4 * arrived[0] / 0.25 + 0.3 * 10_000_000)
+            server.grants.observe(1, 1_000, 1.0)  # 1 kB/s, below the next sample: it rises by the usual third
+            before = server.grants.bandwidth.get(1)
+            server._apply_switch_sum({**grant, "round": 13, "parts": [["0:2", 0, 4], ["1:2", 1, 4]]},
+                                     total.astype(np.float32), missing)
+            assert server.grants.bandwidth.get(1) == pytest.approx(0.7 * before + 0.3 * 4 * arrived[1] / 0.25)
         finally:
             server.stop()
 
@@ -499,11 +505,11 @@ def test_a_part_the_closed_sum_holds_in_part_is_completed_from_its_members_push_
             server._apply_switch_sum(grant, total, {1: rest})
             assert server.version == 2 and server.stats.switch_partial == 1
             # What the closed group measured: rank 1 got half its values (5 kB) in by the 0.25 s deadline, 20 kB/s,
-            # a sample of the scheduler's rate (an exponentially weighted mean); rank 0, in every block, none.
+            # below the scheduler's rate, which it replaces (a fall is taken at once); rank 0, in every block, none.
             rates = server.grants.bandwidth.snapshot()
             assert server.stats.switch_rate_samples == 1
             assert rates[0] == 400_000
-            assert rates[1] == pytest.approx(0.7 * 400_000 + 0.3 * 4 * int((~rest).sum()) / 0.25)
+            assert rates[1] == pytest.approx(4 * int((~rest).sum()) / 0.25)
             client = FabricClient.from_config(configs[1])
             outcome = client.call("outcome", {"update_id": "1:0", "timeout": 5.0}, timeout=30.0)[0]
             assert outcome["known"] and outcome["rest"] == int(rest.sum())
