@@ -147,6 +147,8 @@ class GrantService:
         #: how long its last such fresh start took until its next request (its model's fetch and its compute).
         self._refreshing: dict[int, float] = {}
         self._refresh_seconds: dict[int, float] = {}
+        #: The last wait logged at DEBUG (_trace).
+        self._traced: tuple[str, set[int]] | None = None
         self._aggregators: set[int] = set()
         self._pending: list[_Pending] = []
         #: update id -> (gradients, rank, expiry) for granted updates not yet applied or dropped.
@@ -229,6 +231,7 @@ class GrantService:
                 self._refresh_seconds[request.rank] = self.clock() - dropped
             self._pending.append(entry)
             self._cond.notify_all()
+            log.debug("request %s on version %d", request.update_id, request.version)
             while entry.decision is None:
                 wait = self._batch_wait()
                 if wait <= 0:
@@ -302,6 +305,7 @@ class GrantService:
         self._expire()
         if self.gang and self._switch_fits(self._pending):
             if self._switch_grants:  # one round at a time: wait until its group is applied or expired
+                self._trace("switch group in flight", set(self._switch_grants))
                 return self.batch_window
             if all(p.deferred for p in self._pending):  # nothing new since they were deferred
                 oldest = min(p.request.arrival for p in self._pending)
@@ -314,6 +318,7 @@ class GrantService:
             in_groups = {self._in_flight[m][1] for g in self._switch_grants for m in self._groups[g].members
                          if g in self._groups and m in self._in_flight}
             if expected - in_groups - asking:
+                self._trace("lone request waits for", expected - in_groups - asking)
                 # Gang rounds: a lone request of a worker fast enough to join a group waits for its fast partners
                 # up to max_defer, also while they are busy with their own updates or getting their next model, and
                 # also beside slow workers' requests (which join no group): planned at once, it would go to the PS
@@ -323,10 +328,17 @@ class GrantService:
                 return min(p.request.arrival for p in joining) + self.scheduler.max_defer - self.clock()
         if not (expected - busy - asking):
             return 0.0
+        self._trace("batch waits for", expected - busy - asking)
         # The window runs from the first request not deferred (a deferred one has had its window).
         oldest = min((p.request.arrival for p in self._pending if not p.deferred),
                      default=min(p.request.arrival for p in self._pending))
         return self._due(oldest, expected - busy - asking) - self.clock()
+
+    def _trace(self, why: str, whom: set[int]) -> None:
+        """Debug log of what a batch waits for (once per change)."""
+        if log.isEnabledFor(logging.DEBUG) and (why, whom) != self._traced:
+            self._traced = (why, set(whom))
+            log.debug("%s %s (pending %s)", why, sorted(whom), [p.request.update_id for p in self._pending])
 
     def _due(self, oldest: float, awaited: set[int]) -> float:
         """When a batch whose first request came at ``oldest`` is planned while it waits for ``awaited``: at the end
@@ -446,8 +458,14 @@ class GrantService:
             if kept is None:
                 return
             batch = kept
-        if self.gang:  # a worker this batch waited for in vain (not busy, did not ask): not again until it asks
-            self._missed |= self._expected() - {p.request.rank for p in batch} - {
+        expected = self._expected() if self.gang else set()
+        if expected & {p.request.rank for p in batch}:
+            # A worker this batch waited for in vain (not busy, did not ask): not again until it asks. Only a batch
+            # with a request of the group's: one of only slow or stale requests, planned as soon as the last group
+            # was applied, waited for nobody (measured: a slow worker's request, planned the moment the fast three's
+            # group was applied, marked all three missed; the first of them to ask then went alone, and the three
+            # took turns from then on: 1 or 2 in a group instead of 3, for the rest of the run).
+            self._missed |= expected - {p.request.rank for p in batch} - {
                 rank for _, rank, _ in self._in_flight.values()}
         asking = {p.request.rank for p in batch}
         idle = sorted(r for r in self._aggregators

@@ -611,3 +611,25 @@ def test_gang_does_not_wait_for_a_worker_whose_fresh_start_takes_longer_than_max
         t.join(10)
     assert decisions["2:1"].action == DROP and {decisions[k].action for k in ("0:1", "1:1")} == {AGGREGATE}
     assert time.monotonic() - began < 0.6  # not the 0.8 s window
+
+
+def test_gang_a_batch_of_only_a_slow_workers_request_marks_no_fast_worker_missed():
+    """The fast pair's group was just applied and neither has asked again when the slow worker's request (not one
+    the group waits for) is planned: that batch waited for nobody, so the first of the pair to ask still waits for
+    the other (a lone request) instead of going alone."""
+    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=5.0), lambda: 0, batch_window=0.05,
+                           switch_slots=64, gang=True, ps_member=3)
+    for rank, rate in enumerate((1e6, 1e6, 1e5)):
+        service.register(rank)
+        service.hint(rank, rate)
+    decisions: dict = {}
+    _ask(service, decisions, 2, 0, on=0).join(10)
+    assert decisions["2:0"].action == SEND and service._missed == set()
+    first = _ask(service, decisions, 0, 0, on=0)
+    first.join(0.5)  # ten windows: still waiting for rank 1
+    assert first.is_alive() and service.stats.groups == 0
+    second = _ask(service, decisions, 1, 0, on=0)
+    for t in (first, second):
+        t.join(10)
+    assert decisions["0:0"].action == decisions["1:0"].action == AGGREGATE
+    assert decisions["0:0"].group == decisions["1:0"].group and service.stats.groups == 1
