@@ -275,9 +275,9 @@ class GrantService:
             return any(update_id == str(p[0]) for grant in self._switch_grants.values() for p in grant["parts"])
 
     def switch_group_over(self, group: int) -> None:
-        """The PS's part in switch group ``group`` failed: none of its rounds completes for the PS, so the
-        job's slots are free for the next group (whose rounds are past this one's) while its members push
-        their own updates."""
+        """Switch group ``group`` is over for the PS: its sum was applied, or the PS's part failed (none of its
+        rounds completes for the PS). The job's slots are free for the next group (whose rounds are past this
+        one's) while members left out of the sum, or all of them after a failure, push their own updates."""
         with self._cond:
             self._switch_grants.pop(group, None)
             self._cond.notify_all()

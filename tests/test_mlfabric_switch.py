@@ -524,6 +524,31 @@ def test_a_part_the_closed_sum_holds_in_part_is_completed_from_its_members_push_
             server.stop()
 
 
+def test_a_group_whose_sum_the_ps_applied_frees_the_switch_while_a_member_left_out_still_pushes():
+    """Rank 1 is in no block of the closed group's sum: it pushes its update to the PS, which may take a slow link
+    seconds. The switch's part is over once the PS applied the sum, so the next group is not held for that push."""
+    with testing.LoopbackSwitch() as switch:
+        configs, ps_config = _member_configs(switch, 2)
+        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
+                              rto_initial=0.01).start()
+        try:
+            _init_model(configs[0])
+            grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2, "group": 7,
+                     "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
+            grants = server.grants
+            with grants._cond:  # as _plan leaves a group it granted
+                grants._switch_grants[7] = grant
+                for update_id, rank in (("0:0", 0), ("1:0", 1)):
+                    grants._in_flight[update_id] = (1, rank, grants.clock() + 60.0)
+            assert grants.switch_group_in_flight()
+            server._apply_switch_sum(grant, np.ones(SIZE, np.float32), {1: np.ones(SIZE, bool)})
+            assert server.version == 1 and server.stats.switch_left_out == 1
+            assert "1:0" in grants._in_flight  # its own push is still to come ...
+            assert not grants.switch_group_in_flight()  # ... and the switch is free meanwhile
+        finally:
+            server.stop()
+
+
 class _SummedSwitch(SwitchSummer):
     """A member's switch path that returns ``total`` as the sum, with ``blocks`` as each block's members."""
 
