@@ -147,6 +147,8 @@ class GrantService:
         #: how long its last such fresh start took until its next request (its model's fetch and its compute).
         self._refreshing: dict[int, float] = {}
         self._refresh_seconds: dict[int, float] = {}
+        #: When the last switch group was over (the window of a batch that waited through it runs from then).
+        self._switch_free_at = float("-inf")
         #: The last wait logged at DEBUG (_trace).
         self._traced: tuple[str, set[int]] | None = None
         self._aggregators: set[int] = set()
@@ -279,7 +281,8 @@ class GrantService:
         rounds completes for the PS). The job's slots are free for the next group (whose rounds are past this
         one's) while members left out of the sum, or all of them after a failure, push their own updates."""
         with self._cond:
-            self._switch_grants.pop(group, None)
+            if self._switch_grants.pop(group, None) is not None:
+                self._switch_free_at = self.clock()
             self._cond.notify_all()
 
     @property
@@ -329,9 +332,14 @@ class GrantService:
         if not (expected - busy - asking):
             return 0.0
         self._trace("batch waits for", expected - busy - asking)
-        # The window runs from the first request not deferred (a deferred one has had its window).
+        # The window runs from the first request not deferred (a deferred one has had its window), or from the end of
+        # the last switch group where the batch waited through it: its members are about to ask again. Measured
+        # before: a request deferred by the fast pair's group, beside a slow worker's, was planned the moment that
+        # group was over, alone in the switch at its slower link's pace (0.8 s), while the pair asked 10-100 ms
+        # later and waited for it.
         oldest = min((p.request.arrival for p in self._pending if not p.deferred),
                      default=min(p.request.arrival for p in self._pending))
+        oldest = max(oldest, self._switch_free_at)
         return self._due(oldest, expected - busy - asking) - self.clock()
 
     def _trace(self, why: str, whom: set[int]) -> None:
@@ -407,6 +415,7 @@ class GrantService:
         for group in list(self._switch_grants):
             if group not in self._groups or not any(m in self._in_flight for m in self._groups[group].members):
                 del self._switch_grants[group]  # applied, dropped or expired: the switch's slots are free
+                self._switch_free_at = now
 
     def _switch_fits(self, batch: list[_Pending]) -> bool:
         """The job has switch slots and every update of ``batch`` fits a subset exchange."""

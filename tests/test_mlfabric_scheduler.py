@@ -633,3 +633,37 @@ def test_gang_a_batch_of_only_a_slow_workers_request_marks_no_fast_worker_missed
         t.join(10)
     assert decisions["0:0"].action == decisions["1:0"].action == AGGREGATE
     assert decisions["0:0"].group == decisions["1:0"].group and service.stats.groups == 1
+
+
+def test_gang_a_request_that_waited_through_a_group_waits_for_its_members_to_ask_again():
+    """Rank 2 (slower than the pair, still fast enough to join it) was deferred by the pair's group, and a slow
+    worker asked meanwhile: once the group is over, that batch waits for the pair's next requests (their window
+    runs from the group's end) instead of putting rank 2 alone in the switch at its own pace."""
+    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=1.0), lambda: 0, batch_window=0.3,
+                           switch_slots=64, gang=True, ps_member=4)
+    for rank, rate in enumerate((1e6, 1e6, 4e5, 1e4)):
+        service.register(rank)
+        service.hint(rank, rate)
+    decisions: dict = {}
+    pair = [_ask(service, decisions, rank, 0, on=0) for rank in (0, 1)]
+    deferred = _ask(service, decisions, 2, 0, on=0)
+    for t in pair:
+        t.join(10)
+    group = decisions["0:0"].group
+    assert service.group_members(group) == ("0:0", "1:0") and deferred.is_alive()
+    slow = _ask(service, decisions, 3, 0, on=0)
+    slow.join(0.4)  # more than a window: the slow worker's request waits through the group
+    assert slow.is_alive() and deferred.is_alive()
+    service.settled(["0:0", "1:0"])
+    service.switch_group_over(group)
+    time.sleep(0.05)  # the pair computes ...
+    again = [_ask(service, decisions, rank, 1, on=0) for rank in (0, 1)]  # ... and asks again
+    for t in again:
+        t.join(10)
+    assert decisions["0:1"].action == AGGREGATE and decisions["0:1"].group == decisions["1:1"].group
+    # Rank 2 joined the pair's group or still waits (for the next, or the PS): no group of its own before it.
+    assert "2:0" not in decisions or decisions["2:0"].group == decisions["0:1"].group
+    service.settled(["0:1", "1:1"])
+    service.switch_group_over(decisions["0:1"].group)
+    for t in (deferred, slow):
+        t.join(10)
