@@ -320,7 +320,11 @@ class GrantService:
         if self.gang and len({p.request.rank for p in joining}) == 1 and self._switch_fits(self._pending):
             in_groups = {self._in_flight[m][1] for g in self._switch_grants for m in self._groups[g].members
                          if g in self._groups and m in self._in_flight}
-            if expected - in_groups - asking:
+            # A partner getting the newest model after its stale request was dropped is waited for as _due says
+            # (as long as its last fresh start took, or the window), not max_defer: measured, the dynamic
+            # cluster's slow worker, rated at the default, asked 6 s late with a stale gradient, was dropped, and
+            # the fast worker's next request waited its whole max_defer (1 s) for a fresh one that took 4 s.
+            if (expected - in_groups - asking) - set(self._refreshing):
                 self._trace("lone request waits for", expected - in_groups - asking)
                 # Gang rounds: a lone request of a worker fast enough to join a group waits for its fast partners
                 # up to max_defer, also while they are busy with their own updates or getting their next model, and

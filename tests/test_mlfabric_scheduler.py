@@ -667,3 +667,19 @@ def test_gang_a_request_that_waited_through_a_group_waits_for_its_members_to_ask
     service.switch_group_over(decisions["0:1"].group)
     for t in (deferred, slow):
         t.join(10)
+
+
+def test_gang_a_lone_request_waits_for_a_refreshing_partner_only_as_a_batch_would():
+    """Rank 1's stale request is dropped (it starts again from the newest version): rank 0's request, alone, waits
+    for its fresh one as any batch would (the window, its fresh start's first time), not max_defer."""
+    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=5.0), lambda: 4, batch_window=0.2,
+                           switch_slots=64, gang=True)
+    for rank in range(2):
+        service.register(rank)
+    decisions: dict = {}
+    began = time.monotonic()
+    fresh, stale = _ask(service, decisions, 0, 0, on=4), _ask(service, decisions, 1, 0, on=1)
+    for t in (fresh, stale):
+        t.join(10)
+    assert decisions["1:0"].action == DROP and decisions["0:0"].action == SEND  # alone: to the PS
+    assert time.monotonic() - began < 2.0  # the 0.2 s window, not max_defer (5 s)
