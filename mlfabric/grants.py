@@ -336,14 +336,15 @@ class GrantService:
         if not (expected - busy - asking):
             return 0.0
         self._trace("batch waits for", expected - busy - asking)
-        # The window runs from the first request not deferred (a deferred one has had its window), or from the end of
-        # the last switch group where the batch waited through it: its members are about to ask again. Measured
-        # before: a request deferred by the fast pair's group, beside a slow worker's, was planned the moment that
-        # group was over, alone in the switch at its slower link's pace (0.8 s), while the pair asked 10-100 ms
-        # later and waited for it.
+        # The window runs from the first request not deferred (a deferred one has had its window), or in gang rounds
+        # from the end of the last switch group where the batch waited through it: its members are about to ask
+        # again. Measured before: a request deferred by the fast pair's group, beside a slow worker's, was planned
+        # the moment that group was over, alone in the switch at its slower link's pace (0.8 s), while the pair
+        # asked 10-100 ms later and waited for it.
         oldest = min((p.request.arrival for p in self._pending if not p.deferred),
                      default=min(p.request.arrival for p in self._pending))
-        oldest = max(oldest, self._switch_free_at)
+        if self.gang:
+            oldest = max(oldest, self._switch_free_at)
         return self._due(oldest, expected - busy - asking) - self.clock()
 
     def _trace(self, why: str, whom: set[int]) -> None:
