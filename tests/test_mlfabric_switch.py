@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -56,6 +58,21 @@ def _init_model(config, initial: np.ndarray | None = None) -> None:
     boot.hello()
     boot.init(np.zeros(SIZE, np.float32) if initial is None else initial)
     boot.close()
+
+
+@contextlib.contextmanager
+def _ps_member_server(**options) -> Iterator[tuple[list, FabricServer]]:
+    """A PS in its switch groups (lr 1, ``options`` for FabricServer) over the loopback switch, with two members'
+    configs and its model initialised; stopped (and the switch with it) on exit."""
+    with testing.LoopbackSwitch() as switch:
+        configs, ps_config = _member_configs(switch, 2)
+        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
+                              rto_initial=0.01, **options).start()
+        try:
+            _init_model(configs[0])
+            yield configs, server
+        finally:
+            server.stop()
 
 
 def _start(configs, **summer_options) -> tuple[list, list, list, list]:
@@ -367,46 +384,39 @@ def test_when_the_ps_cannot_take_part_the_members_push_their_own_and_each_is_app
 
 
 def test_a_member_whose_own_exchange_failed_after_the_ps_got_the_sum_is_not_applied_twice():
-    with testing.LoopbackSwitch() as switch:
-        configs, ps_config = _member_configs(switch, 2)
-        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
-                              switch_deadline=0, rto_initial=0.01).start()
-        try:
-            _init_model(configs[0])
-            grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(2)]
-            parts = [[f"{r}:0", r, 0] for r in range(2)]
-            grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "parts": parts, "ps": 2}
-            server.switch_member.submit(grant, SIZE)  # as the grant service does when it plans the group
-            sums = [None, None]
+    with _ps_member_server(switch_deadline=0) as (configs, server):
+        grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(2)]
+        parts = [[f"{r}:0", r, 0] for r in range(2)]
+        grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "parts": parts, "ps": 2}
+        server.switch_member.submit(grant, SIZE)  # as the grant service does when it plans the group
+        sums = [None, None]
 
-            def member(rank: int) -> None:
-                summer = SwitchSummer(configs[rank], rto_initial=0.01)
-                try:
-                    sums[rank] = summer.sum(grads[rank], grant["members"], grant["round"])
-                finally:
-                    summer.close()
+        def member(rank: int) -> None:
+            summer = SwitchSummer(configs[rank], rto_initial=0.01)
+            try:
+                sums[rank] = summer.sum(grads[rank], grant["members"], grant["round"])
+            finally:
+                summer.close()
 
-            threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
-            client = FabricClient.from_config(configs[1])
-            outcome = client.call("outcome", {"update_id": "1:0", "timeout": 20.0}, timeout=30.0)[0]
-            assert outcome["known"] and outcome["outcome"] == "applied" and outcome["version"] == 2
-            # Rank 1 pushes its own anyway (say it lost the last results): the PS knows the id, nothing changes.
-            again = client.push("1:0", 0, grads[1])
-            assert again["duplicate"] and again["outcome"] == "applied" and not outcome["halted"]
-            # Nobody pushes such a group's sum: its members learn of a halt from their outcome.
-            client.halt()
-            outcome = client.call("outcome", {"update_id": "1:0", "timeout": 1.0}, timeout=30.0)[0]
-            client.close()
-            assert outcome["known"] and outcome["halted"]
-            assert server.version == 2 and server.stats.applied == 2 and server.stats.switch_sums == 1
-            np.testing.assert_allclose(server.model, -(grads[0] + grads[1]), rtol=1e-6)
-            assert all(np.array_equal(s, sums[0]) for s in sums)  # every member holds the same sum
-        finally:
-            server.stop()
+        threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        client = FabricClient.from_config(configs[1])
+        outcome = client.call("outcome", {"update_id": "1:0", "timeout": 20.0}, timeout=30.0)[0]
+        assert outcome["known"] and outcome["outcome"] == "applied" and outcome["version"] == 2
+        # Rank 1 pushes its own anyway (say it lost the last results): the PS knows the id, nothing changes.
+        again = client.push("1:0", 0, grads[1])
+        assert again["duplicate"] and again["outcome"] == "applied" and not outcome["halted"]
+        # Nobody pushes such a group's sum: its members learn of a halt from their outcome.
+        client.halt()
+        outcome = client.call("outcome", {"update_id": "1:0", "timeout": 1.0}, timeout=30.0)[0]
+        client.close()
+        assert outcome["known"] and outcome["halted"]
+        assert server.version == 2 and server.stats.applied == 2 and server.stats.switch_sums == 1
+        np.testing.assert_allclose(server.model, -(grads[0] + grads[1]), rtol=1e-6)
+        assert all(np.array_equal(s, sums[0]) for s in sums)  # every member holds the same sum
 
 
 def test_a_group_closes_at_its_deadline_without_a_late_member_and_every_update_is_applied_once():
@@ -451,102 +461,81 @@ def test_a_closed_group_rates_only_its_slowest_member_and_the_others_at_least_th
     rank 1, so rank 0's count is a floor of its rate, not its rate): rank 1's rate is sampled, rank 0's raised to
     that floor where it was lower and kept where it was higher. Before, rank 0 was sampled at rank 1's pace.
     Rank 1's rate, which fell, is the sample at once; one that rises is averaged in as a push's would be."""
-    with testing.LoopbackSwitch() as switch:
-        configs, ps_config = _member_configs(switch, 2)
-        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
-                              rto_initial=0.01).start()
-        try:
-            _init_model(configs[0])
-            grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(2)]
-            blocks = np.arange(SIZE) // wire.K
-            missing = {0: blocks >= blocks[-1] * 9 // 10, 1: blocks >= blocks[-1] // 5}
-            arrived = {r: int((~m).sum()) for r, m in missing.items()}
-            assert arrived[0] > 1.25 * arrived[1]
-            server.grants.observe(0, 1_000, 1.0)  # 1 kB/s: below what the group showed
-            server.grants.observe(1, 400_000, 1.0)
-            total = np.where(missing[0], 0, grads[0]) + np.where(missing[1], 0, grads[1])
-            grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2,
-                     "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
-            server._apply_switch_sum(grant, total.astype(np.float32), missing)
-            rates = server.grants.bandwidth.snapshot()
-            assert rates[0] == pytest.approx(4 * arrived[0] / 0.25)  # raised to the floor, not averaged with it
-            assert rates[1] == pytest.approx(4 * arrived[1] / 0.25)  # fell: at once, not a third of the way
-            server.grants.observe(0, 10_000_000, 1.0)  # 10 MB/s: above the floor, kept
-            grant = {**grant, "round": 9, "parts": [["0:1", 0, 2], ["1:1", 1, 2]]}
-            server._apply_switch_sum(grant, total.astype(np.float32), missing)
-            rates = server.grants.bandwidth.snapshot()
-            assert rates[0] == pytest.approx(0.7 * 4 * arrived[0] / 0.25 + 0.3 * 10_000_000)
-            server.grants.observe(1, 1_000, 1.0)  # 1 kB/s, below the next sample: it rises by the usual third
-            before = server.grants.bandwidth.get(1)
-            server._apply_switch_sum({**grant, "round": 13, "parts": [["0:2", 0, 4], ["1:2", 1, 4]]},
-                                     total.astype(np.float32), missing)
-            assert server.grants.bandwidth.get(1) == pytest.approx(0.7 * before + 0.3 * 4 * arrived[1] / 0.25)
-        finally:
-            server.stop()
+    with _ps_member_server() as (_, server):
+        grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(2)]
+        blocks = np.arange(SIZE) // wire.K
+        missing = {0: blocks >= blocks[-1] * 9 // 10, 1: blocks >= blocks[-1] // 5}
+        arrived = {r: int((~m).sum()) for r, m in missing.items()}
+        assert arrived[0] > 1.25 * arrived[1]
+        server.grants.observe(0, 1_000, 1.0)  # 1 kB/s: below what the group showed
+        server.grants.observe(1, 400_000, 1.0)
+        total = np.where(missing[0], 0, grads[0]) + np.where(missing[1], 0, grads[1])
+        grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2,
+                 "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
+        server._apply_switch_sum(grant, total.astype(np.float32), missing)
+        rates = server.grants.bandwidth.snapshot()
+        assert rates[0] == pytest.approx(4 * arrived[0] / 0.25)  # raised to the floor, not averaged with it
+        assert rates[1] == pytest.approx(4 * arrived[1] / 0.25)  # fell: at once, not a third of the way
+        server.grants.observe(0, 10_000_000, 1.0)  # 10 MB/s: above the floor, kept
+        grant = {**grant, "round": 9, "parts": [["0:1", 0, 2], ["1:1", 1, 2]]}
+        server._apply_switch_sum(grant, total.astype(np.float32), missing)
+        rates = server.grants.bandwidth.snapshot()
+        assert rates[0] == pytest.approx(0.7 * 4 * arrived[0] / 0.25 + 0.3 * 10_000_000)
+        server.grants.observe(1, 1_000, 1.0)  # 1 kB/s, below the next sample: it rises by the usual third
+        before = server.grants.bandwidth.get(1)
+        server._apply_switch_sum({**grant, "round": 13, "parts": [["0:2", 0, 4], ["1:2", 1, 4]]},
+                                 total.astype(np.float32), missing)
+        assert server.grants.bandwidth.get(1) == pytest.approx(0.7 * before + 0.3 * 4 * arrived[1] / 0.25)
 
 
 def test_a_part_the_closed_sum_holds_in_part_is_completed_from_its_members_push_once():
     """The PS's bookkeeping of a group closed at its deadline: rank 1's update is in the first half of the sum's
     values only; its member's push adds exactly the other half (an update of its own), and a second push changes
     nothing."""
-    with testing.LoopbackSwitch() as switch:
-        configs, ps_config = _member_configs(switch, 2)
-        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
-                              rto_initial=0.01).start()
-        try:
-            _init_model(configs[0])
-            grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(2)]
-            rest = np.arange(SIZE) >= SIZE // 2
-            total = grads[0] + np.where(rest, 0, grads[1]).astype(np.float32)
-            grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2,
-                     "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
-            server.grants.observe(0, 400_000, 1.0)
-            server.grants.observe(1, 400_000, 1.0)
-            server._apply_switch_sum(grant, total, {1: rest})
-            assert server.version == 2 and server.stats.switch_partial == 1
-            # What the closed group measured: rank 1 got half its values (5 kB) in by the 0.25 s deadline, 20 kB/s,
-            # below the scheduler's rate, which it replaces (a fall is taken at once); rank 0, in every block, none.
-            rates = server.grants.bandwidth.snapshot()
-            assert server.stats.switch_rate_samples == 1
-            assert rates[0] == 400_000
-            assert rates[1] == pytest.approx(4 * int((~rest).sum()) / 0.25)
-            client = FabricClient.from_config(configs[1])
-            outcome = client.call("outcome", {"update_id": "1:0", "timeout": 5.0}, timeout=30.0)[0]
-            assert outcome["known"] and outcome["rest"] == int(rest.sum())
-            pushed = client.push("1:0", 0, grads[1])
-            again = client.push("1:0", 0, grads[1])
-            client.close()
-            assert pushed["outcome"] == "applied" and pushed["remainder"] == int(rest.sum())
-            assert again["duplicate"]
-            assert server.version == 3 and server.stats.remainders_applied == 1
-            np.testing.assert_allclose(server.model, -(grads[0] + grads[1]), rtol=1e-6)
-        finally:
-            server.stop()
+    with _ps_member_server() as (configs, server):
+        grads = [np.full(SIZE, 10.0 ** r, np.float32) for r in range(2)]
+        rest = np.arange(SIZE) >= SIZE // 2
+        total = grads[0] + np.where(rest, 0, grads[1]).astype(np.float32)
+        grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2,
+                 "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
+        server.grants.observe(0, 400_000, 1.0)
+        server.grants.observe(1, 400_000, 1.0)
+        server._apply_switch_sum(grant, total, {1: rest})
+        assert server.version == 2 and server.stats.switch_partial == 1
+        # What the closed group measured: rank 1 got half its values (5 kB) in by the 0.25 s deadline, 20 kB/s,
+        # below the scheduler's rate, which it replaces (a fall is taken at once); rank 0, in every block, none.
+        rates = server.grants.bandwidth.snapshot()
+        assert server.stats.switch_rate_samples == 1
+        assert rates[0] == 400_000
+        assert rates[1] == pytest.approx(4 * int((~rest).sum()) / 0.25)
+        client = FabricClient.from_config(configs[1])
+        outcome = client.call("outcome", {"update_id": "1:0", "timeout": 5.0}, timeout=30.0)[0]
+        assert outcome["known"] and outcome["rest"] == int(rest.sum())
+        pushed = client.push("1:0", 0, grads[1])
+        again = client.push("1:0", 0, grads[1])
+        client.close()
+        assert pushed["outcome"] == "applied" and pushed["remainder"] == int(rest.sum())
+        assert again["duplicate"]
+        assert server.version == 3 and server.stats.remainders_applied == 1
+        np.testing.assert_allclose(server.model, -(grads[0] + grads[1]), rtol=1e-6)
 
 
 def test_a_group_whose_sum_the_ps_applied_frees_the_switch_while_a_member_left_out_still_pushes():
     """Rank 1 is in no block of the closed group's sum: it pushes its update to the PS, which may take a slow link
     seconds. The switch's part is over once the PS applied the sum, so the next group is not held for that push."""
-    with testing.LoopbackSwitch() as switch:
-        configs, ps_config = _member_configs(switch, 2)
-        server = FabricServer(configs[0], lr=1.0, batch_window=1.0, gate_timeout=0, switch_member=ps_config,
-                              rto_initial=0.01).start()
-        try:
-            _init_model(configs[0])
-            grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2, "group": 7,
-                     "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
-            grants = server.grants
-            with grants._cond:  # as _plan leaves a group it granted
-                grants._switch_grants[7] = grant
-                for update_id, rank in (("0:0", 0), ("1:0", 1)):
-                    grants._in_flight[update_id] = (1, rank, grants.clock() + 60.0)
-            assert grants.switch_group_in_flight()
-            server._apply_switch_sum(grant, np.ones(SIZE, np.float32), {1: np.ones(SIZE, bool)})
-            assert server.version == 1 and server.stats.switch_left_out == 1
-            assert "1:0" in grants._in_flight  # its own push is still to come ...
-            assert not grants.switch_group_in_flight()  # ... and the switch is free meanwhile
-        finally:
-            server.stop()
+    with _ps_member_server() as (_, server):
+        grant = {"members": wire.members_of([0, 1, 2]), "round": 5, "leader": 0, "ps": 2, "group": 7,
+                 "parts": [["0:0", 0, 0], ["1:0", 1, 0]], "deadline": 0.25}
+        grants = server.grants
+        with grants._cond:  # as _plan leaves a group it granted
+            grants._switch_grants[7] = grant
+            for update_id, rank in (("0:0", 0), ("1:0", 1)):
+                grants._in_flight[update_id] = (1, rank, grants.clock() + 60.0)
+        assert grants.switch_group_in_flight()
+        server._apply_switch_sum(grant, np.ones(SIZE, np.float32), {1: np.ones(SIZE, bool)})
+        assert server.version == 1 and server.stats.switch_left_out == 1
+        assert "1:0" in grants._in_flight  # its own push is still to come ...
+        assert not grants.switch_group_in_flight()  # ... and the switch is free meanwhile
 
 
 class _SummedSwitch(SwitchSummer):
