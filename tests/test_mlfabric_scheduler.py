@@ -328,16 +328,25 @@ def _ask(service: GrantService, decisions: dict, rank: int, step: int, on: int) 
     return thread
 
 
-def test_gang_drops_a_stale_request_and_waits_for_its_fresh_one_while_the_window_is_open():
+def _three_on_version_4(window: float, max_defer: float = 1.0) -> tuple[dict, GrantService, dict,
+                                                                       Callable[..., threading.Thread]]:
+    """Gang rounds of three registered ranks at version 4 (``version["now"]`` moves it): the version, the service,
+    the decisions and an ``ask(rank, step, on)`` that starts a request."""
     version = {"now": 4}
-    service = GrantService(Scheduler(None, default_bandwidth=1e6), lambda: version["now"], batch_window=30.0,
-                           switch_slots=64, gang=True)
+    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=max_defer), lambda: version["now"],
+                           batch_window=window, switch_slots=64, gang=True)
     for rank in range(3):
         service.register(rank)
-    decisions: dict[str, object] = {}
+    decisions: dict = {}
 
     def ask(rank: int, step: int, on: int) -> threading.Thread:
         return _ask(service, decisions, rank, step, on)
+
+    return version, service, decisions, ask
+
+
+def test_gang_drops_a_stale_request_and_waits_for_its_fresh_one_while_the_window_is_open():
+    _, service, decisions, ask = _three_on_version_4(window=30.0)
 
     fresh = [ask(0, 0, 4), ask(1, 0, 4)]
     stale = ask(2, 0, 1)  # computed on version 1: the round sums version 4
@@ -558,15 +567,7 @@ def _refresh_cycle(window: float, max_defer: float,
                    refresh: float) -> tuple[GrantService, dict, Callable[..., threading.Thread], threading.Thread]:
     """Ranks 0 and 1 ask on version 4, rank 2 on version 1 (dropped as stale) and again ``refresh`` s later on 4,
     after the pair was planned without it; the pair's group is then applied (version 6)."""
-    version = {"now": 4}
-    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=max_defer), lambda: version["now"],
-                           batch_window=window, switch_slots=64, gang=True)
-    for rank in range(3):
-        service.register(rank)
-    decisions: dict[str, object] = {}
-
-    def ask(rank: int, step: int, on: int) -> threading.Thread:
-        return _ask(service, decisions, rank, step, on)
+    version, service, decisions, ask = _three_on_version_4(window, max_defer)
 
     pair = [ask(0, 0, 4), ask(1, 0, 4)]
     ask(2, 0, 1).join(10)
@@ -588,15 +589,7 @@ def test_gang_waits_for_a_fresh_start_as_long_as_that_worker_s_last_one_took():
     # the dynamic cluster by 60-70 ms). The next time the pair waits a quarter longer than that, 0.94 s, and the
     # three form one group again. Before, the pair went on without it at the end of every window, and its request,
     # arriving during their group, was stale again (the dynamic cluster's third worker, 7 groups in a row).
-    version = {"now": 4}
-    service = GrantService(Scheduler(None, default_bandwidth=1e6, max_defer=3.0), lambda: version["now"],
-                           batch_window=0.5, switch_slots=64, gang=True)
-    for rank in range(3):
-        service.register(rank)
-    decisions: dict = {}
-
-    def ask(rank: int, step: int, on: int) -> threading.Thread:
-        return _ask(service, decisions, rank, step, on)
+    version, service, decisions, ask = _three_on_version_4(window=0.5, max_defer=3.0)
 
     for step, (on, stale_on) in enumerate(((4, 1), (6, 4))):
         pair = [ask(0, step, on), ask(1, step, on)]
